@@ -1,0 +1,91 @@
+"""Every registered backbone: output shape, gradients, parameter counts, registry errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partial_fc.backbones import build_backbone, list_backbones, normalize_images
+
+# The big ones are only run forward without autograd (a backward costs seconds).
+_FORWARD_ONLY = {"iresnet100", "iresnet200"}
+
+# Parameter counts with a 512-d embedding. iresnet50/100 are the figures published
+# for insightface's arcface_torch r50/r100 (43.59 M / 65.16 M).
+_PARAMS = {
+    "iresnet18": 24_025_600,
+    "iresnet34": 34_139_328,
+    "iresnet50": 43_590_848,
+    "iresnet100": 65_156_160,
+    "iresnet200": 118_833_920,
+}
+
+
+def test_registry_lists_the_contract_names():
+    assert {
+        "iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200",
+        "mobilefacenet", "iresnet_tiny",
+    } <= set(list_backbones())
+
+
+@pytest.mark.parametrize("name", list_backbones())
+def test_shape_and_backward(name):
+    torch.manual_seed(0)
+    model = build_backbone(name, embedding_size=24, dropout=0.1)
+    if name in _FORWARD_ONLY:
+        with torch.no_grad():  # train-mode BN: untrained eval-mode stats overflow at depth 200
+            out = model.train()(torch.rand(2, 3, 112, 112) * 2 - 1)
+        assert out.shape == (2, 24) and torch.isfinite(out).all()
+        return
+    x = (torch.rand(2, 3, 112, 112) * 2 - 1).requires_grad_()
+    out = model.train()(x)
+    assert out.shape == (2, 24) and torch.isfinite(out).all()
+    out.square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainable)
+
+
+@pytest.mark.parametrize("name", sorted(_PARAMS))
+def test_iresnet_parameter_counts(name):
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = build_backbone(name)
+    assert sum(p.numel() for p in model.parameters()) == _PARAMS[name]
+
+
+def test_mobilefacenet_matches_paper_size():
+    # Chen et al. 2018, Table 1 / Sec. 4: 0.99 M parameters with a 128-d embedding.
+    n = sum(p.numel() for p in build_backbone("mobilefacenet", embedding_size=128).parameters())
+    assert 0.95e6 < n < 1.05e6
+
+
+def test_embedding_size_and_eval_determinism():
+    model = build_backbone("iresnet_tiny", embedding_size=7, dropout=0.5).eval()
+    x = torch.rand(3, 3, 112, 112) * 2 - 1
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))  # dropout off in eval mode
+    assert model(x).shape == (3, 7)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": "resnet9000"}, "unknown backbone 'resnet9000'; choose one of .*iresnet50"),
+        ({"name": "iresnet18", "embedding_size": 0}, "embedding_size"),
+        ({"name": "iresnet18", "dropout": 1.0}, "dropout"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_backbone(**kwargs)
+
+
+def test_normalize_images():
+    images = torch.tensor([0, 127, 255], dtype=torch.uint8).view(1, 3, 1, 1)
+    out = normalize_images(images)
+    assert out.dtype == torch.float32
+    expected = (images.float() / 255 - 0.5) / 0.5
+    torch.testing.assert_close(out, expected)
+    assert out[0, 0, 0, 0] == -1.0 and out[0, 2, 0, 0] == 1.0
+    with pytest.raises(TypeError, match="uint8"):
+        normalize_images(images.float())
