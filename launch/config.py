@@ -1,0 +1,437 @@
+"""Training configuration: the schema, YAML loading with ``base:`` inheritance, overrides.
+
+The pydantic models below are the ONLY source of defaults; YAML files hold differences.
+A recipe names its parent with ``base: base.yaml`` (resolved relative to the recipe's own
+folder, chains allowed); mappings merge key by key, everything else (lists included)
+replaces. Command-line overrides are ``dotted.key=value`` with the value parsed as YAML
+(``margin.type=cosface optim.lr=0.05 eval.bins=[a.bin,b.bin]``).
+
+Every problem found is reported at once, in one :class:`ConfigError`, one line each,
+naming the file (or ``command line``) that set the key, the key, the value and the valid
+choices. :func:`load_config` with ``resolve=True`` also reads the data's ``manifest.json``
+and checks the machine (CUDA, files), so a run fails before any process group starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+CLI = "command line"
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+UnitFloat = Annotated[float, Field(ge=0, lt=1)]
+
+
+class ConfigError(ValueError):
+    """A user error in a config: one line per problem, all problems together."""
+
+
+class ConfigWarning(UserWarning):
+    """A config that runs but contradicts the theory (e.g. a scale too small to converge)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class DataConfig(_Section):
+    dir: str = "data/synthetic"
+    num_classes: PosInt | None = None  # filled from manifest.json; if set, must match it
+    num_samples: PosInt | None = None  # filled from manifest.json; if set, must match it
+    num_workers: NonNegInt = 2
+    flip: bool = True
+
+
+class BackboneConfig(_Section):
+    name: str = "iresnet50"
+    embedding_size: PosInt = 512
+    dropout: UnitFloat = 0.0
+
+
+class MarginConfig(_Section):
+    """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob)."""
+
+    type: Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"] = "arcface"
+    s: PosFloat = 64.0
+    m: float = 0.5
+    m1: PosFloat = 1.0
+    m2: float = 0.5
+    m3: float = 0.0
+    adacos: Literal["fixed", "dynamic"] | None = None
+    easy_margin: bool = False
+    lambda_base: PosFloat = 1000.0
+    lambda_gamma: NonNegFloat = 0.12
+    lambda_power: NonNegFloat = 1.0
+    lambda_min: NonNegFloat = 5.0
+    p_w: Annotated[float, Field(gt=0, lt=1)] = 0.9  # target-class probability for the s bound
+
+
+class HeadConfig(_Section):
+    sample_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
+class OptimConfig(_Section):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: PosFloat = 0.1
+    momentum: UnitFloat = 0.9
+    weight_decay: NonNegFloat = 5e-4
+    betas: Annotated[list[UnitFloat], Field(min_length=2, max_length=2)] = [0.9, 0.999]
+    eps: PosFloat = 1e-8
+
+
+class ScheduleConfig(_Section):
+    type: Literal["poly", "cosine"] = "poly"
+    warmup_epochs: NonNegFloat = 0.0
+    power: PosFloat = 2.0  # poly only: lr * (1 - t/T)^power
+
+
+class TrainConfig(_Section):
+    batch_size: PosInt = 128  # per rank
+    epochs: PosInt = 20
+    max_steps: PosInt | None = None  # stop (and end the LR schedule) after this many steps
+    grad_accum: PosInt = 1
+    clip_grad_norm: PosFloat | None = 5.0  # backbone only; None disables
+
+
+class EngineConfig(_Section):
+    type: Literal["ddp", "deepspeed"] = "ddp"
+    zero_stage: Literal[0, 1, 2] = 1  # deepspeed only
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    cpu_shm_comm: bool = False  # deepspeed on CPU: its shm all-reduce costs a ~30-50 s JIT build
+
+
+class CheckpointConfig(_Section):
+    every: NonNegInt = 2000  # steps; 0 = only at the end
+    keep: PosInt = 3
+    resume: str = "auto"  # auto (RUN/checkpoints/latest if present) | none | a checkpoint folder
+
+
+class LogConfig(_Section):
+    every: PosInt = 10
+    hist_every: PosInt = 500
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "partial-fc"
+    progress: bool = True
+
+
+class EvalConfig(_Section):
+    bins: list[str] = []
+    every: PosInt = 2000
+    batch_size: PosInt = 256
+
+
+class Config(_Section):
+    name: str = "run"
+    output: str | None = None  # None -> runs/<name>
+    seed: NonNegInt = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data: DataConfig = Field(default_factory=DataConfig)
+    backbone: BackboneConfig = Field(default_factory=BackboneConfig)
+    margin: MarginConfig = Field(default_factory=MarginConfig)
+    head: HeadConfig = Field(default_factory=HeadConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output if self.output is not None else f"runs/{self.name}")
+
+    def margin_kwargs(self) -> dict[str, Any]:
+        """The dict for ``partial_fc.build_margin``."""
+        return self.margin.model_dump(exclude={"p_w"})
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value the way YAML would (``0.1`` float, ``[a,b]`` list)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - SafeLoader
+    except OSError as e:
+        raise ConfigError(f"{_shown(path)}: cannot read config ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{_shown(path)}: invalid YAML{where}: {what}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(f"{_shown(path)}: top level must be a mapping, got {kind}")
+    return data
+
+
+def _merge(dst: dict, src: dict, source: str, origin: dict[str, str], prefix: str = "") -> None:
+    """Deep-merge ``src`` into ``dst``, recording in ``origin`` where each key came from."""
+    for key, value in src.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(dst.get(key, {}), dict):
+            _merge(dst.setdefault(key, {}), value, source, origin, dotted + ".")
+        else:
+            dst[key] = value
+            for k in [k for k in origin if k.startswith(dotted + ".")]:
+                del origin[k]
+            origin[dotted] = source
+
+
+def _load_tree(path: Path, origin: dict[str, str], chain: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{_shown(chain[-1])}: base: cycle through {_shown(path)}")
+    data = _read_yaml(path)
+    tree: dict[str, Any] = {}
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{_shown(path)}: base={base!r}: must be a file name")
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigError(f"{_shown(path)}: base={base!r}: no such file {_shown(base_path)}")
+        tree = _load_tree(base_path, origin, (*chain, path))
+    _merge(tree, data, _shown(path), origin)
+    return tree
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it lies inside it (shorter messages)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) -> list[str]:
+    errors = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            errors.append(f"{CLI}: {item!r}: overrides are dotted.key=value")
+            continue
+        try:
+            value = parse_value(text)
+        except yaml.YAMLError:
+            errors.append(f"{CLI}: {key}={text!r}: not a valid YAML value")
+            continue
+        nested: dict[str, Any] = value
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        _merge(tree, nested, CLI, origin)
+    return errors
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _source(origin: dict[str, str], dotted: str, default: str) -> str:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in origin:
+            return origin[".".join(parts[:i])]
+    return default
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        ann = field.annotation if field else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def _schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        dotted = ".".join(loc)
+        src = _source(origin, dotted, top)
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            valid = ", ".join(parent.model_fields) if parent else "none"
+            lines.append(f"{src}: {dotted}: unknown key (valid keys: {valid})")
+        else:
+            value = e.get("input")
+            shown = "<missing>" if e["type"] == "missing" else repr(value)
+            lines.append(f"{src}: {dotted}={shown}: {e['msg']}")
+    return lines
+
+
+def normface_scale_bound(num_classes: int, p_w: float) -> float:
+    """Smallest fixed scale s for which the softmax can reach target probability ``p_w``.
+
+    NormFace (arXiv:1704.06369, Prop. 2) / CosFace (arXiv:1801.09414, Sec. 3.4, Eq. 9):
+    ``s >= (C - 1) / C * ln((C - 1) * P_W / (1 - P_W))``.
+    """
+    c = num_classes
+    return (c - 1) / c * math.log((c - 1) * p_w / (1 - p_w))
+
+
+def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
+    out: list[tuple[str, str]] = []
+    m = cfg.margin
+    if m.type == "sphereface" and (m.m < 1 or not float(m.m).is_integer()):
+        out.append(("margin.m", f"margin.m={m.m}: SphereFace needs an integer m >= 1 (e.g. 4)"))
+    if m.type == "arcface" and not 0 <= m.m < math.pi:
+        out.append(("margin.m", f"margin.m={m.m}: ArcFace needs 0 <= m < pi"))
+    if m.type == "cosface" and m.m < 0:
+        out.append(("margin.m", f"margin.m={m.m}: CosFace needs m >= 0"))
+    if m.type == "combined" and (not 0 <= m.m2 < math.pi or m.m3 < 0):
+        out.append(("margin.m2", f"margin.m2={m.m2}, m3={m.m3}: need 0 <= m2 < pi, m3 >= 0"))
+    if m.type == "adacos" and m.adacos is None:
+        out.append(("margin.adacos", "margin.adacos=None: margin.type=adacos needs fixed|dynamic"))
+    if cfg.train.grad_accum > 1:
+        why = []
+        if cfg.head.sample_rate < 1:
+            why.append(f"head.sample_rate={cfg.head.sample_rate} samples classes per micro-batch")
+        if m.adacos == "dynamic":
+            why.append("dynamic AdaCos updates s from each micro-batch")
+        if m.type == "sphereface":
+            why.append("the SphereFace lambda schedule advances per forward")
+        if why:
+            out.append(
+                (
+                    "train.grad_accum",
+                    f"train.grad_accum={cfg.train.grad_accum}: not exact with the sharded head "
+                    f"because {'; '.join(why)} (use grad_accum=1 or a larger batch)",
+                )
+            )
+    if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
+        out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
+    if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
+        out.append(("checkpoint.resume", "checkpoint.resume='': use auto, none or a folder"))
+    try:
+        from partial_fc.backbones import list_backbones
+    except ImportError:  # backbones not installed: train.py fails later with a clear import error
+        names = None
+    else:
+        names = list_backbones()
+    if names is not None and cfg.backbone.name not in names:
+        out.append(
+            (
+                "backbone.name",
+                f"backbone.name={cfg.backbone.name!r}: unknown (valid: {', '.join(names)})",
+            )
+        )
+    return out
+
+
+def theory_warnings(cfg: Config) -> list[str]:
+    """The theory checks as one string each; empty while ``data.num_classes`` is unknown."""
+    c, m = cfg.data.num_classes, cfg.margin
+    if c is None or c < 2:
+        return []
+    out = []
+    if m.type in ("normface", "cosface", "arcface", "combined") and m.adacos is None:
+        bound = normface_scale_bound(c, m.p_w)
+        if m.s < bound:
+            out.append(
+                f"margin.s={m.s} is below the NormFace/CosFace bound {bound:.2f} for C={c} "
+                f"classes at P_W={m.p_w}: the loss cannot reach P_W (arXiv:1801.09414 Eq. 9)"
+            )
+    if m.type == "cosface" and not 0 <= m.m <= c / (c - 1):
+        out.append(
+            f"margin.m={m.m} is outside the CosFace range [0, C/(C-1)] = [0, {c / (c - 1):.4f}] "
+            f"for C={c} (arXiv:1801.09414 Sec. 3.4)"
+        )
+    return out
+
+
+def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Checks against the data and the machine; fills ``data.num_classes/num_samples``."""
+    import torch
+
+    out: list[tuple[str, str]] = []
+    data_dir = Path(cfg.data.dir)
+    if not (data_dir / "manifest.json").is_file():
+        out.append(("data.dir", f"data.dir={cfg.data.dir!r}: no manifest.json there"))
+    else:
+        from data_pipeline import read_manifest
+
+        man = read_manifest(data_dir)
+        for key in ("num_classes", "num_samples"):
+            have, want = getattr(cfg.data, key), getattr(man, key)
+            if have is None:
+                setattr(cfg.data, key, want)
+            elif have != want:
+                out.append(
+                    (f"data.{key}", f"data.{key}={have}: manifest.json in {data_dir} says {want}")
+                )
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        out.append(("device", "device='cuda': no CUDA device on this machine"))
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.engine.precision == "fp16" and not on_gpu:
+        out.append(("engine.precision", "engine.precision='fp16': needs a CUDA device"))
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).is_dir():
+        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder"))
+    for i, b in enumerate(cfg.eval.bins):
+        if not Path(b).is_file():
+            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file"))
+    return out
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, resolve: bool = True
+) -> Config:
+    """Load ``path`` (with its ``base:`` chain), apply ``key=value`` overrides, validate.
+
+    ``resolve=True`` (what ``launch.train`` does, before any process group) also reads
+    ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples``, checks the
+    device, resume folder and eval files. Theory checks (known C) become :class:`ConfigWarning`.
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    origin: dict[str, str] = {}
+    top = _shown(Path(path))
+    tree = _load_tree(Path(path), origin)
+    errors = _apply_overrides(tree, list(overrides), origin)
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError("\n".join(errors + _schema_errors(e, origin, top))) from None
+    found = _semantic_errors(cfg)
+    if resolve:
+        found += _resolve_errors(cfg)
+    errors += [f"{_source(origin, key, top)}: {msg}" for key, msg in found]
+    if errors:
+        raise ConfigError("\n".join(errors))
+    for msg in theory_warnings(cfg):
+        warnings.warn(msg, ConfigWarning, stacklevel=2)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The fully resolved config as YAML (what ``RUN/config.yaml`` holds; loadable again)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
