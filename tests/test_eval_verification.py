@@ -1,0 +1,83 @@
+"""Verification metrics on embeddings built to have known cosine scores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from partial_fc.eval.verification import best_threshold, cosine_scores, evaluate_pairs
+
+
+def _pairs_with_scores(scores) -> tuple[np.ndarray, np.ndarray]:
+    """2-D unit embeddings whose pairwise cosine is exactly ``scores`` (up to rounding)."""
+    s = np.asarray(scores, dtype=np.float64)
+    emb1 = np.tile([[3.0, 0.0]], (len(s), 1))  # un-normalised on purpose
+    emb2 = np.stack([s, np.sqrt(1 - s**2)], axis=1) * 0.5
+    return emb1, emb2
+
+
+def test_cosine_scores_recovers_scores():
+    s = np.array([0.9, -0.3, 0.0, 1.0])
+    np.testing.assert_allclose(cosine_scores(*_pairs_with_scores(s)), s, atol=1e-12)
+
+
+def test_best_threshold_by_hand():
+    # t=0.85 -> 3/4 correct, t=0.65 -> 3/4 too; ties go to the higher threshold.
+    scores = np.array([0.9, 0.8, 0.7, 0.6])
+    same = np.array([True, False, True, False])
+    t, acc = best_threshold(scores, same)
+    assert t == pytest.approx(0.85) and acc == 0.75
+    # Separable with ties inside a class: any t in (0.2, 0.8) is perfect; midpoint 0.5.
+    t, acc = best_threshold(np.array([0.8, 0.8, 0.2, 0.2]), np.array([1, 1, 0, 0], bool))
+    assert t == pytest.approx(0.5) and acc == 1.0
+
+
+def test_ten_fold_accuracy_by_hand():
+    # 20 pairs, alternating same/different; folds are pairs (0,1), (2,3), ...
+    # Positives score 0.8 except pair 0 (0.1); negatives score 0.2. Every fold's
+    # training threshold is 0.5, so fold 0 scores 1/2 and the others 2/2:
+    # mean 0.95, std sqrt((0.45² + 9·0.05²)/10) = 0.15; AUC = 90/100.
+    same = np.arange(20) % 2 == 0
+    scores = np.where(same, 0.8, 0.2)
+    scores[0] = 0.1
+    out = evaluate_pairs(*_pairs_with_scores(scores), same, nfolds=10)
+    assert out["accuracy"] == pytest.approx(0.95)
+    assert out["accuracy_std"] == pytest.approx(0.15)
+    assert out["best_threshold"] == pytest.approx(0.5)
+    assert out["auc"] == pytest.approx(0.9)
+    assert out["num_pairs"] == 20
+    assert "tar@far=1e-03" not in out  # 10 negatives cannot resolve FAR 1e-3
+
+
+def test_tar_at_far_by_hand():
+    # 10 000 negatives at 0.5, 0.4999, ...; positives: 30 at 0.9, 20 just below the
+    # top negative, 10 below the 6th negative, 40 at 0 -> TAR@1e-4 = 0.5, TAR@1e-3 = 0.6.
+    neg = 0.5 - np.arange(10_000) * 1e-4
+    pos = np.concatenate([np.full(30, 0.9), np.full(20, 0.49995), np.full(10, 0.49945),
+                          np.zeros(40)])
+    scores = np.concatenate([pos, neg])
+    same = np.concatenate([np.ones(len(pos), bool), np.zeros(len(neg), bool)])
+    out = evaluate_pairs(*_pairs_with_scores(scores), same)
+    assert out["tar@far=1e-04"] == pytest.approx(0.5)
+    assert out["tar@far=1e-03"] == pytest.approx(0.6)
+
+
+def test_matches_brute_force_on_random_scores():
+    rng = np.random.default_rng(0)
+    same = rng.random(300) < 0.5
+    scores = np.round(np.where(same, 0.3, 0.0) + rng.normal(0, 0.2, 300), 2)  # with ties
+    for lo in (0, 150):
+        s, y = scores[lo:lo + 150], same[lo:lo + 150]
+        t, acc = best_threshold(s, y)
+        cands = np.concatenate([np.unique(s), [np.inf]])
+        brute = max(np.mean((s >= c) == y) for c in cands)
+        assert acc == pytest.approx(brute) and np.mean((s >= t) == y) == pytest.approx(acc)
+
+
+@pytest.mark.parametrize(
+    ("issame", "match"),
+    [([True] * 4, "both same and different"), ([True, False], "2 entries for 4 pairs")],
+)
+def test_bad_input(issame, match):
+    with pytest.raises(ValueError, match=match):
+        evaluate_pairs(*_pairs_with_scores([0.1, 0.2, 0.3, 0.4]), issame, nfolds=2)
