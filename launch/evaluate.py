@@ -1,0 +1,151 @@
+"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR) and IJB-B/C 1:1.
+
+Command line (one process)::
+
+    python -m launch.evaluate --checkpoint RUN --bin lfw.bin cfp_fp.bin agedb_30.bin
+    python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
+
+In training, ``launch.train`` calls :func:`evaluate_bins` on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from data_pipeline.verification_bin import decode_image, read_bin
+from launch.inference import load_backbone
+from partial_fc.backbones import normalize_images
+from partial_fc.eval.verification import FARS, evaluate_pairs
+
+
+@torch.no_grad()
+def embed_images(backbone: nn.Module, images: np.ndarray | torch.Tensor, batch_size: int,
+                 device: torch.device | str) -> torch.Tensor:
+    """uint8 ``[N, 3, 112, 112]`` -> float32 ``[N, D]`` on ``device``, unit rows.
+
+    Each embedding is ``f(x) + f(flip(x))`` (horizontal flip), L2-normalised: the
+    convention insightface's numbers use. The backbone must already be in eval
+    mode, on ``device``; inputs are cast to its parameter dtype.
+    """
+    dtype = next(backbone.parameters()).dtype
+    out = []
+    for start in range(0, len(images), batch_size):
+        x = torch.as_tensor(images[start:start + batch_size]).to(device)
+        x = normalize_images(x).to(dtype)
+        emb = backbone(x).float() + backbone(torch.flip(x, dims=[3])).float()
+        out.append(nn.functional.normalize(emb, dim=1))
+    return torch.cat(out)
+
+
+def _group_info(process_group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    group = process_group if process_group is not None else dist.group.WORLD
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
+                 device: torch.device | str, process_group=None) -> torch.Tensor:
+    """Embed encoded images, each rank its contiguous share; every rank returns all ``[N, D]``.
+
+    Called by every rank of ``process_group`` (None: WORLD, or one process when
+    torch.distributed is not initialised). Shares are padded to equal length by
+    repeating the last image (gloo has no uneven all-gather); the padding is dropped.
+    """
+    rank, world = _group_info(process_group)
+    n = len(encoded)
+    chunk = math.ceil(n / world)
+    share = [encoded[min(i, n - 1)] for i in range(rank * chunk, (rank + 1) * chunk)]
+    local = embed_images(backbone, np.stack([decode_image(b) for b in share]), batch_size, device)
+    if world == 1:
+        return local[:n]
+    gathered = local.new_empty(world * chunk, local.shape[1])
+    dist.all_gather_into_tensor(gathered, local.contiguous(), group=process_group)
+    return gathered[:n]
+
+
+def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_size: int,
+                  device: torch.device | str, process_group=None) -> dict[str, dict[str, float]]:
+    """Verification metrics of ``backbone`` on insightface ``.bin`` sets.
+
+    Called by every rank of ``process_group``; each rank embeds its share of the
+    images and all ranks return the same dict ``{bin stem: evaluate_pairs(...)}``
+    (keys: accuracy, accuracy_std, best_threshold, auc, tar@far=..., num_pairs).
+    Pass the bare backbone (not a DDP/DeepSpeed wrapper); its train/eval mode is
+    restored on return.
+    """
+    names = [Path(p).stem for p in bin_paths]
+    if len(set(names)) != len(names):
+        raise ValueError(f"verification sets need distinct file names, got {list(bin_paths)}")
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        results = {}
+        for name, path in zip(names, bin_paths, strict=True):
+            encoded, issame = read_bin(path)
+            emb = embed_shared(backbone, encoded, batch_size, device, process_group).cpu().numpy()
+            results[name] = evaluate_pairs(emb[0::2], emb[1::2], issame)
+        return results
+    finally:
+        backbone.train(was_training)
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    """Plain-text table of :func:`evaluate_bins` results, one row per set."""
+    far_cols = [f"tar@far={far:.0e}" for far in FARS]
+    header = ["set", "pairs", "accuracy (%)", "threshold", "AUC", *far_cols]
+    rows = [header]
+    for name, r in results.items():
+        rows.append([
+            name, f"{int(r['num_pairs'])}",
+            f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_std']:.2f}",
+            f"{r['best_threshold']:.3f}", f"{r['auc']:.4f}",
+            *(f"{r[c]:.4f}" if c in r else "-" for c in far_cols),
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
+    p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if not args.bin:
+        p.error("nothing to evaluate: give --bin")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    backbone, _ = load_backbone(args.checkpoint)
+    backbone.to(device)
+    results = evaluate_bins(backbone, args.bin, args.batch_size, device)
+    print(format_table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Load a trained backbone from a run folder or checkpoint for evaluation, export or inference.
+
+Run-folder layout written by ``launch.train``::
+
+    RUN/config.yaml                         fully resolved config
+    RUN/checkpoints/latest                  text file: the newest <tag>
+    RUN/checkpoints/<tag>/backbone.pt       plain backbone state_dict (weights_only-safe)
+
+Accepted paths: ``RUN`` (uses ``latest``), ``RUN/checkpoints/<tag>`` or
+``RUN/checkpoints/<tag>/backbone.pt``; the config is found at ``RUN/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from partial_fc.backbones import build_backbone
+
+
+class CheckpointError(ValueError):
+    """The path does not lead to a usable backbone checkpoint."""
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
+    """``path`` -> ``(RUN/config.yaml, .../backbone.pt)``, both existing."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.yaml").is_file():  # RUN
+        latest = path / "checkpoints" / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"{latest}: missing; the run has no checkpoint yet")
+        tag = latest.read_text().strip()
+        weights = path / "checkpoints" / tag / "backbone.pt"
+    elif path.is_dir():  # RUN/checkpoints/<tag>
+        weights = path / "backbone.pt"
+    else:
+        weights = path
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: no such backbone checkpoint")
+    config = weights.parent.parent.parent / "config.yaml"
+    if not config.is_file():
+        raise CheckpointError(f"{config}: missing (expected RUN/checkpoints/<tag>/backbone.pt)")
+    return config, weights
+
+
+def backbone_spec(cfg: dict[str, Any], config_path: Path) -> tuple[str, int, float]:
+    """``(name, embedding_size, dropout)`` from a resolved config.
+
+    Reads the trainer's schema (``backbone.name``, ``backbone.embedding_size``,
+    ``backbone.dropout``); the older contract layout ``model.backbone``,
+    ``model.embedding_size``, ``model.dropout`` is accepted too.
+    """
+    section = cfg.get("backbone")
+    if isinstance(section, dict):
+        keys = ("backbone.name", "backbone.embedding_size", "backbone.dropout")
+        values = section.get("name"), section.get("embedding_size"), section.get("dropout", 0.0)
+    elif isinstance(cfg.get("model"), dict):
+        keys = ("model.backbone", "model.embedding_size", "model.dropout")
+        m = cfg["model"]
+        values = m.get("backbone"), m.get("embedding_size"), m.get("dropout", 0.0)
+    else:
+        raise CheckpointError(f"{config_path}: no 'backbone' section")
+    for key, value in zip(keys[:2], values[:2], strict=True):
+        if value is None:
+            raise CheckpointError(f"{config_path}: missing key {key}")
+    return values[0], values[1], float(values[2])
+
+
+def load_backbone(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the run's backbone, load its weights (``weights_only=True``), return it in eval mode.
+
+    Returns:
+        ``(backbone on CPU in eval mode, the run's config as a dict)``.
+
+    Raises:
+        CheckpointError: missing files/keys, or weights that do not fit the configured backbone.
+    """
+    config_path, weights = resolve_checkpoint(path)
+    cfg = yaml.safe_load(config_path.read_text()) or {}
+    name, embedding_size, dropout = backbone_spec(cfg, config_path)
+    try:
+        model = build_backbone(name, embedding_size=embedding_size, dropout=dropout)
+    except ValueError as exc:
+        raise CheckpointError(f"{config_path}: {exc}") from exc
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        why = " ".join(str(exc).strip().splitlines()[:2])
+        raise CheckpointError(f"{weights}: does not fit backbone {name!r}: {why}") from exc
+    return model.eval(), cfg

@@ -1,0 +1,54 @@
+"""Shared fixtures for the evaluation tests: a fabricated run folder and a small .bin."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+
+from data_pipeline.verification_bin import write_bin
+from partial_fc.backbones import build_backbone
+
+
+def make_run(root: Path, embedding_size: int = 16, tag: str = "step_00000010") -> Path:
+    """A run folder in the trainer's layout holding a trained-looking iresnet_tiny."""
+    torch.manual_seed(0)
+    model = build_backbone("iresnet_tiny", embedding_size=embedding_size)
+    with torch.no_grad():  # non-trivial running statistics, so eval mode is really exercised
+        model.train()(torch.rand(8, 3, 112, 112) * 2 - 1)
+    run = root / "run"
+    (run / "checkpoints" / tag).mkdir(parents=True)
+    cfg = {"name": "t", "backbone": {"name": "iresnet_tiny", "embedding_size": embedding_size,
+                                     "dropout": 0.0}}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    torch.save(model.state_dict(), run / "checkpoints" / tag / "backbone.pt")
+    (run / "checkpoints" / "latest").write_text(tag + "\n")
+    return run
+
+
+def jpeg(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def make_color_bin(path: Path, num_pairs: int, seed: int = 0) -> np.ndarray:
+    """Pairs of solid-colour 112x112 images: same pairs share a colour, different pairs don't.
+
+    Returns the ``issame`` flags (alternating True/False).
+    """
+    rng = np.random.default_rng(seed)
+    issame = np.arange(num_pairs) % 2 == 0
+    images = []
+    for same in issame:
+        a = rng.integers(0, 256, 3)
+        b = a if same else (a + 128) % 256
+        for colour in (a, b):
+            noise = rng.integers(-3, 4, (112, 112, 3))
+            images.append(jpeg(np.clip(colour + noise, 0, 255).astype(np.uint8)))
+    write_bin(path, images, issame.tolist())
+    return issame

@@ -1,0 +1,152 @@
+"""launch.evaluate / launch.inference: embeddings, metrics, gathering across ranks, the CLI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from eval_helpers import make_color_bin, make_run
+from torch import nn
+
+from data_pipeline.verification_bin import decode_image, read_bin
+from launch.evaluate import embed_images, evaluate_bins, main
+from launch.inference import CheckpointError, load_backbone
+from partial_fc.eval.verification import evaluate_pairs
+
+
+class _MeanColour(nn.Module):
+    """Embedding = mean colour centred at grey: same-colour pairs have cosine ~1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3)) * self.scale
+
+
+def _reference(model, path):
+    """Single-process reference: f(x) + f(flip x), normalised, per image, no batching."""
+    encoded, issame = read_bin(path)
+    embs = []
+    with torch.no_grad():
+        for b in encoded:
+            x = torch.from_numpy(decode_image(b))[None].float() / 127.5 - 1
+            e = model(x) + model(torch.flip(x, dims=[3]))
+            embs.append(torch.nn.functional.normalize(e, dim=1)[0])
+    emb = torch.stack(embs).numpy()
+    return evaluate_pairs(emb[0::2], emb[1::2], issame)
+
+
+def test_colour_pairs_are_separated(tmp_path):
+    make_color_bin(tmp_path / "colours.bin", num_pairs=40)
+    model = _MeanColour().train()
+    out = evaluate_bins(model, [tmp_path / "colours.bin"], batch_size=16, device="cpu")
+    assert list(out) == ["colours"]
+    assert out["colours"]["accuracy"] == 1.0 and out["colours"]["auc"] == 1.0
+    assert model.training  # mode restored
+
+
+def test_matches_unbatched_reference_and_restores_mode(tmp_path):
+    make_color_bin(tmp_path / "a.bin", num_pairs=12)
+    model, _ = load_backbone(make_run(tmp_path))
+    out = evaluate_bins(model, [tmp_path / "a.bin"], batch_size=5, device="cpu")["a"]
+    ref = _reference(model, tmp_path / "a.bin")
+    assert out.keys() == ref.keys()
+    for key in out:
+        assert out[key] == pytest.approx(ref[key], abs=1e-6), key
+    assert not model.training
+
+
+def test_embed_images_is_flip_invariant_and_unit():
+    model, images = _MeanColour(), torch.randint(0, 256, (3, 3, 112, 112), dtype=torch.uint8)
+    emb = embed_images(model, images, batch_size=2, device="cpu")
+    torch.testing.assert_close(emb.norm(dim=1), torch.ones(3))
+    torch.testing.assert_close(emb, embed_images(model, images.flip(3), 2, "cpu"))
+
+
+def test_load_backbone_paths_and_errors(tmp_path):
+    run = make_run(tmp_path)
+    ref, cfg = load_backbone(run)
+    assert cfg["backbone"]["name"] == "iresnet_tiny" and not ref.training
+    x = torch.rand(2, 3, 112, 112) * 2 - 1
+    for path in (run / "checkpoints" / "step_00000010",
+                 run / "checkpoints" / "step_00000010" / "backbone.pt"):
+        torch.testing.assert_close(load_backbone(path)[0](x), ref(x))
+    # the contract's alternative layout model.backbone / model.embedding_size
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"model": {"backbone": "iresnet_tiny", "embedding_size": 16}}))
+    torch.testing.assert_close(load_backbone(run)[0](x), ref(x))
+
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"backbone": {"name": "iresnet_tiny", "embedding_size": 32}}))
+    with pytest.raises(CheckpointError, match="backbone.pt: does not fit backbone 'iresnet_tiny'"):
+        load_backbone(run)
+    (run / "config.yaml").write_text(yaml.safe_dump({"backbone": {"name": "iresnet_tiny"}}))
+    with pytest.raises(CheckpointError, match="config.yaml: missing key backbone.embedding_size"):
+        load_backbone(run)
+    (run / "checkpoints" / "latest").unlink()
+    with pytest.raises(CheckpointError, match="latest: missing"):
+        load_backbone(run)
+
+
+def test_cli_prints_table_and_json(tmp_path, capsys):
+    run = make_run(tmp_path)
+    make_color_bin(tmp_path / "lfw.bin", num_pairs=10)
+    make_color_bin(tmp_path / "cfp.bin", num_pairs=10, seed=1)
+    assert main(["--checkpoint", str(run), "--bin", str(tmp_path / "lfw.bin"),
+                 str(tmp_path / "cfp.bin"), "--device", "cpu", "--json",
+                 str(tmp_path / "r.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["set", "pairs", "accuracy"]
+    assert [ln.split()[0] for ln in lines[2:]] == ["lfw", "cfp"]
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved) == {"lfw", "cfp"} and saved["lfw"]["num_pairs"] == 10
+
+
+def _worker(rank, world, port, run, bin_path, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    model, _ = load_backbone(run)
+    out = evaluate_bins(model, [bin_path], batch_size=4, device="cpu")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_three_ranks_match_one_process(tmp_path):
+    # 11 pairs = 22 images over 3 ranks: shares of 8, the last one padded by two images.
+    run = make_run(tmp_path)
+    make_color_bin(tmp_path / "v.bin", num_pairs=11)
+    ctx = mp.get_context("spawn")
+    port, world = _free_port(), 3
+    procs = [ctx.Process(target=_worker, args=(r, world, port, run, tmp_path / "v.bin", tmp_path))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert outs[0] == outs[1] == outs[2]
+    model, _ = load_backbone(run)
+    ref = evaluate_bins(model, [tmp_path / "v.bin"], batch_size=22, device="cpu")["v"]
+    for key, value in ref.items():
+        assert outs[0]["v"][key] == pytest.approx(value, abs=1e-6), key
+    assert np.isfinite(list(ref.values())).all()
