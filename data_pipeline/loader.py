@@ -1,0 +1,252 @@
+"""The training loader: equal batches on every rank, each sample at most once per epoch.
+
+Per rank, `num_workers` DataLoader workers each stream a contiguous slice of the epoch's
+plan (plan.py) through seeded shuffle -> decode -> flip and emit chunks of up to
+`batch_size`; the main process re-cuts the chunks into exactly `batch_size` batches and stops
+after `len(loader)` batches, which is the same number on every rank (computed from the
+manifest). Samples beyond that (fewer than world_size + batch_size per rank) are the epoch's
+drop, reported as `dropped_fraction`. Corrupt samples are skipped and counted in
+`num_skipped`; they are replaced by the rank's spare samples, and only if those run out is
+the last batch filled with repeats of the previous one (counted in `num_padded`).
+
+Resume (`state_dict` / `load_state_dict`): the state is the epoch, the batches handed out and
+each worker's stream position. Restored with the same seed, world size, workers, batch size,
+shuffle settings and data, the remaining samples of the epoch are exactly the ones not yet
+handed out and each worker replays its own stream exactly; only the interleaving of the
+workers' remaining chunks into batches can differ from an uninterrupted run. A state saved on
+another rank (same settings) is converted by replaying the chunk schedule: exact unless
+corrupt samples were skipped before the save. With different settings the resume is
+approximate: every worker skips the same fraction of its new stream as was consumed, so a
+few samples of that epoch may be repeated or missed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections import deque
+from pathlib import Path
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data_pipeline import plan, stages
+from data_pipeline.codec import resolve_decoder
+from data_pipeline.errors import DataError
+from data_pipeline.manifest import read_manifest
+
+IMAGE_SIZE = 112
+
+
+class _EpochStream(IterableDataset):
+    """One epoch of one rank: each DataLoader worker builds and runs its own pipeline."""
+
+    def __init__(self, loader: Loader, epoch: int, skips: list[int]):
+        super().__init__()
+        self.counts = loader.manifest.shard_counts
+        self.infos = list(loader.manifest.shards)
+        self.paths = loader.shard_paths
+        self.cfg = loader.plan_key()
+        self.rank, self.epoch, self.skips = loader.rank, epoch, skips
+        self.flip, self.decoder = loader.flip, loader.decoder
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        cfg = self.cfg
+        assert (info.num_workers if info is not None else 1) == cfg["num_workers"]
+        pieces = plan.worker_pieces(self.counts, seed=cfg["seed"], epoch=self.epoch,
+                                    rank=self.rank, world_size=cfg["world_size"], worker=worker,
+                                    num_workers=cfg["num_workers"], shuffle=cfg["shuffle"])
+        tag = f"{cfg['seed']}-{self.epoch}-{self.rank}-{worker}"
+        buffer = cfg["shuffle_buffer"] if cfg["shuffle"] else 0
+        pipeline = wds.DataPipeline(
+            functools.partial(stages.read_pieces, pieces, self.paths, self.infos),
+            wds.filters.shuffle(buffer, initial=buffer, seed=f"shuffle-{tag}") if buffer > 1
+            else None,
+            stages.annotate(f"flip-{tag}", self.flip),
+            stages.skip(self.skips[worker]),
+            stages.decode(IMAGE_SIZE, self.decoder),
+            stages.chunk(cfg["batch_size"], worker),
+        )
+        return iter(pipeline)
+
+
+class Loader:
+    """Iterable over (images uint8 [B,3,112,112], labels int64 [B][, keys list[str]]).
+
+    Built by `make_loader`; see the module docstring for the guarantees.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
+                 flip: bool = True, with_keys: bool = False, shuffle: bool = True,
+                 shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2):
+        if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0 or world_size < 1:
+            raise ValueError(f"batch_size={batch_size}, num_workers={num_workers}, "
+                             f"shuffle_buffer={shuffle_buffer}, world_size={world_size}: "
+                             "batch_size and world_size must be >= 1, the others >= 0")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} outside [0, world_size={world_size})")
+        self.data_dir = Path(data_dir)
+        self.manifest = read_manifest(self.data_dir)
+        self.shard_paths = [self.data_dir / s.name for s in self.manifest.shards]
+        for path, info in zip(self.shard_paths, self.manifest.shards, strict=True):
+            stages.check_shard(path, info)
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.flip, self.with_keys, self.shuffle = flip, with_keys, shuffle
+        self.shuffle_buffer, self.prefetch_factor = shuffle_buffer, prefetch_factor
+        self.decoder = resolve_decoder(decoder)
+        total = self.manifest.num_samples
+        self._len = plan.samples_per_rank(total, world_size) // batch_size
+        if self._len == 0:
+            raise DataError(f"{self.data_dir}: {total} samples cannot fill one batch of "
+                            f"{batch_size} on each of {world_size} ranks")
+        self.dropped_fraction = 1.0 - self._len * batch_size * world_size / total
+        self.epoch = epoch
+        self._batches = 0
+        self._positions = [0] * max(1, num_workers)
+        self.num_skipped = 0
+        self.num_padded = 0
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (identical on every rank)."""
+        return self._len
+
+    @property
+    def batches_done(self) -> int:
+        """Batches of the current epoch already handed out (len(self) = epoch complete)."""
+        return self._batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate; changing it restarts at the epoch's first batch.
+
+        Setting the current epoch again keeps the position (so set_epoch after
+        load_state_dict resumes mid-epoch).
+        """
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._batches, self._positions = 0, [0] * len(self._positions)
+
+    def plan_key(self) -> dict:
+        """Everything that fixes the epoch's sample order (saved in state_dict)."""
+        return {"seed": self.seed, "world_size": self.world_size,
+                "num_workers": len(self._positions), "batch_size": self.batch_size,
+                "num_samples": self.manifest.num_samples, "shuffle": self.shuffle,
+                "shuffle_buffer": self.shuffle_buffer}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches": self._batches, "rank": self.rank,
+                "worker_positions": list(self._positions), "num_skipped": self.num_skipped,
+                "num_padded": self.num_padded, "plan": self.plan_key()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position (see the module docstring for exact vs approximate)."""
+        try:
+            epoch, batches, old = int(state["epoch"]), int(state["batches"]), dict(state["plan"])
+            positions = [int(p) for p in state["worker_positions"]]
+            old_len = (old["num_samples"] // old["world_size"]) // old["batch_size"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"loader state_dict: malformed ({type(exc).__name__}: {exc})") from exc
+        self.epoch = epoch
+        self.num_skipped = int(state.get("num_skipped", 0))
+        self.num_padded = int(state.get("num_padded", 0))
+        sizes = plan.worker_sizes(self.manifest.num_samples, self.world_size, len(self._positions))
+        if old == self.plan_key():
+            self._batches = batches
+            if int(state["rank"]) != self.rank:
+                positions = plan.consumed_positions(sizes, self.batch_size,
+                                                    batches * self.batch_size)
+        else:
+            fraction = min(1.0, batches / old_len) if old_len else 0.0
+            self._batches = min(self._len, math.ceil(fraction * self._len))
+            positions = [math.floor(fraction * n) for n in sizes]
+        self._positions = positions
+
+    def __iter__(self):
+        if self._batches >= self._len:  # a finished epoch iterates again from its start
+            self._batches, self._positions = 0, [0] * len(self._positions)
+        stream = _EpochStream(self, self.epoch, list(self._positions))
+        workers = self.num_workers
+        batches = DataLoader(stream, batch_size=None, num_workers=workers,
+                             prefetch_factor=self.prefetch_factor if workers else None,
+                             generator=torch.Generator().manual_seed(self.seed))
+        pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
+        buffered, last = 0, None
+        for chunk in batches:
+            self.num_skipped += chunk["skipped"]
+            pending.append([chunk, 0])
+            buffered += len(chunk["keys"])
+            while buffered >= self.batch_size and self._batches < self._len:
+                last = self._take(pending, self.batch_size)
+                buffered -= self.batch_size
+                yield self._emit(last)
+            if self._batches >= self._len:
+                return
+        while self._batches < self._len:  # corrupt samples ate the spare ones: pad
+            if buffered == 0 and last is None:
+                raise DataError(f"{self.data_dir}: no decodable sample in rank {self.rank}'s "
+                                f"share of epoch {self.epoch}")
+            parts = self._take(pending, buffered) if buffered else None
+            buffered = 0
+            last = _pad(parts, last, self.batch_size)
+            self.num_padded += self.batch_size - (len(parts[2]) if parts else 0)
+            yield self._emit(last)
+
+    def _emit(self, batch: tuple) -> tuple:
+        self._batches += 1
+        return batch if self.with_keys else batch[:2]
+
+    def _take(self, pending: deque, count: int) -> tuple:
+        """Cut `count` samples off the front of the pending chunks; advance worker positions."""
+        images, labels, keys = [], [], []
+        while count > 0 or (pending and not pending[0][0]["keys"]):
+            chunk, offset = pending[0]
+            n = min(count, len(chunk["keys"]) - offset)
+            if n > 0:
+                images.append(chunk["images"][offset:offset + n])
+                labels.append(chunk["labels"][offset:offset + n])
+                keys.extend(chunk["keys"][offset:offset + n])
+                self._positions[chunk["worker"]] = chunk["positions"][offset + n - 1] + 1
+            count -= n
+            if offset + n == len(chunk["keys"]):
+                self._positions[chunk["worker"]] = chunk["end"]
+                pending.popleft()
+            else:
+                pending[0][1] = offset + n
+        cat = (lambda xs: xs[0]) if len(images) == 1 else torch.cat
+        return cat(images), cat(labels), keys
+
+
+def _pad(parts: tuple | None, last: tuple | None, batch_size: int) -> tuple:
+    """A full batch from the leftover `parts` plus repeats of `last` (or of parts itself)."""
+    source = last if last is not None else parts
+    have = len(parts[2]) if parts else 0
+    idx = torch.arange(batch_size - have) % len(source[2])
+    images, labels = source[0][idx], source[1][idx]
+    keys = [source[2][i] for i in idx.tolist()]
+    if parts:
+        images, labels, keys = (torch.cat([parts[0], images]), torch.cat([parts[1], labels]),
+                                parts[2] + keys)
+    return images, labels, keys
+
+
+def make_loader(data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
+                world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
+                flip: bool = True, with_keys: bool = False, shuffle: bool = True,
+                shuffle_buffer: int = 1000, decoder: str = "auto",
+                prefetch_factor: int = 2) -> Loader:
+    """The training loader for a converted data folder (see Loader and this module's doc).
+
+    rank/world_size: this process's data-parallel position (pass them explicitly; the
+        trainer reads them from its process group). batch_size is per rank.
+    shuffle=False reads shards in order with no sample shuffle (evaluation, debugging).
+    decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
+    """
+    return Loader(data_dir, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
+                  epoch=epoch, num_workers=num_workers, flip=flip, with_keys=with_keys,
+                  shuffle=shuffle, shuffle_buffer=shuffle_buffer, decoder=decoder,
+                  prefetch_factor=prefetch_factor)

@@ -1,0 +1,89 @@
+"""`OUT/manifest.json`: what a shard folder holds, written last so it marks completion.
+
+The loader plans every epoch from the manifest alone (per-shard sample counts give each
+rank an equal share without opening a tar), and the trainer checks `num_classes` and
+`num_samples` against its config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from data_pipeline.errors import DataError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One tar shard: file name relative to the data folder, sample count, size in bytes."""
+
+    name: str
+    count: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A converted data set. `source` describes where it came from (type, path, options)."""
+
+    num_classes: int
+    num_samples: int
+    shards: tuple[ShardInfo, ...]
+    source: dict = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    @property
+    def shard_counts(self) -> list[int]:
+        return [s.count for s in self.shards]
+
+
+def read_manifest(data_dir: str | os.PathLike) -> Manifest:
+    """Load and validate `data_dir/manifest.json`; raises DataError naming the file on problems."""
+    path = Path(data_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(f"{path}: no manifest (not a converted data folder, "
+                        "or its conversion did not finish)")
+    try:
+        raw = json.loads(path.read_text())
+        shards = tuple(ShardInfo(str(s["name"]), int(s["count"]), int(s["bytes"]))
+                       for s in raw["shards"])
+        manifest = Manifest(num_classes=int(raw["num_classes"]),
+                            num_samples=int(raw["num_samples"]), shards=shards,
+                            source=dict(raw.get("source", {})),
+                            version=int(raw.get("version", FORMAT_VERSION)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+    if manifest.version != FORMAT_VERSION:
+        raise DataError(f"{path}: version {manifest.version} unsupported "
+                        f"(expected {FORMAT_VERSION})")
+    total = sum(manifest.shard_counts)
+    if total != manifest.num_samples:
+        raise DataError(f"{path}: num_samples={manifest.num_samples} but the shard counts "
+                        f"sum to {total}")
+    if manifest.num_classes < 1 or not manifest.shards:
+        raise DataError(f"{path}: num_classes={manifest.num_classes}, {len(shards)} shards: empty")
+    return manifest
+
+
+def write_manifest(data_dir: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write the manifest atomically (temp file, fsync, rename)."""
+    path = Path(data_dir) / MANIFEST_NAME
+    payload = asdict(manifest)
+    payload["shards"] = [asdict(s) for s in manifest.shards]
+    atomic_write_bytes(path, (json.dumps(payload, indent=1) + "\n").encode())
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Readers see either the old file or the complete new one, never a prefix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,180 @@
+"""Shard writing: atomic tar shards plus a manifest, resumable after a crash.
+
+Layout of `OUT/`:
+  shard-000000.tar ...   samples `KEY.jpg` (encoded image), `KEY.cls` (ASCII int label),
+                         `KEY.src` (ASCII original index: record id or relative path);
+                         KEY is the 9-digit write position, unique in the data set.
+  manifest.json          written last; its presence means the conversion finished.
+  .convert.json          the conversion's fingerprint while it runs (removed at the end).
+
+Atomicity: a shard is written to `NAME.tmp`, fsynced and renamed, so a file named
+`shard-*.tar` is always complete. Resume: shard i always holds write positions
+[i*S, (i+1)*S) of a fixed (seeded) permutation of the source, so a restarted conversion with
+the same fingerprint keeps the finished shards and rewrites only the missing ones.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from data_pipeline.codec import prepare_jpeg
+from data_pipeline.errors import CorruptImageError, DataError
+from data_pipeline.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    atomic_write_bytes,
+    read_manifest,
+    write_manifest,
+)
+
+DEFAULT_SAMPLES_PER_SHARD = 10_000
+PROGRESS_NAME = ".convert.json"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One stored sample: `key` (no dots), encoded image, integer label, original index."""
+
+    key: str
+    jpg: bytes
+    label: int
+    src: str
+
+
+class Source(Protocol):
+    """What a converter reads from: random access so shards can be written in any order."""
+
+    num_classes: int
+
+    def __len__(self) -> int: ...
+
+    def describe(self) -> dict:
+        """JSON-able description (type, path, options): the manifest's `source` field."""
+        ...
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(encoded image bytes, label, original index as text) of item `index`."""
+        ...
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.tar"
+
+
+def write_shard(path: Path, samples: Iterable[Sample]) -> ShardInfo:
+    """Write one tar shard atomically; members get mtime 0 and fixed ownership (reproducible)."""
+    tmp = path.with_name(path.name + ".tmp")
+    count = 0
+    with open(tmp, "wb") as raw:
+        with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for sample in samples:
+                assert "." not in sample.key, sample.key
+                for ext, payload in (("jpg", sample.jpg), ("cls", str(sample.label).encode()),
+                                     ("src", sample.src.encode())):
+                    info = tarfile.TarInfo(f"{sample.key}.{ext}")
+                    info.size, info.mode, info.mtime = len(payload), 0o644, 0
+                    tar.addfile(info, io.BytesIO(payload))
+                count += 1
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path)
+    return ShardInfo(path.name, count, path.stat().st_size)
+
+
+def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | None = 112,
+                  samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
+                  shuffle_seed: int | None = 0,
+                  progress: Callable[[int], None] | None = None) -> tuple[Manifest, list[str]]:
+    """Convert `source` into shards + manifest under `out_dir`; resumes an interrupted run.
+
+    size: stored images are size x size (see codec.prepare_jpeg); None keeps them as they are.
+    shuffle_seed: samples are written in a seeded random order (None = source order), so each
+        shard mixes identities and the loader's shuffle buffer sees a varied stream.
+    progress: called with the number of samples just handled (finished shards included).
+    Returns (manifest, originals of images that could not be decoded for re-encoding; they are
+    stored verbatim and the loader will skip them).
+    """
+    out = Path(out_dir)
+    n = len(source)
+    if n == 0:
+        raise DataError(f"{source.describe().get('path', source)}: no images found")
+    if samples_per_shard < 1:
+        raise DataError(f"samples_per_shard={samples_per_shard}: must be >= 1")
+    fingerprint = {"source": source.describe(), "num_samples": n, "size": size,
+                   "samples_per_shard": samples_per_shard, "shuffle_seed": shuffle_seed}
+    out.mkdir(parents=True, exist_ok=True)
+    done = _check_resumable(out, fingerprint)
+    if done is not None:
+        if progress:
+            progress(n)
+        return done, []
+    order = (np.random.default_rng(shuffle_seed).permutation(n) if shuffle_seed is not None
+             else np.arange(n))
+    shards, corrupt = [], []
+
+    def samples(start: int, stop: int):
+        for pos in range(start, stop):
+            data, label, src = source.read(int(order[pos]))
+            if not 0 <= label < source.num_classes:
+                raise DataError(f"{src}: label {label} outside [0, {source.num_classes})")
+            try:
+                data = prepare_jpeg(data, size)
+            except CorruptImageError:
+                corrupt.append(src)
+            yield Sample(f"{pos:09d}", data, label, src)
+            if progress:
+                progress(1)
+
+    for i, start in enumerate(range(0, n, samples_per_shard)):
+        stop = min(start + samples_per_shard, n)
+        path = out / shard_name(i)
+        if path.is_file():  # renamed only when complete
+            shards.append(ShardInfo(path.name, stop - start, path.stat().st_size))
+            if progress:
+                progress(stop - start)
+            continue
+        shards.append(write_shard(path, samples(start, stop)))
+    manifest = Manifest(num_classes=source.num_classes, num_samples=n, shards=tuple(shards),
+                        source=_manifest_source(fingerprint))
+    write_manifest(out, manifest)
+    (out / PROGRESS_NAME).unlink(missing_ok=True)
+    return manifest, corrupt
+
+
+def _manifest_source(fingerprint: dict) -> dict:
+    """The manifest's `source`: the source's description plus the conversion options."""
+    return {**fingerprint["source"], "size": fingerprint["size"],
+            "samples_per_shard": fingerprint["samples_per_shard"],
+            "shuffle_seed": fingerprint["shuffle_seed"]}
+
+
+def _check_resumable(out: Path, fingerprint: dict) -> Manifest | None:
+    """Record the fingerprint, or check a previous run's; return the manifest if already done."""
+    progress_path = out / PROGRESS_NAME
+    if (out / MANIFEST_NAME).is_file():
+        manifest = read_manifest(out)
+        if (manifest.source == _manifest_source(fingerprint)
+                and manifest.num_samples == fingerprint["num_samples"]):
+            return manifest
+        raise DataError(f"{out / MANIFEST_NAME}: folder already holds a different conversion "
+                        f"({manifest.source}); choose an empty output folder")
+    if progress_path.is_file():
+        previous = json.loads(progress_path.read_text())
+        if previous != fingerprint:
+            raise DataError(f"{progress_path}: an unfinished conversion with other settings "
+                            f"({previous}) is in this folder; delete it or choose another")
+    elif any(out.glob("shard-*.tar")):
+        raise DataError(f"{out}: holds shards but no {PROGRESS_NAME} or {MANIFEST_NAME}; "
+                        "choose an empty output folder")
+    atomic_write_bytes(progress_path, json.dumps(fingerprint, indent=1).encode())
+    return None
