@@ -37,29 +37,36 @@ def check_shard(path: Path, info: ShardInfo) -> None:
 
 
 def read_piece(path: Path, piece: Piece) -> Iterator[dict]:
-    """Samples piece.start..piece.stop-1 of one tar shard; earlier members are seeked over."""
+    """Samples piece.start..piece.stop-1 of one tar shard; ShardError if the shard ends early."""
+    return tar_samples(path, piece.start, piece.stop)
+
+
+def tar_samples(path: Path, start: int = 0, stop: int | None = None) -> Iterator[dict]:
+    """Samples [start, stop) of a tar shard (all from `start` when stop is None) as dicts
+    {"__key__": key, ext: bytes, ...}; members of earlier samples are seeked over, not read.
+    """
     seen, current = 0, None  # samples started so far; the one being assembled (number seen-1)
     try:
         with tarfile.open(path, mode="r:") as tar:
             for member in tar:
                 key, _, ext = member.name.partition(".")
                 if current is None or key != current["__key__"]:
-                    if current is not None and seen > piece.start:
+                    if current is not None and seen > start:
                         yield current
-                    if seen == piece.stop:
+                    if seen == stop:
                         return
                     current, seen = {"__key__": key}, seen + 1
-                if seen > piece.start and member.isfile():
+                if seen > start and member.isfile():
                     data = tar.extractfile(member).read()
                     if len(data) != member.size:
                         raise ShardError(f"{path}: member {member.name} truncated")
                     current[ext] = data
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise ShardError(f"{path}: unreadable tar ({type(exc).__name__}: {exc})") from exc
-    if current is not None and seen > piece.start:
+    if current is not None and seen > start:
         yield current
-    if seen < piece.stop:
-        raise ShardError(f"{path}: holds {seen} samples, expected at least {piece.stop} "
+    if stop is not None and seen < stop:
+        raise ShardError(f"{path}: holds {seen} samples, expected at least {stop} "
                          "(truncated shard)")
 
 

@@ -1,0 +1,66 @@
+"""Source for an insightface data set folder: `train.rec`, `train.idx` (+ `property`).
+
+`property` is "num_classes,height,width". Without it the class count comes from record 0's
+identity range (b - a, see recordio.py), or, for a `.rec` with no header record, from the
+largest label + 1 (one pass over the headers). Labels are the image header's float label
+(or the first entry of its label vector), checked to be integral and converted to int.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from data_pipeline.errors import DataError
+from data_pipeline.recordio import RecordIOReader, unpack
+
+
+class InsightFaceSource:
+    """`Source` (see writer.py) over SRC/train.rec + SRC/train.idx."""
+
+    def __init__(self, src_dir: str | os.PathLike, *, rec_name: str = "train"):
+        self.root = Path(src_dir)
+        self.reader = RecordIOReader(self.root / f"{rec_name}.rec", self.root / f"{rec_name}.idx")
+        keys = self.reader.keys
+        header0 = unpack(self.reader.read(0))[0] if 0 in self.reader.index else None
+        if header0 is not None and header0.flag > 0:
+            first_identity = int(header0.label[0])
+            self.keys = list(range(1, first_identity))
+            range_classes = int(header0.label[1]) - first_identity if header0.flag > 1 else None
+        else:
+            self.keys, range_classes = keys, None
+        self.num_classes = self._read_property() or range_classes or self._max_label() + 1
+
+    def _read_property(self) -> int | None:
+        path = self.root / "property"
+        if not path.is_file():
+            return None
+        try:
+            return int(path.read_text().strip().split(",")[0])
+        except ValueError as exc:
+            raise DataError(f"{path}: expected 'num_classes,height,width', got "
+                            f"{path.read_text().strip()!r}") from exc
+
+    def _max_label(self) -> int:
+        return max(self.read_label(i) for i in range(len(self.keys)))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def describe(self) -> dict:
+        return {"type": "insightface", "path": str(self.root.resolve()), "records": len(self)}
+
+    def read_label(self, index: int) -> int:
+        return self._label(self.keys[index], unpack(self.reader.read(self.keys[index]))[0])
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        key = self.keys[index]
+        header, image = unpack(self.reader.read(key))
+        return image, self._label(key, header), str(key)
+
+    def _label(self, key: int, header) -> int:
+        value = header.label[0] if header.flag > 0 else header.label
+        if value != int(value) or value < 0:
+            raise DataError(f"{self.reader.rec_path}: record {key} has label {value}, "
+                            "expected a non-negative integer")
+        return int(value)
