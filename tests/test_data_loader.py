@@ -1,0 +1,201 @@
+"""The streaming loader: equal batches per rank, exactly-once epochs, order, resume, errors.
+
+Multi-rank loaders are built in one process with explicit rank/world_size (no process group).
+"""
+
+import io
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data_pipeline import make_loader, plan
+from data_pipeline.errors import DataError, ShardError
+from data_pipeline.manifest import Manifest, read_manifest, write_manifest
+from data_pipeline.writer import Sample, shard_name, write_shard
+
+UNEVEN = [13, 5, 9, 1, 17, 8, 11]  # 64 samples
+
+
+def jpeg(label: int, size=(112, 112)) -> bytes:
+    image = np.zeros((size[1], size[0], 3), np.uint8)
+    image[:, : size[0] // 3] = (40 * label) % 256  # left third marks the label (flip visible)
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+def make_shards(folder, counts, corrupt=(), odd_size=()):
+    """Shards with per-shard `counts`; positions in `corrupt` get undecodable bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    infos, pos = [], 0
+    for i, count in enumerate(counts):
+        samples = []
+        for _ in range(count):
+            data = jpeg(pos % 7, (64, 80) if pos in odd_size else (112, 112))
+            if pos in corrupt:
+                data = data[:3] + b"garbage" * 20
+            samples.append(Sample(f"{pos:09d}", data, pos % 7, str(pos)))
+            pos += 1
+        infos.append(write_shard(folder / shard_name(i), samples))
+    write_manifest(folder, Manifest(num_classes=7, num_samples=pos, shards=tuple(infos)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("uneven"), UNEVEN, odd_size={3})
+
+
+def epoch_keys(loader):
+    keys = []
+    for images, labels, batch_keys in loader:
+        assert images.shape == (loader.batch_size, 3, 112, 112) and images.dtype == torch.uint8
+        assert labels.dtype == torch.int64 and labels.tolist() == [int(k) % 7 for k in batch_keys]
+        keys.extend(batch_keys)
+    return keys
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_plan_covers_each_sample_once(world_size, num_workers):
+    total = sum(UNEVEN)
+    quota = total // world_size
+    covered = []
+    for rank in range(world_size):
+        rank_count = 0
+        for worker in range(num_workers):
+            pieces = plan.worker_pieces(UNEVEN, seed=1, epoch=2, rank=rank, world_size=world_size,
+                                        worker=worker, num_workers=num_workers)
+            offsets = np.cumsum([0] + UNEVEN)
+            for p in pieces:
+                assert 0 <= p.start < p.stop <= UNEVEN[p.shard]
+                covered.extend(range(offsets[p.shard] + p.start, offsets[p.shard] + p.stop))
+                rank_count += p.stop - p.start
+        assert rank_count == quota
+    assert len(covered) == len(set(covered)) == quota * world_size
+
+
+def test_consumed_positions_follow_round_robin_chunks():
+    # worker chunks: w0 [2, 2, 1], w1 [2, 1]; order w0 w1 w0 w1 w0
+    assert [plan.consumed_positions([5, 3], 2, n) for n in (0, 2, 4, 6, 7, 8)] == [
+        [0, 0], [2, 0], [2, 2], [4, 2], [4, 3], [5, 3]]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_get_equal_batches_and_disjoint_samples(uneven, world_size):
+    loaders = [make_loader(uneven, batch_size=4, rank=r, world_size=world_size, num_workers=2,
+                           shuffle_buffer=8, with_keys=True) for r in range(world_size)]
+    assert len({len(loader) for loader in loaders}) == 1
+    keys = [epoch_keys(loader) for loader in loaders]
+    assert [len(k) for k in keys] == [len(loaders[0]) * 4] * world_size
+    union = [k for ks in keys for k in ks]
+    assert len(union) == len(set(union))
+    coverage = len(union) / sum(UNEVEN)
+    print(f"world_size={world_size}: coverage {coverage:.3f}")
+    assert coverage == pytest.approx(1 - loaders[0].dropped_fraction)
+    assert coverage >= 1 - world_size * (4 + 1) / sum(UNEVEN)
+
+
+def test_order_depends_on_seed_and_epoch_only(uneven):
+    def order(seed, epoch, workers=2):
+        loader = make_loader(uneven, batch_size=8, seed=seed, epoch=epoch, num_workers=workers,
+                             shuffle_buffer=16, with_keys=True)
+        return epoch_keys(loader)
+
+    reference = order(0, 0)
+    assert order(0, 0) == reference
+    assert order(0, 1) != reference and order(1, 0) != reference
+    unshuffled = epoch_keys(make_loader(uneven, batch_size=8, num_workers=0, shuffle=False,
+                                        with_keys=True))
+    assert unshuffled == [f"{i:09d}" for i in range(64)]
+
+
+def test_flip_and_tuple_shape(uneven):
+    plain = make_loader(uneven, batch_size=16, num_workers=0, flip=False)
+    flipped = make_loader(uneven, batch_size=16, num_workers=0, flip=True)
+    mirrored = 0
+    for (a, la), (b, lb) in zip(plain, flipped, strict=True):
+        assert torch.equal(la, lb)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y) or torch.equal(x, y.flip(-1))
+            mirrored += not torch.equal(x, y)
+    assert 0 < mirrored < 64
+
+
+def test_resume_mid_epoch_is_exact(uneven):
+    kwargs = dict(batch_size=3, rank=1, world_size=2, num_workers=2, shuffle_buffer=8,
+                  with_keys=True, seed=5)
+    full = epoch_keys(make_loader(uneven, **kwargs))
+    first = make_loader(uneven, **kwargs)
+    seen = []
+    for step, (_, _, keys) in enumerate(first):
+        seen.extend(keys)
+        if step == 3:
+            break
+    state = first.state_dict()
+    assert state["batches"] == 4 and state["epoch"] == 0
+    resumed = make_loader(uneven, **kwargs)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # same epoch: keeps the position
+    rest = epoch_keys(resumed)
+    assert len(seen) + len(rest) == len(full) and sorted(seen + rest) == sorted(full)
+    assert resumed.batches_done == len(resumed)
+    # the state of another rank (same settings) is converted by replaying the chunk schedule
+    other = make_loader(uneven, **{**kwargs, "rank": 0})
+    for step, _ in enumerate(other):
+        if step == 3:
+            break
+    replay = make_loader(uneven, **kwargs)
+    replay.load_state_dict(other.state_dict())
+    assert replay.state_dict()["worker_positions"] == state["worker_positions"]
+    # other settings: approximate, same fraction of the epoch
+    changed = make_loader(uneven, **{**kwargs, "num_workers": 1})
+    changed.load_state_dict(state)
+    assert changed.batches_done == 4 and len(epoch_keys(changed)) == (len(changed) - 4) * 3
+    changed.set_epoch(1)
+    assert changed.batches_done == 0
+
+
+def test_corrupt_samples_are_skipped_counted_and_padded(tmp_path):
+    folder = make_shards(tmp_path / "bad", [10, 10], corrupt={4, 15})
+    spare = make_loader(folder, batch_size=6, num_workers=2, with_keys=True)  # 3 batches, 18 good
+    keys = epoch_keys(spare)
+    assert len(keys) == 18 and len(set(keys)) == 18 and {"000000004", "000000015"}.isdisjoint(keys)
+    assert spare.num_skipped == 2 and spare.num_padded == 0
+    short = make_loader(folder, batch_size=5, num_workers=0, with_keys=True)  # needs 20 of 18
+    keys = epoch_keys(short)
+    assert len(keys) == 20 and len(set(keys)) == 18
+    assert short.num_skipped == 2 and short.num_padded == 2
+
+
+def test_missing_and_truncated_shards_name_the_file(uneven, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(uneven, folder)
+    victim = folder / "shard-000004.tar"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ShardError, match=r"shard-000004\.tar: .* bytes on disk"):
+        make_loader(folder, batch_size=4)
+    # a manifest that agrees with the truncated size: caught while reading, in a worker
+    manifest = read_manifest(folder)
+    shards = tuple(s if s.name != victim.name else type(s)(s.name, s.count, victim.stat().st_size)
+                   for s in manifest.shards)
+    write_manifest(folder, Manifest(manifest.num_classes, manifest.num_samples, shards))
+    with pytest.raises(ShardError, match=r"shard-000004\.tar: .*truncated"):
+        for _ in make_loader(folder, batch_size=4, num_workers=1):
+            pass
+    victim.unlink()
+    with pytest.raises(ShardError, match=r"shard-000004\.tar: shard listed in the manifest"):
+        make_loader(folder, batch_size=4)
+
+
+def test_bad_arguments(uneven):
+    with pytest.raises(DataError, match="cannot fill one batch of 40 on each of 2 ranks"):
+        make_loader(uneven, batch_size=40, world_size=2)
+    with pytest.raises(ValueError, match="rank=2 outside"):
+        make_loader(uneven, batch_size=4, rank=2, world_size=2)
+    with pytest.raises(DataError, match="no manifest"):
+        make_loader(uneven / "nowhere", batch_size=4)
