@@ -21,10 +21,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
+from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
 from data_pipeline.verification_bin import decode_image, read_bin
 from launch.inference import load_backbone
 from partial_fc.backbones import normalize_images
+from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
 from partial_fc.eval.verification import FARS, evaluate_pairs
 
 
@@ -100,19 +103,43 @@ def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_si
         backbone.train(was_training)
 
 
+def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_size: int,
+                     device: torch.device | str, progress: bool = False) -> dict[str, float]:
+    """IJB-B/C 1:1 TAR@FAR (``partial_fc.eval.ijb``) of ``backbone`` on ``root`` (one process).
+
+    Faces are aligned from the 5 landmarks, embedded with flip TTA (:func:`embed_images`),
+    weighted by detector score and pooled into templates.
+    """
+    meta = read_ijb_meta(root, target)
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        batches = iter_aligned_faces(meta, batch_size)
+        total = math.ceil(len(meta.names) / batch_size)
+        feats = [embed_images(backbone, b, batch_size, device).cpu()
+                 for b in tqdm(batches, total=total, desc=target, disable=not progress)]
+    finally:
+        backbone.train(was_training)
+    return evaluate_ijb(torch.cat(feats).numpy(), meta.templates, meta.medias,
+                        meta.face_scores, meta.t1, meta.t2, meta.labels)
+
+
 def format_table(results: dict[str, dict[str, float]]) -> str:
-    """Plain-text table of :func:`evaluate_bins` results, one row per set."""
-    far_cols = [f"tar@far={far:.0e}" for far in FARS]
-    header = ["set", "pairs", "accuracy (%)", "threshold", "AUC", *far_cols]
-    rows = [header]
+    """Plain-text table, one row per verification set or IJB target; "-" where n/a."""
+    fars = [f"tar@far={far:.0e}" for far in sorted({*FARS, *IJB_FARS})]
+    columns = [  # (header, key, format)
+        ("pairs", "num_pairs", lambda r: f"{int(r['num_pairs'])}"),
+        ("accuracy (%)", "accuracy",
+         lambda r: f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_std']:.2f}"),
+        ("threshold", "best_threshold", lambda r: f"{r['best_threshold']:.3f}"),
+        ("AUC", "auc", lambda r: f"{r['auc']:.4f}"),
+        *((f"TAR@{c[8:]} (%)", c, lambda r, c=c: f"{100 * r[c]:.2f}") for c in fars),
+    ]
+    columns = [col for col in columns if any(col[1] in r for r in results.values())]
+    rows = [["set", *(header for header, _, _ in columns)]]
     for name, r in results.items():
-        rows.append([
-            name, f"{int(r['num_pairs'])}",
-            f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_std']:.2f}",
-            f"{r['best_threshold']:.3f}", f"{r['auc']:.4f}",
-            *(f"{r[c]:.4f}" if c in r else "-" for c in far_cols),
-        ])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        rows.append([name, *(fmt(r) if key in r else "-" for _, key, fmt in columns)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -124,12 +151,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True,
                    help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
     p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")
+    p.add_argument("--ijb", type=Path, metavar="DIR",
+                   help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
+    p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    if not args.bin:
-        p.error("nothing to evaluate: give --bin")
+    if not args.bin and args.ijb is None:
+        p.error("nothing to evaluate: give --bin and/or --ijb")
     return args
 
 
@@ -141,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     backbone, _ = load_backbone(args.checkpoint)
     backbone.to(device)
     results = evaluate_bins(backbone, args.bin, args.batch_size, device)
+    if args.ijb is not None:
+        results[args.ijb_target] = evaluate_ijb_dir(backbone, args.ijb, args.ijb_target,
+                                                    args.batch_size, device, progress=True)
     print(format_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
