@@ -1,18 +1,30 @@
 # partial-fc — `make train` sets a fresh machine up and runs the embedded CPU default;
 # `make test` runs the test suite (CI runs exactly that).
-PY      := .venv/bin/python
-STAMP   := .venv/.installed
-NPROC_PER_NODE ?= 2
-NNODES  ?= 1
+#
+# Recipes (GPU clusters):  make ms1mv3-r50 DATA=/data/ms1mv3 NPROC_PER_NODE=8 \
+#                              [NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500] [ARGS="optim.lr=0.2"]
+# Data:                    make convert-ms1m SRC=/data/faces_emore OUT=data/ms1mv2
+PY       := .venv/bin/python
+TORCHRUN := .venv/bin/torchrun
+STAMP    := .venv/.installed
+NPROC_PER_NODE ?= gpu
+NNODES   ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
-DATA    ?=
-OUT     ?=
-SRC     ?=
-ARGS    ?=
+DATA     ?=
+OUT      ?=
+SRC      ?=
+ARGS     ?=
+# `make train`: the synthetic set (data_pipeline.write_synthetic_dataset) and 2 CPU ranks.
+SMOKE_DATA    ?= data/synthetic
+SMOKE_CLASSES ?= 100
+SMOKE_IMAGES  ?= 20
+SMOKE_NPROC   ?= 2
 
-.PHONY: setup train test test-fast lint bench
+RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
+
+.PHONY: setup train test test-fast lint bench convert-ms1m $(RECIPES)
 
 setup: $(STAMP)
 
@@ -29,3 +41,24 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline launch tests bench
+
+$(SMOKE_DATA)/manifest.json: | setup
+	$(PY) -c "from data_pipeline import write_synthetic_dataset as w; \
+	m = w('$(SMOKE_DATA)', $(SMOKE_CLASSES), $(SMOKE_IMAGES), seed=0); \
+	print(f'synthetic data: {m.num_classes} classes, {m.num_samples} images in $(SMOKE_DATA)')"
+
+train: setup $(SMOKE_DATA)/manifest.json
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
+	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
+
+# torchrun's static rendezvous: node NODE_RANK of NNODES, rank 0's node at MASTER_ADDR:MASTER_PORT.
+DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \
+        --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT)
+
+$(RECIPES): setup
+	$(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
+	  $(if $(DATA),data.dir=$(DATA)) $(ARGS)
+
+convert-ms1m: setup
+	@test -n "$(SRC)" -a -n "$(OUT)" || { echo "usage: make convert-ms1m SRC=faces_emore OUT=data/ms1mv2"; exit 2; }
+	$(PY) -m launch.convert insightface $(SRC) $(OUT)

@@ -1,0 +1,201 @@
+"""One optimisation step: data-parallel backbone (DDP or DeepSpeed) + model-parallel head.
+
+The sharded head is deliberately **outside** DDP/DeepSpeed: its rows are never averaged
+(DESIGN.md invariant 2) and it has its own row-sampling optimizer
+(``partial_fc.optim.SampledSGD/SampledAdamW``). A step splits the backward in two:
+
+1. ``e = emb.detach().float()``; ``loss = head(e, labels)``; ``loss.backward()`` gives the
+   head rows their exact gradient and ``e.grad = dL_global/de_local`` (the head's contract,
+   in fp32, untouched by any engine loss scaling);
+2. the backbone backward runs on the surrogate ``sum(emb * P * e.grad)``: its parameter
+   gradient on this rank is ``P * dL_global/dtheta|local``; DDP/DeepSpeed average over the
+   P ranks, leaving ``sum_r dL_global/dtheta|r`` — the single-process gradient of the
+   global-batch loss.
+
+Gradient accumulation over ``k`` micro-batches averages the k global-batch gradients; it
+is exact only when each forward is independent of the others (``launch.config`` refuses
+class sampling, dynamic AdaCos and SphereFace's per-forward lambda with ``k > 1``).
+BatchNorm statistics are per rank and per micro-batch, as in any data-parallel run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from launch.config import Config, OptimConfig, ScheduleConfig
+from partial_fc.backbones import normalize_images
+from partial_fc.optim import SampledAdamW, SampledSGD
+
+
+def lr_factor(schedule: ScheduleConfig, warmup_steps: int, total_steps: int) -> Callable:
+    """``step -> lr multiplier``: linear warm-up to 1, then ``(1 - t)^power`` or cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule.type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * t))
+        return (1.0 - t) ** schedule.power
+
+    return factor
+
+
+def make_optimizer(optim: OptimConfig, params) -> torch.optim.Optimizer:
+    """The backbone's torch optimizer."""
+    if optim.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
+        )
+    betas = (optim.betas[0], optim.betas[1])
+    return torch.optim.AdamW(
+        params, lr=optim.lr, betas=betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
+
+
+def make_head_optimizer(optim: OptimConfig, head: nn.Module) -> torch.optim.Optimizer:
+    """The head's row-sampling optimizer (unsampled rows get no momentum, no decay)."""
+    if optim.name == "sgd":
+        return SampledSGD(head, optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    betas = (optim.betas[0], optim.betas[1])
+    return SampledAdamW(head, optim.lr, betas=betas, eps=optim.eps, weight_decay=optim.weight_decay)
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict:
+    """The DeepSpeed JSON for the backbone. The optimizer is passed as a torch object."""
+    micro, accum = cfg.train.batch_size, cfg.train.grad_accum
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world_size,
+        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": cfg.train.clip_grad_norm or 0.0,
+        "bf16": {"enabled": cfg.engine.precision == "bf16"},
+        "fp16": {"enabled": cfg.engine.precision == "fp16"},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+class Engine:
+    """Backbone wrapper + both optimizers + the LR schedule; ``step`` does one update.
+
+    Build on every rank after the default process group is up. ``head`` is a
+    ``partial_fc.PartialFC`` on the same group; ``backbone`` is the bare module (kept as
+    ``self.backbone`` for evaluation and checkpoints).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        backbone: nn.Module,
+        head: nn.Module,
+        device: torch.device,
+        total_steps: int,
+        warmup_steps: int,
+    ):
+        self.cfg, self.device = cfg, device
+        self.world_size = dist.get_world_size()
+        self.backbone = backbone.to(device)
+        self.head = head.to(device)
+        self.head_optimizer = make_head_optimizer(cfg.optim, head)
+        self.optimizer = make_optimizer(cfg.optim, self.backbone.parameters())
+        self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
+        self.deepspeed = cfg.engine.type == "deepspeed"
+        self.input_dtype = torch.float32
+        if self.deepspeed:
+            self.model = self._init_deepspeed()
+            self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+                cfg.engine.precision, torch.float32
+            )
+        else:
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.backbone, device_ids=ids)
+        self.set_lr(0)
+
+    def _init_deepspeed(self) -> nn.Module:
+        import deepspeed
+        import deepspeed.ops
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        if self.device.type == "cpu" and not self.cfg.engine.cpu_shm_comm:
+            # DeepSpeed JIT-builds a shared-memory all-reduce for CPU on first use (30-50 s);
+            # without it its collectives go through the gloo group (config: engine.cpu_shm_comm).
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        model, _, _, _ = deepspeed.initialize(
+            model=self.backbone,
+            optimizer=self.optimizer,
+            config=deepspeed_config(self.cfg, self.world_size),
+            dist_init_required=False,
+        )
+        return model
+
+    def set_lr(self, step: int) -> float:
+        """Set both optimizers' learning rate for optimisation step ``step`` (0-based)."""
+        lr = self.cfg.optim.lr * self.lr_factor(step)
+        for opt in (self.optimizer, self.head_optimizer):
+            for group in opt.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def _no_sync(self, boundary: bool):
+        if self.deepspeed or boundary:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _autocast(self):
+        if not self.deepspeed and self.cfg.engine.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def step(self, step: int, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
+
+        Returns ``{"loss", "lr", "grad_norm"}`` (floats; loss = mean over micro-batches of
+        the global-batch loss, identical on all ranks).
+        """
+        lr = self.set_lr(step)
+        k = len(micro_batches)
+        loss_sum = 0.0
+        for i, (images, labels) in enumerate(micro_batches):
+            x = normalize_images(images.to(self.device, non_blocking=True)).to(self.input_dtype)
+            y = labels.to(self.device, non_blocking=True)
+            with self._no_sync(i == k - 1):
+                with self._autocast():
+                    emb = self.model(x)
+                e = emb.detach().float().requires_grad_()
+                loss = self.head(e, y)
+                (loss / k).backward()
+                surrogate = (emb.float() * (e.grad * self.world_size)).sum()
+                if self.deepspeed:
+                    self.model.backward(surrogate, scale_wrt_gas=False)
+                    self.model.step()
+                else:
+                    surrogate.backward()
+            loss_sum += loss.item()
+        if self.deepspeed:
+            norm = self.model.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+        else:
+            grad_norm = self._clip()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.head_optimizer.step()
+        self.head_optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm}
+
+    def _clip(self) -> float:
+        params = [p for p in self.backbone.parameters() if p.grad is not None]
+        clip = self.cfg.train.clip_grad_norm
+        if clip is None:
+            norms = torch.stack([p.grad.detach().float().norm() for p in params])
+            return float(norms.norm())
+        return float(torch.nn.utils.clip_grad_norm_(params, clip))

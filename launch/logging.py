@@ -1,0 +1,159 @@
+"""All of the trainer's rank-0 I/O: console, progress bar, metrics.jsonl, W&B, RUN/config.yaml.
+
+Every rank constructs a :class:`RunLogger`; on ranks other than 0 every method is a no-op,
+so call sites need no ``if rank == 0``. W&B runs offline by default (``log.wandb``); the
+``WANDB_MODE`` environment variable, when set, wins (tests set ``disabled``). Scale
+dynamics (s, theta_med, B_avg, mean target/non-target cos) are logged every ``log.every``
+steps and become W&B charts; target/non-target angle histograms every ``log.hist_every``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from launch.config import Config, dump_config
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, max RSS on CPU (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class RunLogger:
+    """Rank-0 sink for one run; ``global_batch`` = images per optimisation step, all ranks."""
+
+    def __init__(self, cfg: Config, rank: int, total_steps: int, global_batch: int):
+        self.active = rank == 0
+        self.cfg, self.total, self.global_batch = cfg, total_steps, global_batch
+        self.run_dir = cfg.run_dir
+        self.history: list[dict] = []
+        self._bar = self._wandb = self._metrics = None
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = 0
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
+        if mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.log.wandb_project,
+                name=cfg.name,
+                mode=mode,
+                dir=str(self.run_dir),
+                config=cfg.model_dump(mode="json"),
+            )
+
+    def info(self, message: str) -> None:
+        if self.active:
+            (self._bar.write if self._bar is not None else print)(message, file=sys.stderr)
+
+    def start(self, step: int) -> None:
+        """Begin timing at optimisation step ``step`` (non-zero when resumed)."""
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = self._start = step
+        if self.active and self.cfg.log.progress:
+            self._bar = tqdm(
+                total=self.total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
+
+    def step(
+        self, step: int, stats: dict, head_stats: dict, skipped: int, device: torch.device
+    ) -> None:
+        """After optimisation step ``step`` (1-based count of steps done)."""
+        if not self.active:
+            return
+        now = time.perf_counter()
+        if self._bar is not None:
+            rate = self.global_batch * (step - self._start) / max(now - self._t0, 1e-9)
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix(loss=f"{stats['loss']:.3f}", img_s=f"{rate:.0f}")
+        if step % self.cfg.log.every and step != self.total:
+            return
+        img_s = self.global_batch * (step - self._last_step) / max(now - self._last_t, 1e-9)
+        self._last_t, self._last_step = now, step
+        record = {
+            "step": step,
+            "loss": stats["loss"],
+            "lr": stats["lr"],
+            "grad_norm": stats["grad_norm"],
+            "scale": head_stats.get("scale"),
+            "theta_med": head_stats.get("theta_med"),
+            "b_avg": head_stats.get("b_avg"),
+            "cos_target_mean": head_stats.get("cos_target_mean"),
+            "cos_nontarget_mean": head_stats.get("cos_nontarget_mean"),
+            "img_per_s": img_s,
+            "memory_mb": memory_mb(device),
+            "skipped_samples": skipped,
+            "time_s": now - self._t0,
+        }
+        self.write(record)
+
+    def histograms(self, step: int, angles: dict[str, torch.Tensor]) -> None:
+        """Angle distributions (degrees), e.g. ``{"theta_target": ..., "theta_nontarget": ...}``."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log(
+                {k: wandb.Histogram(v.float().cpu().numpy()) for k, v in angles.items()}, step=step
+            )
+
+    def evaluation(self, step: int, results: dict[str, dict[str, float]]) -> None:
+        """Verification results of ``launch.evaluate.evaluate_bins``."""
+        flat = {
+            f"val/{name}/{k}": v
+            for name, r in results.items()
+            for k, v in r.items()
+            if isinstance(v, int | float)
+        }
+        self.write({"step": step, **flat})
+        self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" for name, r in results.items()))
+
+    def write(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.history.append(record)
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._wandb is not None:
+            self._wandb.log(
+                {k: v for k, v in record.items() if k != "step" and v is not None},
+                step=record["step"],
+            )
+
+    def close(self, step: int, checkpoint: Path | None) -> dict:
+        """Finish the run; print and return a summary (rank 0; ``{}`` elsewhere)."""
+        if not self.active:
+            return {}
+        if self._bar is not None:
+            self._bar.close()
+        losses = [r["loss"] for r in self.history if "loss" in r]
+        elapsed = time.perf_counter() - self._t0
+        summary = {
+            "run": str(self.run_dir),
+            "steps": step,
+            "time_s": round(elapsed, 1),
+            "img_per_s": round(self.global_batch * (step - self._start) / max(elapsed, 1e-9), 1),
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "checkpoint": str(checkpoint) if checkpoint else None,
+        }
+        print("summary: " + json.dumps(summary), flush=True)
+        self._metrics.close()
+        if self._wandb is not None:
+            self._wandb.summary.update(summary)
+            self._wandb.finish()
+        return summary
