@@ -173,6 +173,7 @@ class Loader:
         workers = self.num_workers
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
+                             collate_fn=_as_is,
                              generator=torch.Generator().manual_seed(self.seed))
         pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
         buffered, last = 0, None
@@ -219,6 +220,11 @@ class Loader:
                 pending[0][1] = offset + n
         cat = (lambda xs: xs[0]) if len(images) == 1 else torch.cat
         return cat(images), cat(labels), keys
+
+
+def _as_is(chunk: dict) -> dict:
+    """DataLoader collate for ready-made chunks (skips default_convert's recursion)."""
+    return chunk
 
 
 def _pad(parts: tuple | None, last: tuple | None, batch_size: int) -> tuple:

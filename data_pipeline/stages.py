@@ -10,7 +10,6 @@ exactly the samples it had handed out. Sample dicts carry `__key__`, `jpg` (byte
 from __future__ import annotations
 
 import random
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from data_pipeline.manifest import ShardInfo
 from data_pipeline.plan import Piece
 
 CORRUPT = "__corrupt__"
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
 
 
 def check_shard(path: Path, info: ShardInfo) -> None:
@@ -47,27 +48,64 @@ def tar_samples(path: Path, start: int = 0, stop: int | None = None) -> Iterator
     """
     seen, current = 0, None  # samples started so far; the one being assembled (number seen-1)
     try:
-        with tarfile.open(path, mode="r:") as tar:
-            for member in tar:
-                key, _, ext = member.name.partition(".")
+        with open(path, "rb") as f:
+            for name, offset, size in _tar_members(f, path):
+                key, _, ext = name.rpartition("/")[2].partition(".")
                 if current is None or key != current["__key__"]:
                     if current is not None and seen > start:
                         yield current
                     if seen == stop:
                         return
                     current, seen = {"__key__": key}, seen + 1
-                if seen > start and member.isfile():
-                    data = tar.extractfile(member).read()
-                    if len(data) != member.size:
-                        raise ShardError(f"{path}: member {member.name} truncated")
-                    current[ext] = data
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise ShardError(f"{path}: unreadable tar ({type(exc).__name__}: {exc})") from exc
+                if seen > start:
+                    f.seek(offset)
+                    current[ext] = f.read(size)
+                    if len(current[ext]) != size:
+                        raise ShardError(f"{path}: member {name} truncated")
+    except OSError as exc:
+        raise ShardError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
     if current is not None and seen > start:
         yield current
     if stop is not None and seen < stop:
         raise ShardError(f"{path}: holds {seen} samples, expected at least {stop} "
                          "(truncated shard)")
+
+
+def _tar_members(f, path: Path) -> Iterator[tuple[str, int, int]]:
+    """(name, data offset, size) of each regular file in a ustar archive.
+
+    A small reader instead of `tarfile`, whose per-member Python overhead cost more than the
+    JPEG decode (profiled: 2.6 s of 4.6 s per 6k samples). Headers are checksum-verified;
+    member types other than regular files and directories (GNU long names, pax) are refused:
+    shards come from this package's writer.
+    """
+    offset = 0
+    while True:
+        f.seek(offset)
+        header = f.read(BLOCK)
+        if len(header) < BLOCK:
+            raise ShardError(f"{path}: truncated shard (no end-of-archive block after byte "
+                             f"{offset})")
+        if header == ZERO_BLOCK:
+            return
+        try:
+            checksum = int(header[148:156].split(b"\0")[0].strip() or b"0", 8)
+            size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
+        except ValueError:
+            checksum = size = -1
+        if checksum != sum(header[:148]) + 256 + sum(header[156:]):
+            raise ShardError(f"{path}: corrupt tar header at byte {offset}")
+        kind = header[156:157]
+        name = header[:100].split(b"\0")[0].decode()
+        prefix = header[345:500].split(b"\0")[0].decode() if header[257:262] == b"ustar" else ""
+        if prefix:
+            name = f"{prefix}/{name}"
+        if kind in (b"0", b"\0"):
+            yield name, offset + BLOCK, size
+        elif kind != b"5":
+            raise ShardError(f"{path}: tar member {name!r} has unsupported type {kind!r} "
+                             "(write shards with launch.convert)")
+        offset += BLOCK + -(-size // BLOCK) * BLOCK
 
 
 def read_pieces(pieces: list[Piece], paths: list[Path], infos: list[ShardInfo]) -> Iterator[dict]:
@@ -131,12 +169,11 @@ def _chunk(data: Iterator[dict], batch_size: int, worker: int) -> Iterator[dict]
 
 
 def _make_chunk(samples: list[dict], skipped: int, end: int, worker: int) -> dict:
-    if samples:
-        images = np.stack([s["image"] for s in samples]).transpose(0, 3, 1, 2)
-        images = torch.from_numpy(np.ascontiguousarray(images))
-    else:
-        images = torch.empty((0, 3, 0, 0), dtype=torch.uint8)
-    return {"images": images,
+    height, width = samples[0]["image"].shape[:2] if samples else (0, 0)
+    images = np.empty((len(samples), 3, height, width), np.uint8)
+    for out, sample in zip(images, samples, strict=True):
+        out[...] = sample["image"].transpose(2, 0, 1)  # one strided copy, flip included
+    return {"images": torch.from_numpy(images),
             "labels": torch.tensor([s["label"] for s in samples], dtype=torch.int64),
             "keys": [s["__key__"] for s in samples],
             "positions": [s["__pos__"] for s in samples],

@@ -13,15 +13,9 @@ raises before anything runs. Python-2 ``str`` images load as bytes
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 from pathlib import Path
-
-import numpy as np
-from PIL import Image
-
-_ALLOWED = (list, tuple, bytes, bool, int)
 
 
 class UnsafeBinError(ValueError):
@@ -90,19 +84,3 @@ def write_bin(path: str | os.PathLike, images: list[bytes], issame: list[bool]) 
     with tmp.open("wb") as f:
         pickle.dump((images, issame), f, protocol=4)
     os.replace(tmp, path)
-
-
-def decode_image(data: bytes, size: int = 112) -> np.ndarray:
-    """Encoded image -> uint8 ``[3, size, size]`` RGB (verification images are pre-aligned).
-
-    Raises:
-        ValueError: undecodable bytes or an image that is not ``size``x``size``.
-    """
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            rgb = np.asarray(im.convert("RGB"))
-    except Exception as exc:
-        raise ValueError(f"cannot decode verification image ({exc})") from exc
-    if rgb.shape[:2] != (size, size):
-        raise ValueError(f"verification image is {rgb.shape[1]}x{rgb.shape[0]}, need {size}x{size}")
-    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
