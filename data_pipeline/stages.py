@@ -50,7 +50,9 @@ def tar_samples(path: Path, start: int = 0, stop: int | None = None) -> Iterator
     try:
         with open(path, "rb") as f:
             for name, offset, size in _tar_members(f, path):
-                key, _, ext = name.rpartition("/")[2].partition(".")
+                folder, _, base = name.rpartition("/")
+                stem, _, ext = base.partition(".")
+                key = f"{folder}/{stem}" if folder else stem  # webdataset's key convention
                 if current is None or key != current["__key__"]:
                     if current is not None and seen > start:
                         yield current

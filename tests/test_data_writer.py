@@ -2,13 +2,14 @@
 
 import io
 import json
+import tarfile
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from data_pipeline import read_manifest, write_dataset, write_synthetic_dataset
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataError, ShardError
 from data_pipeline.stages import tar_samples
 from data_pipeline.synthetic import SyntheticSource
 from data_pipeline.writer import PROGRESS_NAME
@@ -110,3 +111,22 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "y" / "shard-000000.tar").write_bytes(b"")
     with pytest.raises(DataError, match="holds shards but no"):
         write_synthetic_dataset(tmp_path / "y", 2, 2)
+
+
+def test_shard_reader_accepts_tarfile_archives_and_rejects_bad_headers(tmp_path):
+    path = tmp_path / "other.tar"
+    with tarfile.open(path, "w") as tar:  # Python's default (pax) format, a sub-folder
+        for name, payload in [("d/a.jpg", b"A" * 700), ("d/a.cls", b"1"), ("d/b.jpg", b"B"),
+                              ("d/b.cls", b"2"), ("c.cls", b"3")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    samples = list(tar_samples(path))
+    assert [s["__key__"] for s in samples] == ["d/a", "d/b", "c"]
+    assert samples[0]["jpg"] == b"A" * 700 and samples[1]["cls"] == b"2"
+    assert [s["__key__"] for s in tar_samples(path, 1, 2)] == ["d/b"]
+    data = bytearray(path.read_bytes())
+    data[512 + 1024 + 10] ^= 0xFF  # inside the second header (after 700 bytes of data)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=r"other\.tar: corrupt tar header at byte 1536"):
+        list(tar_samples(path))
