@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
-from data_pipeline.verification_bin import decode_image, read_bin
+from data_pipeline.verification_bin import read_bin
 from launch.inference import load_backbone
 from partial_fc.backbones import normalize_images
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
@@ -69,7 +70,9 @@ def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
     n = len(encoded)
     chunk = math.ceil(n / world)
     share = [encoded[min(i, n - 1)] for i in range(rank * chunk, (rank + 1) * chunk)]
-    local = embed_images(backbone, np.stack([decode_image(b) for b in share]), batch_size, device)
+    decoder = resolve_decoder("auto")
+    images = np.stack([decode_image(b, 112, decoder).transpose(2, 0, 1) for b in share])
+    local = embed_images(backbone, images, batch_size, device)
     if world == 1:
         return local[:n]
     gathered = local.new_empty(world * chunk, local.shape[1])

@@ -14,7 +14,8 @@ import yaml
 from eval_helpers import make_color_bin, make_run
 from torch import nn
 
-from data_pipeline.verification_bin import decode_image, read_bin
+from data_pipeline.codec import decode_image
+from data_pipeline.verification_bin import read_bin
 from launch.evaluate import embed_images, evaluate_bins, main
 from launch.inference import CheckpointError, load_backbone
 from partial_fc.eval.verification import evaluate_pairs
@@ -37,7 +38,7 @@ def _reference(model, path):
     embs = []
     with torch.no_grad():
         for b in encoded:
-            x = torch.from_numpy(decode_image(b))[None].float() / 127.5 - 1
+            x = torch.tensor(decode_image(b, 112, "pil").transpose(2, 0, 1))[None] / 127.5 - 1
             e = model(x) + model(torch.flip(x, dims=[3]))
             embs.append(torch.nn.functional.normalize(e, dim=1)[0])
     emb = torch.stack(embs).numpy()
