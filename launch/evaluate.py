@@ -28,6 +28,7 @@ from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
 from data_pipeline.verification_bin import read_bin
 from launch.inference import load_backbone
 from partial_fc.backbones import normalize_images
+from partial_fc.distributed import get_rank, get_world_size
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
 from partial_fc.eval.verification import FARS, evaluate_pairs
 
@@ -51,13 +52,6 @@ def embed_images(backbone: nn.Module, images: np.ndarray | torch.Tensor, batch_s
     return torch.cat(out)
 
 
-def _group_info(process_group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    group = process_group if process_group is not None else dist.group.WORLD
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
                  device: torch.device | str, process_group=None) -> torch.Tensor:
     """Embed encoded images, each rank its contiguous share; every rank returns all ``[N, D]``.
@@ -66,7 +60,7 @@ def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
     torch.distributed is not initialised). Shares are padded to equal length by
     repeating the last image (gloo has no uneven all-gather); the padding is dropped.
     """
-    rank, world = _group_info(process_group)
+    rank, world = get_rank(process_group), get_world_size(process_group)
     n = len(encoded)
     chunk = math.ceil(n / world)
     share = [encoded[min(i, n - 1)] for i in range(rank * chunk, (rank + 1) * chunk)]
