@@ -117,6 +117,7 @@ class SampledAdamW(_SampledOptimizer):
         w.mul_(1 - group["lr"] * group["weight_decay"])
         m = state["exp_avg"].lerp_(g, 1 - beta1)
         v = state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = group["lr"] / (1 - beta1**t)  # [rows, 1]: per-row bias correction
-        denom = (v.sqrt() / (1 - beta2**t).sqrt()).add_(group["eps"])
-        w.sub_(m / denom * step_size)
+        t = t.double()  # bias corrections in float64, as torch computes them (Python floats)
+        step_size = (group["lr"] / (1 - beta1**t)).to(w.dtype)  # [rows, 1]: per-row
+        bias2_sqrt = (1 - beta2**t).sqrt().to(w.dtype)
+        w.addcdiv_(m * step_size, (v.sqrt() / bias2_sqrt).add_(group["eps"]), value=-1)

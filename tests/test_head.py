@@ -1,0 +1,165 @@
+"""PartialFC in one process (no process group): edge cases, errors, state, init, autocast.
+Exactness against the reference on 1/2/3 ranks is in test_head_distributed.py."""
+
+import math
+
+import head_reference as ref
+import pytest
+import torch
+
+from partial_fc import PartialFC, build_margin
+from partial_fc.head import partition
+from partial_fc.init import BLOCK, init_rows_
+
+MARGINS = {
+    "normface": dict(type="normface", s=30.0),
+    "sphereface": dict(type="sphereface", m=4, s=30.0),
+    "cosface": dict(type="cosface", s=30.0, m=0.35),
+    "arcface": dict(type="arcface", s=64.0, m=0.5),
+    "arcface_easy": dict(type="arcface", s=64.0, m=0.5, easy_margin=True),
+    "combined": dict(type="combined", s=64.0, m1=1.2, m2=0.3, m3=0.1),
+    "adacos_dynamic": dict(type="adacos", adacos="dynamic"),
+}
+
+
+def _head(cfg, num_classes=10, dim=4, **kw):
+    return PartialFC(dim, num_classes, build_margin(cfg), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_cos_exactly_plus_and_minus_one_gives_finite_loss_and_gradients(name):
+    head = _head(MARGINS[name])
+    basis = torch.eye(4)
+    with torch.no_grad():  # rows 0..3 = unit vectors: cos is exactly +-1 and 0
+        head.weight.zero_()
+        head.weight[:4] = basis
+        head.weight[4:8] = -basis
+        head.weight[8:] = basis[:2] + basis[2:]
+    emb = basis.clone().requires_grad_()
+    labels = torch.tensor([0, 5, 2, 7])  # cos(target) = +1, -1, +1, -1
+    loss = head(emb, labels)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(emb.grad).all() and torch.isfinite(head.weight.grad).all()
+    assert all(math.isfinite(v) for v in head.stats.values())
+
+
+def test_batch_size_one_matches_reference():
+    cfg = MARGINS["arcface"]
+    head = _head(cfg, num_classes=7)
+    emb = torch.randn(1, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    loss = head(emb, torch.tensor([3]))
+    loss.backward()
+    e, w = emb.detach().double().requires_grad_(), head.weight.detach().double().requires_grad_()
+    want = ref.loss(e, w, torch.tensor([3]), cfg, 64.0)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.testing.assert_close(emb.grad.double(), e.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 12345])
+def test_out_of_range_label_names_the_value(bad):
+    head = _head(MARGINS["cosface"])
+    with pytest.raises(ValueError, match=rf"label {bad} out of range \[0, 10\)"):
+        head(torch.randn(3, 4), torch.tensor([0, bad, 1]))
+
+
+def test_bad_shapes_and_arguments_are_clear_errors():
+    head = _head(MARGINS["cosface"])
+    with pytest.raises(ValueError, match=r"expected embeddings float \[n, 4\]"):
+        head(torch.randn(3, 5), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="labels int64"):
+        head(torch.randn(3, 4), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="global batch is empty"):
+        head(torch.randn(0, 4), torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(ValueError, match="sample_rate=0"):
+        _head(MARGINS["cosface"], sample_rate=0)
+    with pytest.raises(ValueError, match="num_classes=2"):
+        _head(dict(type="adacos", adacos="fixed"), num_classes=2)
+    with pytest.raises(TypeError, match="build_margin"):
+        PartialFC(4, 10, margin=None)
+
+
+def test_int32_labels_are_accepted():
+    head = _head(MARGINS["cosface"])
+    emb = torch.randn(3, 4)
+    a = head(emb, torch.tensor([0, 4, 9], dtype=torch.int32))
+    assert a.item() == head(emb, torch.tensor([0, 4, 9])).item()
+
+
+def test_state_dict_keys_and_adacos_resume():
+    head = _head(MARGINS["adacos_dynamic"])
+    assert list(head.state_dict()) == ["weight", "step", "margin.scale.s"]
+    assert list(_head(MARGINS["arcface"]).state_dict()) == ["weight", "step"]
+    emb, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 4, 5])
+    head(emb, labels)
+    fresh = _head(MARGINS["adacos_dynamic"])
+    fresh.load_state_dict(head.state_dict())
+    assert fresh.stats == {} and int(fresh.step) == 1
+    head(emb, labels)
+    fresh(emb, labels)
+    assert fresh.stats == head.stats
+
+
+def test_eval_freezes_scale_step_and_sampling():
+    head = _head(MARGINS["adacos_dynamic"], num_classes=100, sample_rate=0.1)
+    emb, labels = torch.randn(8, 4), torch.arange(8)
+    head(emb, labels)
+    s, step = head.margin.scale.s.clone(), int(head.step)
+    assert head.sampled_index is not None and len(head.sampled_index) == 10
+    head.eval()
+    with torch.no_grad():
+        head(emb, labels)
+    assert torch.equal(head.margin.scale.s, s) and int(head.step) == step
+    assert head.sampled_index is None and head.stats["scale"] == s.item()
+
+
+def test_stats_are_floats_with_the_documented_keys():
+    head = _head(MARGINS["arcface"])
+    head(torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 4]))
+    keys = {"scale", "theta_med", "b_avg", "loss", "cos_target_mean", "cos_nontarget_mean"}
+    assert set(head.stats) == keys and all(type(v) is float for v in head.stats.values())
+
+
+def test_fixed_scale_b_avg_stat_is_the_definition():
+    head = _head(MARGINS["cosface"])
+    emb, labels = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 9])
+    head(emb, labels)
+    cos = ref.cosines(emb.double(), head.weight.detach().double())
+    onehot = torch.nn.functional.one_hot(labels, 10).bool()
+    want = torch.exp(30.0 * cos).masked_fill(onehot, 0).sum(1).mean().item()
+    assert head.stats["b_avg"] == pytest.approx(want, rel=1e-4)
+    nontarget = cos.masked_select(~onehot).mean().item()
+    assert head.stats["cos_nontarget_mean"] == pytest.approx(nontarget, rel=1e-5)
+
+
+def test_partition_is_contiguous_and_remainder_aware():
+    parts = [partition(1001, 3, r) for r in range(3)]
+    assert parts == [(0, 334), (334, 334), (668, 333)]
+    assert [partition(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+
+
+def test_init_rows_depend_only_on_seed_and_global_class():
+    num_classes = 2 * BLOCK + 37
+    full = init_rows_(torch.empty(num_classes, 3), 0, seed=5)
+    for world in (2, 3, 7):
+        parts = [partition(num_classes, world, r) for r in range(world)]
+        rows = [init_rows_(torch.empty(n, 3), start, seed=5) for start, n in parts]
+        assert torch.equal(torch.cat(rows), full), world
+    assert not torch.equal(init_rows_(torch.empty(10, 3), 0, seed=6), full[:10])
+    assert full.std().item() == pytest.approx(0.01, rel=0.05)
+    head = PartialFC(3, num_classes, build_margin(MARGINS["cosface"]), seed=5)
+    assert torch.equal(head.weight.detach(), full)
+
+
+def test_bf16_autocast_keeps_the_softmax_in_fp32():
+    head = _head(MARGINS["arcface"], num_classes=50, dim=16)
+    emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(8) * 5
+    want = head(emb, labels).item()
+    x = emb.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = head(x, labels)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(x.grad).all()
+    assert loss.item() == pytest.approx(want, rel=2e-2)  # bf16 cosines, fp32 softmax

@@ -1,0 +1,107 @@
+"""partial_fc.optim: equal to torch's SGD/AdamW when all rows are sampled; unsampled rows
+and their state untouched; per-row Adam step counts; LR schedulers; state_dict."""
+
+import pytest
+import torch
+
+from partial_fc import PartialFC, SampledAdamW, SampledSGD, build_margin
+
+
+def _head(rate=1.0, num_classes=40):
+    return PartialFC(8, num_classes, build_margin(dict(type="cosface", s=16.0, m=0.2)),
+                     sample_rate=rate, seed=3)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 40, (6,), generator=g)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "kw"),
+    [
+        (SampledSGD, torch.optim.SGD, dict(lr=0.3, momentum=0.9, weight_decay=5e-4)),
+        (SampledSGD, torch.optim.SGD, dict(lr=0.3, momentum=0.0, weight_decay=0.0)),
+        (SampledAdamW, torch.optim.AdamW, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.05)),
+    ],
+)
+def test_full_sampling_equals_torch_optimizer(ours, theirs, kw):
+    head = _head()
+    twin = torch.nn.Parameter(head.weight.detach().clone())
+    opt, ref = ours(head, **kw), theirs([twin], **kw)
+    for step in range(4):
+        emb, labels = _batch(step)
+        opt.zero_grad()
+        head(emb, labels).backward()
+        opt.step()
+        ref.zero_grad()
+        _twin_loss(head, twin, emb, labels).backward()
+        ref.step()
+        torch.testing.assert_close(head.weight.detach(), twin.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _twin_loss(head, twin, emb, labels):
+    saved = head.weight
+    head.weight = twin  # same math, plain parameter
+    try:
+        return head(emb, labels)
+    finally:
+        head.weight = saved
+
+
+@pytest.mark.parametrize("cls", [SampledSGD, SampledAdamW])
+def test_unsampled_rows_and_their_state_stay_bit_identical(cls):
+    head = _head(rate=0.25)
+    opt = cls(head, lr=0.1)
+    for step in range(3):
+        emb, labels = _batch(step)
+        before = head.weight.detach().clone()
+        state_before = {k: v.clone() for k, v in opt.state[head.weight].items()}
+        opt.zero_grad()
+        head(emb, labels).backward()
+        used = head.sampled_index
+        opt.step()
+        mask = torch.zeros(40, dtype=torch.bool)
+        mask[used] = True
+        assert torch.equal(head.weight[~mask], before[~mask])
+        assert (head.weight[mask] != before[mask]).any(dim=1).all()
+        for key, val in state_before.items():
+            assert torch.equal(opt.state[head.weight][key][~mask], val[~mask]), key
+    if cls is SampledAdamW:
+        counts = opt.state[head.weight]["step"]
+        assert counts.max() <= 3 and counts.min() >= 0 and (counts < 3).any()
+
+
+def test_no_forward_since_the_last_step_updates_nothing():
+    head = _head(rate=0.25)
+    opt = SampledSGD(head, lr=0.1)
+    emb, labels = _batch(0)
+    head(emb, labels).backward()
+    opt.step()
+    before = head.weight.detach().clone()
+    opt.step()  # no new forward: no row was used
+    assert torch.equal(head.weight, before)
+
+
+def test_lr_scheduler_and_state_dict():
+    head = _head()
+    opt = SampledSGD(head, lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    emb, labels = _batch(0)
+    head(emb, labels).backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5
+    clone = SampledSGD(_head(), lr=1.0)
+    clone.load_state_dict(opt.state_dict())
+    assert torch.equal(next(iter(clone.state.values()))["momentum_buffer"],
+                       opt.state[head.weight]["momentum_buffer"])
+
+
+def test_argument_errors():
+    with pytest.raises(TypeError, match="PartialFC"):
+        SampledSGD(torch.nn.Linear(2, 2), lr=0.1)
+    with pytest.raises(ValueError, match="momentum=1.5"):
+        SampledSGD(_head(), lr=0.1, momentum=1.5)
+    with pytest.raises(ValueError, match="lr=-1"):
+        SampledAdamW(_head(), lr=-1)

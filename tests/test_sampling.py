@@ -1,0 +1,64 @@
+"""partial_fc.sampling: sample size, positives kept, label remap, seeded determinism."""
+
+import pytest
+import torch
+
+from partial_fc.init import derive_seed
+from partial_fc.sampling import local_targets, sample_classes, sample_size
+
+
+@pytest.mark.parametrize(
+    ("rate", "n", "want"),
+    [(0.7, 10, 7), (0.1, 1001, 101), (1.0, 13, 13), (0.001, 5, 1), (0.3, 10, 3), (0.25, 9, 3)],
+)
+def test_sample_size_is_ceil_without_rounding_surprises(rate, n, want):
+    assert sample_size(rate, n) == want
+
+
+def test_local_targets_marks_other_shards():
+    labels = torch.tensor([0, 9, 10, 19, 20, 15])
+    assert local_targets(labels, 10, 10).tolist() == [-1, -1, 0, 9, -1, 5]
+
+
+def _sample(labels, step=0, rank=0, start=100, num_local=200, rate=0.1, seed=0):
+    return sample_classes(torch.tensor(labels), start, num_local, rate, seed, step, rank)
+
+
+def test_positives_kept_size_and_remap():
+    labels = [100, 150, 150, 299, 5, 300, 120]
+    index, targets = _sample(labels)
+    assert len(index) == 20 and torch.equal(index, torch.unique(index))
+    owned = [y - 100 for y in labels if 100 <= y < 300]
+    assert set(owned) <= set(index.tolist())
+    for y, t in zip(labels, targets.tolist(), strict=True):
+        if 100 <= y < 300:
+            assert index[t].item() == y - 100
+        else:
+            assert t == -1
+
+
+def test_more_positives_than_the_rate_keeps_them_all():
+    labels = list(range(100, 130))  # 30 positives > ceil(0.1 * 200) = 20
+    index, _ = _sample(labels)
+    assert index.tolist() == list(range(30))
+
+
+def test_full_sample_returns_none():
+    index, targets = _sample([100, 101], rate=1.0)
+    assert index is None and targets.tolist() == [0, 1]
+    index, _ = _sample(list(range(100, 300)), rate=0.5)  # every class is a positive
+    assert index is None
+
+
+def test_negatives_are_seeded_by_seed_step_rank():
+    a = _sample([150], step=3, rank=1)[0]
+    assert torch.equal(a, _sample([150], step=3, rank=1)[0])
+    for other in (dict(step=4, rank=1), dict(step=3, rank=2), dict(step=3, rank=1, seed=1)):
+        assert not torch.equal(a, _sample([150], **other)[0]), other
+
+
+def test_derive_seed():
+    assert derive_seed(1, 2, 3) == derive_seed(1, 2, 3) != derive_seed(1, 3, 2)
+    assert 0 <= derive_seed(0) < 2**63
+    with pytest.raises(ValueError, match="must be >= 0"):
+        derive_seed(-1)
