@@ -62,6 +62,7 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> DistEnv:
         else:
             if world != 1:
                 raise RuntimeError(f"WORLD_SIZE={world} without MASTER_ADDR: launch with torchrun")
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)

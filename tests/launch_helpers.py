@@ -1,0 +1,88 @@
+"""Shared pieces of the trainer tests: a config, a BN-free backbone, batches, an Engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_CLASSES, EMBEDDING = 11, 16  # 11 classes: uneven over 2 and 3 ranks
+
+
+def make_config(*overrides: str):
+    from launch.config import load_config
+
+    base = [
+        f"data.num_classes={NUM_CLASSES}",
+        "engine.type=ddp",
+        "train.clip_grad_norm=1.0",
+        "margin.type=arcface",
+        "margin.s=16.0",
+    ]
+    return load_config(ROOT / "configs" / "smoke.yaml", base + list(overrides), resolve=False)
+
+
+def tiny_backbone() -> nn.Module:
+    """No BatchNorm, so a P-rank step can equal a 1-rank step exactly (BN stats are per rank)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 16, stride=16),
+        nn.Flatten(),
+        nn.PReLU(4 * 7 * 7),
+        nn.Linear(4 * 7 * 7, EMBEDDING),
+    )
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    images = torch.randint(0, 256, (size, 3, 112, 112), generator=gen, dtype=torch.uint8)
+    return images, torch.randint(0, NUM_CLASSES, (size,), generator=gen)
+
+
+def local_micro_batches(step: int, size: int, rank: int, world: int, k: int) -> list:
+    """Rank ``rank``'s share of global batch ``step``, cut into ``k`` micro-batches whose
+    union over ranks, micro-batch by micro-batch, covers the global batch once."""
+    images, labels = global_batch(step, size)
+    per = size // (world * k)
+    out = []
+    for j in range(k):
+        lo = (j * world + rank) * per
+        out.append((images[lo : lo + per], labels[lo : lo + per]))
+    return out
+
+
+def build_engine(cfg, total_steps: int = 10):
+    from launch.engine import Engine
+    from partial_fc import PartialFC, build_margin
+
+    torch.manual_seed(0)
+    backbone = tiny_backbone()
+    head = PartialFC(
+        EMBEDDING,
+        NUM_CLASSES,
+        build_margin(cfg.margin_kwargs()),
+        sample_rate=cfg.head.sample_rate,
+        seed=cfg.seed,
+    )
+    return Engine(cfg, backbone, head, torch.device("cpu"), total_steps=total_steps, warmup_steps=0)
+
+
+def snapshot(engine) -> dict:
+    """Everything a step changes, as plain CPU tensors (picklable across processes)."""
+    head_opt = engine.head_optimizer.state.get(engine.head.weight, {})
+    return {
+        "backbone": {k: v.detach().clone() for k, v in engine.backbone.state_dict().items()},
+        "rows": engine.head.weight.detach().clone(),
+        "class_start": engine.head.class_start,
+        "head_opt": {k: v.detach().clone() for k, v in head_opt.items()},
+        "head_state": {
+            k: v.detach().clone() for k, v in engine.head.state_dict().items() if k != "weight"
+        },
+    }
+
+
+def full_rows(snaps: list[dict], key: str | None = None) -> torch.Tensor:
+    """Concatenate per-rank row blocks (``rows`` or ``head_opt[key]``) in class order."""
+    ordered = sorted(snaps, key=lambda s: s["class_start"])
+    return torch.cat([s["rows"] if key is None else s["head_opt"][key] for s in ordered])
