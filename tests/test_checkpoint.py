@@ -1,0 +1,98 @@
+"""launch.checkpoint: save on 2 ranks, resume on 1 and 3 with identical state and next step.
+
+Two set-ups in one spawned group each: DeepSpeed ZeRO-1 + SGD (backbone optimizer state
+partitioned, read back through DeepSpeed's fragment API) and DDP + AdamW (per-row head
+``step`` counts). After the load, head rows, head optimizer state, head buffers and the
+backbone equal what was saved; one more step on the same global batch then equals the
+2-rank run's own next step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from launch_helpers import build_engine, full_rows, local_micro_batches, make_config, snapshot
+from spawn import run_ranks
+
+GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
+SETUPS = {
+    "zero1_sgd": ["engine.type=deepspeed", "engine.zero_stage=1", "optim.name=sgd"],
+    "ddp_adamw": ["engine.type=ddp", "optim.name=adamw", "optim.lr=0.01"],
+}
+
+
+def _engine(name: str, world: int):
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; torchrun sets it
+    cfg = make_config(*SETUPS[name], f"train.batch_size={GLOBAL_BATCH // world}")
+    return build_engine(cfg)
+
+
+def _step(engine, step: int, rank: int, world: int) -> float:
+    return engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, 1))["loss"]
+
+
+def _save(rank: int, world: int, root: str) -> dict:
+    from launch import checkpoint
+
+    out = {}
+    for name in SETUPS:
+        engine = _engine(name, world)
+        for step in range(2):
+            _step(engine, step, rank, world)
+        path = checkpoint.save(Path(root) / name, 2, engine, {"loader": {"rank": rank}}, keep=1)
+        saved = snapshot(engine)
+        loss = _step(engine, 2, rank, world)
+        out[name] = {"path": str(path), "saved": saved, "loss": loss, "next": snapshot(engine)}
+    return out
+
+
+def _resume(rank: int, world: int, paths: dict) -> dict:
+    from launch import checkpoint
+
+    out = {}
+    for name, path in paths.items():
+        engine = _engine(name, world)
+        meta = checkpoint.load(Path(path), engine)
+        loaded = snapshot(engine)
+        loss = _step(engine, meta["step"], rank, world)
+        out[name] = {"meta": meta, "loaded": loaded, "loss": loss, "next": snapshot(engine)}
+    return out
+
+
+def _assert_same(snaps: list[dict], ref: list[dict], what: str, exact: bool) -> None:
+    close = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+    assert close(full_rows(snaps), full_rows(ref)), what
+    for key in ref[0]["head_opt"]:
+        assert close(full_rows(snaps, key), full_rows(ref, key)), (what, key)
+    for snap in snaps:
+        for key, value in ref[0]["head_state"].items():
+            assert torch.equal(snap["head_state"][key], value), (what, key)
+        for key, value in ref[0]["backbone"].items():
+            assert close(snap["backbone"][key], value), (what, key)
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_and_more_ranks(tmp_path):
+    saved = run_ranks(_save, 2, args=(str(tmp_path),), timeout=240)
+    paths = {name: saved[0][name]["path"] for name in SETUPS}
+    for name, path in paths.items():
+        assert (Path(path).parent / "latest").read_text().strip() == Path(path).name
+        plain = torch.load(Path(path) / "backbone.pt", weights_only=True)
+        for key, value in saved[0][name]["saved"]["backbone"].items():
+            assert torch.equal(plain[key], value), (name, key)
+    for world in (1, 3):
+        resumed = run_ranks(_resume, world, args=(paths,), timeout=240)
+        for name in SETUPS:
+            ref = [saved[r][name] for r in range(2)]
+            got = [resumed[r][name] for r in range(world)]
+            tag = f"{name} 2->{world}"
+            _assert_same([g["loaded"] for g in got], [r["saved"] for r in ref], tag, exact=True)
+            for g in got:
+                assert g["meta"]["step"] == 2 and g["meta"]["world_size"] == 2
+                assert g["loss"] == pytest.approx(ref[0]["loss"], rel=1e-5), tag
+            _assert_same([g["next"] for g in got], [r["next"] for r in ref], tag, exact=False)
+        loaders = [resumed[r][name]["meta"]["loader"] for r in range(world)]
+        assert loaders == [{"rank": min(r, 1) if r < 2 else 0} for r in range(world)]
