@@ -65,6 +65,11 @@ class PartialFC(nn.Module):
     (median target angle, rad), ``b_avg`` (AdaCos ``B_avg``: with the previous scale when a
     dynamic AdaCos step updated ``s``, else with the current one; estimated from sampled
     negatives), ``loss``, ``cos_target_mean``, ``cos_nontarget_mean`` (over sampled classes).
+    ``sampled_index`` holds the local rows the last forward used (``None`` = all rows);
+    ``pop_sampled_rows()`` is how ``partial_fc.optim`` learns which rows to update.
+
+    Memory: besides the matmul's output, one fp32 ``[N, S]`` logits buffer, modified in place
+    (margin, shift, exp) and kept for backward; inputs are never modified.
     """
 
     def __init__(

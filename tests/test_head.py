@@ -163,3 +163,18 @@ def test_bf16_autocast_keeps_the_softmax_in_fp32():
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(x.grad).all()
     assert loss.item() == pytest.approx(want, rel=2e-2)  # bf16 cosines, fp32 softmax
+
+
+def test_adacos_scale_does_not_drift_with_the_sample_rate():
+    num_classes = 2000
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(32, 16, generator=g)
+    labels = torch.randint(0, num_classes, (32,), generator=g)
+    scales = {}
+    for rate in (1.0, 0.3, 0.05):
+        head = PartialFC(16, num_classes, build_margin(MARGINS["adacos_dynamic"]),
+                         sample_rate=rate, seed=1)
+        head(emb, labels)
+        scales[rate] = head.stats["scale"]
+    for rate in (0.3, 0.05):  # without the (C-1)/(S-1) rescale s would drop by ~ln(1/r)/cos
+        assert scales[rate] == pytest.approx(scales[1.0], rel=0.01), rate
