@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -28,7 +27,7 @@ from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
 from data_pipeline.verification_bin import read_bin
 from launch.inference import load_backbone
 from partial_fc.backbones import normalize_images
-from partial_fc.distributed import get_rank, get_world_size
+from partial_fc.distributed import all_gather, get_rank, get_world_size
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
 from partial_fc.eval.verification import FARS, evaluate_pairs
 
@@ -58,7 +57,8 @@ def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
 
     Called by every rank of ``process_group`` (None: WORLD, or one process when
     torch.distributed is not initialised). Shares are padded to equal length by
-    repeating the last image (gloo has no uneven all-gather); the padding is dropped.
+    repeating the last image, so every rank runs the same batches and the gather is even;
+    the padding is dropped.
     """
     rank, world = get_rank(process_group), get_world_size(process_group)
     n = len(encoded)
@@ -67,11 +67,7 @@ def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
     decoder = resolve_decoder("auto")
     images = np.stack([decode_image(b, 112, decoder).transpose(2, 0, 1) for b in share])
     local = embed_images(backbone, images, batch_size, device)
-    if world == 1:
-        return local[:n]
-    gathered = local.new_empty(world * chunk, local.shape[1])
-    dist.all_gather_into_tensor(gathered, local.contiguous(), group=process_group)
-    return gathered[:n]
+    return all_gather(local, process_group, sizes=[chunk] * world)[:n]
 
 
 def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_size: int,
