@@ -66,8 +66,13 @@ def resize_square(image: np.ndarray, size: int) -> np.ndarray:
     return np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
 
 
-def decode_image(data: bytes, size: int = 112, decoder: str = "simplejpeg") -> np.ndarray:
-    """Encoded bytes -> uint8 RGB array [size, size, 3]; CorruptImageError if undecodable."""
+def decode_image(data: bytes, size: int = 112, decoder: str = "auto") -> np.ndarray:
+    """Encoded bytes -> uint8 RGB array [size, size, 3]; CorruptImageError if undecodable.
+
+    decoder: a name from DECODERS, or "auto" (resolved per call: hot loops pass a name).
+    """
+    if decoder not in DECODERS:
+        decoder = resolve_decoder(decoder)
     try:
         image = DECODERS[decoder](data)
     except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
