@@ -81,6 +81,11 @@ def _run_cases(rank: int, world: int) -> dict:
         out[name]["start"] = head.class_start
     uneven = _rows(rank, UNEVEN[world])
     out["uneven_batch"] = _grads(_head(CASES["arcface"], weight), emb[uneven], labels[uneven])
+    # batch size 1 per rank, from the well-conditioned tail of the batch (sample 1's target is
+    # nearly aligned: ArcFace's d/dcos ~ 1/sin(theta) amplifies fp32 rounding past 1e-5 there)
+    one = slice(N - world + rank, N - world + rank + 1)
+    out["batch1"] = _grads(_head(CASES["arcface_adacos_dynamic"], weight), emb[one], labels[one])
+    out["errors"] = _errors(rank, world, emb[even], labels[even], weight)
     for name in ("adacos_dynamic", "arcface_adacos_dynamic"):  # s over several SGD steps
         head = _head(CASES[name], weight)
         opt = SampledSGD(head, **SGD)
@@ -108,11 +113,33 @@ def _run_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _errors(rank, world, emb, labels, weight):
+    """A bad input on ONE rank must make every rank raise (nobody left in a collective)."""
+    head, msgs = _head(CASES["cosface"], weight), []
+    bad = labels.clone()
+    if rank == world - 1:
+        bad[-1] = C
+    for args in ((emb, bad), (emb[:, :3] if rank == 0 else emb, labels)):
+        try:
+            head(*args)
+            msgs.append(None)
+        except ValueError as err:
+            msgs.append(str(err))
+    head(emb, labels)  # the group is still usable afterwards
+    return msgs
+
+
 def _check(world: int, results: list[dict]) -> None:
     emb, weight, labels = _data()
     for name, cfg in CASES.items():
         _check_case(name, cfg, world, results, emb, weight, labels)
     _check_case("uneven_batch", CASES["arcface"], world, results, emb, weight, labels)
+    _check_case("batch1", CASES["arcface_adacos_dynamic"], world, results, emb[N - world:],
+                weight, labels[N - world:])
+    for r in results:
+        label_msg, shape_msg = r["errors"]
+        assert label_msg == f"PartialFC: label {C} out of range [0, {C}) (num_classes={C})"
+        assert shape_msg.startswith("PartialFC: rank 0 passed bad inputs"), shape_msg
     for name in ("adacos_dynamic", "arcface_adacos_dynamic"):
         _check_steps(name, world, results, emb, weight, labels)
     for name, cfg in (("sampled_sgd", CASES["arcface_adacos_dynamic"]),
@@ -151,7 +178,7 @@ def _check_case(name, cfg, world, results, emb, weight, labels):
     torch.testing.assert_close(wgrad, w.grad, **tol, msg=name)
     tol = dict(rtol=1e-5, atol=1e-5 * e.grad.abs().max().item())
     torch.testing.assert_close(egrad, e.grad, **tol, msg=name)
-    cos_t = ref.cosines(emb.double(), weight.double())[torch.arange(N), labels]
+    cos_t = ref.cosines(emb.double(), weight.double())[torch.arange(len(labels)), labels]
     assert got["stats"]["cos_target_mean"] == pytest.approx(cos_t.mean().item(), rel=1e-5)
     theta_med = torch.median(torch.acos(cos_t)).item()
     assert got["stats"]["theta_med"] == pytest.approx(theta_med, rel=1e-5)
