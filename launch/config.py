@@ -417,14 +417,23 @@ def load_config(
     top = _shown(Path(path))
     tree = _load_tree(Path(path), origin)
     errors = _apply_overrides(tree, list(overrides), origin)
+    broken: set[str] = set()
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError("\n".join(errors + _schema_errors(e, origin, top))) from None
+        errors += _schema_errors(e, origin, top)
+        # Keep checking what did validate: broken top-level keys fall back to defaults and
+        # the checks below report nothing about them.
+        broken = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+        cfg = Config.model_validate({k: v for k, v in tree.items() if k not in broken})
     found = _semantic_errors(cfg)
     if resolve:
         found += _resolve_errors(cfg)
-    errors += [f"{_source(origin, key, top)}: {msg}" for key, msg in found]
+    errors += [
+        f"{_source(origin, key, top)}: {msg}"
+        for key, msg in found
+        if key.split(".")[0] not in broken
+    ]
     if errors:
         raise ConfigError("\n".join(errors))
     for msg in theory_warnings(cfg):
