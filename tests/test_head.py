@@ -178,3 +178,24 @@ def test_adacos_scale_does_not_drift_with_the_sample_rate():
         scales[rate] = head.stats["scale"]
     for rate in (0.3, 0.05):  # without the (C-1)/(S-1) rescale s would drop by ~ln(1/r)/cos
         assert scales[rate] == pytest.approx(scales[1.0], rel=0.01), rate
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu_and_bf16_autocast_is_fp32_softmax():
+    cfg = dict(type="arcface", m=0.5, adacos="dynamic")
+    g = torch.Generator().manual_seed(0)
+    emb, labels = torch.randn(16, 32, generator=g), torch.randint(0, 500, (16,), generator=g)
+    cpu, gpu = PartialFC(32, 500, build_margin(cfg)), PartialFC(32, 500, build_margin(cfg))
+    gpu = gpu.to("cuda")
+    x_cpu, x_gpu = emb.clone().requires_grad_(), emb.to("cuda").requires_grad_()
+    cpu(x_cpu, labels).backward()
+    gpu(x_gpu, labels.to("cuda")).backward()
+    assert gpu.stats["loss"] == pytest.approx(cpu.stats["loss"], rel=1e-4)
+    torch.testing.assert_close(x_gpu.grad.cpu(), x_cpu.grad, rtol=1e-4, atol=1e-6)
+    sampled = PartialFC(32, 500, build_margin(cfg), sample_rate=0.1).to("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = sampled(x_gpu, labels.to("cuda"))
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(x_gpu.grad).all()
+    assert sampled.sampled_index.is_cuda and len(sampled.sampled_index) == 50
