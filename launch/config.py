@@ -330,6 +330,17 @@ def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
             )
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
+    if (
+        cfg.engine.type == "deepspeed"
+        and cfg.engine.precision == "fp16"
+        and not cfg.engine.zero_stage
+    ):
+        out.append(
+            (
+                "engine.zero_stage",
+                "engine.zero_stage=0: fp16 needs ZeRO >= 1 (checkpoints read its fp32 partitions)",
+            )
+        )
     if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
         out.append(("checkpoint.resume", "checkpoint.resume='': use auto, none or a folder"))
     try:

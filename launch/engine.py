@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from launch.config import Config, OptimConfig, ScheduleConfig
+from partial_fc import distributed as pd
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 
@@ -156,11 +157,17 @@ class Engine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def step(self, step: int, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def step(
+        self,
+        step: int,
+        micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        angles: bool = False,
+    ) -> dict:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
         Returns ``{"loss", "lr", "grad_norm"}`` (floats; loss = mean over micro-batches of
-        the global-batch loss, identical on all ranks).
+        the global-batch loss, identical on all ranks); with ``angles=True`` also
+        ``"angles"`` from :meth:`angle_sample` on the last micro-batch (collective).
         """
         lr = self.set_lr(step)
         k = len(micro_batches)
@@ -175,6 +182,8 @@ class Engine:
                 loss = self.head(e, y)
                 (loss / k).backward()
                 surrogate = (emb.float() * (e.grad * self.world_size)).sum()
+                if angles and i == k - 1:
+                    sample = self.angle_sample(e.detach(), y)
                 if self.deepspeed:
                     self.model.backward(surrogate, scale_wrt_gas=False)
                     self.model.step()
@@ -190,7 +199,45 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
         self.head_optimizer.step()
         self.head_optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm}
+        out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm}
+        if angles:
+            out["angles"] = sample
+        return out
+
+    @torch.no_grad()
+    def angle_sample(self, e: torch.Tensor, y: torch.Tensor, per_rank: int = 2048) -> dict:
+        """Target and non-target angles (degrees) of the global batch, for histograms.
+
+        Collective. Each rank measures the samples whose class it owns (targets) and up to
+        ``per_rank`` random (sample, own class) pairs that are not targets, before this
+        step's update; every rank returns the gathered ``{"theta_target", "theta_nontarget"}``.
+        Diagnostics only: it does not touch the loss or the gradients.
+        """
+        head = self.head
+        sizes = pd.gather_sizes(e.shape[0], e.device)
+        emb = pd.all_gather(nn.functional.normalize(e.float(), dim=1), sizes=sizes)
+        lab = pd.all_gather(y.to(torch.int64), sizes=sizes)
+        cos = emb @ nn.functional.normalize(head.weight.float(), dim=1).t()  # [N, num_local]
+        local = lab - head.class_start
+        owned = (local >= 0) & (local < head.num_local)
+        target = cos[owned, local[owned]]
+        mask = torch.ones_like(cos, dtype=torch.bool)
+        mask[owned, local[owned]] = False
+        others = cos[mask]
+        gen = torch.Generator(device=cos.device).manual_seed(int(head.step))  # not the global RNG
+        pick = torch.randperm(others.numel(), generator=gen, device=cos.device)[:per_rank]
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (target.cpu(), others[pick].cpu()))
+        return {
+            name: torch.rad2deg(torch.acos(torch.cat([g[i] for g in gathered]).clamp(-1, 1)))
+            for i, name in enumerate(("theta_target", "theta_nontarget"))
+        }
+
+    def eval_context(self):
+        """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""
+        if self.input_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.input_dtype)
+        return contextlib.nullcontext()
 
     def _clip(self) -> float:
         params = [p for p in self.backbone.parameters() if p.grad is not None]

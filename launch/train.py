@@ -108,16 +108,20 @@ def train(cfg: Config, env: DistEnv) -> dict:
         saved = checkpoint.save(cfg.run_dir, step, engine, meta, cfg.checkpoint.keep)
 
     def evaluate() -> None:
-        results = evaluate_bins(engine.backbone, cfg.eval.bins, cfg.eval.batch_size, env.device)
+        with engine.eval_context():
+            results = evaluate_bins(engine.backbone, cfg.eval.bins, cfg.eval.batch_size, env.device)
         log.evaluation(step, results)
 
     log.start(step)
     while step < total:
         loader.set_epoch(epoch)  # the same epoch again keeps a resumed position
         for micro_batches in _groups(loader, k):
-            stats = engine.step(step, micro_batches)
+            hist = (step + 1) % cfg.log.hist_every == 0
+            stats = engine.step(step, micro_batches, angles=hist)
             step += 1
             log.step(step, stats, head.stats, loader.num_skipped, env.device)
+            if hist:
+                log.histograms(step, stats["angles"])
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < total:
                 save()
             if cfg.eval.bins and step % cfg.eval.every == 0 and step < total:

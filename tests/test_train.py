@@ -38,6 +38,24 @@ def test_help_and_bad_config_fail_before_any_process_group(tmp_path, capsys):
     assert f"data.dir='{tmp_path}': no manifest.json there" in err
 
 
+def _write_pairs(path: Path, pairs: int = 10) -> None:
+    """A tiny verification set of noise images (the numbers are not the point: the call is)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from data_pipeline.verification_bin import write_bin
+
+    rng = np.random.default_rng(0)
+    images = []
+    for _ in range(2 * pairs):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(buf, "JPEG")
+        images.append(buf.getvalue())
+    write_bin(path, images, [i % 2 == 0 for i in range(pairs)])
+
+
 def _torchrun(dist_args: list[str], data: Path, run: Path, extra=()) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -75,11 +93,17 @@ def test_torchrun_one_node_and_two_node_loopback(tmp_path):
 
     data = tmp_path / "data"
     write_synthetic_dataset(data, num_classes=50, images_per_class=16, seed=0)
+    bin_path = tmp_path / "pairs.bin"
+    _write_pairs(bin_path)
     one = tmp_path / "one_node"
-    out = _finish(_torchrun(["--standalone", "--nproc_per_node", "2"], data, one))
+    evals = [f"eval.bins=[{bin_path}]", "eval.every=10"]
+    out = _finish(_torchrun(["--standalone", "--nproc_per_node", "2"], data, one, evals))
     assert "summary: " in out
 
     records = _metrics(one)
+    validation = [r for r in records if "val/pairs/accuracy" in r]
+    assert [r["step"] for r in validation] == [10, STEPS]  # every 10 steps and at the end
+    records = [r for r in records if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         for key in (
