@@ -129,13 +129,18 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """``checkpoint.resume`` -> the folder to resume from (``auto``: latest, if any)."""
+    """``checkpoint.resume`` -> the folder to resume from.
+
+    ``none``: start fresh; ``auto``: ``run_dir``'s latest checkpoint, if any; otherwise a
+    checkpoint folder, or another run's folder (its latest checkpoint).
+    """
     if resume == "none":
         return None
-    if resume != "auto":
-        return Path(resume)
-    latest = Path(run_dir) / "checkpoints" / LATEST
-    return latest.parent / latest.read_text().strip() if latest.is_file() else None
+    folder = Path(run_dir) if resume == "auto" else Path(resume)
+    latest = folder / "checkpoints" / LATEST
+    if latest.is_file():
+        return latest.parent / latest.read_text().strip()
+    return None if resume == "auto" else folder
 
 
 def load(path: Path, engine) -> dict:

@@ -113,7 +113,7 @@ class EngineConfig(_Section):
 class CheckpointConfig(_Section):
     every: NonNegInt = 2000  # steps; 0 = only at the end
     keep: PosInt = 3
-    resume: str = "auto"  # auto (RUN/checkpoints/latest if present) | none | a checkpoint folder
+    resume: str = "auto"  # auto (RUN/checkpoints/latest if any) | none | a checkpoint or run folder
 
 
 class LogConfig(_Section):
