@@ -69,7 +69,7 @@ class MarginConfig(_Section):
     m3: float = 0.0
     adacos: Literal["fixed", "dynamic"] | None = None
     easy_margin: bool = False
-    lambda_base: PosFloat = 1000.0
+    lambda_base: NonNegFloat = 1000.0  # 0 disables the annealing
     lambda_gamma: NonNegFloat = 0.12
     lambda_power: NonNegFloat = 1.0
     lambda_min: NonNegFloat = 5.0
