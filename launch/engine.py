@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -127,6 +128,11 @@ class Engine:
         import deepspeed.ops
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        # DeepSpeed 0.19's ZeRO calls torch's deprecated all_gather_into_tensor every step;
+        # the FutureWarning is theirs to fix and would flood the log on every rank.
+        warnings.filterwarnings(
+            "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
+        )
         if self.device.type == "cpu" and not self.cfg.engine.cpu_shm_comm:
             # DeepSpeed JIT-builds a shared-memory all-reduce for CPU on first use (30-50 s);
             # without it its collectives go through the gloo group (config: engine.cpu_shm_comm).
