@@ -20,8 +20,9 @@ __all__ = ["local_targets", "sample_classes", "sample_size"]
 
 
 def sample_size(sample_rate: float, num_local: int) -> int:
-    """``ceil(r * num_local)``, robust to binary rounding (``0.7 * 10`` is 7, not 8)."""
-    return min(num_local, math.ceil(round(sample_rate * num_local, 6)))
+    """``ceil(r * num_local)``, robust to binary rounding (``0.7 * 10`` is 7, not 8), and at
+    least 1 for ``r > 0`` (a rank owning no positive still contributes a class)."""
+    return min(num_local, max(1, math.ceil(round(sample_rate * num_local, 6))))
 
 
 def local_targets(labels: Tensor, class_start: int, num_local: int) -> Tensor:

@@ -9,10 +9,16 @@ from partial_fc.sampling import local_targets, sample_classes, sample_size
 
 @pytest.mark.parametrize(
     ("rate", "n", "want"),
-    [(0.7, 10, 7), (0.1, 1001, 101), (1.0, 13, 13), (0.001, 5, 1), (0.3, 10, 3), (0.25, 9, 3)],
+    [(0.7, 10, 7), (0.1, 1001, 101), (1.0, 13, 13), (0.001, 5, 1), (0.3, 10, 3), (0.25, 9, 3),
+     (1e-9, 10, 1)],
 )
 def test_sample_size_is_ceil_without_rounding_surprises(rate, n, want):
     assert sample_size(rate, n) == want
+
+
+def test_tiny_rate_without_positives_still_samples_a_class():
+    index, targets = sample_classes(torch.tensor([0, 1]), 10, 10, 1e-9, seed=0, step=0, rank=1)
+    assert index is not None and len(index) == 1 and targets.tolist() == [-1, -1]
 
 
 def test_local_targets_marks_other_shards():
