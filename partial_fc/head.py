@@ -177,7 +177,8 @@ class PartialFC(nn.Module):
                                f"called with {world}")
         ok = (embeddings.dim() == 2 and embeddings.shape[-1] == self.embedding_size
               and embeddings.is_floating_point() and labels.dim() == 1
-              and labels.shape[0] == embeddings.shape[0] and not labels.is_floating_point())
+              and labels.shape[0] == embeddings.shape[0] and not labels.is_floating_point()
+              and not labels.is_complex() and labels.dtype != torch.bool)
         n = embeddings.shape[0] if embeddings.dim() else 0
         meta = pd.gather_ints([n, int(ok)], embeddings.device,
                               self.process_group)

@@ -70,6 +70,8 @@ def test_bad_shapes_and_arguments_are_clear_errors():
         head(torch.randn(3, 5), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="labels int64"):
         head(torch.randn(3, 4), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="labels int64"):  # a mask is not class indices
+        head(torch.randn(2, 4), torch.tensor([True, False]))
     with pytest.raises(ValueError, match="global batch is empty"):
         head(torch.randn(0, 4), torch.zeros(0, dtype=torch.int64))
     with pytest.raises(ValueError, match="sample_rate=0"):
