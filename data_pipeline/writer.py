@@ -110,6 +110,8 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
         raise DataError(f"{source.describe().get('path', source)}: no images found")
     if samples_per_shard < 1:
         raise DataError(f"samples_per_shard={samples_per_shard}: must be >= 1")
+    if size is not None and size < 1:  # else every image fails to re-encode, stored as corrupt
+        raise DataError(f"size={size}: must be >= 1 (None keeps images as they are)")
     fingerprint = {"source": source.describe(), "num_samples": n, "size": size,
                    "samples_per_shard": samples_per_shard, "shuffle_seed": shuffle_seed}
     out.mkdir(parents=True, exist_ok=True)

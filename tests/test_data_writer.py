@@ -107,6 +107,9 @@ def test_synthetic_is_deterministic_and_learnable(tmp_path):
 def test_bad_inputs(tmp_path):
     with pytest.raises(DataError, match="samples_per_shard=0"):
         write_synthetic_dataset(tmp_path / "x", 2, 2, samples_per_shard=0)
+    with pytest.raises(DataError, match="size=-1"):
+        write_dataset(SyntheticSource(num_classes=2, images_per_class=2), tmp_path / "z", size=-1)
+    assert not (tmp_path / "z").exists()
     (tmp_path / "y").mkdir()
     (tmp_path / "y" / "shard-000000.tar").write_bytes(b"")
     with pytest.raises(DataError, match="holds shards but no"):
