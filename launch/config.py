@@ -390,9 +390,14 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("data.dir", f"data.dir={cfg.data.dir!r}: no manifest.json there"))
     else:
         from data_pipeline import read_manifest
+        from data_pipeline.errors import DataError
 
-        man = read_manifest(data_dir)
-        for key in ("num_classes", "num_samples"):
+        try:
+            man = read_manifest(data_dir)
+        except DataError as err:  # a malformed manifest is one more line of the report
+            out.append(("data.dir", f"data.dir={cfg.data.dir!r}: {err}"))
+            man = None
+        for key in ("num_classes", "num_samples") if man is not None else ():
             have, want = getattr(cfg.data, key), getattr(man, key)
             if have is None:
                 setattr(cfg.data, key, want)

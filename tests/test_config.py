@@ -161,3 +161,38 @@ def test_theory_warnings(tmp_path):
             path, ["margin.type=adacos", "margin.adacos=fixed", "margin.s=1.0"], resolve=False
         )
         load_config(path, ["margin.s=14.0"], resolve=False)
+
+
+def _manifest(folder, num_classes: int, num_samples: int):
+    from data_pipeline.manifest import Manifest, ShardInfo, write_manifest
+
+    folder.mkdir()
+    shards = (ShardInfo("a.tar", num_samples, 1),)
+    write_manifest(folder, Manifest(num_classes, num_samples, shards))
+    return folder
+
+
+def test_manifest_fills_checks_and_feeds_theory_checks(tmp_path):
+    data = _manifest(tmp_path / "data", num_classes=1000, num_samples=5000)
+    path = _write(tmp_path, "cfg.yaml", {"data": {"dir": str(data)}, "device": "cpu"})
+    with pytest.warns(ConfigWarning, match=r"margin.s=5.0 is below .* for C=1000"):
+        cfg = load_config(path, ["margin.s=5.0"])  # C known only from manifest.json
+    assert (cfg.data.num_classes, cfg.data.num_samples) == (1000, 5000)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["data.num_classes=999", "data.num_samples=4999", "eval.bins=[x.bin]"])
+    lines = str(err.value).splitlines()
+    assert f"command line: data.num_classes=999: manifest.json in {data} says 1000" in lines
+    assert f"command line: data.num_samples=4999: manifest.json in {data} says 5000" in lines
+    assert "command line: eval.bins[0]='x.bin': no such file" in lines  # all errors together
+
+
+def test_malformed_manifest_is_a_config_error_among_others(tmp_path):
+    data = _manifest(tmp_path / "data", num_classes=10, num_samples=20)
+    (data / "manifest.json").write_text("{")
+    path = _write(tmp_path, "cfg.yaml", {"data": {"dir": str(data)}, "device": "cpu"})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["checkpoint.resume=nowhere"])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"{path}: data.dir='{data}': ") and "malformed manifest" in lines[0]
+    assert lines[1] == "command line: checkpoint.resume='nowhere': no such folder"
