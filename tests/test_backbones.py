@@ -7,8 +7,11 @@ import torch
 
 from partial_fc.backbones import build_backbone, list_backbones, normalize_images
 
-# The big ones are only run forward without autograd (a backward costs seconds).
-_FORWARD_ONLY = {"iresnet100", "iresnet200"}
+# The full-width iResNets deeper than 18 are only run forward without autograd (a
+# backward costs seconds): they are built from the same blocks as iresnet18 and
+# iresnet_tiny, whose backward reaches every parameter; their layout is pinned by the
+# parameter counts and the layer-order test below.
+_FORWARD_ONLY = {"iresnet34", "iresnet50", "iresnet100", "iresnet200"}
 
 # Parameter counts with a 512-d embedding. iresnet50/100 are the figures published
 # for insightface's arcface_torch r50/r100 (43.59 M / 65.16 M).
@@ -93,3 +96,36 @@ def test_normalize_images():
     assert out[0, 0, 0, 0] == -1.0 and out[0, 2, 0, 0] == 1.0
     with pytest.raises(TypeError, match="uint8"):
         normalize_images(images.float())
+
+
+
+def test_iresnet_layer_order():
+    """ArcFace's iResNet: blocks BN-conv-BN-PReLU-conv-BN (+ conv-BN projection), output
+    BN-dropout-FC-BN ("option E"), stride 2 on each stage's first block's second conv."""
+    from partial_fc.backbones.iresnet import IResNet
+
+    # Narrow, with two blocks in stage 2 so both block kinds occur; one forward.
+    model = IResNet((1, 2, 1, 1), widths=(8, 16, 32, 64), embedding_size=8, dropout=0.2)
+    order: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        if not list(module.children()):
+            module.register_forward_hook(
+                lambda m, *_, n=name: order.append((n, type(m).__name__)))
+    with torch.no_grad():
+        model.train()(torch.rand(2, 3, 112, 112) * 2 - 1)
+
+    def inside(prefix: str) -> list[str]:
+        return [kind for n, kind in order if n.startswith(prefix)]
+
+    assert inside("layer2.0.") == ["BatchNorm2d", "Conv2d", "BatchNorm2d", "PReLU", "Conv2d",
+                                   "BatchNorm2d", "Conv2d", "BatchNorm2d"]  # + projection
+    assert [n for n, _ in order if n.startswith("layer2.1.")] == [
+        "layer2.1.bn1", "layer2.1.conv1", "layer2.1.bn2", "layer2.1.prelu", "layer2.1.conv2",
+        "layer2.1.bn3"]  # identity block: no projection
+    first = model.layer2[0]
+    assert first.conv1.stride == (1, 1) and first.conv2.stride == (2, 2)
+    names = [n for n, _ in order]
+    assert names[:3] == ["conv1", "bn1", "prelu"]  # stem, no max-pool
+    assert names[-4:] == ["bn2", "dropout", "fc", "features"]
+    assert order[-1][1] == "BatchNorm1d" and not model.features.weight.requires_grad
+    assert model.fc.in_features == 64 * 7 * 7 and model.dropout.p == 0.2

@@ -10,9 +10,9 @@ al., "ArcFace" (arXiv 1801.07698, Sec. 3.2 / Table 2, "E" output setting):
 * four stages at stride 2 each: 112 -> 56 -> 28 -> 14 -> 7;
 * head ("option E"): BN2d - dropout - flatten - FC(C*7*7 -> D) - BN1d.
 
-Deviation kept from insightface on purpose: the final BN1d's scale is frozen at
-1 (``requires_grad=False``); only its shift and running statistics learn.
-Checkpoints stay interchangeable with insightface's ``backbone.pth`` layouts.
+As in insightface, the final BN1d's scale is frozen at 1 (``requires_grad=False``);
+only its shift and running statistics learn. Parameter names follow insightface's,
+so its ``backbone.pth`` state_dicts load here.
 """
 
 from __future__ import annotations
