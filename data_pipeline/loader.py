@@ -7,7 +7,8 @@ after `len(loader)` batches, which is the same number on every rank (computed fr
 manifest). Samples beyond that (fewer than world_size + batch_size per rank) are the epoch's
 drop, reported as `dropped_fraction`. Corrupt samples are skipped and counted in
 `num_skipped`; they are replaced by the rank's spare samples, and only if those run out is
-the last batch filled with repeats of the previous one (counted in `num_padded`).
+the last batch filled with repeats of the previous one (counted in `num_padded`; after a
+resume inside that padded tail, repeats of the epoch's first decodable chunk).
 
 Resume (`state_dict` / `load_state_dict`): the state is the epoch, the batches handed out and
 each worker's stream position. Restored with the same seed, world size, workers, batch size,
@@ -54,9 +55,12 @@ class _EpochStream(IterableDataset):
 
     def __iter__(self):
         info = get_worker_info()
-        worker = info.id if info is not None else 0
+        assert (info.num_workers if info is not None else 1) == self.cfg["num_workers"]
+        return self.chunks(info.id if info is not None else 0)
+
+    def chunks(self, worker: int):
+        """The chunk stream of DataLoader worker `worker` (run in that worker, or in-process)."""
         cfg = self.cfg
-        assert (info.num_workers if info is not None else 1) == cfg["num_workers"]
         pieces = plan.worker_pieces(self.counts, seed=cfg["seed"], epoch=self.epoch,
                                     rank=self.rank, world_size=cfg["world_size"], worker=worker,
                                     num_workers=cfg["num_workers"], shuffle=cfg["shuffle"])
@@ -188,14 +192,24 @@ class Loader:
             if self._batches >= self._len:
                 return
         while self._batches < self._len:  # corrupt samples ate the spare ones: pad
-            if buffered == 0 and last is None:
-                raise DataError(f"{self.data_dir}: no decodable sample in rank {self.rank}'s "
-                                f"share of epoch {self.epoch}")
+            if buffered == 0 and last is None:  # resumed past the last decodable sample
+                last = self._first_decodable()
             parts = self._take(pending, buffered) if buffered else None
             buffered = 0
             last = _pad(parts, last, self.batch_size)
             self.num_padded += self.batch_size - (len(parts[2]) if parts else 0)
             yield self._emit(last)
+
+    def _first_decodable(self) -> tuple:
+        """Pad source after a resume into the padded tail of an epoch (the batch an
+        uninterrupted run repeats is gone): the epoch's first decodable chunk, read in-process."""
+        stream = _EpochStream(self, self.epoch, [0] * len(self._positions))
+        for worker in range(len(self._positions)):
+            for chunk in stream.chunks(worker):
+                if chunk["keys"]:
+                    return chunk["images"], chunk["labels"], chunk["keys"]
+        raise DataError(f"{self.data_dir}: no decodable sample in rank {self.rank}'s "
+                        f"share of epoch {self.epoch}")
 
     def _emit(self, batch: tuple) -> tuple:
         self._batches += 1

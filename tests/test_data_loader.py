@@ -171,6 +171,19 @@ def test_corrupt_samples_are_skipped_counted_and_padded(tmp_path):
     assert short.num_skipped == 2 and short.num_padded == 2
 
 
+def test_resume_into_the_padded_tail_still_pads(tmp_path):
+    folder = make_shards(tmp_path / "bad", [10, 10], corrupt={4, 9, 14, 15, 19})  # 15 good
+    kwargs = dict(batch_size=5, num_workers=0, with_keys=True)  # 4 batches: the last is padding
+    first = make_loader(folder, **kwargs)
+    for step, _ in enumerate(first):
+        if step == 2:  # every decodable sample handed out
+            break
+    resumed = make_loader(folder, **kwargs)
+    resumed.load_state_dict(first.state_dict())
+    keys = epoch_keys(resumed)
+    assert len(keys) == 5 and resumed.num_padded == 5 and resumed.batches_done == 4
+
+
 def test_missing_and_truncated_shards_name_the_file(uneven, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(uneven, folder)
