@@ -49,26 +49,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
 
 
 def backbone_spec(cfg: dict[str, Any], config_path: Path) -> tuple[str, int, float]:
-    """``(name, embedding_size, dropout)`` from a resolved config.
-
-    Reads the trainer's schema (``backbone.name``, ``backbone.embedding_size``,
-    ``backbone.dropout``); the older contract layout ``model.backbone``,
-    ``model.embedding_size``, ``model.dropout`` is accepted too.
-    """
+    """``(name, embedding_size, dropout)`` from the trainer's resolved config
+    (``backbone.name``, ``backbone.embedding_size``, ``backbone.dropout``)."""
     section = cfg.get("backbone")
-    if isinstance(section, dict):
-        keys = ("backbone.name", "backbone.embedding_size", "backbone.dropout")
-        values = section.get("name"), section.get("embedding_size"), section.get("dropout", 0.0)
-    elif isinstance(cfg.get("model"), dict):
-        keys = ("model.backbone", "model.embedding_size", "model.dropout")
-        m = cfg["model"]
-        values = m.get("backbone"), m.get("embedding_size"), m.get("dropout", 0.0)
-    else:
+    if not isinstance(section, dict):
         raise CheckpointError(f"{config_path}: no 'backbone' section")
-    for key, value in zip(keys[:2], values[:2], strict=True):
-        if value is None:
-            raise CheckpointError(f"{config_path}: missing key {key}")
-    return values[0], values[1], float(values[2])
+    for key in ("name", "embedding_size"):
+        if section.get(key) is None:
+            raise CheckpointError(f"{config_path}: missing key backbone.{key}")
+    return section["name"], section["embedding_size"], float(section.get("dropout", 0.0))
 
 
 def load_backbone(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
+from torch import nn
 
 from data_pipeline.verification_bin import write_bin
 from partial_fc.backbones import build_backbone
@@ -52,3 +53,14 @@ def make_color_bin(path: Path, num_pairs: int, seed: int = 0) -> np.ndarray:
             images.append(jpeg(np.clip(colour + noise, 0, 255).astype(np.uint8)))
     write_bin(path, images, issame.tolist())
     return issame
+
+
+class MeanColour(nn.Module):
+    """Embedding = mean colour centred at grey: same-colour images have cosine ~1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3)) * self.scale

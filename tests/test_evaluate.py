@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from eval_helpers import make_color_bin, make_run
+from eval_helpers import MeanColour, make_color_bin, make_run
+from spawn import run_ranks
 from torch import nn
 
 from data_pipeline.codec import decode_image
@@ -19,17 +17,6 @@ from data_pipeline.verification_bin import read_bin
 from launch.evaluate import embed_images, evaluate_bins, main
 from launch.inference import CheckpointError, load_backbone
 from partial_fc.eval.verification import evaluate_pairs
-
-
-class _MeanColour(nn.Module):
-    """Embedding = mean colour centred at grey: same-colour pairs have cosine ~1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
-
-    def forward(self, x):
-        return x.mean(dim=(2, 3)) * self.scale
 
 
 def _reference(model, path):
@@ -47,7 +34,7 @@ def _reference(model, path):
 
 def test_colour_pairs_are_separated(tmp_path):
     make_color_bin(tmp_path / "colours.bin", num_pairs=40)
-    model = _MeanColour().train()
+    model = MeanColour().train()
     out = evaluate_bins(model, [tmp_path / "colours.bin"], batch_size=16, device="cpu")
     assert list(out) == ["colours"]
     assert out["colours"]["accuracy"] == 1.0 and out["colours"]["auc"] == 1.0
@@ -65,11 +52,27 @@ def test_matches_unbatched_reference_and_restores_mode(tmp_path):
     assert not model.training
 
 
-def test_embed_images_is_flip_invariant_and_unit():
-    model, images = _MeanColour(), torch.randint(0, 256, (3, 3, 112, 112), dtype=torch.uint8)
+class _LeftRight(nn.Module):
+    """Mean colour of the left and of the right half: NOT invariant to a horizontal flip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.right = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        halves = x[..., :56].mean(dim=(2, 3)), self.right * x[..., 56:].mean(dim=(2, 3))
+        return torch.cat(halves, 1)
+
+
+def test_embed_images_sums_the_flip_and_normalises():
+    model, images = _LeftRight(), torch.randint(0, 256, (3, 3, 112, 112), dtype=torch.uint8)
     emb = embed_images(model, images, batch_size=2, device="cpu")
+    x = images.float() / 127.5 - 1
+    want = torch.nn.functional.normalize(model(x) + model(x.flip(3)), dim=1)
+    torch.testing.assert_close(emb, want)
     torch.testing.assert_close(emb.norm(dim=1), torch.ones(3))
     torch.testing.assert_close(emb, embed_images(model, images.flip(3), 2, "cpu"))
+    assert not torch.allclose(model(x), model(x.flip(3)))  # the model alone is not invariant
 
 
 def test_load_backbone_paths_and_errors(tmp_path):
@@ -80,11 +83,9 @@ def test_load_backbone_paths_and_errors(tmp_path):
     for path in (run / "checkpoints" / "step_00000010",
                  run / "checkpoints" / "step_00000010" / "backbone.pt"):
         torch.testing.assert_close(load_backbone(path)[0](x), ref(x))
-    # the contract's alternative layout model.backbone / model.embedding_size
-    (run / "config.yaml").write_text(yaml.safe_dump(
-        {"model": {"backbone": "iresnet_tiny", "embedding_size": 16}}))
-    torch.testing.assert_close(load_backbone(run)[0](x), ref(x))
-
+    (run / "config.yaml").write_text(yaml.safe_dump({"name": "t"}))
+    with pytest.raises(CheckpointError, match="config.yaml: no 'backbone' section"):
+        load_backbone(run)
     (run / "config.yaml").write_text(yaml.safe_dump(
         {"backbone": {"name": "iresnet_tiny", "embedding_size": 32}}))
     with pytest.raises(CheckpointError, match="backbone.pt: does not fit backbone 'iresnet_tiny'"):
@@ -111,23 +112,12 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     assert set(saved) == {"lfw", "cfp"} and saved["lfw"]["num_pairs"] == 10
 
 
-def _worker(rank, world, port, run, bin_path, out_dir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+def _ranks(rank, world, run, bin_path):
     model, _ = load_backbone(run)
+    seen = []
+    model.register_forward_hook(lambda m, inputs, out: seen.append(len(inputs[0])))
     out = evaluate_bins(model, [bin_path], batch_size=4, device="cpu")
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return out, sum(seen)
 
 
 @pytest.mark.slow
@@ -135,19 +125,21 @@ def test_three_ranks_match_one_process(tmp_path):
     # 11 pairs = 22 images over 3 ranks: shares of 8, the last one padded by two images.
     run = make_run(tmp_path)
     make_color_bin(tmp_path / "v.bin", num_pairs=11)
-    ctx = mp.get_context("spawn")
-    port, world = _free_port(), 3
-    procs = [ctx.Process(target=_worker, args=(r, world, port, run, tmp_path / "v.bin", tmp_path))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
-    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = run_ranks(_ranks, 3, args=(run, tmp_path / "v.bin"))
+    outs = [out for out, _ in results]
     assert outs[0] == outs[1] == outs[2]
+    assert [n for _, n in results] == [2 * 8] * 3  # each rank embeds its share (+ flips) only
     model, _ = load_backbone(run)
     ref = evaluate_bins(model, [tmp_path / "v.bin"], batch_size=22, device="cpu")["v"]
     for key, value in ref.items():
         assert outs[0]["v"][key] == pytest.approx(value, abs=1e-6), key
     assert np.isfinite(list(ref.values())).all()
+
+
+@pytest.mark.parametrize("program", ["launch.evaluate", "launch.export"])
+def test_help(program, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(program).main(["--help"])
+    assert exit_info.value.code == 0 and "--checkpoint" in capsys.readouterr().out

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from eval_helpers import make_run
+from eval_helpers import MeanColour, make_run
 from PIL import Image
 from skimage.transform import SimilarityTransform, warp
-from torch import nn
 
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import ARCFACE_REFERENCE, align_face, read_ijb_meta
@@ -68,15 +66,6 @@ def test_align_identity_and_known_similarity():
     assert np.abs(shifted[inner] - face[inner]).mean() > 10.0  # the check can fail
 
 
-class _MeanColour(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
-
-    def forward(self, x):
-        return x.mean(dim=(2, 3)) * self.scale
-
-
 def _write_ijb(root, faces, pairs, target="ijbc"):
     """faces: (name, template, media, rgb colour, detector score); solid 250x250 crops."""
     (root / "meta").mkdir(parents=True)
@@ -93,7 +82,7 @@ def _write_ijb(root, faces, pairs, target="ijbc"):
         "\n".join(" ".join(map(str, p)) for p in pairs) + "\n")
 
 
-# White a -> unit (1,1,1)/sqrt3, red b -> (1,-1,-1)/sqrt3 under _MeanColour.
+# White a -> unit (1,1,1)/sqrt3, red b -> (1,-1,-1)/sqrt3 under MeanColour.
 _A, _B = (255, 255, 255), (255, 0, 0)
 _FACES = [("1.png", 1, 1, _A, 1.0), ("2.png", 2, 2, _A, 0.9), ("3.png", 2, 3, _A, 0.8),
           ("4.png", 3, 4, _B, 1.0), ("5.png", 4, 5, _A, 1.0), ("6.png", 4, 6, _B, 0.5)]
@@ -109,7 +98,7 @@ def test_fabricated_ijb_by_hand(tmp_path):
     meta = read_ijb_meta(tmp_path, "IJBC")  # IJB_release root accepted
     assert meta.names[3] == "4.png" and meta.templates.tolist() == [1, 2, 2, 3, 4, 4]
     assert meta.landmarks.shape == (6, 5, 2) and meta.face_scores[5] == 0.5
-    out = evaluate_ijb_dir(_MeanColour(), tmp_path / "IJBC", "IJBC", batch_size=4, device="cpu")
+    out = evaluate_ijb_dir(MeanColour(), tmp_path / "IJBC", "IJBC", batch_size=4, device="cpu")
     assert out["num_pairs"] == 3
     assert {k: v for k, v in out.items() if k.startswith("tar")} == {
         f"tar@far={f:.0e}": 1.0 for f in (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)}
