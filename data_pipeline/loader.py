@@ -23,6 +23,7 @@ few samples of that epoch may be repeated or missed.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import os
@@ -182,7 +183,6 @@ class Loader:
         pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
         buffered, last = 0, None
         for chunk in batches:
-            self.num_skipped += chunk["skipped"]
             pending.append([chunk, 0])
             buffered += len(chunk["keys"])
             while buffered >= self.batch_size and self._batches < self._len:
@@ -195,10 +195,21 @@ class Loader:
             if buffered == 0 and last is None:  # resumed past the last decodable sample
                 last = self._first_decodable()
             parts = self._take(pending, buffered) if buffered else None
+            for chunk, _ in pending:  # only all-corrupt chunks are left: passed over
+                self._advance(chunk, chunk["end"])
+            pending.clear()
             buffered = 0
             last = _pad(parts, last, self.batch_size)
             self.num_padded += self.batch_size - (len(parts[2]) if parts else 0)
             yield self._emit(last)
+
+    def _advance(self, chunk: dict, position: int) -> None:
+        """Move the chunk's worker to stream `position`; count the corrupt samples passed (so
+        `num_skipped` matches the saved positions: a resume never counts one twice)."""
+        self._positions[chunk["worker"]] = position
+        passed = bisect.bisect_left(chunk["skipped"], position)
+        self.num_skipped += passed - chunk.setdefault("counted", 0)
+        chunk["counted"] = passed
 
     def _first_decodable(self) -> tuple:
         """Pad source after a resume into the padded tail of an epoch (the batch an
@@ -225,10 +236,10 @@ class Loader:
                 images.append(chunk["images"][offset:offset + n])
                 labels.append(chunk["labels"][offset:offset + n])
                 keys.extend(chunk["keys"][offset:offset + n])
-                self._positions[chunk["worker"]] = chunk["positions"][offset + n - 1] + 1
+                self._advance(chunk, chunk["positions"][offset + n - 1] + 1)
             count -= n
             if offset + n == len(chunk["keys"]):
-                self._positions[chunk["worker"]] = chunk["end"]
+                self._advance(chunk, chunk["end"])
                 pending.popleft()
             else:
                 pending[0][1] = offset + n

@@ -154,23 +154,23 @@ def _chunk(data: Iterator[dict], batch_size: int, worker: int) -> Iterator[dict]
 
     A chunk: images uint8 [b, 3, H, W], labels int64 [b], keys, positions (stream position of
     each sample), end (stream position after everything the chunk accounts for), skipped
-    (corrupt samples dropped while filling it), worker.
+    (stream positions of the corrupt samples dropped while filling it), worker.
     """
-    samples, skipped, end = [], 0, None
+    samples, skipped, end = [], [], None
     for sample in data:
         end = sample["__pos__"] + 1
         if CORRUPT in sample:
-            skipped += 1
+            skipped.append(sample["__pos__"])
             continue
         samples.append(sample)
         if len(samples) == batch_size:
             yield _make_chunk(samples, skipped, end, worker)
-            samples, skipped = [], 0
+            samples, skipped = [], []
     if samples or skipped:
         yield _make_chunk(samples, skipped, end, worker)
 
 
-def _make_chunk(samples: list[dict], skipped: int, end: int, worker: int) -> dict:
+def _make_chunk(samples: list[dict], skipped: list[int], end: int, worker: int) -> dict:
     height, width = samples[0]["image"].shape[:2] if samples else (0, 0)
     images = np.empty((len(samples), 3, height, width), np.uint8)
     for out, sample in zip(images, samples, strict=True):
