@@ -106,6 +106,15 @@ class SampledAdamW(_SampledOptimizer):
         super().__init__(head, dict(lr=lr, betas=tuple(betas), eps=eps,
                                     weight_decay=weight_decay))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, then the per-row ``step`` counts move to the weight's device as fp32
+        (torch leaves any ``step`` state where it was saved, e.g. on the CPU after
+        ``torch.load(map_location="cpu")``, and row indexing on a CUDA weight then fails)."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
     def _init_state(self, p: Tensor, state: dict) -> None:
         state["step"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -105,3 +105,31 @@ def test_argument_errors():
         SampledSGD(_head(), lr=0.1, momentum=1.5)
     with pytest.raises(ValueError, match="lr=-1"):
         SampledAdamW(_head(), lr=-1)
+
+
+def _adamw_round_trip(device: str, saved_step_dtype: torch.dtype) -> SampledAdamW:
+    head = _head(rate=0.2)
+    opt = SampledAdamW(head, lr=0.01)
+    head(*_batch(0)).backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["step"] = saved["state"][0]["step"].to("cpu", saved_step_dtype)
+    clone_head = _head(rate=0.2).to(device)
+    clone = SampledAdamW(clone_head, lr=0.01)
+    clone.load_state_dict(saved)
+    emb, labels = _batch(1)
+    clone_head(emb.to(device), labels.to(device)).backward()
+    clone.step()  # row-indexes the step counts with indices on the weight's device
+    return clone
+
+
+def test_adamw_step_counts_follow_the_weight_on_load():
+    step = next(iter(_adamw_round_trip("cpu", torch.float64).state.values()))["step"]
+    assert step.dtype == torch.float32 and step.max().item() == 2.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adamw_state_saved_on_cpu_resumes_on_cuda():
+    step = next(iter(_adamw_round_trip("cuda", torch.float32).state.values()))["step"]
+    assert step.device.type == "cuda"
