@@ -22,6 +22,17 @@ from tqdm import tqdm
 from launch.config import Config, dump_config
 
 
+def launcher_rank() -> int:
+    """This process's global rank as torchrun exported it (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def print_main(message: str) -> None:
+    """Print to stderr on rank 0 only; usable before any process group exists."""
+    if launcher_rank() == 0:
+        print(message, file=sys.stderr)
+
+
 def memory_mb(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, max RSS on CPU (MiB)."""
     if device.type == "cuda":

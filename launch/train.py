@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import torch
 from launch import checkpoint
 from launch.config import Config, ConfigError, ConfigWarning, load_config
 from launch.distributed import DistEnv, init_distributed, shutdown
-from launch.logging import RunLogger
+from launch.logging import RunLogger, print_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,9 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error:\n{err}", file=sys.stderr)
         return 2
-    if os.environ.get("RANK", "0") == "0":  # rank 0 alone prints (no process group yet)
-        for w in caught:
-            print(f"warning: {w.message}", file=sys.stderr)
+    for w in caught:
+        print_main(f"warning: {w.message}")
     if args.print_config:
         from launch.config import dump_config
 

@@ -36,6 +36,9 @@ def test_help_and_bad_config_fail_before_any_process_group(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "command line: margin.tpye: unknown key" in err
     assert f"data.dir='{tmp_path}': no manifest.json there" in err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
 
 
 def _write_pairs(path: Path, pairs: int = 10) -> None:
