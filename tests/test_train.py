@@ -146,3 +146,35 @@ def test_torchrun_one_node_and_two_node_loopback(tmp_path):
     _finish(*[_torchrun(rdzv, data, two) for _ in range(2)])
     other = _metrics(two)
     assert [r["loss"] for r in other] == pytest.approx([r["loss"] for r in records], rel=1e-4)
+
+
+def _make_dry_run(*args: str) -> str:
+    out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return " ".join(out.stdout.replace("\\\n", " ").split())
+
+
+def test_make_recipes_pass_their_variables_to_torchrun():
+    import re
+
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = re.search(r"^RECIPES := (.*)$", makefile, re.M).group(1).split()
+    assert {r.replace("-", "_") + ".yaml" for r in recipes} == {
+        p.name for p in (ROOT / "configs").glob("*.yaml")
+    } - {"base.yaml", "smoke.yaml", "orl.yaml"}
+    for recipe in recipes:
+        cmd = _make_dry_run(recipe, "DATA=/d", "NNODES=2", "NODE_RANK=1", "MASTER_ADDR=10.0.0.9",
+                            "MASTER_PORT=1234", "NPROC_PER_NODE=8", "ARGS=optim.lr=0.2")
+        assert (
+            "torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr 10.0.0.9 "
+            f"--master_port 1234 -m launch.train --config configs/{recipe.replace('-', '_')}.yaml "
+            "data.dir=/d optim.lr=0.2"
+        ) in cmd, cmd
+    train = _make_dry_run("train", "SMOKE_DATA=/tmp/x", "ARGS=train.epochs=1")
+    assert "write_synthetic_dataset" in train or (Path("/tmp/x") / "manifest.json").exists()
+    assert (
+        "torchrun --standalone --nproc_per_node 2 -m launch.train --config configs/smoke.yaml "
+        "data.dir=/tmp/x train.epochs=1"
+    ) in train, train
+    convert = _make_dry_run("convert-ms1m", "SRC=/faces_emore", "OUT=/out")
+    assert "-m launch.convert insightface /faces_emore /out" in convert
