@@ -208,9 +208,13 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
     if kind in ("normface", "adacos"):
         return CombinedMargin(scale)
     if kind == "cosface":
+        if not (math.isfinite(m) and m >= 0):
+            raise ValueError(f"margin: m={m} must be >= 0 for cosface")
         return CombinedMargin(scale, m3=float(m))
     easy = bool(get("easy_margin", False))
     if kind == "arcface":
+        if not 0.0 <= m < math.pi:
+            raise ValueError(f"margin: m={m} must be in [0, pi) for arcface")
         return CombinedMargin(scale, m2=float(m), easy_margin=easy)
     return CombinedMargin(
         scale, float(get("m1", 1.0)), float(get("m2", 0.0)), float(get("m3", 0.0)), easy
