@@ -6,7 +6,7 @@ Layout (the contract others read)::
                                           replicated tensors (see launch.state for the plan)
     RUN/checkpoints/<tag>/backbone.pt     plain full fp32 backbone state_dict (rank 0)
     RUN/checkpoints/<tag>/meta.json       step, epoch, world size, loader positions, row keys
-    RUN/checkpoints/<tag>/rng-<rank>.pt   that rank's torch RNG state
+    RUN/checkpoints/<tag>/rng-<rank>.pt   that rank's torch RNG state (CPU, and CUDA on GPU)
     RUN/checkpoints/latest                the newest <tag>
 
 A checkpoint is written into ``checkpoints/.tmp-<tag>`` and renamed when complete, and
@@ -84,7 +84,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
     flat = {k: _sharded(v) if k in rows else v.detach().cpu() for k, v in full.items()}
     with _quiet():
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp / "state"))
-    torch.save({"cpu": torch.get_rng_state()}, tmp / f"rng-{rank}.pt")
+    torch.save(_rng_state(engine.device), tmp / f"rng-{rank}.pt")
     if rank == 0:
         torch.save(_plain_backbone(full), tmp / "backbone.pt")
         info = {
@@ -103,6 +103,14 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a step draws from: torch's CPU one, and the device's on CUDA (dropout)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
 def _plain_backbone(full: dict) -> dict[str, torch.Tensor]:
@@ -169,7 +177,10 @@ def load(path: Path, engine) -> dict:
     rank = dist.get_rank()
     rng = path / f"rng-{rank}.pt"
     if rng.is_file():
-        torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
+        saved = torch.load(rng, weights_only=True)
+        torch.set_rng_state(saved["cpu"])
+        if "cuda" in saved and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(saved["cuda"], engine.device)
     loaders = meta["loader"]
     meta["loader"] = loaders[rank] if rank < len(loaders) else loaders[0]
     return meta

@@ -96,3 +96,71 @@ def test_resume_on_fewer_and_more_ranks(tmp_path):
             _assert_same([g["next"] for g in got], [r["next"] for r in ref], tag, exact=False)
         loaders = [resumed[r][name]["meta"]["loader"] for r in range(world)]
         assert loaders == [{"rank": min(r, 1) if r < 2 else 0} for r in range(world)]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-rank gloo group in this process (cheap: no spawn), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_rank_engine(device: str = "cpu"):
+    cfg = make_config("engine.type=ddp", "train.batch_size=4", "optim.name=adamw", "optim.lr=0.01",
+                      "margin.type=adacos", "margin.adacos=dynamic")
+    engine = build_engine(cfg)
+    engine.step(0, local_micro_batches(0, 4, 0, 1, 1))
+    return engine
+
+
+def test_save_contents_rng_and_atomicity(tmp_path, one_rank_group, monkeypatch):
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from launch import checkpoint
+
+    engine = _one_rank_engine()
+    rng = torch.get_rng_state()
+    first = checkpoint.save(tmp_path, 1, engine, {"loader": {"pos": 7}}, keep=2)
+    keys = set(dcp.FileSystemReader(first / "state").read_metadata().state_dict_metadata)
+    names = {k.split(".")[0] for k in keys}
+    assert names == {"head", "head_opt", "backbone", "backbone_opt"}, keys
+    assert {"head.weight", "head.step", "head_opt.exp_avg", "head_opt.exp_avg_sq"} <= keys
+    assert any(k.startswith("head.") and k.endswith(".s") for k in keys), keys  # AdaCos scale
+    meta = json.loads((first / "meta.json").read_text())
+    assert meta["loader"] == [{"pos": 7}] and meta["step"] == 1 and meta["world_size"] == 1
+
+    torch.rand(5)  # move the generator; load must put it back where the save found it
+    checkpoint.load(first, engine)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    def crash(state_dict, storage_writer):  # dies half-way through writing the state
+        folder = Path(storage_writer.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "partial").write_bytes(b"x")
+        raise RuntimeError("node lost")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="node lost"):
+        checkpoint.save(tmp_path, 2, engine, {"loader": {"pos": 9}}, keep=2)
+    found = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert found == [".tmp-step-00000002", "latest", "step-00000001"], found
+    assert checkpoint.find_resume(tmp_path, "auto") == first
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rng_is_saved_and_restored(tmp_path, one_rank_group):
+    from launch import checkpoint
+
+    engine = _one_rank_engine()
+    engine.device = torch.device("cuda", 0)  # only the RNG bookkeeping looks at it here
+    cuda_rng = torch.cuda.get_rng_state(engine.device)
+    path = checkpoint.save(tmp_path, 1, engine, {"loader": None}, keep=1)
+    torch.rand(3, device=engine.device)
+    checkpoint.load(path, engine)
+    assert torch.equal(torch.cuda.get_rng_state(engine.device), cuda_rng)
