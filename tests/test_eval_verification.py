@@ -81,3 +81,24 @@ def test_matches_brute_force_on_random_scores():
 def test_bad_input(issame, match):
     with pytest.raises(ValueError, match=match):
         evaluate_pairs(*_pairs_with_scores([0.1, 0.2, 0.3, 0.4]), issame, nfolds=2)
+
+
+def test_fold_thresholds_come_from_the_other_folds_only():
+    """Brute-force LFW protocol on random scores: fold k is scored at the best threshold of
+    the other nine folds (highest one among ties). Choosing it on all pairs, or on the fold
+    itself, gives other numbers on this data."""
+    rng = np.random.default_rng(3)
+    same = rng.random(200) < 0.5
+    scores = np.round(np.where(same, 0.25, 0.0) + rng.normal(0, 0.2, 200), 3)
+    folds = np.array_split(np.arange(200), 10)
+    accs = []
+    for k, test in enumerate(folds):
+        train = np.concatenate([f for j, f in enumerate(folds) if j != k])
+        s, y = scores[train], same[train]
+        u = np.unique(s)  # documented candidates: midpoints of adjacent scores, and the ends
+        cands = [u[0] - 1.0, *((u[:-1] + u[1:]) / 2), u[-1] + 1.0]
+        t = max(cands, key=lambda c: (np.mean((s >= c) == y), c))
+        accs.append(np.mean((scores[test] >= t) == same[test]))
+    out = evaluate_pairs(*_pairs_with_scores(scores), same, nfolds=10)
+    assert out["accuracy"] == pytest.approx(np.mean(accs), abs=1e-9)
+    assert out["accuracy_std"] == pytest.approx(np.std(accs), abs=1e-9)
