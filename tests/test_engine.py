@@ -67,3 +67,15 @@ def test_two_ranks_equal_one_rank():
     assert ref["losses"][1] < ref["losses"][0] and all(map(math.isfinite, ref["losses"]))
     moved = [not torch.equal(v, per_rank[0][0]["backbone"][k]) for k, v in ref["backbone"].items()]
     assert moved  # sanity: the comparison saw parameters
+
+
+def test_lr_schedule_warmup_then_poly_or_cosine():
+    from launch.config import ScheduleConfig
+    from launch.engine import lr_factor
+
+    poly = lr_factor(ScheduleConfig(type="poly", power=2.0), warmup_steps=4, total_steps=14)
+    assert [poly(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert [poly(s) for s in (4, 9, 14, 20)] == pytest.approx([1.0, 0.25, 0.0, 0.0])
+    cos = lr_factor(ScheduleConfig(type="cosine"), warmup_steps=0, total_steps=10)
+    assert [cos(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    assert cos(2) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
