@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eval_helpers import one_torch_thread  # noqa: F401 - autouse fixture
 
 from partial_fc.backbones import build_backbone, list_backbones, normalize_images
 
@@ -22,16 +23,6 @@ _PARAMS = {
     "iresnet100": 65_156_160,
     "iresnet200": 118_833_920,
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on the 2-core CI machine shared with another pytest worker,
-    torch's default 2 threads make a full-width forward ~10x slower (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_registry_lists_the_contract_names():

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from eval_helpers import MeanColour, make_color_bin, make_run
+from eval_helpers import (
+    MeanColour,
+    make_color_bin,
+    make_run,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+)
 from spawn import run_ranks
 from torch import nn
 

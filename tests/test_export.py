@@ -7,7 +7,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from eval_helpers import make_run
+from eval_helpers import (
+    make_run,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+)
 
 from launch.export import main
 from launch.inference import load_backbone

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from eval_helpers import MeanColour, make_run
+from eval_helpers import (
+    MeanColour,
+    make_run,
+    one_torch_thread,  # noqa: F401 - autouse fixture
+)
 from PIL import Image
 from skimage.transform import SimilarityTransform, warp
 
