@@ -6,7 +6,6 @@ import io
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import yaml
 from PIL import Image
@@ -14,17 +13,6 @@ from torch import nn
 
 from data_pipeline.verification_bin import write_bin
 from partial_fc.backbones import build_backbone
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread (autouse where imported): on the 2-core CI machine shared with
-    another pytest worker, torch's default 2 threads made a full-width iResNet forward
-    ~10x slower (measured 12.7 s vs 1.3 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_run(root: Path, embedding_size: int = 16, tag: str = "step_00000010") -> Path:

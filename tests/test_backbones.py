@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval_helpers import one_torch_thread  # noqa: F401 - autouse fixture
 
 from partial_fc.backbones import build_backbone, list_backbones, normalize_images
 

@@ -12,7 +12,6 @@ from eval_helpers import (
     MeanColour,
     make_color_bin,
     make_run,
-    one_torch_thread,  # noqa: F401 - autouse fixture
 )
 from spawn import run_ranks
 from torch import nn

@@ -9,7 +9,6 @@ import pytest
 import torch
 from eval_helpers import (
     make_run,
-    one_torch_thread,  # noqa: F401 - autouse fixture
 )
 
 from launch.export import main

@@ -7,7 +7,6 @@ import pytest
 from eval_helpers import (
     MeanColour,
     make_run,
-    one_torch_thread,  # noqa: F401 - autouse fixture
 )
 from PIL import Image
 from skimage.transform import SimilarityTransform, warp
