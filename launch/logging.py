@@ -81,10 +81,16 @@ class RunLogger:
                 total=self.total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr
             )
 
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` writes a metrics record (every ``log.every`` and the last)."""
+        return step % self.cfg.log.every == 0 or step == self.total
+
     def step(
-        self, step: int, stats: dict, head_stats: dict, skipped: int, device: torch.device
+        self, step: int, stats: dict, head_stats: dict, data: dict | None, device: torch.device
     ) -> None:
-        """After optimisation step ``step`` (1-based count of steps done)."""
+        """After optimisation step ``step`` (1-based count of steps done). ``data``: the
+        loader's counters summed over ranks (``skipped_samples``, ``padded_samples``), given
+        on the steps that are :meth:`due`."""
         if not self.active:
             return
         now = time.perf_counter()
@@ -92,7 +98,7 @@ class RunLogger:
             rate = self.global_batch * (step - self._start) / max(now - self._t0, 1e-9)
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix(loss=f"{stats['loss']:.3f}", img_s=f"{rate:.0f}")
-        if step % self.cfg.log.every and step != self.total:
+        if not self.due(step):
             return
         img_s = self.global_batch * (step - self._last_step) / max(now - self._last_t, 1e-9)
         self._last_t, self._last_step = now, step
@@ -108,7 +114,7 @@ class RunLogger:
             "cos_nontarget_mean": head_stats.get("cos_nontarget_mean"),
             "img_per_s": img_s,
             "memory_mb": memory_mb(device),
-            "skipped_samples": skipped,
+            **(data or {}),
             "time_s": now - self._t0,
         }
         self.write(record)

@@ -55,6 +55,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
     from launch.engine import Engine
     from launch.evaluate import evaluate_bins
     from partial_fc import PartialFC, build_margin
+    from partial_fc import distributed as pd
     from partial_fc.backbones import build_backbone
 
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
@@ -101,6 +102,11 @@ def train(cfg: Config, env: DistEnv) -> dict:
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
     )
 
+    def data_counts() -> dict[str, int]:
+        """Collective: corrupt samples skipped and samples repeated to pad, over all ranks."""
+        counts = pd.gather_ints([loader.num_skipped, loader.num_padded], env.device).sum(0)
+        return {"skipped_samples": int(counts[0]), "padded_samples": int(counts[1])}
+
     def save() -> None:
         nonlocal saved
         meta = {"loader": loader.state_dict(), "name": cfg.name}
@@ -118,7 +124,8 @@ def train(cfg: Config, env: DistEnv) -> dict:
             hist = (step + 1) % cfg.log.hist_every == 0
             stats = engine.step(step, micro_batches, angles=hist)
             step += 1
-            log.step(step, stats, head.stats, loader.num_skipped, env.device)
+            log.step(step, stats, head.stats, data_counts() if log.due(step) else None,
+                     env.device)
             if hist:
                 log.histograms(step, stats["angles"])
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < total:

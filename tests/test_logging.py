@@ -13,7 +13,7 @@ from launch_helpers import make_config
 from launch.logging import RunLogger, print_main
 
 FIELDS = ("step", "loss", "lr", "scale", "theta_med", "b_avg", "cos_target_mean",
-          "cos_nontarget_mean", "img_per_s", "memory_mb", "skipped_samples")
+          "cos_nontarget_mean", "img_per_s", "memory_mb", "skipped_samples", "padded_samples")
 
 
 @pytest.fixture
@@ -47,7 +47,8 @@ def _log_run(cfg, rank: int) -> dict:
                   "cos_nontarget_mean": 0.01}
     for step in range(1, 5):
         stats = {"loss": 5.0 - step, "lr": 0.1, "grad_norm": 1.0}
-        log.step(step, stats, head_stats, skipped=2, device=torch.device("cpu"))
+        data = {"skipped_samples": 2, "padded_samples": 1} if log.due(step) else None
+        log.step(step, stats, head_stats, data, device=torch.device("cpu"))
     log.histograms(4, {"theta_target": torch.rand(5), "theta_nontarget": torch.rand(7)})
     return log.close(4, None)
 

@@ -120,6 +120,7 @@ def test_torchrun_one_node_and_two_node_loopback(tmp_path):
             "img_per_s",
             "memory_mb",
             "skipped_samples",
+            "padded_samples",
         ):
             assert isinstance(r[key], int | float), (key, r)
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-3:]) / 3
