@@ -89,7 +89,11 @@ def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_si
         results = {}
         for name, path in zip(names, bin_paths, strict=True):
             encoded, issame = read_bin(path)
-            emb = embed_shared(backbone, encoded, batch_size, device, process_group).cpu().numpy()
+            # A face appears in several pairs (ORL's 1,800 entries hold 100 images): embed
+            # each distinct image once and index.
+            unique = {image: i for i, image in enumerate(dict.fromkeys(encoded))}
+            emb = embed_shared(backbone, list(unique), batch_size, device, process_group)
+            emb = emb.cpu()[torch.tensor([unique[image] for image in encoded])].numpy()
             results[name] = evaluate_pairs(emb[0::2], emb[1::2], issame)
         return results
     finally:

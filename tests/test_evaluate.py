@@ -17,7 +17,7 @@ from spawn import run_ranks
 from torch import nn
 
 from data_pipeline.codec import decode_image
-from data_pipeline.verification_bin import read_bin
+from data_pipeline.verification_bin import read_bin, write_bin
 from launch.evaluate import embed_images, evaluate_bins, main
 from launch.inference import CheckpointError, load_backbone
 from partial_fc.eval.verification import evaluate_pairs
@@ -147,3 +147,20 @@ def test_help(program, capsys):
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(program).main(["--help"])
     assert exit_info.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+
+
+def test_repeated_images_are_embedded_once(tmp_path):
+    # Pairs reuse images (as real sets do: one face in several pairs): each distinct image
+    # is embedded once, and the metrics equal the per-entry reference.
+    make_color_bin(tmp_path / "u.bin", num_pairs=6)
+    encoded, issame = read_bin(tmp_path / "u.bin")
+    entries = [encoded[(5 * i) % len(encoded)] for i in range(2 * 20)]  # 12 distinct images
+    write_bin(tmp_path / "r.bin", entries, [bool(i % 2) for i in range(20)])
+    model, _ = load_backbone(make_run(tmp_path))
+    seen = []
+    model.register_forward_hook(lambda m, inputs, out: seen.append(len(inputs[0])))
+    out = evaluate_bins(model, [tmp_path / "r.bin"], batch_size=64, device="cpu")["r"]
+    assert sum(seen) == 2 * len(set(entries)) == 2 * 12  # image + flip, once per distinct image
+    ref = _reference(model, tmp_path / "r.bin")
+    for key in out:
+        assert out[key] == pytest.approx(ref[key], abs=1e-6), key
