@@ -7,9 +7,10 @@ gradient convention)::
     sample local classes (training, r < 1)   -> W_s [S_r, D] rows of this rank's shard
     cos = E @ normalise(W_s)^T  [N, S_r]     (autocast may run this matmul in bf16/fp16)
     no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (fp64 sums)
-    logits: s * cos, target entries this rank owns -> s * psi(cos_target)      (fp32)
-    max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
-    loss = mean_i [ log(sum_k exp(z_ik - m_i)) - (z_iy - m_i) ]   identical on all ranks
+    partial_fc.softmax (one autograd Function, hand-written backward), fp32:
+      logits: s * cos, target entries this rank owns -> s * psi(cos_target)
+      max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
+      loss = mean_i [ log(sum_k exp(z_ik - m_i)) - (z_iy - m_i) ]   identical on all ranks
 
 The result equals ``F.cross_entropy`` on the full ``[N, C]`` logits of one process: the
 embedding gradient is exactly ``dL/de_local`` and each rank's ``weight.grad`` holds exactly
@@ -19,6 +20,7 @@ compensating data-parallel gradient averaging of the backbone is the engine's jo
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,6 +32,7 @@ from partial_fc.init import init_rows_
 from partial_fc.margins import Margin
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.scale import AdaCosScale, log_mean_exp, median_angle
+from partial_fc.softmax import margin_softmax_loss
 
 __all__ = ["PartialFC", "partition"]
 
@@ -68,8 +71,11 @@ class PartialFC(nn.Module):
     ``sampled_index`` holds the local rows the last forward used (``None`` = all rows);
     ``pop_sampled_rows()`` is how ``partial_fc.optim`` learns which rows to update.
 
-    Memory: besides the matmul's output, one fp32 ``[N, S]`` logits buffer, modified in place
-    (margin, shift, exp) and kept for backward; inputs are never modified.
+    Memory: at most two fp32 ``[N, S]`` buffers are alive at once: in forward the cosines
+    (the matmul's output, freed when ``forward`` returns) and the logits, which
+    ``partial_fc.softmax.margin_softmax_loss`` turns in place into the probabilities, the only
+    ``[N, S]`` buffer kept for backward; its backward turns it in place into ``dL/dcos``,
+    consumed by the matmul's backward. Inputs are never modified.
     """
 
     def __init__(
@@ -145,25 +151,15 @@ class PartialFC(nn.Module):
         cos = (e @ F.normalize(weight, dim=1).t()).float()  # [N, S]
         rows = (targets >= 0).nonzero().squeeze(1)
         cols = targets[rows]
-        cos_t = cos[rows, cols]  # [n_owned]: targets this rank owns
+        cos_t = cos.detach()[rows, cols]  # [n_owned]: targets this rank owns
         glob = self._global_stats(cos, rows, cols, cos_t)
         s = self.margin.scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
-        logits = cos * s
-        del cos
-        t_logit = self.margin.psi(cos_t, step) * s
-        logits.index_put_((rows, cols), torch.full_like(t_logit, -math.inf))
-        with torch.no_grad():
-            row_max = logits.max(dim=1).values
-            row_max[rows] = torch.maximum(row_max[rows], t_logit)
-            shift = pd.all_reduce_max(row_max, group)  # [N]
-        nontarget = logits.sub_(shift[:, None]).exp_().sum(dim=1)  # [N], partial
-        target = torch.zeros_like(nontarget).index_put((rows,), t_logit - shift[rows])
-        nontarget, target = pd.all_reduce(torch.stack([nontarget, target]), group)
-        loss = (torch.log(nontarget + torch.exp(target)) - target).mean()
+        loss, sum_exp, shift = margin_softmax_loss(
+            cos, rows, cols, functools.partial(self.margin.psi, step=step), s, group)
         if self.training:
             self.step += 1
-        self._set_stats(loss, glob, nontarget.detach() * glob["neg_ratio"], shift, s)
+        self._set_stats(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
         return loss
 
     # ------------------------------------------------------------------ helpers
@@ -210,19 +206,20 @@ class PartialFC(nn.Module):
     def _global_stats(self, cos: Tensor, rows: Tensor, cols: Tensor, cos_t: Tensor) -> dict:
         """One all-reduce (fp64) of: each sample's target cos, each sample's partial
         ``sum_{k != y} exp(s_prev (cos_k - 1))`` (dynamic AdaCos only), the number of sampled
-        classes and the sum of non-target cosines. Updates a dynamic AdaCos scale."""
+        classes and the sum of non-target cosines. Updates a dynamic AdaCos scale. Row sums
+        over ``[N, S]`` run in fp32 (an fp64 ``sum`` would copy the whole buffer to fp64)."""
         n, sampled = cos.shape
         scale = self.margin.scale
         dynamic = isinstance(scale, AdaCosScale) and scale.dynamic and self.training
         packed = torch.zeros(2 * n + 2, dtype=torch.float64, device=cos.device)
         packed[rows] = cos_t.double()
         if dynamic:  # shift by s_prev * 1 (cos <= 1): no overflow whatever s is
-            ex = torch.exp(scale.value() * (cos - 1.0))
+            ex = (cos - 1.0).mul_(scale.value()).exp_()
             ex[rows, cols] = 0.0
-            packed[n: 2 * n] = ex.sum(dim=1, dtype=torch.float64)
+            packed[n: 2 * n] = ex.sum(dim=1).double()
             del ex
         packed[2 * n] = sampled
-        packed[2 * n + 1] = cos.sum(dtype=torch.float64) - packed[rows].sum()
+        packed[2 * n + 1] = cos.sum(dim=1).double().sum() - packed[rows].sum()
         packed = pd.all_reduce(packed, self.process_group)
         target_cos, total = packed[:n].float(), int(packed[2 * n])
         neg_ratio = (self.num_classes - 1) / (total - 1) if total > 1 else math.nan
