@@ -11,7 +11,8 @@ Layout (the contract others read)::
 
 A checkpoint is written into ``checkpoints/.tmp-<tag>`` and renamed when complete, and
 ``latest`` is replaced with ``os.replace``, so a crash never leaves a folder that looks
-finished. Multi-node runs need RUN on a file system every node sees.
+finished; the next completed save removes its ``.tmp-*`` leftovers. Multi-node runs need
+RUN on a file system every node sees.
 
 Head rows are saved as a ``ShardedTensor`` with each rank's true row offset. DTensor's
 ``Shard(0)`` would fix the offsets to ``torch.chunk``'s split, which differs from the head's
@@ -131,8 +132,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints; drop ``.tmp-*`` left by interrupted saves.
+
+    Runs on rank 0 after a save completed, so no other save is writing a ``.tmp-*``.
+    """
     tags = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in tags[:-keep]:
+    for old in [*tags[:-keep], *root.glob(".tmp-*")]:
         shutil.rmtree(old, ignore_errors=True)
 
 

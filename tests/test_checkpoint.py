@@ -151,6 +151,12 @@ def test_save_contents_rng_and_atomicity(tmp_path, one_rank_group, monkeypatch):
     assert found == [".tmp-step-00000002", "latest", "step-00000001"], found
     assert checkpoint.find_resume(tmp_path, "auto") == first
 
+    monkeypatch.undo()  # the next successful save removes the interrupted one's folder
+    third = checkpoint.save(tmp_path, 3, engine, {"loader": {"pos": 11}}, keep=2)
+    found = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert found == ["latest", "step-00000001", "step-00000003"], found
+    assert checkpoint.find_resume(tmp_path, "auto") == third
+
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
