@@ -6,7 +6,7 @@ gradient convention)::
     e_local [n_r, D] --normalise--> all_gather --> E [N, D]      (labels likewise -> Y [N])
     sample local classes (training, r < 1)   -> W_s [S_r, D] rows of this rank's shard
     cos = E @ normalise(W_s)^T  [N, S_r]     (autocast may run this matmul in bf16/fp16)
-    no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (fp64 sums)
+    no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (fp32 row sums, fp64 reduce)
     partial_fc.softmax (one autograd Function, hand-written backward), fp32:
       logits: s * cos, target entries this rank owns -> s * psi(cos_target)
       max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
@@ -72,7 +72,8 @@ class PartialFC(nn.Module):
     ``pop_sampled_rows()`` is how ``partial_fc.optim`` learns which rows to update.
 
     Memory: at most two fp32 ``[N, S]`` buffers are alive at once: in forward the cosines
-    (the matmul's output, freed when ``forward`` returns) and the logits, which
+    (the matmul's output, freed when ``forward`` returns) and one other, first dynamic
+    AdaCos's ``exp(s (cos - 1))`` (freed once summed), then the logits, which
     ``partial_fc.softmax.margin_softmax_loss`` turns in place into the probabilities, the only
     ``[N, S]`` buffer kept for backward; its backward turns it in place into ``dL/dcos``,
     consumed by the matmul's backward. Inputs are never modified.
@@ -142,10 +143,11 @@ class PartialFC(nn.Module):
             raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
                              f"[0, {self.num_classes}) (num_classes={self.num_classes})")
         step = int(self.step)
-        index, targets = None, local_targets(y, self.class_start, self.num_local)
         if self.training and self.sample_rate < 1.0:
             index, targets = sample_classes(y, self.class_start, self.num_local,
                                             self.sample_rate, self.seed, step, self.rank)
+        else:
+            index, targets = None, local_targets(y, self.class_start, self.num_local)
         self._record_rows(index)
         weight = self.weight if index is None else self.weight[index]
         cos = (e @ F.normalize(weight, dim=1).t()).float()  # [N, S]
