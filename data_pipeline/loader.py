@@ -106,7 +106,7 @@ class Loader:
         self.shuffle_buffer, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.decoder = resolve_decoder(decoder)
         total = self.manifest.num_samples
-        self._len = plan.samples_per_rank(total, world_size) // batch_size
+        self._len = plan.batches_per_rank(total, world_size, batch_size)
         if self._len == 0:
             raise DataError(f"{self.data_dir}: {total} samples cannot fill one batch of "
                             f"{batch_size} on each of {world_size} ranks")
@@ -153,7 +153,8 @@ class Loader:
         try:
             epoch, batches, old = int(state["epoch"]), int(state["batches"]), dict(state["plan"])
             positions = [int(p) for p in state["worker_positions"]]
-            old_len = (old["num_samples"] // old["world_size"]) // old["batch_size"]
+            old_len = plan.batches_per_rank(old["num_samples"], old["world_size"],
+                                            old["batch_size"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"loader state_dict: malformed ({type(exc).__name__}: {exc})") from exc
         self.epoch = epoch

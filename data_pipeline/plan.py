@@ -46,6 +46,11 @@ def samples_per_rank(num_samples: int, world_size: int) -> int:
     return num_samples // world_size
 
 
+def batches_per_rank(num_samples: int, world_size: int, batch_size: int) -> int:
+    """Batches every rank yields per epoch (the loader's len, the same on all ranks)."""
+    return samples_per_rank(num_samples, world_size) // batch_size
+
+
 def pieces_for_range(counts: list[int], order: list[int], start: int, stop: int) -> list[Piece]:
     """The shard pieces covering positions [start, stop) of the virtual sequence `order`."""
     pieces, offset = [], 0

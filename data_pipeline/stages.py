@@ -37,11 +37,6 @@ def check_shard(path: Path, info: ShardInfo) -> None:
                          "(truncated or rewritten shard)")
 
 
-def read_piece(path: Path, piece: Piece) -> Iterator[dict]:
-    """Samples piece.start..piece.stop-1 of one tar shard; ShardError if the shard ends early."""
-    return tar_samples(path, piece.start, piece.stop)
-
-
 def tar_samples(path: Path, start: int = 0, stop: int | None = None) -> Iterator[dict]:
     """Samples [start, stop) of a tar shard (all from `start` when stop is None) as dicts
     {"__key__": key, ext: bytes, ...}; members of earlier samples are seeked over, not read.
@@ -114,7 +109,7 @@ def read_pieces(pieces: list[Piece], paths: list[Path], infos: list[ShardInfo]) 
     """Source stage: the raw samples of `pieces` in order; shards are checked before reading."""
     for piece in pieces:
         check_shard(paths[piece.shard], infos[piece.shard])
-        yield from read_piece(paths[piece.shard], piece)
+        yield from tar_samples(paths[piece.shard], piece.start, piece.stop)
 
 
 def _annotate(data: Iterator[dict], seed: str, flip: bool) -> Iterator[dict]:
