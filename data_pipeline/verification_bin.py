@@ -17,6 +17,8 @@ import os
 import pickle
 from pathlib import Path
 
+from data_pipeline.manifest import atomic_write_bytes
+
 
 class UnsafeBinError(ValueError):
     """The ``.bin`` file is not a plain ``(list[bytes], list[bool])`` pickle."""
@@ -75,12 +77,9 @@ def _check_types(path: Path, images, issame) -> None:
 
 
 def write_bin(path: str | os.PathLike, images: list[bytes], issame: list[bool]) -> None:
-    """Write ``(images, issame)`` in the insightface layout, atomically (temp file + rename)."""
+    """Write ``(images, issame)`` in the insightface layout, atomically (``atomic_write_bytes``)."""
     path = Path(path)
     images = [bytes(b) for b in images]
     issame = [bool(x) for x in issame]
     _check_types(path, images, issame)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        pickle.dump((images, issame), f, protocol=4)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, pickle.dumps((images, issame), protocol=4))
