@@ -51,24 +51,23 @@ def lr_factor(schedule: ScheduleConfig, warmup_steps: int, total_steps: int) -> 
     return factor
 
 
+def _optimizer_kwargs(optim: OptimConfig) -> dict:
+    """The hyper-parameters both optimizers share, besides ``lr``."""
+    if optim.name == "sgd":
+        return {"momentum": optim.momentum, "weight_decay": optim.weight_decay}
+    return {"betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+
+
 def make_optimizer(optim: OptimConfig, params) -> torch.optim.Optimizer:
     """The backbone's torch optimizer."""
-    if optim.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
-        )
-    betas = (optim.betas[0], optim.betas[1])
-    return torch.optim.AdamW(
-        params, lr=optim.lr, betas=betas, eps=optim.eps, weight_decay=optim.weight_decay
-    )
+    cls = torch.optim.SGD if optim.name == "sgd" else torch.optim.AdamW
+    return cls(params, lr=optim.lr, **_optimizer_kwargs(optim))
 
 
 def make_head_optimizer(optim: OptimConfig, head: nn.Module) -> torch.optim.Optimizer:
     """The head's row-sampling optimizer (unsampled rows get no momentum, no decay)."""
-    if optim.name == "sgd":
-        return SampledSGD(head, optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
-    betas = (optim.betas[0], optim.betas[1])
-    return SampledAdamW(head, optim.lr, betas=betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    cls = SampledSGD if optim.name == "sgd" else SampledAdamW
+    return cls(head, optim.lr, **_optimizer_kwargs(optim))
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
