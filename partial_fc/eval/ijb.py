@@ -19,11 +19,9 @@ from __future__ import annotations
 import numpy as np
 from sklearn.metrics import roc_curve
 
+from partial_fc.eval.verification import normalise_rows
+
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
-
-
-def _normalise(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 def template_features(
@@ -39,7 +37,7 @@ def template_features(
     Returns:
         ``(template_ids [T] sorted, features [T, D] float64 unit rows)``.
     """
-    feats = _normalise(np.asarray(image_feats, dtype=np.float64))
+    feats = normalise_rows(np.asarray(image_feats, dtype=np.float64))
     templates = np.asarray(templates)
     medias = np.asarray(medias)
     if not len(feats) == len(templates) == len(medias):
@@ -57,7 +55,7 @@ def template_features(
     template_ids, template_of = np.unique(groups[:, 0], return_inverse=True)
     out = np.zeros((len(template_ids), feats.shape[1]))
     np.add.at(out, template_of.reshape(-1), media_feats)
-    return template_ids, _normalise(out)
+    return template_ids, normalise_rows(out)
 
 
 def pair_scores(template_ids, template_feats, t1, t2) -> np.ndarray:
