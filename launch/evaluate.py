@@ -25,7 +25,7 @@ from tqdm import tqdm
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
 from data_pipeline.verification_bin import read_bin
-from launch.inference import load_backbone
+from launch.inference import add_checkpoint_argument, load_backbone
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
@@ -145,8 +145,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
-                   help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
+    add_checkpoint_argument(p)
     p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from launch.inference import load_backbone
+from launch.inference import add_checkpoint_argument, load_backbone
 
 
 def export_onnx(backbone: nn.Module, out: str | os.PathLike, opset: int | None = None) -> Path:
@@ -57,8 +57,7 @@ def check_onnx(backbone: nn.Module, path: str | os.PathLike, batch_sizes=(1, 5))
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
-                   help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
+    add_checkpoint_argument(p)
     p.add_argument("--out", required=True, type=Path, help="ONNX file to write")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")
     p.add_argument("--min-cosine", type=float, default=0.9999,

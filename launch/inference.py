@@ -12,6 +12,7 @@ Accepted paths: ``RUN`` (uses ``latest``), ``RUN/checkpoints/<tag>`` or
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,12 @@ from partial_fc.backbones import build_backbone
 
 class CheckpointError(ValueError):
     """The path does not lead to a usable backbone checkpoint."""
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--checkpoint`` option of ``launch.evaluate`` and ``launch.export``."""
+    parser.add_argument("--checkpoint", required=True,
+                        help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
