@@ -11,6 +11,7 @@ In training, ``launch.train`` calls :func:`evaluate_bins` on every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -30,6 +31,17 @@ from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
 from partial_fc.eval.verification import FARS, evaluate_pairs
+
+
+@contextlib.contextmanager
+def _eval_mode(backbone: nn.Module):
+    """``backbone`` in eval mode for the block; its train/eval mode is restored after."""
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        yield
+    finally:
+        backbone.train(was_training)
 
 
 @torch.no_grad()
@@ -83,10 +95,8 @@ def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_si
     names = [Path(p).stem for p in bin_paths]
     if len(set(names)) != len(names):
         raise ValueError(f"verification sets need distinct file names, got {list(bin_paths)}")
-    was_training = backbone.training
-    backbone.eval()
-    try:
-        results = {}
+    results = {}
+    with _eval_mode(backbone):
         for name, path in zip(names, bin_paths, strict=True):
             encoded, issame = read_bin(path)
             # A face appears in several pairs (ORL's 1,800 entries hold 100 images): embed
@@ -95,9 +105,7 @@ def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_si
             emb = embed_shared(backbone, list(unique), batch_size, device, process_group)
             emb = emb.cpu()[torch.tensor([unique[image] for image in encoded])].numpy()
             results[name] = evaluate_pairs(emb[0::2], emb[1::2], issame)
-        return results
-    finally:
-        backbone.train(was_training)
+    return results
 
 
 def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_size: int,
@@ -108,15 +116,11 @@ def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_s
     weighted by detector score and pooled into templates.
     """
     meta = read_ijb_meta(root, target)
-    was_training = backbone.training
-    backbone.eval()
-    try:
-        batches = iter_aligned_faces(meta, batch_size)
-        total = math.ceil(len(meta.names) / batch_size)
+    batches = iter_aligned_faces(meta, batch_size)
+    total = math.ceil(len(meta.names) / batch_size)
+    with _eval_mode(backbone):
         feats = [embed_images(backbone, b, batch_size, device).cpu()
                  for b in tqdm(batches, total=total, desc=target, disable=not progress)]
-    finally:
-        backbone.train(was_training)
     return evaluate_ijb(torch.cat(feats).numpy(), meta.templates, meta.medias,
                         meta.face_scores, meta.t1, meta.t2, meta.labels)
 
