@@ -341,7 +341,7 @@ def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
                 "engine.zero_stage=0: fp16 needs ZeRO >= 1 (checkpoints read its fp32 partitions)",
             )
         )
-    if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
+    if not cfg.checkpoint.resume:
         out.append(("checkpoint.resume", "checkpoint.resume='': use auto, none or a folder"))
     try:
         from partial_fc.backbones import list_backbones

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from launch import checkpoint
-from launch.config import Config, ConfigError, ConfigWarning, load_config
+from launch.config import Config, ConfigError, ConfigWarning, dump_config, load_config
 from launch.distributed import DistEnv, init_distributed, shutdown
 from launch.logging import RunLogger, print_main
 
@@ -154,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     for w in caught:
         print_main(f"warning: {w.message}")
     if args.print_config:
-        from launch.config import dump_config
-
         print(dump_config(cfg), end="")
         return 0
     env = init_distributed(cfg.device)
