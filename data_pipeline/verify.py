@@ -7,6 +7,7 @@ the manifest's sample count, every sample has `jpg` and `cls`, every label is in
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -77,17 +78,11 @@ def verify_dataset(data_dir: str | os.PathLike, *, workers: int = 1, decoder: st
     decoder = resolve_decoder(decoder)
     jobs = [(data_dir / s.name, s, manifest.num_classes, decoder) for s in manifest.shards]
     reports = []
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            for report in pool.map(verify_shard, *zip(*jobs, strict=True)):
-                reports.append(report)
-                if progress:
-                    progress(report.count)
-    else:
-        for job in jobs:
-            reports.append(verify_shard(*job))
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        for report in (pool.map if pool else map)(verify_shard, *zip(*jobs, strict=True)):
+            reports.append(report)
             if progress:
-                progress(reports[-1].count)
+                progress(report.count)
     problems = [p for r in reports for p in r.problems]
     seen: set[str] = set()
     for report in reports:
