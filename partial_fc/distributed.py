@@ -74,7 +74,7 @@ def gather_ints(values: Sequence[int], device: torch.device, process_group: Proc
         return mine.view(1, -1).cpu()
     out = torch.empty(get_world_size(process_group) * mine.numel(), dtype=torch.int64,
                       device=device)
-    dist.all_gather_single(out, mine, group=process_group)
+    dist.all_gather_into_tensor(out, mine, group=process_group)
     return out.view(-1, mine.numel()).cpu()
 
 
@@ -150,7 +150,7 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 def _gather_rows(x: Tensor, sizes: tuple[int, ...], group: ProcessGroup) -> Tensor:
     most = max(sizes)
     out = x.new_empty((len(sizes) * most, *x.shape[1:]))
-    dist.all_gather_single(out, _pad_rows(x, most).contiguous(), group=group)
+    dist.all_gather_into_tensor(out, _pad_rows(x, most).contiguous(), group=group)
     if min(sizes) == most:
         return out
     return torch.cat([part[:n] for part, n in zip(out.split(most), sizes, strict=True)])
@@ -161,7 +161,7 @@ def _scatter_rows(x: Tensor, sizes: tuple[int, ...], group: ProcessGroup) -> Ten
     if min(sizes) != most:
         x = torch.cat([_pad_rows(part, most) for part in x.split(list(sizes))])
     out = x.new_empty((most, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out[: sizes[dist.get_rank(group)]]
 
 
