@@ -28,9 +28,9 @@ RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1m
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
-	.venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+	.venv/bin/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 test: setup
