@@ -41,6 +41,10 @@ from launch import state as plan
 LATEST = "latest"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be written or read; the message names the step or file."""
+
+
 def tag_for(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -75,6 +79,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
     tag = tag_for(step)
     tmp, final = root / f".tmp-{tag}", root / tag
     full = plan.collect(engine)
+    _refuse_non_finite(full, step)
     rows = sorted(k for k, v in full.items() if isinstance(v, plan.Rows))
     loaders: list = [None] * dist.get_world_size()
     dist.all_gather_object(loaders, meta.get("loader"))
@@ -104,6 +109,22 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _refuse_non_finite(full: dict, step: int) -> None:
+    """Raise on every rank, before anything is written or pruned, if any rank's state holds
+    inf/NaN: a checkpoint must never replace good ones with a diverged model (collective)."""
+    bad = [
+        key
+        for key, value in full.items()
+        if (t := value.local if isinstance(value, plan.Rows) else value).is_floating_point()
+        and not bool(torch.isfinite(t).all())
+    ]
+    flag = torch.tensor([len(bad)])
+    dist.all_reduce(flag)
+    if int(flag):
+        where = f"{bad[0]} and {len(bad) - 1} more" if bad else "another rank's state"
+        raise CheckpointError(f"not saving step {step}: non-finite values in {where}")
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 UnitFloat = Annotated[float, Field(ge=0, lt=1)]
+MAX_SCALE = 1024.0  # margin.s: the published recipes use 30-64
 
 
 class ConfigError(ValueError):
@@ -41,7 +42,10 @@ class ConfigWarning(UserWarning):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    # allow_inf_nan=False: a float key given as .inf/.nan (or 1e400) is refused, not trained on.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 class DataConfig(_Section):
@@ -62,7 +66,8 @@ class MarginConfig(_Section):
     """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob)."""
 
     type: Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"] = "arcface"
-    s: PosFloat = 64.0
+    # s*cos are the logits: past ~1e3 the softmax is a hard max and fp32 loses the margin.
+    s: Annotated[float, Field(gt=0, le=MAX_SCALE)] = 64.0
     m: float = 0.5
     m1: PosFloat = 1.0
     m2: float = 0.5
@@ -101,6 +106,11 @@ class TrainConfig(_Section):
     max_steps: PosInt | None = None  # stop (and end the LR schedule) after this many steps
     grad_accum: PosInt = 1
     clip_grad_norm: PosFloat | None = 5.0  # backbone only; None disables
+    # A step with a non-finite loss or gradient is skipped on every rank (launch.engine);
+    # this many in a row end the run with an error (the model is diverging).
+    max_bad_steps: PosInt = Field(
+        10, description="consecutive non-finite (skipped) steps after which the run stops"
+    )
 
 
 class EngineConfig(_Section):

@@ -21,6 +21,7 @@ BatchNorm statistics are per rank and per micro-batch, as in any data-parallel r
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import warnings
@@ -80,7 +81,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         "zero_optimization": {"stage": cfg.engine.zero_stage},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": cfg.train.clip_grad_norm or 0.0,
-        "bf16": {"enabled": cfg.engine.precision == "bf16"},
+        # check_grad_overflow: drop a step with non-finite gradients (Engine.step's guard).
+        "bf16": {"enabled": cfg.engine.precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": cfg.engine.precision == "fp16"},
         "steps_per_print": 2**31 - 1,
     }
@@ -170,28 +172,40 @@ class Engine:
     ) -> dict:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
-        Returns ``{"loss", "lr", "grad_norm"}`` (floats; loss = mean over micro-batches of
+        Returns ``{"loss", "lr", "grad_norm", "skipped"}`` (loss = mean over micro-batches of
         the global-batch loss, identical on all ranks); with ``angles=True`` also
         ``"angles"`` from :meth:`angle_sample` on the last micro-batch (collective).
+
+        ``skipped`` is True, on every rank alike, when the step was dropped because the loss,
+        an embedding gradient, the head gradient or the backbone gradient norm was not finite
+        (:meth:`_agree_finite`, DeepSpeed's own overflow check): then neither the backbone nor
+        the head is updated, both optimizers' states and every buffer (BatchNorm statistics,
+        the AdaCos scale) are as before the step, and the gradients are cleared.
         """
         lr = self.set_lr(step)
         k = len(micro_batches)
-        loss_sum = 0.0
+        buffers = self._buffers()
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        skip, loss_sum = False, 0.0
         for i, (images, labels) in enumerate(micro_batches):
+            boundary = i == k - 1
             x = normalize_images(images.to(self.device, non_blocking=True)).to(self.input_dtype)
             y = labels.to(self.device, non_blocking=True)
-            with self._no_sync(i == k - 1):
+            with self._no_sync(boundary):
                 with self._autocast():
                     emb = self.model(x)
                 e = emb.detach().float().requires_grad_()
                 loss = self.head(e, y)
                 (loss / k).backward()
+                finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
+                if boundary:
+                    finite &= torch.isfinite(self.head.weight.grad.sum())
+                    skip = not self._agree_finite(finite)
                 surrogate = (emb.float() * (e.grad * self.world_size)).sum()
-                if angles and i == k - 1:
+                if angles and boundary:
                     sample = self.angle_sample(e.detach(), y)
                 if self.deepspeed:
-                    self.model.backward(surrogate, scale_wrt_gas=False)
-                    self.model.step()
+                    skip = self._deepspeed_backward(surrogate, boundary, skip) or skip
                 else:
                     surrogate.backward()
             loss_sum += loss.item()
@@ -200,14 +214,85 @@ class Engine:
             grad_norm = float(norm) if norm is not None else float("nan")
         else:
             grad_norm = self._clip()
-            self.optimizer.step()
+            # DDP's gradients are all-reduced, so every rank computes the same norm.
+            skip = skip or not math.isfinite(grad_norm)
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.head_optimizer.step()
+        if skip:
+            self.head.pop_sampled_rows()  # the rows this step used are not updated
+            self._restore_buffers(buffers)
+        else:
+            self.head_optimizer.step()
         self.head_optimizer.zero_grad(set_to_none=True)
-        out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm}
+        out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm, "skipped": skip}
         if angles:
             out["angles"] = sample
         return out
+
+    def _agree_finite(self, finite: torch.Tensor) -> bool:
+        """Whether ``finite`` holds on every rank: one all-reduce (MIN) of a 0/1 flag."""
+        flag = finite.to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag)
+
+    def _deepspeed_backward(self, surrogate: torch.Tensor, boundary: bool, skip: bool) -> bool:
+        """DeepSpeed's backward + step for one micro-batch; True when the update was dropped.
+
+        DeepSpeed has no public "skip this step" call, but its ZeRO, bf16 and fp16 optimizers
+        drop a step whose reduced gradients are not finite (``check_grad_overflow``; the
+        gradient reduction makes that decision the same on every rank) and say so through
+        ``was_step_applied()``. A step this engine already decided to skip (``skip``) gets a
+        NaN gradient, so DeepSpeed drops it by that same path. Without ZeRO in fp32 DeepSpeed
+        steps the plain torch optimizer with no such check: there the (all-reduced, so
+        identical) gradients are checked here, and a dropped step is stepped on zeroed
+        gradients and then undone (parameters and optimizer state put back).
+        """
+        if skip:
+            surrogate = surrogate * float("nan")
+        self.model.backward(surrogate, scale_wrt_gas=False)
+        if not boundary:
+            self.model.step()
+            return False
+        if self._deepspeed_checks_overflow():
+            self.model.step()
+            return not self.model.was_step_applied()
+        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
+        if bool(torch.isfinite(torch.stack([g.float().norm() for g in grads]).sum())):
+            self.model.step()
+            return False
+        params = [p.detach().clone() for p in self.backbone.parameters()]
+        state = copy.deepcopy(self.optimizer.state_dict())
+        for g in grads:
+            g.zero_()
+        self.model.step()  # keeps DeepSpeed's step counters in line
+        self.optimizer.load_state_dict(state)
+        with torch.no_grad():
+            for p, saved in zip(self.backbone.parameters(), params, strict=True):
+                p.copy_(saved)
+        return True
+
+    def _deepspeed_checks_overflow(self) -> bool:
+        """Whether DeepSpeed's optimizer checks the gradients for inf/NaN before a step."""
+        model = self.model
+        return model.zero_optimization() or model.bfloat16_enabled() or model.fp16_enabled()
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Copies of the backbone's and the head's buffers (BatchNorm statistics, the
+        AdaCos scale, the head's step): a forward updates them, a skipped step puts them back."""
+        modules = {"backbone": self.backbone, "head": self.head}
+        return {
+            f"{name}.{key}": value.detach().clone()
+            for name, module in modules.items()
+            for key, value in module.named_buffers()
+        }
+
+    def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        modules = {"backbone": self.backbone, "head": self.head}
+        with torch.no_grad():
+            for name, module in modules.items():
+                for key, value in module.named_buffers():
+                    value.copy_(saved[f"{name}.{key}"])
 
     @torch.no_grad()
     def angle_sample(self, e: torch.Tensor, y: torch.Tensor, per_rank: int = 2048) -> dict:

@@ -10,6 +10,7 @@ steps and become W&B charts; target/non-target angle histograms every ``log.hist
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -38,6 +39,14 @@ def memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _json_safe(record: dict) -> dict:
+    """``record`` with non-finite floats as null: ``NaN``/``Infinity`` are not JSON (a
+    skipped step's loss is NaN; readers of metrics.jsonl must not choke on it)."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
 
 
 class RunLogger:
@@ -143,7 +152,7 @@ class RunLogger:
         if not self.active:
             return
         self.history.append(record)
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(json.dumps(_json_safe(record)) + "\n")
         self._metrics.flush()
         if self._wandb is not None:
             self._wandb.log(

@@ -49,6 +49,10 @@ def _groups(batches, k: int) -> Iterator[list]:
             yield group
 
 
+class Diverged(RuntimeError):
+    """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient."""
+
+
 def train(cfg: Config, env: DistEnv) -> dict:
     """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere)."""
     from data_pipeline import make_loader
@@ -87,6 +91,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
     engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     step, epoch, saved = 0, 0, None
+    bad_steps = bad_in_a_row = 0
     resume = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
     if resume is not None:
         meta = checkpoint.load(resume, engine)
@@ -105,7 +110,8 @@ def train(cfg: Config, env: DistEnv) -> dict:
     def data_counts() -> dict[str, int]:
         """Collective: corrupt samples skipped and samples repeated to pad, over all ranks."""
         counts = pd.gather_ints([loader.num_skipped, loader.num_padded], env.device).sum(0)
-        return {"skipped_samples": int(counts[0]), "padded_samples": int(counts[1])}
+        return {"skipped_samples": int(counts[0]), "padded_samples": int(counts[1]),
+                "bad_steps": bad_steps}
 
     def save() -> None:
         nonlocal saved
@@ -124,10 +130,24 @@ def train(cfg: Config, env: DistEnv) -> dict:
             hist = (step + 1) % cfg.log.hist_every == 0
             stats = engine.step(step, micro_batches, angles=hist)
             step += 1
+            if stats["skipped"]:  # the same on every rank
+                bad_steps, bad_in_a_row = bad_steps + 1, bad_in_a_row + 1
+            else:
+                bad_in_a_row = 0
             log.step(step, stats, head.stats, data_counts() if log.due(step) else None,
                      env.device)
             if hist:
                 log.histograms(step, stats["angles"])
+            if bad_in_a_row:  # all ranks raise together
+                log.info(f"step {step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
+                         f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
+            if bad_in_a_row >= cfg.train.max_bad_steps:
+                raise Diverged(
+                    f"step {step}: {bad_in_a_row} steps in a row had a non-finite loss or "
+                    f"gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the run "
+                    f"diverges: lower optim.lr or margin.s, or resume from "
+                    f"{saved or 'the start'} with other settings"
+                )
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < total:
                 save()
             if cfg.eval.bins and step % cfg.eval.every == 0 and step < total:
@@ -159,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg.device)
     try:
         train(cfg, env)
+    except Diverged as err:  # every rank decides together; one line is the whole story
+        print_main(f"error: {err}")
+        return 1
     finally:
         shutdown()
     return 0

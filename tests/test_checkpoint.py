@@ -98,16 +98,6 @@ def test_resume_on_fewer_and_more_ranks(tmp_path):
         assert loaders == [{"rank": min(r, 1) if r < 2 else 0} for r in range(world)]
 
 
-@pytest.fixture
-def one_rank_group():
-    """A 1-rank gloo group in this process (cheap: no spawn), destroyed afterwards."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _one_rank_engine(device: str = "cpu"):
     cfg = make_config("engine.type=ddp", "train.batch_size=4", "optim.name=adamw", "optim.lr=0.01",
                       "margin.type=adacos", "margin.adacos=dynamic")

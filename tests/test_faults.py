@@ -1,0 +1,176 @@
+"""Fault injection: what a run does when something goes wrong (issue 12's list, case by case).
+
+1. Non-finite loss/gradients: the step is skipped on every rank for backbone and head,
+   counted, and K in a row end the run; non-finite values never reach a checkpoint; the
+   schema refuses inf/NaN and absurd scales.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from launch_helpers import build_engine, local_micro_batches, make_config, snapshot
+from spawn import run_ranks
+
+GLOBAL_BATCH = 12
+
+
+def _poison_once(engine, rank_to_poison: int | None = None):
+    """Make the head's next forward return NaN (on one rank, or on all with ``None``)."""
+    import torch.distributed as dist
+
+    forward = engine.head.forward
+
+    def poisoned(e, y):
+        engine.head.forward = forward
+        loss = forward(e, y)
+        if rank_to_poison is None or dist.get_rank() == rank_to_poison:
+            return loss * float("nan")
+        return loss
+
+    engine.head.forward = poisoned
+
+
+def _equal_snapshots(a: dict, b: dict) -> bool:
+    same = torch.equal(a["rows"], b["rows"])
+    for part in ("backbone", "head_opt", "head_state"):
+        same &= a[part].keys() == b[part].keys()
+        same &= all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+    return same
+
+
+def test_bad_step_is_skipped_and_changes_nothing(one_rank_group):
+    """A NaN step leaves every weight, optimizer state and buffer as it was, and the run
+    continues exactly as if that batch had not been there (AdaCos: its scale is a buffer)."""
+    overrides = ("optim.name=adamw", "optim.lr=0.01", "margin.type=adacos", "margin.adacos=dynamic",
+                 "train.batch_size=4")
+    skipping, plain = build_engine(make_config(*overrides)), build_engine(make_config(*overrides))
+    for engine in (skipping, plain):
+        engine.step(0, local_micro_batches(0, 4, 0, 1, 1))
+    before = snapshot(skipping)
+    _poison_once(skipping)
+    out = skipping.step(1, local_micro_batches(1, 4, 0, 1, 1))
+    assert out["skipped"] and not torch.isfinite(torch.tensor(out["loss"]))
+    assert _equal_snapshots(snapshot(skipping), before)
+    assert all(p.grad is None for p in skipping.backbone.parameters())
+    assert skipping.head.weight.grad is None
+    good = skipping.step(2, local_micro_batches(2, 4, 0, 1, 1))
+    ref = plain.step(2, local_micro_batches(2, 4, 0, 1, 1))
+    assert not good["skipped"] and good["loss"] == ref["loss"]
+    assert _equal_snapshots(snapshot(skipping), snapshot(plain))
+
+
+SKIP_SPECS = {
+    "ddp": ["engine.type=ddp"],
+    "ddp_accum": ["engine.type=ddp", "train.grad_accum=2"],
+    "zero0": ["engine.type=deepspeed", "engine.zero_stage=0"],
+    "zero1": ["engine.type=deepspeed", "engine.zero_stage=1"],
+    "zero2_accum": ["engine.type=deepspeed", "engine.zero_stage=2", "train.grad_accum=2"],
+}
+
+
+def _skip_on_all_ranks(rank: int, world: int) -> dict:
+    os.environ.setdefault("LOCAL_RANK", "0")
+    out = {}
+    for name, overrides in SKIP_SPECS.items():
+        k = 2 if "train.grad_accum=2" in overrides else 1
+        cfg = make_config(*overrides, f"train.batch_size={GLOBAL_BATCH // world // k}")
+        engine = build_engine(cfg)
+        engine.step(0, local_micro_batches(0, GLOBAL_BATCH, rank, world, k))
+        before = snapshot(engine)
+        _poison_once(engine, rank_to_poison=1)  # only rank 1 sees a NaN loss
+        bad = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, rank, world, k))
+        unchanged = _equal_snapshots(snapshot(engine), before)
+        good = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, rank, world, k))
+        moved = not _equal_snapshots(snapshot(engine), before)
+        out[name] = (bad["skipped"], unchanged, good["skipped"], moved)
+    return out
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
+    results = run_ranks(_skip_on_all_ranks, 2, timeout=300)
+    for rank, per_spec in enumerate(results):
+        for name, (skipped, unchanged, next_skipped, moved) in per_spec.items():
+            assert skipped and unchanged, (rank, name)
+            assert not next_skipped and moved, (rank, name)
+
+
+def test_checkpoint_refuses_non_finite_state(tmp_path, one_rank_group):
+    from launch import checkpoint
+
+    engine = build_engine(make_config("train.batch_size=4"))
+    engine.step(0, local_micro_batches(0, 4, 0, 1, 1))
+    good = checkpoint.save(tmp_path, 1, engine, {"loader": None}, keep=1)
+    with torch.no_grad():
+        engine.head.weight[0, 0] = float("inf")
+    with pytest.raises(checkpoint.CheckpointError, match="step 2: non-finite values in head"):
+        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", good.name]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=.inf", "optim.lr=inf"),
+        ("optim.lr=.nan", "optim.lr=nan"),
+        ("margin.s=.inf", "margin.s=inf"),
+        ("margin.s=1e30", "less than or equal to 1024"),
+        ("schedule.warmup_epochs=-.inf", "schedule.warmup_epochs=-inf"),
+    ],
+)
+def test_schema_refuses_inf_nan_and_absurd_scales(override, message):
+    from launch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        make_config(override)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A small synthetic set: 20 classes x 8 images (160 images, 112x112)."""
+    from data_pipeline import write_synthetic_dataset
+
+    root = tmp_path_factory.mktemp("data")
+    write_synthetic_dataset(root, num_classes=20, images_per_class=8, seed=0)
+    return root
+
+
+def _train_in_process(data, run, *overrides: str) -> int:
+    """``python -m launch.train`` on the smoke config, 1 rank, in this process."""
+    from launch_helpers import ROOT
+
+    from launch.train import main
+
+    os.environ["WANDB_MODE"] = "disabled"
+    return main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"data.dir={data}",
+                 f"output={run}", "engine.type=ddp", "train.batch_size=8", "data.num_workers=0",
+                 "log.every=1", "log.progress=false", *overrides])
+
+
+def _records(run) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_diverging_run_stops_after_max_bad_steps(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = _train_in_process(tiny_data, run, "optim.lr=1e30", "train.max_bad_steps=3",
+                           "checkpoint.every=1", "checkpoint.keep=10")
+    err = capsys.readouterr().err
+    assert rc == 1
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "3 steps in a row" in lines[0], err
+    records = [r for r in _records(run) if "loss" in r]  # strict JSON: no bare NaN
+    bad = [r for r in records if r["loss"] is None]
+    assert len(bad) == 3 and records[-1]["bad_steps"] == 3
+    assert [r["step"] for r in bad] == [r["step"] for r in records[-3:]]
+    from launch import checkpoint
+
+    for folder in (run / "checkpoints").glob("step-*"):
+        state = torch.load(folder / "backbone.pt", weights_only=True)
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    assert checkpoint.find_resume(run, "auto") is not None
