@@ -80,10 +80,21 @@ def write_manifest(data_dir: str | os.PathLike, manifest: Manifest) -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Readers see either the old file or the complete new one, never a prefix."""
+    """Readers see either the old file or the complete new one, never a prefix; the new one
+    survives a power cut once this returns (file and folder entry fsynced)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable (POSIX: fsync the directory)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -21,11 +21,8 @@ import torch
 import yaml
 from torch import nn
 
+from launch.checkpoint import CheckpointError
 from partial_fc.backbones import build_backbone
-
-
-class CheckpointError(ValueError):
-    """The path does not lead to a usable backbone checkpoint."""
 
 
 def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:

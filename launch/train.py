@@ -93,6 +93,8 @@ def train(cfg: Config, env: DistEnv) -> dict:
     step, epoch, saved = 0, 0, None
     bad_steps = bad_in_a_row = 0
     resume = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
+    if env.is_main:
+        checkpoint.remove_stale(cfg.run_dir)
     if resume is not None:
         meta = checkpoint.load(resume, engine)
         step = meta["step"]
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg.device)
     try:
         train(cfg, env)
-    except Diverged as err:  # every rank decides together; one line is the whole story
+    except (Diverged, checkpoint.CheckpointError) as err:  # all ranks raise it together
         print_main(f"error: {err}")
         return 1
     finally:

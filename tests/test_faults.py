@@ -174,3 +174,173 @@ def test_diverging_run_stops_after_max_bad_steps(tiny_data, tmp_path, capsys):
         state = torch.load(folder / "backbone.pt", weights_only=True)
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     assert checkpoint.find_resume(run, "auto") is not None
+
+
+# ----------------------------------------------------------------------------- 2, 4: checkpoints
+
+
+def _saved_engine(tmp_path, steps=(1, 2), keep=3):
+    """A 1-rank engine with checkpoints at ``steps`` in ``tmp_path`` (needs a process group)."""
+    from launch import checkpoint
+
+    engine = build_engine(make_config("train.batch_size=4"))
+    paths = []
+    for step in steps:
+        engine.step(step - 1, local_micro_batches(step - 1, 4, 0, 1, 1))
+        paths.append(checkpoint.save(tmp_path, step, engine, {"loader": None}, keep=keep))
+    return engine, paths
+
+
+class _Planted:
+    """Unpickling this runs ``os.system`` (what a planted ``.metadata`` would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _rehash(folder, name):
+    """Update meta.json's hash of ``name``: an attacker who rewrote the manifest too."""
+    import json
+
+    from launch.checkpoint import _sha256
+
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"][name] = _sha256(folder / name)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_planted_metadata_pickle_never_runs(tmp_path, one_rank_group):
+    import pickle
+
+    from launch import checkpoint
+
+    engine, (old, new) = _saved_engine(tmp_path)
+    live = tmp_path / "payload-is-live"
+    pickle.loads(pickle.dumps(_Planted(live)))  # the payload does run when unpickled plainly
+    assert live.exists()
+    marker = tmp_path / "pwned"
+    (new / "state" / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: SHA-256 differs"):
+        checkpoint.verify(new)
+    assert checkpoint.find_resume(tmp_path, "auto") == old  # falls back to the previous one
+    _rehash(new, "state/.metadata")  # manifest rewritten too: the allow-list still refuses
+    with pytest.raises(checkpoint.CheckpointError, match="posix.system is not allowed"):
+        checkpoint.load(checkpoint.find_resume(tmp_path, "auto"), engine)
+    assert not marker.exists()
+
+
+def test_bit_flip_in_a_distcp_file_is_detected(tmp_path, one_rank_group, capsys):
+    from launch import checkpoint
+
+    _, (old, new) = _saved_engine(tmp_path)
+    (data,) = (new / "state").glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{data.name}: SHA-256 differs"):
+        checkpoint.verify(new)
+    assert checkpoint.find_resume(tmp_path, "auto") == old
+    err = capsys.readouterr().err
+    assert f"warning: {data}: SHA-256 differs" in err and "resuming from step-00000001" in err
+    with pytest.raises(checkpoint.CheckpointError, match="SHA-256 differs"):
+        checkpoint.find_resume(new, str(new))  # named explicitly: no fallback
+
+
+def test_unlisted_file_and_truncated_meta_fall_back(tmp_path, one_rank_group):
+    from launch import checkpoint
+
+    _, (old, new) = _saved_engine(tmp_path)
+    (new / "state" / "extra.distcp").write_bytes(b"x")
+    with pytest.raises(checkpoint.CheckpointError, match="extra.distcp: not listed"):
+        checkpoint.verify(new)
+    (new / "state" / "extra.distcp").unlink()
+    text = (new / "meta.json").read_text()
+    (new / "meta.json").write_text(text[: len(text) // 2])
+    assert checkpoint.find_resume(tmp_path, "auto") == old
+    (old / "meta.json").write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint verifies"):
+        checkpoint.find_resume(tmp_path, "auto")
+
+
+@pytest.mark.parametrize("latest", ["step-00000099\n", "", "\xff\xfe garbage", "../../etc"])
+def test_dangling_empty_or_corrupt_latest_falls_back(tmp_path, one_rank_group, capsys, latest):
+    from launch import checkpoint
+
+    _, (_, new) = _saved_engine(tmp_path)
+    (tmp_path / "checkpoints" / "latest").write_bytes(latest.encode("latin-1"))
+    assert checkpoint.find_resume(tmp_path, "auto") == new
+    assert "resuming from step-00000002, the newest complete one" in capsys.readouterr().err
+
+
+def test_kill_inside_the_replacement_window_leaves_a_complete_target(tmp_path, one_rank_group,
+                                                                      monkeypatch):
+    """The same step saved again (a resumed run): killed after the old folder went, before
+    the rename; then after the rename, before ``latest`` names it. Both resume step 2."""
+    import shutil
+
+    from launch import checkpoint
+
+    engine, (_, new) = _saved_engine(tmp_path)
+    rmtree = shutil.rmtree
+
+    def killed_after_removing_the_old_folder(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        if path == new:
+            raise KeyboardInterrupt  # stands for SIGKILL: nothing after this point runs
+
+    monkeypatch.setattr(shutil, "rmtree", killed_after_removing_the_old_folder)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+    monkeypatch.undo()
+    assert not new.exists()
+    resume = checkpoint.find_resume(tmp_path, "auto")
+    assert resume.name == ".tmp-step-00000002"
+    checkpoint.remove_stale(tmp_path)  # the next start keeps latest's target
+    assert checkpoint.load(resume, engine)["step"] == 2
+
+    def killed_after_the_rename(folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "fsync_dir", killed_after_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ".tmp-step-00000002"
+    assert checkpoint.find_resume(tmp_path, "auto") == new  # latest dangles: newest complete
+
+
+def test_stale_tmp_removed_and_disk_full_named(tmp_path, one_rank_group, monkeypatch):
+    import errno
+    import traceback
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from launch import checkpoint
+
+    engine, (new,) = _saved_engine(tmp_path, steps=(1,))
+    stale = tmp_path / "checkpoints" / ".tmp-step-00000007"
+    stale.mkdir()
+    checkpoint.remove_stale(tmp_path)
+    assert not stale.exists()
+
+    full = OSError(errno.ENOSPC, "No space left on device", "state/__0_0.distcp")
+
+    def dcp_disk_full(state_dict, storage_writer):
+        raise CheckpointException("write failed", {0: (full, traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "save", dcp_disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match=r"no space left on the device \(ENOSPC\)"):
+        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+    monkeypatch.undo()
+
+    def torch_disk_full(obj, f):
+        raise full
+
+    monkeypatch.setattr(torch, "save", torch_disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match="ENOSPC"):
+        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", new.name]
