@@ -376,6 +376,11 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+def read_meta(path: Path) -> dict:
+    """The meta.json of checkpoint folder ``path`` (plain JSON: safe before verification)."""
+    return json.loads((Path(path) / META).read_text())
+
+
 def load(path: Path, engine) -> dict:
     """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective).
 
@@ -384,7 +389,7 @@ def load(path: Path, engine) -> dict:
     had fewer ranks; the loader converts it).
     """
     path = Path(path)
-    meta = json.loads((path / META).read_text())
+    meta = read_meta(path)
     reader = _SafeReader(path / "state")
     head = engine.head
     lo, hi = head.class_start, head.class_start + head.num_local

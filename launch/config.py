@@ -467,6 +467,49 @@ def load_config(
     return cfg
 
 
+# Keys whose change makes a checkpoint a different model (or an incompatible optimizer
+# state): resuming across them is refused. Every other key may change, with a note.
+MODEL_KEYS = ("backbone.name", "backbone.embedding_size", "backbone.dropout", "margin",
+              "data.num_classes", "data.num_samples", "optim.name", "engine.type")
+NOT_COMPARED = ("name", "output", "checkpoint.resume", "margin.p_w")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_drift(saved: dict | None, cfg: Config, where: str) -> list[str]:
+    """Compare the config a checkpoint was saved with (``saved``, as :func:`dump_config`
+    wrote it) to ``cfg``; return notes on the schedule keys that changed.
+
+    Raises :class:`ConfigError` (one line, every model-defining difference, the way out)
+    when the checkpoint at ``where`` was trained as another model. ``train.batch_size`` and
+    the world size may change: the loader resumes at the same fraction of its epoch (see
+    ``data_pipeline.loader``) and the LR schedule counts steps.
+    """
+    if saved is None:
+        return ["none compared (the checkpoint holds no config)"]
+    old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    changed = [
+        f"{key} {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and not key.startswith(NOT_COMPARED)
+    ]
+    model = [c for c in changed if c.split(" ")[0].startswith(MODEL_KEYS)]
+    if model:
+        raise ConfigError(
+            f"{where} was trained as another model: {', '.join(model)}; resume it with its "
+            f"own settings, or start over with checkpoint.resume=none or another name"
+        )
+    return changed
+
+
 def dump_config(cfg: Config) -> str:
     """The fully resolved config as YAML (what ``RUN/config.yaml`` holds; loadable again)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -20,7 +20,14 @@ from collections.abc import Iterator
 import torch
 
 from launch import checkpoint
-from launch.config import Config, ConfigError, ConfigWarning, dump_config, load_config
+from launch.config import (
+    Config,
+    ConfigError,
+    ConfigWarning,
+    dump_config,
+    load_config,
+    resume_drift,
+)
 from launch.distributed import DistEnv, init_distributed, shutdown
 from launch.logging import RunLogger, print_main
 
@@ -96,6 +103,9 @@ def train(cfg: Config, env: DistEnv) -> dict:
     if env.is_main:
         checkpoint.remove_stale(cfg.run_dir)
     if resume is not None:
+        changed = resume_drift(checkpoint.read_meta(resume).get("config"), cfg, str(resume))
+        if changed:
+            log.info(f"resuming with changed settings: {', '.join(changed)}")
         meta = checkpoint.load(resume, engine)
         step = meta["step"]
         loader.load_state_dict(meta["loader"])
@@ -117,7 +127,8 @@ def train(cfg: Config, env: DistEnv) -> dict:
 
     def save() -> None:
         nonlocal saved
-        meta = {"loader": loader.state_dict(), "name": cfg.name}
+        meta = {"loader": loader.state_dict(), "name": cfg.name,
+                "config": cfg.model_dump(mode="json")}
         saved = checkpoint.save(cfg.run_dir, step, engine, meta, cfg.checkpoint.keep)
 
     def evaluate() -> None:
@@ -181,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg.device)
     try:
         train(cfg, env)
+    except ConfigError as err:  # found with the data or the checkpoint; all ranks alike
+        print_main(f"config error: {err}")
+        return 2
     except (Diverged, checkpoint.CheckpointError) as err:  # all ranks raise it together
         print_main(f"error: {err}")
         return 1

@@ -344,3 +344,42 @@ def test_stale_tmp_removed_and_disk_full_named(tmp_path, one_rank_group, monkeyp
     with pytest.raises(checkpoint.CheckpointError, match="ENOSPC"):
         checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", new.name]
+
+
+# ----------------------------------------------------------------------------- 7: config drift
+
+
+def test_resume_drift_refuses_another_model_and_notes_schedule_changes():
+    from launch.config import ConfigError, resume_drift
+
+    saved = make_config("margin.type=cosface", "margin.m=0.35").model_dump(mode="json")
+    same = make_config("margin.type=cosface", "margin.m=0.35", "optim.lr=0.05",
+                       "train.max_steps=7", "train.batch_size=16", "name=other")
+    notes = resume_drift(saved, same, "RUN/checkpoints/step-1")
+    assert notes == ["optim.lr 0.1 -> 0.05", "train.batch_size 32 -> 16",
+                     "train.max_steps None -> 7"]
+    other = make_config("margin.type=arcface", "margin.m=0.5", "backbone.embedding_size=32",
+                        "optim.lr=0.05")
+    with pytest.raises(ConfigError) as err:
+        resume_drift(saved, other, "RUN/checkpoints/step-1")
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("RUN/checkpoints/step-1 was trained as another")
+    assert "backbone.embedding_size 128 -> 32" in line
+    assert "margin.type 'cosface' -> 'arcface'" in line
+    assert "margin.m 0.35 -> 0.5" in line and "optim.lr" not in line
+    assert "checkpoint.resume=none or another name" in line
+    assert resume_drift(None, other, "x") == ["none compared (the checkpoint holds no config)"]
+
+
+def test_resume_refuses_another_margin_and_accepts_a_new_lr(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train_in_process(tiny_data, run, "train.max_steps=2") == 0
+    capsys.readouterr()
+    assert _train_in_process(tiny_data, run, "train.max_steps=3", "margin.type=arcface",
+                             "margin.m=0.5") == 2
+    err = capsys.readouterr().err
+    assert "config error: " in err and "margin.type 'cosface' -> 'arcface'" in err, err
+    assert _train_in_process(tiny_data, run, "train.max_steps=3", "optim.lr=0.05") == 0
+    err = capsys.readouterr().err
+    assert "resuming with changed settings: optim.lr 0.1 -> 0.05, train.max_steps 2 -> 3" in err
+    assert "resumed from" in err and "at step 2" in err
