@@ -1,0 +1,239 @@
+"""partial_fc.kernels.triton_margin against a float64 reference of the class-tile functions.
+
+Without CUDA the kernels run in triton's interpreter (``TRITON_INTERPRET=1``, set here before
+triton is imported) on CPU tensors, at small odd sizes that exercise every mask, several class
+splits and the split combine; with CUDA the same cases run compiled, plus medium sizes.
+
+Tolerances are first-order rounding bounds, doubled, evaluated componentwise from the float64
+reference (``u = 2**-24``; the reference uses the operands rounded to the kernels' dot dtype, so
+only the kernels' own roundings count):
+- a cosine: a D-term fp32 dot then one product with ``inv_norm``: ``|d cos| <= (D + 2) u``
+  (``sum_d |e_d w_d| inv <= ||e|| <= 1.01``; Higham's gamma_n bound);
+- ``s cos``, hence the row max: ``s (D + 3) u``; each ``exp`` term of the row sum: relative
+  ``2 s (D + 3) u`` (its exponent and the max) ``+ (2 s + 8) u`` (subtraction, exp) ``+ S u``
+  (the summation);
+- ``dL/dcos``: relative ``s (D + 3) u + (|s cos| + |lse| + 4) u``, plus the unit roundoff of
+  the dot dtype (``2**-8`` bf16, ``2**-11`` fp16) when rounded for the backward matmuls;
+  a gradient entry ``sum_k G_k x_k``: that relative error ``+ (K + 4) u`` times
+  ``sum_k |G_k x_k|`` (K terms); fp16 also underflows: ``+ 2**-25 sum_k |x_k|``.
+For fp32 at s=64, D=64 the row-sum bound is ~1e-3 relative (worst case; the observed errors
+are ~1e-6); bf16 gradients are bounded by ~1e-2 relative to ``sum |G x|``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the first import of triton (triton.jit reads it at decoration)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+tm = pytest.importorskip("partial_fc.kernels.triton_margin",
+                         reason="triton is not installed (pip install triton)")
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+U = 2.0**-24
+OP_ROUNDOFF = {torch.float32: U, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+FP16_UNDERFLOW = 2.0**-25  # half fp16's subnormal spacing: dL/dcos below ~6e-8 rounds to 0
+
+
+def _inputs(n, s_cols, d, e_dtype, w_dtype, targets, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = torch.nn.functional.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=1)
+    w = torch.randn(s_cols, d, generator=g, dtype=torch.float64) * 0.05
+    w[:3] *= 7.0  # rows of very different norms: inv_norm must be applied per column
+    if targets == "all":
+        tgt = torch.randint(0, s_cols, (n,), generator=g)
+    elif targets == "none":
+        tgt = torch.full((n,), -1)
+    else:
+        tgt = torch.randint(-1, s_cols, (n,), generator=g)
+    e, w = e.to(e_dtype), w.to(w_dtype)
+    inv = 1.0 / w.double().norm(dim=1)
+    return [t.to(DEVICE) for t in (e, w, inv.float(), tgt)]
+
+
+def _backward_inputs(n, s_cols, tgt, logits_lse, seed=1):
+    """``lse`` = the rows' own log-sum-exp plus other ranks' mass; random-sign ``coef`` and
+    ``target_grad``, the latter huge where ``target_col = -1`` (it must not be read there)."""
+    g = torch.Generator().manual_seed(seed)
+    other = torch.randn(n, generator=g, dtype=torch.float64).to(DEVICE)
+    lse = torch.logaddexp(logits_lse, other)
+    coef = torch.randn(n, generator=g).to(DEVICE)
+    tgrad = torch.randn(n, generator=g).to(DEVICE)
+    tgrad = torch.where(tgt >= 0, tgrad, torch.full_like(tgrad, 1e30))
+    return lse.float(), coef, tgrad
+
+
+def _op_dtype(e, w):
+    return w.dtype if e.dtype == torch.float32 else e.dtype
+
+
+def _reference(e, w, inv, tgt, s):
+    """float64 cosines of the operands as the kernels' dots see them, and the non-target mask."""
+    op = _op_dtype(e, w)
+    e_op, w_op = e.to(op).double(), w.to(op).double()
+    cos = (e_op @ w_op.T) * inv.double()
+    keep = torch.ones_like(cos, dtype=torch.bool)
+    here = (tgt >= 0).nonzero().squeeze(1)
+    keep[here, tgt[here]] = False
+    return e_op, w_op, cos, keep
+
+
+def _reference_stats(cos, keep, s):
+    z = torch.where(keep, s * cos, -torch.inf)
+    row_max = z.amax(dim=1)
+    shift = torch.where(torch.isinf(row_max), 0.0, row_max)
+    return row_max, torch.exp(z - shift[:, None]).sum(dim=1), torch.where(keep, cos, 0.0).sum(1)
+
+
+def _dcos(cos, keep, tgt, s, lse, coef, tgrad):
+    grad = torch.where(keep, coef.double()[:, None] * torch.exp(s * cos - lse.double()[:, None]),
+                       0.0)
+    here = (tgt >= 0).nonzero().squeeze(1)
+    grad[here, tgt[here]] = tgrad.double()[here]
+    return grad
+
+
+def _assert_within(name, got, want, bound):
+    """``|got - want| <= bound`` elementwise; NaN (a poisoned, unwritten output) fails."""
+    assert got.shape == want.shape and got.dtype == torch.float32, (name, got.shape, got.dtype)
+    err = (got.double() - want).abs()
+    ok = err <= bound
+    ok |= torch.isinf(want) & (got.double() == want)
+    where = (~ok).nonzero()[:3].tolist()
+    assert bool(ok.all()), (f"{name}: max excess {float((err - bound)[~ok].max()):.3g}, "
+                            f"max error {float(err[~ok].max()):.3g} at {where}")
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every ``torch.empty`` during the test is NaN-filled (ints: -7), so an output element or
+    partial that a kernel never writes fails the comparison instead of reading as 0."""
+    real = torch.empty
+
+    def empty(*size, **kwargs):
+        out = real(*size, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+CASES = {  # N, S, D, e dtype, w dtype, s, targets
+    "one-tile-fp32": (8, 5, 16, torch.float32, torch.float32, 1.0, "mixed"),
+    "odd-fp32-s64": (33, 70, 40, torch.float32, torch.float32, 64.0, "mixed"),
+    "bf16-all-targets": (17, 37, 64, torch.bfloat16, torch.bfloat16, 64.0, "all"),
+    "fp32-e-bf16-w-no-targets": (20, 48, 24, torch.float32, torch.bfloat16, 1.0, "none"),
+    "fp16-odd-d": (9, 33, 19, torch.float16, torch.float16, 30.0, "mixed"),
+    "one-class-is-the-target": (9, 1, 16, torch.float32, torch.float32, 64.0, "all"),
+}
+if CUDA:  # compiled kernels: the real tile sizes and many splits
+    CASES |= {
+        "cuda-bf16-medium": (300, 5000, 512, torch.bfloat16, torch.bfloat16, 64.0, "mixed"),
+        "cuda-fp32-medium": (130, 3001, 136, torch.float32, torch.float32, 64.0, "mixed"),
+    }
+
+
+def _stats_bounds(e_op, w_op, inv, cos, keep, s, d):
+    mag = (e_op.abs() @ w_op.abs().T) * inv.double()  # sum_d |e_d w_d| inv
+    eps = (d + 2) * U * mag + U * cos.abs()  # |d cos|
+    eps_max = torch.where(keep, eps, 0.0).amax(dim=1)
+    max_bound = 2 * s * (eps_max + U)
+    rel_sum = 2 * (2 * s * eps_max + (2 * s + 8 + keep.shape[1]) * U)
+    cos_bound = 2 * (torch.where(keep, eps + keep.shape[1] * U * cos.abs(), 0.0).sum(1))
+    return max_bound, rel_sum, cos_bound
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_class_tile_stats_match_float64(case, poisoned):
+    n, s_cols, d, e_dtype, w_dtype, s, targets = CASES[case]
+    e, w, inv, tgt = _inputs(n, s_cols, d, e_dtype, w_dtype, targets)
+    before = [t.clone() for t in (e, w, inv, tgt)]
+    scale = torch.tensor(s, device=DEVICE) if case.startswith("odd") else s  # AdaCos: 0-d
+    row_max, row_sum, cos_sum = tm.class_tile_stats(e, w, inv, tgt, scale, chunk=7)
+    e_op, w_op, cos, keep = _reference(e, w, inv, tgt, s)
+    want_max, want_sum, want_cos = _reference_stats(cos, keep, s)
+    max_bound, rel_sum, cos_bound = _stats_bounds(e_op, w_op, inv, cos, keep, s, d)
+    _assert_within("row_max", row_max, want_max, max_bound)
+    _assert_within("row_sum", row_sum, want_sum, rel_sum * want_sum)
+    _assert_within("cos_sum", cos_sum, want_cos, cos_bound)
+    assert all(torch.equal(a, b) for a, b in zip(before, (e, w, inv, tgt), strict=True))
+    if case == "one-class-is-the-target":  # no non-target column at all
+        assert torch.isneginf(row_max).all() and (row_sum == 0).all() and (cos_sum == 0).all()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_class_tile_grads_match_float64(case, poisoned):
+    n, s_cols, d, e_dtype, w_dtype, s, targets = CASES[case]
+    e, w, inv, tgt = _inputs(n, s_cols, d, e_dtype, w_dtype, targets)
+    e_op, w_op, cos, keep = _reference(e, w, inv, tgt, s)
+    logits = torch.where(keep, s * cos, 0.8 * s * cos)  # a margin-lowered target logit
+    lse, coef, tgrad = _backward_inputs(n, s_cols, tgt, torch.logsumexp(logits, dim=1))
+    before = [t.clone() for t in (e, w, inv, tgt, lse, coef, tgrad)]
+    grad_e, grad_w = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad, chunk=7)
+    assert all(torch.equal(a, b) for a, b in zip(before, (e, w, inv, tgt, lse, coef, tgrad),
+                                                 strict=True))
+    g = _dcos(cos, keep, tgt, s, lse, coef, tgrad)
+    inv64 = inv.double()
+    w_hat_op = w_op * inv64[:, None]  # what the dots multiply
+    w_hat = w.double() * inv64[:, None]  # what the chain rule projects on (w as stored)
+    want_e = g @ w_hat_op
+    g_w = g.T @ e_op
+    want_w = inv64[:, None] * (g_w - w_hat * (w_hat * g_w).sum(1, keepdim=True))  # spec formula
+
+    mag = (e_op.abs() @ w_op.abs().T) * inv64
+    rel = (s * (d + 3) * U * mag + (s * cos.abs() + lse.double().abs()[:, None] + 4) * U
+           + OP_ROUNDOFF[_op_dtype(e, w)])  # per entry of dL/dcos, as the dots see it
+    bound_e = 2 * ((g.abs() * rel) @ w_hat_op.abs() + (s_cols + 4) * U * g.abs() @ w_hat_op.abs())
+    err_g = 2 * ((g.abs() * rel).T @ e_op.abs() + (n + 4) * U * g.abs().T @ e_op.abs())
+    if _op_dtype(e, w) == torch.float16:  # absolute error of each rounded dL/dcos
+        bound_e += 2 * FP16_UNDERFLOW * w_op.abs().sum(0)  # the dot rounds G inv, times w
+        err_g += 2 * FP16_UNDERFLOW * e_op.abs().sum(0)
+    radial = (w_hat * g_w).sum(1, keepdim=True)
+    # an error of g through inv (I - w_hat w_hat^T), plus the epilogue's own roundings
+    bound_w = inv64[:, None] * (err_g + w_hat.abs() * (w_hat.abs() * err_g).sum(1, keepdim=True)
+                                + 4 * U * (g_w.abs() + w_hat.abs() * radial.abs()))
+    _assert_within("grad_e", grad_e, want_e, bound_e)
+    _assert_within("grad_w", grad_w, want_w, bound_w)
+    # The bounds are not vacuous: well below the gradients' own size.
+    limit = 0.05 if e_dtype != torch.float32 or w_dtype != torch.float32 else 1e-3
+    assert float(bound_e.max()) < limit * float(want_e.abs().max())
+    assert float(bound_w.max()) < limit * float(want_w.abs().max())
+
+
+def test_rejects_mismatched_inputs():
+    e, w, inv, tgt = _inputs(8, 5, 16, torch.float32, torch.float32, "mixed")
+    with pytest.raises(ValueError, match="same D"):
+        tm.class_tile_stats(e, w[:, :8], inv, tgt, 1.0)
+    with pytest.raises(ValueError, match="target_col"):
+        tm.class_tile_stats(e, w, inv, tgt.int(), 1.0)
+    with pytest.raises(ValueError, match="mix bfloat16 and float16"):
+        tm.class_tile_stats(e.bfloat16(), w.half(), inv, tgt, 1.0)
+    with pytest.raises(ValueError, match="lse"):
+        tm.class_tile_grads(e, w, inv, tgt, 1.0, inv, inv, inv)
+
+
+def test_missing_triton_is_a_clear_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.delitem(sys.modules, "partial_fc.kernels.triton_margin")
+    with pytest.raises(ImportError, match="needs triton, which is not installed"):
+        importlib.import_module("partial_fc.kernels.triton_margin")
+
+
+def test_nothing_else_imports_triton():
+    code = ("import pkgutil, sys, importlib, partial_fc\n"
+            "for m in pkgutil.walk_packages(partial_fc.__path__, 'partial_fc.'):\n"
+            "    if m.name != 'partial_fc.kernels.triton_margin':\n"
+            "        importlib.import_module(m.name)\n"
+            "from partial_fc.kernels import triton_available\n"
+            "assert triton_available()\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] == 'triton'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
