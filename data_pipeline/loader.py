@@ -27,6 +27,7 @@ import bisect
 import functools
 import math
 import os
+import signal
 from collections import deque
 from pathlib import Path
 
@@ -179,7 +180,7 @@ class Loader:
         workers = self.num_workers
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
-                             collate_fn=_as_is,
+                             collate_fn=_as_is, worker_init_fn=_ignore_stop_signals,
                              generator=torch.Generator().manual_seed(self.seed))
         pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
         buffered, last = 0, None
@@ -246,6 +247,13 @@ class Loader:
                 pending[0][1] = offset + n
         cat = (lambda xs: xs[0]) if len(images) == 1 else torch.cat
         return cat(images), cat(labels), keys
+
+
+def _ignore_stop_signals(worker: int) -> None:
+    """A worker outlives SIGTERM/SIGUSR1 sent to the whole job: the trainer stops at the next
+    step boundary (``launch.preemption``) and ends its workers itself."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _as_is(chunk: dict) -> dict:

@@ -16,6 +16,9 @@ import itertools
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +33,11 @@ from launch.config import (
 )
 from launch.distributed import DistEnv, init_distributed, shutdown
 from launch.logging import RunLogger, print_main
+from launch.preemption import StopSignals
+
+if TYPE_CHECKING:
+    from data_pipeline.loader import Loader
+    from launch.engine import Engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,13 +68,38 @@ class Diverged(RuntimeError):
     """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient."""
 
 
+@dataclass
+class Run:
+    """One run on one rank: what :func:`build` makes and the counters the loop advances."""
+
+    cfg: Config
+    env: DistEnv
+    engine: Engine
+    loader: Loader
+    log: RunLogger
+    total: int  # optimisation steps of the whole run
+    steps_per_epoch: int
+    step: int = 0  # steps done
+    epoch: int = 0
+    saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
+    bad_steps: int = 0  # skipped as non-finite, in all
+    bad_in_a_row: int = 0
+
+
 def train(cfg: Config, env: DistEnv) -> dict:
     """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere)."""
+    run = build(cfg, env)
+    resume(run)
+    with StopSignals() as signals:
+        stopped_by = loop(run, signals)
+    return finish(run, stopped_by)
+
+
+def build(cfg: Config, env: DistEnv) -> Run:
+    """Backbone, head, loader, engine and logger, identically seeded on every rank."""
     from data_pipeline import make_loader
     from launch.engine import Engine
-    from launch.evaluate import evaluate_bins
     from partial_fc import PartialFC, build_margin
-    from partial_fc import distributed as pd
     from partial_fc.backbones import build_backbone
 
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
@@ -97,82 +130,124 @@ def train(cfg: Config, env: DistEnv) -> dict:
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
     engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
-    step, epoch, saved = 0, 0, None
-    bad_steps = bad_in_a_row = 0
-    resume = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
+    return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
+
+
+def resume(run: Run) -> None:
+    """Restore the newest verified checkpoint (``checkpoint.resume``) or seed a fresh run."""
+    cfg, env, loader = run.cfg, run.env, run.loader
+    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
     if env.is_main:
         checkpoint.remove_stale(cfg.run_dir)
-    if resume is not None:
-        changed = resume_drift(checkpoint.read_meta(resume).get("config"), cfg, str(resume))
-        if changed:
-            log.info(f"resuming with changed settings: {', '.join(changed)}")
-        meta = checkpoint.load(resume, engine)
-        step = meta["step"]
-        loader.load_state_dict(meta["loader"])
-        epoch = loader.epoch + (len(loader) - loader.batches_done < k)  # finished: next epoch
-        log.info(f"resumed from {resume} at step {step} (saved on {meta['world_size']} ranks)")
-    else:
+    if path is None:
         torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), from the seed
-    log.info(
-        f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {total} steps, "
-        f"{steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
+    else:
+        changed = resume_drift(checkpoint.read_meta(path).get("config"), cfg, str(path))
+        if changed:
+            run.log.info(f"resuming with changed settings: {', '.join(changed)}")
+        meta = checkpoint.load(path, run.engine)
+        run.step, run.saved = meta["step"], path
+        loader.load_state_dict(meta["loader"])
+        finished = len(loader) - loader.batches_done < cfg.train.grad_accum
+        run.epoch = loader.epoch + 1 if finished else loader.epoch
+        run.log.info(f"resumed from {path} at step {run.step} "
+                     f"(saved on {meta['world_size']} ranks)")
+    run.log.info(
+        f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
+        f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
     )
 
-    def data_counts() -> dict[str, int]:
-        """Collective: corrupt samples skipped and samples repeated to pad, over all ranks."""
-        counts = pd.gather_ints([loader.num_skipped, loader.num_padded], env.device).sum(0)
-        return {"skipped_samples": int(counts[0]), "padded_samples": int(counts[1]),
-                "bad_steps": bad_steps}
 
-    def save() -> None:
-        nonlocal saved
-        meta = {"loader": loader.state_dict(), "name": cfg.name,
-                "config": cfg.model_dump(mode="json")}
-        saved = checkpoint.save(cfg.run_dir, step, engine, meta, cfg.checkpoint.keep)
+def loop(run: Run, signals: StopSignals) -> str | None:
+    """Train until ``run.total`` steps; returns the signal's name when one stopped it early."""
+    cfg = run.cfg
+    run.log.start(run.step)
+    while run.step < run.total:
+        run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
+        for micro_batches in _groups(run.loader, cfg.train.grad_accum):
+            one_step(run, micro_batches)
+            if run.step >= run.total:
+                return None
+            if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
+                save(run)
+            if cfg.eval.bins and run.step % cfg.eval.every == 0:
+                evaluate(run)
+            stopped_by = signals.agreed(run.env.device)
+            if stopped_by is not None:
+                return stopped_by
+        run.epoch += 1
+    return None
 
-    def evaluate() -> None:
-        with engine.eval_context():
-            results = evaluate_bins(engine.backbone, cfg.eval.bins, cfg.eval.batch_size, env.device)
-        log.evaluation(step, results)
 
-    log.start(step)
-    while step < total:
-        loader.set_epoch(epoch)  # the same epoch again keeps a resumed position
-        for micro_batches in _groups(loader, k):
-            hist = (step + 1) % cfg.log.hist_every == 0
-            stats = engine.step(step, micro_batches, angles=hist)
-            step += 1
-            if stats["skipped"]:  # the same on every rank
-                bad_steps, bad_in_a_row = bad_steps + 1, bad_in_a_row + 1
-            else:
-                bad_in_a_row = 0
-            log.step(step, stats, head.stats, data_counts() if log.due(step) else None,
-                     env.device)
-            if hist:
-                log.histograms(step, stats["angles"])
-            if bad_in_a_row:  # all ranks raise together
-                log.info(f"step {step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
-                         f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
-            if bad_in_a_row >= cfg.train.max_bad_steps:
-                raise Diverged(
-                    f"step {step}: {bad_in_a_row} steps in a row had a non-finite loss or "
-                    f"gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the run "
-                    f"diverges: lower optim.lr or margin.s, or resume from "
-                    f"{saved or 'the start'} with other settings"
-                )
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < total:
-                save()
-            if cfg.eval.bins and step % cfg.eval.every == 0 and step < total:
-                evaluate()
-            if step >= total:
-                break
-        epoch += 1
-    if saved is None or saved.name != checkpoint.tag_for(step):
-        save()
-    if cfg.eval.bins:
-        evaluate()
-    return log.close(step, saved)
+def one_step(run: Run, micro_batches: list) -> None:
+    """One optimisation step, its metrics, and the non-finite-step bookkeeping."""
+    cfg, log = run.cfg, run.log
+    hist = (run.step + 1) % cfg.log.hist_every == 0
+    stats = run.engine.step(run.step, micro_batches, angles=hist)
+    run.step += 1
+    if stats["skipped"]:  # the same on every rank, so all raise together below
+        run.bad_steps += 1
+        run.bad_in_a_row += 1
+    else:
+        run.bad_in_a_row = 0
+    counts = data_counts(run) if log.due(run.step) else None
+    log.step(run.step, stats, run.engine.head.stats, counts, run.env.device)
+    if hist:
+        log.histograms(run.step, stats["angles"])
+    if not stats["skipped"]:
+        return
+    log.info(f"step {run.step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
+             f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
+    if run.bad_in_a_row >= cfg.train.max_bad_steps:
+        raise Diverged(
+            f"step {run.step}: {run.bad_in_a_row} steps in a row had a non-finite loss or "
+            f"gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the run diverges: "
+            f"lower optim.lr or margin.s, or resume from {run.saved or 'the start'} with "
+            f"other settings"
+        )
+
+
+def data_counts(run: Run) -> dict[str, int]:
+    """Collective: corrupt samples skipped and samples repeated to pad (all ranks), and the
+    steps skipped as non-finite."""
+    from partial_fc import distributed as pd
+
+    loader = run.loader
+    counts = pd.gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
+    return {"skipped_samples": int(counts[0]), "padded_samples": int(counts[1]),
+            "bad_steps": run.bad_steps}
+
+
+def save(run: Run) -> None:
+    """Checkpoint step ``run.step`` (collective)."""
+    cfg = run.cfg
+    meta = {"loader": run.loader.state_dict(), "name": cfg.name,
+            "config": cfg.model_dump(mode="json")}
+    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, meta, cfg.checkpoint.keep)
+
+
+def evaluate(run: Run) -> None:
+    """Verification accuracy on ``eval.bins`` (every rank embeds its share)."""
+    from launch.evaluate import evaluate_bins
+
+    with run.engine.eval_context():
+        results = evaluate_bins(run.engine.backbone, run.cfg.eval.bins, run.cfg.eval.batch_size,
+                                run.env.device)
+    run.log.evaluation(run.step, results)
+
+
+def finish(run: Run, stopped_by: str | None) -> dict:
+    """The last checkpoint (unless this step's exists), the last evaluation, the summary.
+    Stopped by a signal: the checkpoint only, and where to resume."""
+    if run.saved is None or run.saved.name != checkpoint.tag_for(run.step):
+        save(run)
+    if stopped_by is not None:
+        run.log.info(f"stopped by {stopped_by} after step {run.step}: checkpoint {run.saved}; "
+                     f"run the same command again to resume (checkpoint.resume=auto)")
+    elif run.cfg.eval.bins:
+        evaluate(run)
+    return run.log.close(run.step, run.saved)
 
 
 def main(argv: list[str] | None = None) -> int:

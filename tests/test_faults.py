@@ -383,3 +383,44 @@ def test_resume_refuses_another_margin_and_accepts_a_new_lr(tiny_data, tmp_path,
     err = capsys.readouterr().err
     assert "resuming with changed settings: optim.lr 0.1 -> 0.05, train.max_steps 2 -> 3" in err
     assert "resumed from" in err and "at step 2" in err
+
+
+# ----------------------------------------------------------------------------- 6: preemption
+
+
+def _signal_after_step(monkeypatch, step: int, sig) -> None:
+    """Deliver ``sig`` to this process when the engine finishes optimisation step ``step``."""
+    import signal
+
+    from launch.engine import Engine
+
+    original = Engine.step
+
+    def step_then_signal(self, index, micro_batches, angles=False):
+        out = original(self, index, micro_batches, angles)
+        if index + 1 == step:
+            signal.raise_signal(sig)
+        return out
+
+    monkeypatch.setattr(Engine, "step", step_then_signal)
+
+
+def test_sigusr1_saves_at_the_step_boundary_and_resume_matches(tiny_data, tmp_path, capsys,
+                                                               monkeypatch):
+    import signal
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert _train_in_process(tiny_data, whole, "train.max_steps=6") == 0
+    _signal_after_step(monkeypatch, 3, signal.SIGUSR1)
+    assert _train_in_process(tiny_data, split, "train.max_steps=6") == 0
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "stopped by SIGUSR1 after step 3: checkpoint " in err and "to resume" in err
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    assert [r["step"] for r in _records(split)][-1] == 3
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers put back
+    assert _train_in_process(tiny_data, split, "train.max_steps=6") == 0
+    assert "resumed from" in capsys.readouterr().err
+    final = [torch.load(run / "checkpoints" / "step-00000006" / "backbone.pt", weights_only=True)
+             for run in (whole, split)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])

@@ -1,0 +1,45 @@
+"""Preemption: SIGTERM or SIGUSR1 ends the run at the next step boundary with a checkpoint.
+
+Cluster schedulers announce the end of a job with SIGTERM (SLURM: ``scancel``, a time limit
+with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user signal, and
+kill it a grace period later. The handler only records the signal; ``launch.train`` asks
+:meth:`StopSignals.agreed` after every step, which all-reduces the request so that every rank
+stops after the same step even when the signal reached only some of them, saves there and
+exits 0. DataLoader workers ignore both signals (``data_pipeline.loader``), so the batches
+in flight are not lost to a worker killed by the same broadcast.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Context manager: while active, SIGTERM/SIGUSR1 request a stop instead of killing."""
+
+    def __init__(self):
+        self.received = 0  # signal number, 0 = none
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum: int, frame) -> None:
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> str | None:
+        """Collective: the name of a signal any rank received (the highest number), or None."""
+        flag = torch.tensor([self.received], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag)).name if int(flag) else None
