@@ -128,7 +128,7 @@ class CheckpointConfig(_Section):
 
 class LogConfig(_Section):
     every: PosInt = 10
-    hist_every: PosInt = 500
+    hist_every: NonNegInt = 500  # steps between angle histograms; 0 = none (no collective)
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "partial-fc"
     progress: bool = True

@@ -1,10 +1,13 @@
-"""All of the trainer's rank-0 I/O: console, progress bar, metrics.jsonl, W&B, RUN/config.yaml.
+"""All of the trainer's rank-0 I/O: console, progress bar, metrics.jsonl, histograms.jsonl,
+W&B, RUN/config.yaml.
 
 Every rank constructs a :class:`RunLogger`; on ranks other than 0 every method is a no-op,
 so call sites need no ``if rank == 0``. W&B runs offline by default (``log.wandb``); the
 ``WANDB_MODE`` environment variable, when set, wins (tests set ``disabled``). Scale
 dynamics (s, theta_med, B_avg, mean target/non-target cos) are logged every ``log.every``
-steps and become W&B charts; target/non-target angle histograms every ``log.hist_every``.
+steps and become W&B charts; target/non-target angle histograms every ``log.hist_every``
+(into ``RUN/histograms.jsonl``, see :mod:`launch.run_files`). A resumed run truncates both
+files to the checkpoint's step, so no step appears twice.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from launch import run_files
 from launch.config import Config, dump_config
 
 
@@ -57,14 +61,13 @@ class RunLogger:
         self.cfg, self.total, self.global_batch = cfg, total_steps, global_batch
         self.run_dir = cfg.run_dir
         self.history: list[dict] = []
-        self._bar = self._wandb = self._metrics = None
+        self._bar = self._wandb = self._metrics = self._hist = None
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = 0
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
         if mode != "disabled":
             import wandb
@@ -82,10 +85,21 @@ class RunLogger:
             (self._bar.write if self._bar is not None else print)(message, file=sys.stderr)
 
     def start(self, step: int) -> None:
-        """Begin timing at optimisation step ``step`` (non-zero when resumed)."""
+        """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
+        after it from metrics.jsonl and histograms.jsonl, open both for appending, start timing."""
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = step
-        if self.active and self.cfg.log.progress:
+        if not self.active:
+            return
+        for name in (run_files.METRICS, run_files.HISTOGRAMS):
+            dropped = run_files.truncate_after(self.run_dir / name, step)
+            if dropped:
+                self.info(f"{name}: dropped {dropped} row(s) after step {step} (redone now)")
+        # Closed in close().
+        self._metrics = open(self.run_dir / run_files.METRICS, "a")  # noqa: SIM115
+        if self.cfg.log.hist_every:
+            self._hist = open(self.run_dir / run_files.HISTOGRAMS, "a")  # noqa: SIM115
+        if self.cfg.log.progress:
             self._bar = tqdm(
                 total=self.total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr
             )
@@ -128,8 +142,21 @@ class RunLogger:
         }
         self.write(record)
 
+    def wants_histograms(self, step: int) -> bool:
+        """Whether optimisation step ``step`` (1-based) samples angle histograms. From the
+        config alone, so every rank agrees (the sample is a collective); never when
+        ``log.hist_every=0``."""
+        every = self.cfg.log.hist_every
+        return every > 0 and step % every == 0
+
     def histograms(self, step: int, angles: dict[str, torch.Tensor]) -> None:
-        """Angle distributions (degrees), e.g. ``{"theta_target": ..., "theta_nontarget": ...}``."""
+        """Angle distributions (degrees), e.g. ``{"theta_target": ..., "theta_nontarget": ...}``:
+        counts per degree into histograms.jsonl, and to W&B."""
+        if not self.active:
+            return
+        values = {k: v.detach().float().cpu().numpy() for k, v in angles.items()}
+        self._hist.write(json.dumps(run_files.histogram_row(step, values)) + "\n")
+        self._hist.flush()
         if self._wandb is not None:
             import wandb
 
@@ -171,6 +198,7 @@ class RunLogger:
         summary = {
             "run": str(self.run_dir),
             "steps": step,
+            "steps_this_invocation": step - self._start,
             "time_s": round(elapsed, 1),
             "img_per_s": round(self.global_batch * (step - self._start) / max(elapsed, 1e-9), 1),
             "loss_first": losses[0] if losses else None,
@@ -179,6 +207,8 @@ class RunLogger:
         }
         print("summary: " + json.dumps(summary), flush=True)
         self._metrics.close()
+        if self._hist is not None:
+            self._hist.close()
         if self._wandb is not None:
             self._wandb.summary.update(summary)
             self._wandb.finish()

@@ -183,7 +183,7 @@ def loop(run: Run, signals: StopSignals) -> str | None:
 def one_step(run: Run, micro_batches: list) -> None:
     """One optimisation step, its metrics, and the non-finite-step bookkeeping."""
     cfg, log = run.cfg, run.log
-    hist = (run.step + 1) % cfg.log.hist_every == 0
+    hist = log.wants_histograms(run.step + 1)
     stats = run.engine.step(run.step, micro_batches, angles=hist)
     run.step += 1
     if stats["skipped"]:  # the same on every rank, so all raise together below

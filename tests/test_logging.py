@@ -10,6 +10,7 @@ import pytest
 import torch
 from launch_helpers import make_config
 
+from launch import run_files
 from launch.logging import RunLogger, print_main
 
 FIELDS = ("step", "loss", "lr", "scale", "theta_med", "b_avg", "cos_target_mean",
@@ -89,3 +90,81 @@ def test_print_main_only_on_rank0(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     print_main("hello")
     assert capsys.readouterr().err == "hello\n"
+
+
+def test_resume_truncates_metrics_and_histograms_to_the_checkpoint_step(tmp_path):
+    cfg = make_config(f"output={tmp_path / 'run'}", "log.every=1", "log.hist_every=2",
+                      "log.progress=false", "log.wandb=disabled")
+    angles = {"theta_target": torch.tensor([10.0, 20.0]), "theta_nontarget": torch.tensor([90.0])}
+
+    def steps(log, first, last):
+        for step in range(first, last + 1):
+            log.step(step, {"loss": 1.0, "lr": 0.1, "grad_norm": 1.0}, {}, None,
+                     torch.device("cpu"))
+            if log.wants_histograms(step):
+                log.histograms(step, angles)
+
+    log = RunLogger(cfg, 0, total_steps=6, global_batch=8)
+    log.start(0)
+    steps(log, 1, 5)  # interrupted after step 5; say the checkpoint is step 2
+    log.close(5, None)
+    log = RunLogger(cfg, 0, total_steps=6, global_batch=8)
+    log.start(2)
+    steps(log, 3, 6)
+    summary = log.close(6, None)
+    run = tmp_path / "run"
+    assert [r["step"] for r in run_files.read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert run_files.read_histograms(run / "histograms.jsonl").steps.tolist() == [2, 4, 6]
+    assert summary["steps"] == 6 and summary["steps_this_invocation"] == 4
+
+
+def test_hist_every_zero_samples_no_histograms(tmp_path):
+    cfg = make_config(f"output={tmp_path / 'run'}", "log.hist_every=0", "log.progress=false",
+                      "log.wandb=disabled")
+    log = RunLogger(cfg, 0, total_steps=4, global_batch=8)
+    assert not any(log.wants_histograms(step) for step in range(1, 1000))
+    log.start(0)
+    log.close(0, None)
+    assert not (tmp_path / "run" / "histograms.jsonl").exists()
+    cfg = make_config("log.hist_every=3")
+    log = RunLogger(cfg, 1, total_steps=4, global_batch=8)  # any rank: the sample is collective
+    assert [s for s in range(1, 10) if log.wants_histograms(s)] == [3, 6, 9]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A small synthetic set: 20 classes x 8 images."""
+    from data_pipeline import write_synthetic_dataset
+
+    root = tmp_path_factory.mktemp("data")
+    write_synthetic_dataset(root, num_classes=20, images_per_class=8, seed=0)
+    return root
+
+
+def _train(data, run, *overrides: str) -> int:
+    """``python -m launch.train`` on the smoke config, 1 rank, in this process."""
+    from launch_helpers import ROOT
+
+    from launch.train import main
+
+    return main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"data.dir={data}",
+                 f"output={run}", "engine.type=ddp", "train.batch_size=8", "data.num_workers=0",
+                 "log.every=1", "log.hist_every=2", "log.progress=false", *overrides])
+
+
+def test_resumed_training_has_no_duplicate_steps(tiny_data, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run = tmp_path / "run"
+    assert _train(tiny_data, run, "train.max_steps=6", "checkpoint.every=4") == 0
+    shutil.rmtree(run / "checkpoints" / "step-00000006")  # as if killed before that save
+    capsys.readouterr()
+    assert _train(tiny_data, run, "train.max_steps=8", "checkpoint.every=4") == 0
+    out = capsys.readouterr()
+    assert "metrics.jsonl: dropped 2 row(s) after step 4" in out.err
+    summary = json.loads(out.out.split("summary: ")[1])
+    assert summary["steps"] == 8 and summary["steps_this_invocation"] == 4
+    steps = [r["step"] for r in run_files.read_jsonl(run / "metrics.jsonl")]
+    assert steps == list(range(1, 9))
+    assert run_files.read_histograms(run / "histograms.jsonl").steps.tolist() == [2, 4, 6, 8]
