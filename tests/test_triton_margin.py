@@ -125,13 +125,15 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-CASES = {  # N, S, D, e dtype, w dtype, s, targets: small, odd, every mask and several splits
+CASES = {  # N, S, D, e dtype, w dtype, s, targets: small, odd, every mask, several class splits,
+    # K splits and backward chunks (the interpreter's chunk is 8 KiB of G': 48 columns at N=33 fp32)
     "one-tile-fp32": (8, 5, 16, torch.float32, torch.float32, 1.0, "mixed"),
     "odd-fp32-s64": (33, 70, 40, torch.float32, torch.float32, 64.0, "mixed"),
     "bf16-all-targets": (17, 37, 64, torch.bfloat16, torch.bfloat16, 64.0, "all"),
     "fp32-e-bf16-w-no-targets": (20, 48, 24, torch.float32, torch.bfloat16, 1.0, "none"),
     "fp16-odd-d": (9, 33, 19, torch.float16, torch.float16, 30.0, "mixed"),
     "one-class-is-the-target": (9, 1, 16, torch.float32, torch.float32, 64.0, "all"),
+    "bf16-two-chunks": (40, 150, 32, torch.bfloat16, torch.bfloat16, 64.0, "mixed"),
 }
 MEDIUM = {  # compiled only: the CUDA tile sizes, many splits, D = 512 as in training
     "bf16-d512": (300, 5000, 512, torch.bfloat16, torch.bfloat16, 64.0, "mixed"),

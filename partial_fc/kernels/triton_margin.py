@@ -8,24 +8,26 @@ each tile (no normalised copy of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` wit
 accumulation (arXiv:1801.07698 Eq. 2-3), ``target_col [N]`` the column of row ``i``'s target in
 ``w`` (``-1``: another rank's or not sampled).
 
-Three kernels, each recomputing its ``cos`` tiles from ``e`` and ``w`` (Cut Cross-Entropy,
-arXiv:2411.09009): ``_stats_kernel`` (online row max / sum-exp over non-target columns, the
-non-target cosine sum), ``_grad_e_kernel`` (``dE``, a reduction over classes) and
-``_grad_w_kernel`` (``dW``, a reduction over rows, written once per class tile with the chain rule
-through ``1 / ||w||``). Programs over the long class axis run on contiguous class *splits* and
-leave per-split partials (``[splits, N]`` statistics, ``[splits, N, D]`` for ``dE``) that a tiny
-PyTorch reduction combines: deterministic, no atomics.
+Forward, ``_stats_kernel``: recomputes ``cos`` tile by tile (as Cut Cross-Entropy does,
+arXiv:2411.09009) for an online row max / sum-exp over non-target columns and the non-target
+cosine sum; programs run on contiguous class *splits* and leave ``[splits, N]`` partials that a
+tiny PyTorch reduction combines (deterministic, no atomics). Backward, per chunk of classes
+(one ``G' [N, width]`` buffer of at most 256 MiB, never ``[N, S]``): ``_dcos_kernel`` recomputes
+``cos`` and writes ``G' = dL/dcos diag(inv_norm)`` in the operand dtype plus the column sums
+``r_k = sum_i dL/dcos_ik cos_ik``; ``_gemm_kernel`` then adds ``G' W_chunk`` to ``grad_e``
+(split-K, per-split partials summed in PyTorch) and writes ``grad_w = G'^T E - inv^2 r w``, the
+chain rule through ``1 / ||w||`` (``r_k = w_hat_k . g_k``) applied in its epilogue.
 
 Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and ``w.dtype``
 (bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots,
-not TF32); accumulation, ``exp`` and all outputs are fp32. In backward ``dL/dcos`` is rounded to
-that operand dtype before its two matmuls, as autocast's matmul backward rounds its incoming
-gradient (fp16: values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents, as in
-autocast). Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their dtype
-and then widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as raw
-uint16 bits, and its fp32 -> bf16 cast truncates, so bf16 rounding is done there with integer
-ops (``_operand``). The widening is exact and a product of two 16-bit floats is exact in fp32,
-so only the summation order differs from a tensor-core MMA.
+not TF32); accumulation, ``exp`` and all outputs are fp32. In backward ``dL/dcos inv_norm`` is
+rounded to that operand dtype before its two matmuls, as autocast's matmul backward rounds its
+incoming gradient (fp16: values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents,
+as in autocast). Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their
+dtype and then widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as
+raw uint16 bits, and its fp32 -> bf16 cast truncates, so bf16 rounding is done there with
+integer ops (``_operand``). The widening is exact and a product of two 16-bit floats is exact in
+fp32, so only the summation order differs from a tensor-core MMA.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ except ImportError as err:  # triton ships with CUDA builds of torch, not with C
         "class-tile path of partial_fc.chunked"
     ) from err
 
-__all__ = ["class_tile_stats", "class_tile_grads"]
+__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -97,7 +99,7 @@ def _stats_kernel(E, W, INV, TGT, SCALE, MAX_OUT, SUM_OUT, COS_OUT,
                   N, S, D, stride_e, stride_w, tiles_per_split,
                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                   OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-              PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr):
     """Program (row block, class split): online max / sum-exp of ``s cos`` and sum of ``cos``
     over the split's non-target columns -> ``[splits, N]`` partials."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,114 +130,113 @@ def _stats_kernel(E, W, INV, TGT, SCALE, MAX_OUT, SUM_OUT, COS_OUT,
 
 
 @triton.jit
-def _grad_e_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, OUT,
-                   N, S, D, stride_e, stride_w, tiles_per_split,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D_PAD: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (row block, class split): ``sum_k dL/dcos_ik inv_k w_k`` over the split's
-    columns, accumulated in registers -> ``OUT [splits, N, D]`` partial."""
+def _dcos_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, G_OUT, R_OUT,
+                 N, D, stride_e, stride_w, stride_g, stride_r, col0, width,
+                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                 OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Program (row block, class tile of the chunk ``[col0, col0 + width)``): recompute
+    ``cos``, write ``G'_ik = dL/dcos_ik inv_k`` in the operand dtype to ``G_OUT [N, width]``
+    and the row block's ``sum_i dL/dcos_ik cos_ik`` (= ``w_hat_k . g_k`` over these rows) to
+    ``R_OUT [row blocks, width]``."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
+    local = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     row_ok = rows < N
+    col_ok = local < width
+    cols = col0 + local
     tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
     coef = tl.load(COEF + rows, mask=row_ok, other=0.0)
     tgrad = tl.load(TGRAD + rows, mask=row_ok, other=0.0)
     s = tl.load(SCALE)
-    dd = tl.arange(0, D_PAD)
-    d_ok = dd < D
-    acc = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
-    first = split * tiles_per_split
-    for t in range(first, first + tiles_per_split):
-        cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        col_ok = cols < S
-        cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
-                        BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
-        g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad)
-        inv = tl.load(INV + cols, mask=col_ok, other=0.0)
-        w = tl.load(W + cols.to(tl.int64)[:, None] * stride_w + dd[None, :],
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(_operand(g * inv[None, :], OP, DOT, SOFT_BF16),
-                     _operand(w, OP, DOT, SOFT_BF16), acc, input_precision=PRECISION)
-    out = OUT + (split * N + rows).to(tl.int64)[:, None] * D + dd[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & d_ok[None, :])
+    cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
+                    BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
+    g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad)
+    inv = tl.load(INV + cols, mask=col_ok, other=0.0)
+    g_scaled = _operand(g * inv[None, :], OP, DOT, SOFT_BF16).to(G_OUT.dtype.element_ty)
+    tl.store(G_OUT + rows[:, None] * stride_g + local[None, :], g_scaled,
+             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(R_OUT + tl.program_id(0) * stride_r + local, tl.sum(g * cos, axis=0), mask=col_ok)
 
 
 @triton.jit
-def _grad_w_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, OUT,
-                   N, S, D, stride_e, stride_w,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D_PAD: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (class tile): ``g_k = sum_i dL/dcos_ik e_i`` over all rows in registers, then
-    ``OUT[k] = inv_k (g_k - w_hat_k (w_hat_k . g_k))``, the gradient w.r.t. the unnormalised
-    ``w_k`` (``d w_hat / d w = inv (I - w_hat w_hat^T)``)."""
-    cols = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    col_ok = cols < S
-    s = tl.load(SCALE)
-    dd = tl.arange(0, D_PAD)
-    d_ok = dd < D
-    acc = tl.zeros((BLOCK_S, D_PAD), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
-        lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
-        coef = tl.load(COEF + rows, mask=row_ok, other=0.0)
-        tgrad = tl.load(TGRAD + rows, mask=row_ok, other=0.0)
-        cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
-                        BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
-        g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad)
-        e = tl.load(E + rows.to(tl.int64)[:, None] * stride_e + dd[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(_operand(tl.trans(g), OP, DOT, SOFT_BF16), _operand(e, OP, DOT, SOFT_BF16),
-                     acc, input_precision=PRECISION)
-    cols64 = cols.to(tl.int64)[:, None]
-    mask = col_ok[:, None] & d_ok[None, :]
-    inv = tl.load(INV + cols, mask=col_ok, other=0.0)
-    w_hat = tl.load(W + cols64 * stride_w + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-    w_hat = w_hat * inv[:, None]
-    radial = tl.sum(w_hat * acc, axis=1)
-    tl.store(OUT + cols64 * D + dd[None, :], inv[:, None] * (acc - w_hat * radial[:, None]),
-             mask=mask)
+def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 stride_os, stride_om, stride_wm, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_K: tl.constexpr,
+                 OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                 PRECISION: tl.constexpr, PROJECT: tl.constexpr):
+    """Program (M tile, NC tile, K split): ``OUT[split] = A[:, ks] @ B[ks, :]`` in fp32, minus
+    ``W_SCALE[:, None] * W`` when ``PROJECT`` (the rank-1 part of the ``1 / ||w||`` chain
+    rule, applied in the epilogue)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_NC + tl.arange(0, BLOCK_NC)
+    split = tl.program_id(2)
+    m_ok = rm < M
+    n_ok = rn < NC
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_NC), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        a = tl.load(A + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(B + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(_operand(a, OP, DOT, SOFT_BF16), _operand(b, OP, DOT, SOFT_BF16), acc,
+                     input_precision=PRECISION)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if PROJECT:
+        w = tl.load(W + rm[:, None] * stride_wm + rn[None, :], mask=mask, other=0.0)
+        acc -= tl.load(W_SCALE + rm, mask=m_ok, other=0.0)[:, None] * w.to(tl.float32)
+    tl.store(OUT + split * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
 
 
 @dataclass(frozen=True)
-class _Launch:
-    """Tile sizes and grid split of one call (see ``docs/kernels.md`` for the choices)."""
+class Tiles:
+    """Tile sizes the kernels launch with (``docs/kernels.md`` has the choices and ptxas'
+    register figures; ``bench/kernels.py --ptxas`` prints them without a GPU)."""
 
-    block_n: int
-    block_s: int
-    block_d: int
+    rows: int  # BLOCK_N of a cos tile
+    cols: int  # BLOCK_S of a cos tile
+    depth: int  # BLOCK_D of the cos dot's D loop, BLOCK_K of the GEMMs
+    gemm: int  # BLOCK_M = BLOCK_NC of the GEMMs
     num_warps: int
     num_stages: int
-    programs: int  # how many programs the class splits aim at (a few per SM)
+    programs: int  # what the class splits (stats) and K splits (grad_e) aim at: a few per SM
+    buffer_bytes: int  # budget of the backward's G' chunk [N, width]
+
+    def chunk_width(self, n: int, itemsize: int) -> int:
+        """Columns of one backward chunk: whole cos tiles within ``buffer_bytes``."""
+        return max(1, self.buffer_bytes // (n * itemsize * self.cols)) * self.cols
 
 
-def _launch(device: torch.device, d_pad: int, backward: bool) -> _Launch:
-    if device.type != "cuda":  # interpreter: small tiles, enough splits to test the combine
-        return _Launch(16, 16, 16, 1, 1, programs=4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if not backward:
-        return _Launch(128, 128, 64, num_warps=8, num_stages=3, programs=4 * sms)
-    block = 64 if d_pad <= 512 else 32  # a [block, d_pad] fp32 accumulator lives in registers
-    return _Launch(block, block, 64, num_warps=8, num_stages=2, programs=4 * sms)
+def cuda_tiles(sms: int) -> Tiles:
+    """The tiles on a CUDA device with ``sms`` multiprocessors."""
+    return Tiles(128, 64, 64, 128, num_warps=8, num_stages=3, programs=4 * sms,
+                 buffer_bytes=256 << 20)
 
 
-def _splits(n: int, s: int, cfg: _Launch) -> tuple[int, int]:
-    """``(splits, tiles_per_split)``: contiguous class splits so that row blocks x splits
-    reaches ``cfg.programs``; no split is empty."""
-    tiles = triton.cdiv(s, cfg.block_s)
-    want = max(1, min(tiles, triton.cdiv(cfg.programs, triton.cdiv(n, cfg.block_n))))
-    per = triton.cdiv(tiles, want)
-    return triton.cdiv(tiles, per), per
+def _tiles(device: torch.device) -> Tiles:
+    if device.type != "cuda":  # interpreter: small tiles; several splits, chunks and K splits
+        return Tiles(16, 16, 16, 16, num_warps=1, num_stages=1, programs=4, buffer_bytes=8 << 10)
+    return cuda_tiles(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _splits(parallel: int, items: int, block: int, programs: int) -> tuple[int, int]:
+    """``(splits, blocks_per_split)``: cut ``items`` (in blocks of ``block``) into contiguous
+    splits so that ``parallel`` x splits reaches ``programs``; no split is empty."""
+    blocks = triton.cdiv(items, block)
+    want = max(1, min(blocks, triton.cdiv(programs, parallel)))
+    per = triton.cdiv(blocks, want)
+    return triton.cdiv(blocks, per), per
 
 
 def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tensor | float,
-             extra: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, dict]:
-    """Validate shapes/dtypes/devices; return contiguous operands, the scale as a 1-element
-    fp32 tensor (no host sync for an AdaCos tensor scale) and the kernel's dtype constexprs."""
+             extra: dict[str, Tensor]) -> tuple[list[Tensor], Tensor, torch.dtype, dict]:
+    """Validate shapes/dtypes/devices. Returns the contiguous ``[e, w, inv_norm, target_col,
+    *extra]``, the scale as a 1-element fp32 tensor (no host sync for an AdaCos tensor scale),
+    the operand dtype and the kernels' dtype constexprs."""
     if e.dim() != 2 or w.dim() != 2 or e.shape[1] != w.shape[1]:
         raise ValueError(f"triton_margin: e {tuple(e.shape)} and w {tuple(w.shape)} must be "
                          "[N, D] and [S, D] with the same D")
@@ -266,8 +267,7 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
                   SOFT_BF16=widen and op == torch.bfloat16,
                   PRECISION="ieee" if op == torch.float32 else "tf32")
     scale = torch.as_tensor(s, dtype=torch.float32, device=e.device).detach().reshape(1)
-    return e.contiguous(), w.contiguous(), inv_norm.contiguous(), target_col.contiguous(), \
-        scale, consts
+    return [t.contiguous() for t in tensors], scale, op, consts
 
 
 def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
@@ -286,15 +286,16 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         ``sum_k cos_ik``; all over non-target columns ``k != target_col_i``.
     """
     del chunk
-    e, w, inv_norm, target_col, scale, consts = _prepare(e, w, inv_norm, target_col, s, {})
+    (e, w, inv_norm, target_col), scale, _, consts = _prepare(e, w, inv_norm, target_col, s, {})
     (n, d), s_cols = e.shape, w.shape[0]
-    cfg = _launch(e.device, triton.next_power_of_2(d), backward=False)
-    splits, per = _splits(n, s_cols, cfg)
+    t = _tiles(e.device)
+    row_blocks = triton.cdiv(n, t.rows)
+    splits, per = _splits(row_blocks, s_cols, t.cols, t.programs)
     max_p, sum_p, cos_p = torch.empty(3, splits, n, dtype=torch.float32, device=e.device)
-    _stats_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+    _stats_kernel[(row_blocks, splits)](
         e, w, inv_norm, target_col, scale, max_p, sum_p, cos_p, n, s_cols, d,
-        e.stride(0), w.stride(0), per, BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
-        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+        e.stride(0), w.stride(0), per, BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth,
+        num_warps=t.num_warps, num_stages=t.num_stages, **consts)
     row_max = max_p.amax(dim=0)
     shift = torch.where(torch.isinf(row_max), 0.0, row_max)  # all splits empty -> sum 0
     row_sum = (sum_p * torch.exp(max_p - shift)).sum(dim=0)
@@ -304,15 +305,20 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
 def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                      s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
                      chunk: int | None = None) -> tuple[Tensor, Tensor]:
-    """Gradients of the loss through the cosines, recomputing each ``cos`` tile.
+    """Gradients of the loss through the cosines, recomputing the ``cos`` tiles.
 
     With ``G_ik = dL/dcos_ik``: ``coef_i exp(s cos_ik - lse_i)`` for ``k != target_col_i`` and
-    ``target_grad_i`` at ``k = target_col_i``.
+    ``target_grad_i`` at ``k = target_col_i``. Per chunk of classes (a ``G' = G diag(inv)``
+    buffer of at most 256 MiB in the operand dtype; ``[N, S]`` is never allocated):
+    ``_dcos_kernel`` writes ``G'`` and ``r_k = sum_i G_ik cos_ik``; a split-K GEMM adds
+    ``G' W_chunk`` to ``grad_e``; a GEMM writes ``grad_w = G'^T E - inv^2 r w`` (the
+    normalisation chain rule: ``r_k = w_hat_k . g_k``).
 
     Args:
-        e, w, inv_norm, target_col, s, chunk: as in ``class_tile_stats``.
+        e, w, inv_norm, target_col, s: as in ``class_tile_stats``.
         lse: ``[N]`` fp32 global log-sum-exp of the logits. coef: ``[N]`` fp32.
         target_grad: ``[N]`` fp32 (read only where ``target_col_i >= 0``).
+        chunk: ignored (the kernels use their own buffer budget).
 
     Returns:
         ``grad_e [N, D]`` fp32 ``sum_k G_ik inv_k w_k``; ``grad_w [S, D]`` fp32, the gradient
@@ -321,20 +327,36 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     """
     del chunk
     extra = {"lse": lse, "coef": coef, "target_grad": target_grad}
-    e, w, inv_norm, target_col, scale, consts = _prepare(e, w, inv_norm, target_col, s, extra)
-    lse, coef, target_grad = (t.contiguous() for t in extra.values())
+    tensors, scale, op, consts = _prepare(e, w, inv_norm, target_col, s, extra)
+    e, w, inv_norm, target_col, lse, coef, target_grad = tensors
     (n, d), s_cols = e.shape, w.shape[0]
-    d_pad = max(16, triton.next_power_of_2(d))
-    cfg = _launch(e.device, d_pad, backward=True)
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d, D_PAD=d_pad,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
-    splits, per = _splits(n, s_cols, cfg)
-    grad_e = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
-    _grad_e_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        e, w, inv_norm, target_col, scale, lse, coef, target_grad, grad_e, n, s_cols, d,
-        e.stride(0), w.stride(0), per, **common)
+    t = _tiles(e.device)
+    row_blocks = triton.cdiv(n, t.rows)
+    width_max = min(s_cols, t.chunk_width(n, op.itemsize))
+    buffer = torch.empty(n, width_max, dtype=op, device=e.device)  # G' of one chunk
+    radial = torch.empty(row_blocks, width_max, dtype=torch.float32, device=e.device)
+    out_tiles = triton.cdiv(n, t.gemm) * triton.cdiv(d, t.gemm)
+    grad_e = torch.zeros(n, d, dtype=torch.float32, device=e.device)
     grad_w = torch.empty(s_cols, d, dtype=torch.float32, device=e.device)
-    _grad_w_kernel[(triton.cdiv(s_cols, cfg.block_s),)](
-        e, w, inv_norm, target_col, scale, lse, coef, target_grad, grad_w, n, s_cols, d,
-        e.stride(0), w.stride(0), **common)
-    return (grad_e[0] if splits == 1 else grad_e.sum(dim=0)), grad_w
+    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, num_warps=t.num_warps,
+                num_stages=t.num_stages, **consts)
+    for col0 in range(0, s_cols, width_max):
+        width = min(width_max, s_cols - col0)
+        g, w_c, r = buffer[:, :width], w[col0:col0 + width], radial[:, :width]
+        _dcos_kernel[(row_blocks, triton.cdiv(width, t.cols))](
+            e, w, inv_norm, target_col, scale, lse, coef, target_grad, g, r, n, d,
+            e.stride(0), w.stride(0), g.stride(0), r.stride(0), col0, width, BLOCK_N=t.rows,
+            BLOCK_S=t.cols, BLOCK_D=t.depth, num_warps=t.num_warps,
+            num_stages=t.num_stages, **consts)
+        splits, per = _splits(out_tiles, width, t.depth, t.programs)  # split-K over classes
+        part = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
+        _gemm_kernel[(triton.cdiv(n, t.gemm), triton.cdiv(d, t.gemm), splits)](
+            g, w_c, part, w_c, inv_norm, n, d, width, g.stride(0), 1, w_c.stride(0), 1,
+            part.stride(0), part.stride(1), 0, per * t.depth, PROJECT=False, **gemm)
+        grad_e += part.sum(dim=0)
+        project = inv_norm[col0:col0 + width].square() * r.sum(dim=0)
+        out = grad_w[col0:col0 + width]
+        _gemm_kernel[(triton.cdiv(width, t.gemm), triton.cdiv(d, t.gemm), 1)](
+            g, e, out, w_c, project, width, d, n, 1, g.stride(0), e.stride(0), 1,
+            0, out.stride(0), w_c.stride(0), n, PROJECT=True, **gemm)
+    return grad_e, grad_w
