@@ -231,6 +231,8 @@ def test_rejects_mismatched_inputs():
         tm.class_tile_stats(e, w, inv, tgt.int(), 1.0)
     with pytest.raises(ValueError, match="mix bfloat16 and float16"):
         tm.class_tile_stats(e.bfloat16(), w.half(), inv, tgt, 1.0)
+    with pytest.raises(ValueError, match="empty input"):
+        tm.class_tile_stats(e, w[:0], inv[:0], tgt, 1.0)
     with pytest.raises(ValueError, match="lse"):
         tm.class_tile_grads(e, w, inv, tgt, 1.0, inv, inv, inv)
 

@@ -241,6 +241,9 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
         raise ValueError(f"triton_margin: e {tuple(e.shape)} and w {tuple(w.shape)} must be "
                          "[N, D] and [S, D] with the same D")
     n, s_cols = e.shape[0], w.shape[0]
+    if n == 0 or s_cols == 0:
+        raise ValueError(f"triton_margin: empty input (N={n}, S={s_cols}); the head never "
+                         "calls with no rows or no classes")
     if e.dtype not in _TL_DTYPES or w.dtype not in _TL_DTYPES:
         raise ValueError(f"triton_margin: e/w dtypes {e.dtype}/{w.dtype}; supported: "
                          "float32, bfloat16, float16")
