@@ -207,8 +207,9 @@ class Tiles:
     buffer_bytes: int  # budget of the backward's G' chunk [N, width]
 
     def chunk_width(self, n: int, itemsize: int) -> int:
-        """Columns of one backward chunk: whole cos tiles within ``buffer_bytes``."""
-        return max(1, self.buffer_bytes // (n * itemsize * self.cols)) * self.cols
+        """Columns of one backward chunk: whole cos tiles within ``buffer_bytes``, at most
+        32768 tiles (a CUDA grid's second dimension stops at 65535)."""
+        return min(32768, max(1, self.buffer_bytes // (n * itemsize * self.cols))) * self.cols
 
 
 def cuda_tiles(sms: int) -> Tiles:
