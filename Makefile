@@ -24,7 +24,7 @@ SMOKE_NPROC   ?= 2
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
 
-.PHONY: setup train train-orl bench-orl test test-fast lint convert-ms1m $(RECIPES)
+.PHONY: setup train train-orl bench-orl test test-fast lint convert-ms1m report $(RECIPES)
 
 setup: $(STAMP)
 
@@ -68,6 +68,11 @@ train-orl: $(ORL_DATA)/manifest.json $(ORL_BIN)
 
 bench-orl: setup
 	OMP_NUM_THREADS=1 $(PY) bench/orl_margins.py --seeds 0 1 2
+
+# `make report RUN="runs/a runs/b"`: one HTML page (RUN's first folder/report.html), runs overlaid.
+RUN ?= runs/smoke
+report: setup
+	$(PY) -m launch.report $(RUN) --out $(firstword $(RUN))/report.html
 
 # torchrun's static rendezvous: node NODE_RANK of NNODES, rank 0's node at MASTER_ADDR:MASTER_PORT.
 DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \

@@ -25,3 +25,13 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory):
+    """A small synthetic training set: 20 classes x 8 images (112x112), written once."""
+    from data_pipeline import write_synthetic_dataset
+
+    root = tmp_path_factory.mktemp("synthetic")
+    write_synthetic_dataset(root, num_classes=20, images_per_class=8, seed=0)
+    return root

@@ -24,6 +24,16 @@ def make_config(*overrides: str):
     return load_config(ROOT / "configs" / "smoke.yaml", base + list(overrides), resolve=False)
 
 
+def train_in_process(data, run, *overrides: str) -> int:
+    """``python -m launch.train`` on the smoke config (ddp, batch 8, a metrics line per step),
+    one rank, in this process; returns its exit status."""
+    from launch.train import main
+
+    return main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"data.dir={data}",
+                 f"output={run}", "engine.type=ddp", "train.batch_size=8", "data.num_workers=0",
+                 "log.every=1", "log.progress=false", *overrides])
+
+
 def tiny_backbone() -> nn.Module:
     """No BatchNorm, so a P-rank step can equal a 1-rank step exactly (BN stats are per rank)."""
     return nn.Sequential(

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from launch_helpers import make_config
+from launch_helpers import make_config, train_in_process
 
 from launch import run_files
 from launch.logging import RunLogger, print_main
@@ -131,36 +131,19 @@ def test_hist_every_zero_samples_no_histograms(tmp_path):
     assert [s for s in range(1, 10) if log.wants_histograms(s)] == [3, 6, 9]
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """A small synthetic set: 20 classes x 8 images."""
-    from data_pipeline import write_synthetic_dataset
-
-    root = tmp_path_factory.mktemp("data")
-    write_synthetic_dataset(root, num_classes=20, images_per_class=8, seed=0)
-    return root
-
-
 def _train(data, run, *overrides: str) -> int:
-    """``python -m launch.train`` on the smoke config, 1 rank, in this process."""
-    from launch_helpers import ROOT
-
-    from launch.train import main
-
-    return main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"data.dir={data}",
-                 f"output={run}", "engine.type=ddp", "train.batch_size=8", "data.num_workers=0",
-                 "log.every=1", "log.hist_every=2", "log.progress=false", *overrides])
+    return train_in_process(data, run, "log.hist_every=2", *overrides)
 
 
-def test_resumed_training_has_no_duplicate_steps(tiny_data, tmp_path, capsys, monkeypatch):
+def test_resumed_training_has_no_duplicate_steps(synthetic_data, tmp_path, capsys, monkeypatch):
     import shutil
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run = tmp_path / "run"
-    assert _train(tiny_data, run, "train.max_steps=6", "checkpoint.every=4") == 0
+    assert _train(synthetic_data, run, "train.max_steps=6", "checkpoint.every=4") == 0
     shutil.rmtree(run / "checkpoints" / "step-00000006")  # as if killed before that save
     capsys.readouterr()
-    assert _train(tiny_data, run, "train.max_steps=8", "checkpoint.every=4") == 0
+    assert _train(synthetic_data, run, "train.max_steps=8", "checkpoint.every=4") == 0
     out = capsys.readouterr()
     assert "metrics.jsonl: dropped 2 row(s) after step 4" in out.err
     summary = json.loads(out.out.split("summary: ")[1])
