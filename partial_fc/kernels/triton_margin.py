@@ -19,15 +19,17 @@ tiny PyTorch reduction combines (deterministic, no atomics). Backward, per chunk
 chain rule through ``1 / ||w||`` (``r_k = w_hat_k . g_k``) applied in its epilogue.
 
 Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and ``w.dtype``
-(bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots,
-not TF32); accumulation, ``exp`` and all outputs are fp32. In backward ``dL/dcos inv_norm`` is
-rounded to that operand dtype before its two matmuls, as autocast's matmul backward rounds its
-incoming gradient (fp16: values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents,
-as in autocast). Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their
-dtype and then widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as
-raw uint16 bits, and its fp32 -> bf16 cast truncates, so bf16 rounding is done there with
-integer ops (``_operand``). The widening is exact and a product of two 16-bit floats is exact in
-fp32, so only the summation order differs from a tensor-core MMA.
+(bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots
+unless ``torch.get_float32_matmul_precision()`` allows TF32, as for ``torch.mm``; IEEE fp32 runs
+on CUDA cores, ~15x slower than bf16 on an H100, so the fast path is bf16 ``e`` or ``w``);
+accumulation, ``exp`` and all outputs are fp32. In backward ``dL/dcos inv_norm`` is rounded to
+that operand dtype before its two matmuls, as autocast's matmul backward rounds its incoming
+gradient (fp16: values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents, as in
+autocast). Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their dtype
+and then widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as raw
+uint16 bits, and its fp32 -> bf16 cast truncates, so bf16 rounding is done there with integer
+ops (``_operand``). The widening is exact and a product of two 16-bit floats is exact in fp32,
+so only the summation order differs from a tensor-core MMA.
 """
 
 from __future__ import annotations
@@ -233,6 +235,12 @@ def _splits(parallel: int, items: int, block: int, programs: int) -> tuple[int, 
     return triton.cdiv(blocks, per), per
 
 
+def _fp32_is_exact() -> bool:
+    """fp32 dots in IEEE fp32 unless torch's matmuls may use TF32 (``torch.
+    set_float32_matmul_precision("high")``), so the kernels round as ``torch.mm`` would."""
+    return torch.get_float32_matmul_precision() == "highest"
+
+
 def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tensor | float,
              extra: dict[str, Tensor]) -> tuple[list[Tensor], Tensor, torch.dtype, dict]:
     """Validate shapes/dtypes/devices. Returns the contiguous ``[e, w, inv_norm, target_col,
@@ -269,7 +277,7 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
     widen = interpret or e.device.type != "cuda"  # see the module docstring
     consts = dict(OP=_TL_DTYPES[op], DOT=tl.float32 if widen else _TL_DTYPES[op],
                   SOFT_BF16=widen and op == torch.bfloat16,
-                  PRECISION="ieee" if op == torch.float32 else "tf32")
+                  PRECISION="ieee" if op == torch.float32 and _fp32_is_exact() else "tf32")
     scale = torch.as_tensor(s, dtype=torch.float32, device=e.device).detach().reshape(1)
     return [t.contiguous() for t in tensors], scale, op, consts
 
