@@ -131,7 +131,7 @@ class LogConfig(_Section):
     hist_every: NonNegInt = 500  # steps between angle histograms; 0 = none (no collective)
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "partial-fc"
-    progress: bool = True
+    progress: bool = True  # a bar on a terminal; plain lines (every log.every) otherwise
 
 
 class EvalConfig(_Section):

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from launch import run_files
 from launch.config import Config, dump_config
+from launch.console import Console
 
 
 def launcher_rank() -> int:
@@ -61,12 +61,14 @@ class RunLogger:
         self.cfg, self.total, self.global_batch = cfg, total_steps, global_batch
         self.run_dir = cfg.run_dir
         self.history: list[dict] = []
-        self._bar = self._wandb = self._metrics = self._hist = None
+        self._wandb = self._metrics = self._hist = None
         self._t0 = self._last_t = time.perf_counter()
-        self._last_step = 0
+        self._last_step = self._start = 0
+        if self.active:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(self.run_dir, rank, cfg.log.progress)
         if not self.active:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
         if mode != "disabled":
@@ -81,8 +83,8 @@ class RunLogger:
             )
 
     def info(self, message: str) -> None:
-        if self.active:
-            (self._bar.write if self._bar is not None else print)(message, file=sys.stderr)
+        """A message for the console and RUN/train.log (rank 0)."""
+        self.console.info(message)
 
     def start(self, step: int) -> None:
         """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
@@ -99,28 +101,30 @@ class RunLogger:
         self._metrics = open(self.run_dir / run_files.METRICS, "a")  # noqa: SIM115
         if self.cfg.log.hist_every:
             self._hist = open(self.run_dir / run_files.HISTOGRAMS, "a")  # noqa: SIM115
-        if self.cfg.log.progress:
-            self._bar = tqdm(
-                total=self.total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr
-            )
+        self.console.start(step, self.total)
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` writes a metrics record (every ``log.every`` and the last)."""
         return step % self.cfg.log.every == 0 or step == self.total
 
     def step(
-        self, step: int, stats: dict, head_stats: dict, data: dict | None, device: torch.device
+        self,
+        step: int,
+        stats: dict,
+        head_stats: dict,
+        data: dict | None,
+        device: torch.device,
+        epoch: int | None = None,
     ) -> None:
-        """After optimisation step ``step`` (1-based count of steps done). ``data``: the
-        loader's counters summed over ranks (``skipped_samples``, ``padded_samples``), given
-        on the steps that are :meth:`due`."""
+        """After optimisation step ``step`` (1-based count of steps done) of ``epoch``
+        (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
+        ``padded_samples``), given on the steps that are :meth:`due`."""
         if not self.active:
             return
         now = time.perf_counter()
-        if self._bar is not None:
-            rate = self.global_batch * (step - self._start) / max(now - self._t0, 1e-9)
-            self._bar.update(step - self._bar.n)
-            self._bar.set_postfix(loss=f"{stats['loss']:.3f}", img_s=f"{rate:.0f}")
+        done, elapsed = step - self._start, max(now - self._t0, 1e-9)
+        self.console.progress(step, stats["loss"], head_stats.get("scale"),
+                              self.global_batch * done / elapsed)
         if not self.due(step):
             return
         img_s = self.global_batch * (step - self._last_step) / max(now - self._last_t, 1e-9)
@@ -140,7 +144,11 @@ class RunLogger:
             **(data or {}),
             "time_s": now - self._t0,
         }
+        if epoch is not None:
+            record["epoch"] = epoch
         self.write(record)
+        eta = (self.total - step) * elapsed / done if done else None
+        self.console.metrics(record, self.total, epoch, eta)
 
     def wants_histograms(self, step: int) -> bool:
         """Whether optimisation step ``step`` (1-based) samples angle histograms. From the
@@ -190,9 +198,8 @@ class RunLogger:
     def close(self, step: int, checkpoint: Path | None) -> dict:
         """Finish the run; print and return a summary (rank 0; ``{}`` elsewhere)."""
         if not self.active:
+            self.console.close()
             return {}
-        if self._bar is not None:
-            self._bar.close()
         losses = [r["loss"] for r in self.history if "loss" in r]
         elapsed = time.perf_counter() - self._t0
         summary = {
@@ -205,7 +212,10 @@ class RunLogger:
             "loss_last": losses[-1] if losses else None,
             "checkpoint": str(checkpoint) if checkpoint else None,
         }
-        print("summary: " + json.dumps(summary), flush=True)
+        line = "summary: " + json.dumps(summary)
+        print(line, flush=True)  # stdout: the one line a script may parse
+        self.console.log.info(line, extra={"file_only": True})
+        self.console.close()
         self._metrics.close()
         if self._hist is not None:
             self._hist.close()

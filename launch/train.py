@@ -192,7 +192,7 @@ def one_step(run: Run, micro_batches: list) -> None:
     else:
         run.bad_in_a_row = 0
     counts = data_counts(run) if log.due(run.step) else None
-    log.step(run.step, stats, run.engine.head.stats, counts, run.env.device)
+    log.step(run.step, stats, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
     if hist:
         log.histograms(run.step, stats["angles"])
     if not stats["skipped"]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import sys
 import types
 
@@ -151,3 +154,50 @@ def test_resumed_training_has_no_duplicate_steps(synthetic_data, tmp_path, capsy
     steps = [r["step"] for r in run_files.read_jsonl(run / "metrics.jsonl")]
     assert steps == list(range(1, 9))
     assert run_files.read_histograms(run / "histograms.jsonl").steps.tolist() == [2, 4, 6, 8]
+
+
+PLAIN = re.compile(r"^step (\d+)/4 \((\d+)%\) epoch 1 loss \d+\.\d{4} lr \S+ s 30\.00 "
+                   r"theta_med \d\.\d{3} img/s \d+ ETA \d+:\d\d:\d\d mem \d+ MiB$")
+
+
+def test_batch_log_gets_plain_lines_and_wandb_is_never_imported(synthetic_data, tmp_path):
+    """A batch system's log: stderr is no TTY, so even with log.progress=true no bar."""
+    import subprocess
+
+    from launch_helpers import ROOT
+
+    run = tmp_path / "run"
+    script = ("import sys; from launch.train import main; rc = main(sys.argv[1:]); "
+              "print('wandb imported:', 'wandb' in sys.modules); sys.exit(rc)")
+    cmd = [sys.executable, "-c", script, "--config", str(ROOT / "configs" / "smoke.yaml"),
+           f"data.dir={synthetic_data}", f"output={run}", "engine.type=ddp",
+           "train.batch_size=8", "data.num_workers=0", "train.max_steps=4", "log.every=2",
+           "log.progress=true", "log.wandb=disabled"]
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"} | {"OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "wandb imported: False" in out.stdout
+    assert "\r" not in out.stderr and "step/s" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if PLAIN.match(line)]
+    assert [PLAIN.match(line).groups() for line in lines] == [("2", "50"), ("4", "100")]
+    logged = (run / "train.log").read_text().splitlines()
+    assert sum(bool(PLAIN.match(line.split(" ", 2)[2])) for line in logged) == 2
+    assert logged[-1].split(" ", 2)[2].startswith("summary: {")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_terminal_gets_a_bar_and_other_ranks_say_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    cfg = make_config(f"output={tmp_path / 'run'}", "log.every=2", "log.wandb=disabled")
+    _log_run(cfg, rank=1)
+    assert sys.stderr.getvalue() == "" and not (tmp_path / "run").exists()
+    _log_run(cfg, rank=0)
+    shown = sys.stderr.getvalue()
+    assert "4/4" in shown and "loss=1.000 s=30.00" in shown
+    assert "step 2/4 (50%)" not in shown  # the bar replaces the plain lines
+    logged = (tmp_path / "run" / "train.log").read_text()
+    assert "step 2/4 (50%)" in logged and "step 4/4 (100%)" in logged  # the file has them all
