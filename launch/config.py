@@ -132,6 +132,7 @@ class LogConfig(_Section):
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "partial-fc"
     progress: bool = True  # a bar on a terminal; plain lines (every log.every) otherwise
+    tensorboard: bool = False  # scalars and histograms under RUN/tb (needs tensorboard)
 
 
 class EvalConfig(_Section):
@@ -390,11 +391,35 @@ def theory_warnings(cfg: Config) -> list[str]:
     return out
 
 
+def _missing(package: str) -> bool:
+    """Whether ``package`` cannot be imported (checked without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is None
+    except ValueError:  # in sys.modules as None: import refused
+        return True
+
+
+def _sink_errors(cfg: Config) -> list[tuple[str, str]]:
+    """The optional logging packages a run will import (``WANDB_MODE`` wins, as in training)."""
+    import os
+
+    out = []
+    if cfg.log.tensorboard and _missing("tensorboard"):
+        out.append(("log.tensorboard", "log.tensorboard=true: the tensorboard package is not "
+                    "installed (pip install 'partial-fc[tensorboard]', or log.tensorboard=false)"))
+    if (os.environ.get("WANDB_MODE") or cfg.log.wandb) != "disabled" and _missing("wandb"):
+        out.append(("log.wandb", f"log.wandb={cfg.log.wandb!r}: the wandb package is not "
+                    "installed (pip install 'partial-fc[wandb]', or log.wandb=disabled)"))
+    return out
+
+
 def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     """Checks against the data and the machine; fills ``data.num_classes/num_samples``."""
     import torch
 
-    out: list[tuple[str, str]] = []
+    out = _sink_errors(cfg)
     data_dir = Path(cfg.data.dir)
     if not (data_dir / "manifest.json").is_file():
         out.append(("data.dir", f"data.dir={cfg.data.dir!r}: no manifest.json there"))

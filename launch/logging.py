@@ -1,13 +1,14 @@
-"""All of the trainer's rank-0 I/O: console, progress bar, metrics.jsonl, histograms.jsonl,
-W&B, RUN/config.yaml.
+"""All of the trainer's rank-0 I/O: console and RUN/train.log (:mod:`launch.console`),
+RUN/config.yaml, metrics.jsonl, histograms.jsonl (:mod:`launch.run_files`), W&B and
+TensorBoard (:mod:`launch.sinks`).
 
 Every rank constructs a :class:`RunLogger`; on ranks other than 0 every method is a no-op,
 so call sites need no ``if rank == 0``. W&B runs offline by default (``log.wandb``); the
-``WANDB_MODE`` environment variable, when set, wins (tests set ``disabled``). Scale
-dynamics (s, theta_med, B_avg, mean target/non-target cos) are logged every ``log.every``
-steps and become W&B charts; target/non-target angle histograms every ``log.hist_every``
-(into ``RUN/histograms.jsonl``, see :mod:`launch.run_files`). A resumed run truncates both
-files to the checkpoint's step, so no step appears twice.
+``WANDB_MODE`` environment variable, when set, wins (tests set ``disabled``). TensorBoard
+with ``log.tensorboard=true``. Scale dynamics (s, theta_med, B_avg, mean target/non-target
+cos) are logged every ``log.every`` steps; target/non-target angle histograms every
+``log.hist_every``. A resumed run truncates both line files to the checkpoint's step, so no
+step appears twice, and continues the same W&B run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from launch import run_files
 from launch.config import Config, dump_config
 from launch.console import Console
+from launch.sinks import Sink, TensorBoardSink, WandbSink
 
 
 def launcher_rank() -> int:
@@ -61,7 +63,8 @@ class RunLogger:
         self.cfg, self.total, self.global_batch = cfg, total_steps, global_batch
         self.run_dir = cfg.run_dir
         self.history: list[dict] = []
-        self._wandb = self._metrics = self._hist = None
+        self._metrics = self._hist = None
+        self._sinks: list[Sink] = []
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = 0
         if self.active:
@@ -70,17 +73,6 @@ class RunLogger:
         if not self.active:
             return
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
-        if mode != "disabled":
-            import wandb
-
-            self._wandb = wandb.init(
-                project=cfg.log.wandb_project,
-                name=cfg.name,
-                mode=mode,
-                dir=str(self.run_dir),
-                config=cfg.model_dump(mode="json"),
-            )
 
     def info(self, message: str) -> None:
         """A message for the console and RUN/train.log (rank 0)."""
@@ -88,7 +80,8 @@ class RunLogger:
 
     def start(self, step: int) -> None:
         """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
-        after it from metrics.jsonl and histograms.jsonl, open both for appending, start timing."""
+        after it from metrics.jsonl and histograms.jsonl, open both for appending, open the
+        W&B run / TensorBoard writer, start timing."""
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = step
         if not self.active:
@@ -97,6 +90,13 @@ class RunLogger:
             dropped = run_files.truncate_after(self.run_dir / name, step)
             if dropped:
                 self.info(f"{name}: dropped {dropped} row(s) after step {step} (redone now)")
+        cfg = self.cfg
+        mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
+        if mode != "disabled":
+            self._sinks.append(WandbSink(self.run_dir, mode, cfg.log.wandb_project, cfg.name,
+                                         cfg.model_dump(mode="json")))
+        if cfg.log.tensorboard:
+            self._sinks.append(TensorBoardSink(self.run_dir, dump_config(cfg), step))
         # Closed in close().
         self._metrics = open(self.run_dir / run_files.METRICS, "a")  # noqa: SIM115
         if self.cfg.log.hist_every:
@@ -159,18 +159,14 @@ class RunLogger:
 
     def histograms(self, step: int, angles: dict[str, torch.Tensor]) -> None:
         """Angle distributions (degrees), e.g. ``{"theta_target": ..., "theta_nontarget": ...}``:
-        counts per degree into histograms.jsonl, and to W&B."""
+        counts per degree into histograms.jsonl, and to W&B / TensorBoard."""
         if not self.active:
             return
         values = {k: v.detach().float().cpu().numpy() for k, v in angles.items()}
         self._hist.write(json.dumps(run_files.histogram_row(step, values)) + "\n")
         self._hist.flush()
-        if self._wandb is not None:
-            import wandb
-
-            self._wandb.log(
-                {k: wandb.Histogram(v.float().cpu().numpy()) for k, v in angles.items()}, step=step
-            )
+        for sink in self._sinks:
+            sink.histograms(step, values)
 
     def evaluation(self, step: int, results: dict[str, dict[str, float]]) -> None:
         """Verification results of ``launch.evaluate.evaluate_bins``."""
@@ -189,11 +185,10 @@ class RunLogger:
         self.history.append(record)
         self._metrics.write(json.dumps(_json_safe(record)) + "\n")
         self._metrics.flush()
-        if self._wandb is not None:
-            self._wandb.log(
-                {k: v for k, v in record.items() if k != "step" and v is not None},
-                step=record["step"],
-            )
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
+        for sink in self._sinks:
+            sink.scalars(record["step"], scalars)
 
     def close(self, step: int, checkpoint: Path | None) -> dict:
         """Finish the run; print and return a summary (rank 0; ``{}`` elsewhere)."""
@@ -219,7 +214,6 @@ class RunLogger:
         self._metrics.close()
         if self._hist is not None:
             self._hist.close()
-        if self._wandb is not None:
-            self._wandb.summary.update(summary)
-            self._wandb.finish()
+        for sink in self._sinks:
+            sink.close(summary)
         return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import io
 import json
 import os
@@ -22,35 +23,50 @@ FIELDS = ("step", "loss", "lr", "scale", "theta_med", "b_avg", "cos_target_mean"
 
 @pytest.fixture
 def fake_wandb(monkeypatch):
-    """A stand-in ``wandb`` module recording init/log calls (no files, no network)."""
-    calls: dict[str, list] = {"init": [], "log": []}
+    """A stand-in ``wandb`` module recording its calls (no files, no network, no service)."""
+    calls: dict = {"init": [], "log": [], "define_metric": [], "summary": {}, "finish": 0}
 
     class Run:
-        summary: dict = {}
+        def __init__(self, run_id: str):
+            self.id, self.summary = run_id, calls["summary"]
 
-        def log(self, data, step):
-            calls["log"].append((step, data))
+        def log(self, data):
+            calls["log"].append(data)
+
+        def define_metric(self, name, **kwargs):
+            calls["define_metric"].append((name, kwargs))
 
         def finish(self):
-            calls["finish"] = True
+            calls["finish"] += 1
 
     def init(**kwargs):
         calls["init"].append(kwargs)
-        return Run()
+        return Run(kwargs["id"])
 
-    module = types.SimpleNamespace(init=init, Histogram=lambda values: ("hist", len(values)))
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # "installed"
+    module.init, module.Histogram = init, lambda np_histogram: np_histogram
     monkeypatch.setitem(sys.modules, "wandb", module)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     return calls
 
 
-def _log_run(cfg, rank: int) -> dict:
+def _by_step(logged: list[dict]) -> dict[int, dict]:
+    """W&B log calls merged per ``global_step`` (the x axis of every chart)."""
+    out: dict[int, dict] = {}
+    for data in logged:
+        out.setdefault(data["global_step"], {}).update(data)
+    return out
+
+
+def _log_run(cfg, rank: int, start: int = 0, loss_at_0: float = 5.0) -> dict:
+    """Steps ``start + 1 .. 4`` with loss ``loss_at_0 - step``; histograms at step 4."""
     log = RunLogger(cfg, rank, total_steps=4, global_batch=8)
-    log.start(0)
+    log.start(start)
     head_stats = {"scale": 30.0, "theta_med": 1.2, "b_avg": 5.0, "cos_target_mean": 0.3,
                   "cos_nontarget_mean": 0.01}
-    for step in range(1, 5):
-        stats = {"loss": 5.0 - step, "lr": 0.1, "grad_norm": 1.0}
+    for step in range(start + 1, 5):
+        stats = {"loss": loss_at_0 - step, "lr": 0.1, "grad_norm": 1.0}
         data = {"skipped_samples": 2, "padded_samples": 1} if log.due(step) else None
         log.step(step, stats, head_stats, data, device=torch.device("cpu"))
     log.histograms(4, {"theta_target": torch.rand(5), "theta_nontarget": torch.rand(7)})
@@ -71,9 +87,14 @@ def test_rank0_writes_metrics_and_wandb_offline_by_default(tmp_path, fake_wandb)
     assert records[0]["scale"] == 30.0 and records[0]["skipped_samples"] == 2
     (init,) = fake_wandb["init"]
     assert init["mode"] == "offline" and init["dir"] == str(tmp_path / "run")
-    logged = dict(fake_wandb["log"])
-    assert logged[2]["scale"] == 30.0 and logged[4]["theta_target"] == ("hist", 5)
-    assert fake_wandb["finish"] and (tmp_path / "run" / "config.yaml").is_file()
+    assert init["resume"] == "allow" and init["config"]["log"]["every"] == 2
+    assert ("*", {"step_metric": "global_step"}) in fake_wandb["define_metric"]
+    logged = _by_step(fake_wandb["log"])
+    assert logged[2]["scale"] == 30.0 and logged[4]["loss"] == 1.0
+    counts, edges = logged[4]["theta_target"]  # per degree, as in histograms.jsonl
+    assert counts[0] == 5 and sum(counts) == 5 and len(edges) == 181
+    assert fake_wandb["summary"]["steps"] == 4 and fake_wandb["finish"] == 1
+    assert (tmp_path / "run" / "config.yaml").is_file()
 
 
 def test_wandb_mode_env_wins(tmp_path, fake_wandb, monkeypatch):
@@ -138,15 +159,21 @@ def _train(data, run, *overrides: str) -> int:
     return train_in_process(data, run, "log.hist_every=2", *overrides)
 
 
-def test_resumed_training_has_no_duplicate_steps(synthetic_data, tmp_path, capsys, monkeypatch):
+def test_resumed_training_keeps_one_wandb_run_and_no_duplicate_steps(synthetic_data, tmp_path,
+                                                                     capsys, fake_wandb):
     import shutil
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     run = tmp_path / "run"
-    assert _train(synthetic_data, run, "train.max_steps=6", "checkpoint.every=4") == 0
+    args = ("checkpoint.every=4", "log.wandb=offline")
+    assert _train(synthetic_data, run, "train.max_steps=6", *args) == 0
     shutil.rmtree(run / "checkpoints" / "step-00000006")  # as if killed before that save
     capsys.readouterr()
-    assert _train(synthetic_data, run, "train.max_steps=8", "checkpoint.every=4") == 0
+    assert _train(synthetic_data, run, "train.max_steps=8", *args) == 0
+    first, second = fake_wandb["init"]
+    assert first["id"] == second["id"] and second["resume"] == "allow"
+    assert (run / "wandb_run_id").read_text().strip() == first["id"]
+    steps = [d["global_step"] for d in fake_wandb["log"] if "loss" in d]
+    assert steps == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # W&B keeps the redone steps' last values
     out = capsys.readouterr()
     assert "metrics.jsonl: dropped 2 row(s) after step 4" in out.err
     summary = json.loads(out.out.split("summary: ")[1])
@@ -201,3 +228,46 @@ def test_terminal_gets_a_bar_and_other_ranks_say_nothing(tmp_path, monkeypatch):
     assert "step 2/4 (50%)" not in shown  # the bar replaces the plain lines
     logged = (tmp_path / "run" / "train.log").read_text()
     assert "step 2/4 (50%)" in logged and "step 4/4 (100%)" in logged  # the file has them all
+
+
+def test_tensorboard_holds_the_wandb_names(tmp_path, fake_wandb):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(f"output={tmp_path / 'run'}", "log.every=2", "log.progress=false",
+                      "log.tensorboard=true")
+    _log_run(cfg, rank=0)
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    tags = events.Tags()
+    assert [e.step for e in events.Scalars("loss")] == [2, 4]
+    assert [e.value for e in events.Scalars("scale")] == [30.0, 30.0]
+    (hist,) = events.Histograms("theta_target")
+    assert hist.step == 4 and hist.histogram_value.num == 5
+    wandb_names = {k for d in fake_wandb["log"] for k in d} - {"global_step"}
+    assert set(tags["scalars"]) | set(tags["histograms"]) == wandb_names
+    assert {"config/text_summary", "summary/text_summary"} <= set(tags["tensors"])  # add_text
+    _log_run(cfg, rank=0, start=2, loss_at_0=9.0)  # resumed at step 2: 3 and 4 again
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(2, 3.0), (4, 5.0)]
+
+
+def test_missing_optional_packages_are_config_errors(synthetic_data, monkeypatch):
+    from launch_helpers import ROOT
+
+    from launch.config import ConfigError, load_config
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    args = [f"data.dir={synthetic_data}", "log.tensorboard=true", "log.wandb=offline"]
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs" / "smoke.yaml", args)
+    assert str(err.value).splitlines() == [
+        "command line: log.tensorboard=true: the tensorboard package is not installed "
+        "(pip install 'partial-fc[tensorboard]', or log.tensorboard=false)",
+        "command line: log.wandb='offline': the wandb package is not installed "
+        "(pip install 'partial-fc[wandb]', or log.wandb=disabled)",
+    ]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    load_config(ROOT / "configs" / "smoke.yaml", [f"data.dir={synthetic_data}"])
