@@ -45,6 +45,20 @@ __all__ = [
 ProcessGroup = dist.ProcessGroup | None
 
 
+def _flat_all_gather(out: Tensor, x: Tensor, group: ProcessGroup) -> None:
+    """``out = cat(x of every rank)``: torch 2.13 names it ``all_gather_single`` and deprecates
+    ``all_gather_into_tensor``, the only name before 2.13 (our floor is 2.11)."""
+    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    op(out, x, group=group)
+
+
+def _flat_reduce_scatter(out: Tensor, x: Tensor, group: ProcessGroup) -> None:
+    """``out = this rank's block of sum(x of every rank)``; ``reduce_scatter_single`` from torch
+    2.13 on, ``reduce_scatter_tensor`` before."""
+    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    op(out, x, op=dist.ReduceOp.SUM, group=group)
+
+
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -74,7 +88,7 @@ def gather_ints(values: Sequence[int], device: torch.device, process_group: Proc
         return mine.view(1, -1).cpu()
     out = torch.empty(get_world_size(process_group) * mine.numel(), dtype=torch.int64,
                       device=device)
-    dist.all_gather_into_tensor(out, mine, group=process_group)
+    _flat_all_gather(out, mine, process_group)
     return out.view(-1, mine.numel()).cpu()
 
 
@@ -150,7 +164,7 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 def _gather_rows(x: Tensor, sizes: tuple[int, ...], group: ProcessGroup) -> Tensor:
     most = max(sizes)
     out = x.new_empty((len(sizes) * most, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, _pad_rows(x, most).contiguous(), group=group)
+    _flat_all_gather(out, _pad_rows(x, most).contiguous(), group)
     if min(sizes) == most:
         return out
     return torch.cat([part[:n] for part, n in zip(out.split(most), sizes, strict=True)])
@@ -161,7 +175,7 @@ def _scatter_rows(x: Tensor, sizes: tuple[int, ...], group: ProcessGroup) -> Ten
     if min(sizes) != most:
         x = torch.cat([_pad_rows(part, most) for part in x.split(list(sizes))])
     out = x.new_empty((most, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    _flat_reduce_scatter(out, x.contiguous(), group)
     return out[: sizes[dist.get_rank(group)]]
 
 

@@ -33,11 +33,18 @@ def test_world_size_one_without_process_group_is_identity():
     assert torch.equal(pd.all_reduce_max(x), x) and not pd.all_reduce_max(x).requires_grad
 
 
-def _collectives(rank: int, world: int) -> dict:
+NEW_NAMES = ("all_gather_single", "reduce_scatter_single")  # torch >= 2.13 only
+
+
+def _collectives(rank: int, world: int, torch_before_2_13: bool) -> dict:
+    if torch_before_2_13:  # this spawned worker only: the API as torch 2.11/2.12 ship it
+        for name in NEW_NAMES:
+            if hasattr(torch.distributed, name):
+                delattr(torch.distributed, name)
     n = SIZES[rank]
     total = sum(SIZES)
     out = {"rank": pd.get_rank(), "world": pd.get_world_size(), "sizes": pd.gather_sizes(
-        n, torch.device("cpu"))}
+        n, torch.device("cpu")), "new_names": [hasattr(torch.distributed, m) for m in NEW_NAMES]}
     # all_gather: forward cat, backward reduce-scatter of the ranks' partial gradients
     x = _x(rank, n).requires_grad_()
     y = pd.all_gather(x)
@@ -74,9 +81,10 @@ def _collectives(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_collectives_on_three_ranks():
+@pytest.mark.parametrize("torch_before_2_13", [False, True], ids=["this-torch", "torch<2.13"])
+def test_collectives_on_three_ranks(torch_before_2_13):
     world = len(SIZES)
-    res = run_ranks(_collectives, world)
+    res = run_ranks(_collectives, world, args=(torch_before_2_13,))
     total = sum(SIZES)
     xs = [_x(r, SIZES[r]) for r in range(world)]
     w_sum = sum(_w(r, total) for r in range(world))
@@ -84,6 +92,8 @@ def test_collectives_on_three_ranks():
     for r, out in enumerate(res):
         rows = slice(starts[r], starts[r] + SIZES[r])
         assert (out["rank"], out["world"], out["sizes"]) == (r, world, list(SIZES))
+        if torch_before_2_13:
+            assert not any(out["new_names"])
         torch.testing.assert_close(out["gather"], torch.cat(xs), rtol=0, atol=0)
         torch.testing.assert_close(out["gather_grad"], w_sum[rows])
         assert out["gather_int"].tolist() == [0, 0, 1, 1, 1, 2]
