@@ -24,7 +24,7 @@ SMOKE_NPROC   ?= 2
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
 
-.PHONY: setup train train-orl bench-orl test test-fast lint convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl test test-fast lint chaos convert-ms1m report $(RECIPES)
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline launch tests bench
+
+# Fault injection end to end on CPU (launch/chaos.py): one table, every row must hold (~2-3 min).
+chaos: setup
+	OMP_NUM_THREADS=1 $(PY) -m launch.chaos
 
 $(SMOKE_DATA)/manifest.json: | setup
 	$(PY) -c "from data_pipeline import write_synthetic_dataset as w; \

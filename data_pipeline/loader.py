@@ -6,9 +6,10 @@ plan (plan.py) through seeded shuffle -> decode -> flip and emit chunks of up to
 after `len(loader)` batches, which is the same number on every rank (computed from the
 manifest). Samples beyond that (fewer than world_size + batch_size per rank) are the epoch's
 drop, reported as `dropped_fraction`. Corrupt samples are skipped and counted in
-`num_skipped`; they are replaced by the rank's spare samples, and only if those run out is
-the last batch filled with repeats of the previous one (counted in `num_padded`; after a
-resume inside that padded tail, repeats of the epoch's first decodable chunk).
+`num_skipped` (per epoch: the same files fail every epoch); they are replaced by the rank's
+spare samples, and only if those run out is the last batch filled with repeats of the
+previous one (counted in `num_padded`; after a resume inside that padded tail, repeats of
+the epoch's first decodable chunk).
 
 Resume (`state_dict` / `load_state_dict`): the state is the epoch, the batches handed out and
 each worker's stream position. Restored with the same seed, world size, workers, batch size,
@@ -54,6 +55,7 @@ class _EpochStream(IterableDataset):
         self.cfg = loader.plan_key()
         self.rank, self.epoch, self.skips = loader.rank, epoch, skips
         self.flip, self.decoder = loader.flip, loader.decoder
+        self.num_classes = loader.manifest.num_classes
 
     def __iter__(self):
         info = get_worker_info()
@@ -74,7 +76,7 @@ class _EpochStream(IterableDataset):
             else None,
             stages.annotate(f"flip-{tag}", self.flip),
             stages.skip(self.skips[worker]),
-            stages.decode(IMAGE_SIZE, self.decoder),
+            stages.decode(IMAGE_SIZE, self.decoder, self.num_classes),
             stages.chunk(cfg["batch_size"], worker),
         )
         return iter(pipeline)
@@ -128,7 +130,8 @@ class Loader:
         return self._batches
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch to iterate; changing it restarts at the epoch's first batch.
+        """Select the epoch to iterate; changing it restarts at the epoch's first batch (and
+        the count of skipped samples).
 
         Setting the current epoch again keeps the position (so set_epoch after
         load_state_dict resumes mid-epoch).
@@ -136,6 +139,7 @@ class Loader:
         if epoch != self.epoch:
             self.epoch = epoch
             self._batches, self._positions = 0, [0] * len(self._positions)
+            self.num_skipped = 0
 
     def plan_key(self) -> dict:
         """Everything that fixes the epoch's sample order (saved in state_dict)."""
@@ -176,11 +180,12 @@ class Loader:
     def __iter__(self):
         if self._batches >= self._len:  # a finished epoch iterates again from its start
             self._batches, self._positions = 0, [0] * len(self._positions)
+            self.num_skipped = 0
         stream = _EpochStream(self, self.epoch, list(self._positions))
         workers = self.num_workers
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
-                             collate_fn=_as_is, worker_init_fn=_ignore_stop_signals,
+                             collate_fn=_as_is, worker_init_fn=_ignore_sigusr1,
                              generator=torch.Generator().manual_seed(self.seed))
         pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
         buffered, last = 0, None
@@ -249,11 +254,11 @@ class Loader:
         return cat(images), cat(labels), keys
 
 
-def _ignore_stop_signals(worker: int) -> None:
-    """A worker outlives SIGTERM/SIGUSR1 sent to the whole job: the trainer stops at the next
-    step boundary (``launch.preemption``) and ends its workers itself."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+def _ignore_sigusr1(worker: int) -> None:
+    """A worker outlives a SIGUSR1 sent to the whole job (``scancel --signal=USR1``): the
+    trainer stops at the next step boundary (``launch.preemption``) and ends its workers.
+    SIGTERM keeps its default: it is how DataLoader ends a worker that does not quit."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _as_is(chunk: dict) -> dict:

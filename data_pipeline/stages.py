@@ -18,7 +18,7 @@ import torch
 import webdataset as wds
 
 from data_pipeline.codec import decode_image
-from data_pipeline.errors import CorruptImageError, ShardError
+from data_pipeline.errors import CorruptImageError, DataError, ShardError
 from data_pipeline.manifest import ShardInfo
 from data_pipeline.plan import Piece
 
@@ -109,7 +109,9 @@ def read_pieces(pieces: list[Piece], paths: list[Path], infos: list[ShardInfo]) 
     """Source stage: the raw samples of `pieces` in order; shards are checked before reading."""
     for piece in pieces:
         check_shard(paths[piece.shard], infos[piece.shard])
-        yield from tar_samples(paths[piece.shard], piece.start, piece.stop)
+        for sample in tar_samples(paths[piece.shard], piece.start, piece.stop):
+            sample["__shard__"] = paths[piece.shard]
+            yield sample
 
 
 def _annotate(data: Iterator[dict], seed: str, flip: bool) -> Iterator[dict]:
@@ -127,8 +129,13 @@ def _skip(data: Iterator[dict], count: int) -> Iterator[dict]:
             yield sample
 
 
-def _decode(data: Iterator[dict], size: int, decoder: str) -> Iterator[dict]:
-    """Decode `jpg` to `image` (flipped if drawn); corrupt samples become CORRUPT markers."""
+def _decode(data: Iterator[dict], size: int, decoder: str,
+            num_classes: int | None = None) -> Iterator[dict]:
+    """Decode `jpg` to `image` (flipped if drawn); corrupt samples become CORRUPT markers.
+
+    A label outside ``[0, num_classes)`` is not corruption but data that contradicts its
+    manifest: a :class:`DataError` naming the shard and the sample's key.
+    """
     for sample in data:
         try:
             if "jpg" not in sample or "cls" not in sample:
@@ -138,6 +145,9 @@ def _decode(data: Iterator[dict], size: int, decoder: str) -> Iterator[dict]:
         except (CorruptImageError, ValueError):
             yield {CORRUPT: True, "__key__": sample["__key__"], "__pos__": sample["__pos__"]}
             continue
+        if num_classes is not None and not 0 <= label < num_classes:
+            raise DataError(f"{sample.get('__shard__', 'shard')}: sample {sample['__key__']!r} "
+                            f"has label {label}, outside [0, {num_classes}) of manifest.json")
         if sample["__flip__"]:
             image = image[:, ::-1]
         yield {"__key__": sample["__key__"], "__pos__": sample["__pos__"], "image": image,

@@ -15,7 +15,9 @@ and checks the machine (CUDA, files), so a run fails before any process group st
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -179,6 +181,23 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
     list("-+0123456789."),
 )
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    """A YAML mapping whose keys are unique: a repeated key is an error, not 'last one wins'."""
+    loader.flatten_mapping(node)
+    first: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in first:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first set at line {first[key] + 1})",
+                key_node.start_mark)
+        first[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def parse_value(text: str) -> Any:
@@ -440,6 +459,8 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
                 out.append(
                     (f"data.{key}", f"data.{key}={have}: manifest.json in {data_dir} says {want}")
                 )
+    out += _batch_errors(cfg)
+    out += _output_errors(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         out.append(("device", "device='cuda': no CUDA device on this machine"))
     on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -452,6 +473,37 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
         if not Path(b).is_file():
             out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file"))
     return out
+
+
+def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
+    """A batch the data cannot fill on every rank (torchrun's WORLD_SIZE; 1 without it)."""
+    from data_pipeline.plan import batches_per_rank
+
+    n = cfg.data.num_samples
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # read at call time, before any group
+    batch, k = cfg.train.batch_size, cfg.train.grad_accum
+    if n is None or batches_per_rank(n, world, batch) >= k:
+        return []
+    key = "train.batch_size" if batches_per_rank(n, world, batch) == 0 else "train.grad_accum"
+    return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
+                  f"{n} samples in {cfg.data.dir} cannot fill one step (at most "
+                  f"{n // world} samples per rank)")]
+
+
+def _output_errors(cfg: Config) -> list[tuple[str, str]]:
+    """The run folder must be creatable and writable (checked before any process group)."""
+    folder = cfg.run_dir.absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    key = "output" if cfg.output is not None else "name"
+    if not existing.is_dir():
+        return [(key, f"output={str(cfg.run_dir)!r}: {existing} is not a folder")]
+    try:  # a real write: permission bits say nothing for root, read-only mounts or NFS
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return [(key, f"output={str(cfg.run_dir)!r}: cannot write in {existing} "
+                      f"({exc.strerror})")]
+    return []
 
 
 def load_config(

@@ -5,8 +5,10 @@ with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user 
 kill it a grace period later. The handler only records the signal; ``launch.train`` asks
 :meth:`StopSignals.agreed` after every step, which all-reduces the request so that every rank
 stops after the same step even when the signal reached only some of them, saves there and
-exits 0. DataLoader workers ignore both signals (``data_pipeline.loader``), so the batches
-in flight are not lost to a worker killed by the same broadcast.
+exits 0. DataLoader workers ignore SIGUSR1 (``data_pipeline.loader``), so a signal sent
+to every process of the job (``scancel --signal=USR1``) does not kill them first; SIGTERM
+stays fatal to them (DataLoader ends stuck workers with it), so send SIGTERM to the trainer
+processes only (torchrun forwards its own SIGTERM to exactly those) or use SIGUSR1.
 """
 
 from __future__ import annotations

@@ -55,9 +55,32 @@ def _trainable(engine) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in engine.backbone.named_parameters() if p.requires_grad}
 
 
+def average_buffers(module: torch.nn.Module) -> None:
+    """Replace every floating-point buffer (BatchNorm running mean/var) by its mean over the
+    ranks, in place (collective).
+
+    Data-parallel ranks see different images, so their running statistics differ; a
+    checkpoint holds one copy. The mean is the statistic of all ranks' data (exact for the
+    running mean, which is linear in the batches; the usual non-SyncBN estimate for the
+    variance), where any one rank's copy saw 1/P of it. Written back into the live module,
+    so evaluation after a save, ``backbone.pt``, the DCP copy and a resumed run all agree.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            total = buffer.detach().double()
+            dist.all_reduce(total)
+            buffer.copy_(total / world)
+
+
 def collect(engine) -> dict[str, torch.Tensor | Rows]:
-    """The full state of ``engine``; collective (every rank calls it) under DeepSpeed."""
+    """The full state of ``engine``; collective (every rank calls it): the backbone's
+    buffers are averaged over the ranks first (:func:`average_buffers`)."""
     head = engine.head
+    with torch.no_grad():
+        average_buffers(engine.backbone)
     out: dict[str, torch.Tensor | Rows] = {}
     for key, value in head.state_dict().items():
         out[f"head.{key}"] = (

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from launch import checkpoint
 from launch.config import (
@@ -68,6 +71,16 @@ class Diverged(RuntimeError):
     """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient."""
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective timed out or lost a peer: another rank stopped, died or fell behind."""
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a process-group failure (gloo/NCCL timeout or a closed peer)."""
+    pattern = r"Timed out|timeout|Connection (closed|reset|refused)|gloo|NCCL"
+    return isinstance(err, dist.DistError) or re.search(pattern, str(err)) is not None
+
+
 @dataclass
 class Run:
     """One run on one rank: what :func:`build` makes and the counters the loop advances."""
@@ -83,6 +96,7 @@ class Run:
     epoch: int = 0
     saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
     bad_steps: int = 0  # skipped as non-finite, in all
+    skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
     bad_in_a_row: int = 0
 
 
@@ -91,7 +105,17 @@ def train(cfg: Config, env: DistEnv) -> dict:
     run = build(cfg, env)
     resume(run)
     with StopSignals() as signals:
-        stopped_by = loop(run, signals)
+        try:
+            stopped_by = loop(run, signals)
+        except RuntimeError as err:
+            if not _collective_failure(err):
+                raise
+            detail = str(err).strip().splitlines()[0]
+            raise CollectiveFailed(
+                f"step {run.step + 1}: a collective failed ({detail}): another rank stopped, "
+                f"died or fell behind by more than the process group's timeout "
+                f"(dist.timeout_s); resume from {run.saved or 'the start'}"
+            ) from None
     return finish(run, stopped_by)
 
 
@@ -147,6 +171,8 @@ def resume(run: Run) -> None:
             run.log.info(f"resuming with changed settings: {', '.join(changed)}")
         meta = checkpoint.load(path, run.engine)
         run.step, run.saved = meta["step"], path
+        run.bad_steps = meta.get("bad_steps", 0)
+        run.skipped_samples = meta.get("skipped_samples", 0)
         loader.load_state_dict(meta["loader"])
         finished = len(loader) - loader.batches_done < cfg.train.grad_accum
         run.epoch = loader.epoch + 1 if finished else loader.epoch
@@ -209,13 +235,15 @@ def one_step(run: Run, micro_batches: list) -> None:
 
 
 def data_counts(run: Run) -> dict[str, int]:
-    """Collective: corrupt samples skipped and samples repeated to pad (all ranks), and the
-    steps skipped as non-finite."""
+    """Collective: corrupt samples and samples repeated to pad (all ranks), and the steps
+    skipped as non-finite. Every epoch meets the same corrupt files, so ``skipped_samples``
+    is the most any one epoch has counted, not a sum that grows by them each epoch."""
     from partial_fc import distributed as pd
 
     loader = run.loader
     counts = pd.gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
-    return {"skipped_samples": int(counts[0]), "padded_samples": int(counts[1]),
+    run.skipped_samples = max(run.skipped_samples, int(counts[0]))
+    return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
             "bad_steps": run.bad_steps}
 
 
@@ -223,7 +251,8 @@ def save(run: Run) -> None:
     """Checkpoint step ``run.step`` (collective)."""
     cfg = run.cfg
     meta = {"loader": run.loader.state_dict(), "name": cfg.name,
-            "config": cfg.model_dump(mode="json")}
+            "config": cfg.model_dump(mode="json"), "bad_steps": run.bad_steps,
+            "skipped_samples": run.skipped_samples}
     run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, meta, cfg.checkpoint.keep)
 
 
@@ -267,15 +296,37 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg.device)
     try:
         train(cfg, env)
-    except ConfigError as err:  # found with the data or the checkpoint; all ranks alike
-        print_main(f"config error: {err}")
-        return 2
-    except (Diverged, checkpoint.CheckpointError) as err:  # all ranks raise it together
-        print_main(f"error: {err}")
-        return 1
+    except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
+        return report_failure(err, env.rank)
     finally:
         shutdown()
     return 0
+
+
+def report_failure(err: Exception, rank: int) -> int:
+    """Print a failure after the process group started; returns the exit code.
+
+    Errors every rank raises together (config, checkpoint, divergence) are one line from
+    rank 0. Errors one rank meets alone (its data, a failed collective) are one line from
+    that rank. Anything else is a bug: its traceback, from each rank that hit it.
+    """
+    from data_pipeline.errors import DataError
+
+    if isinstance(err, ConfigError):
+        print_main(f"config error: {err}")
+        return 2
+    if isinstance(err, Diverged | checkpoint.CheckpointError):
+        print_main(f"error: {err}")
+        return 1
+    if isinstance(err, DataError | CollectiveFailed):
+        # A DataLoader worker's error arrives with the worker's traceback in its message,
+        # ending in "data_pipeline.errors.DataError: <the message>".
+        line = str(err).strip().splitlines()[-1]
+        line = line.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
+        print(f"error on rank {rank}: {line}", file=sys.stderr, flush=True)
+        return 1
+    traceback.print_exception(err)
+    return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -424,3 +425,140 @@ def test_sigusr1_saves_at_the_step_boundary_and_resume_matches(tiny_data, tmp_pa
     final = [torch.load(run / "checkpoints" / "step-00000006" / "backbone.pt", weights_only=True)
              for run in (whole, split)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+# ----------------------------------------------------------------------------- 8: the smaller ones
+
+
+def test_duplicate_yaml_keys_are_refused(tmp_path):
+    from launch.config import ConfigError, load_config
+
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text("margin:\n  s: 30.0\n  m: 0.2\n  s: 64.0\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: invalid YAML at line 4: duplicate key "
+                                          r"'s' \(first set at line 2\)"):
+        load_config(recipe, resolve=False)
+
+
+def test_batch_too_large_and_unwritable_output_fail_before_any_group(tiny_data, tmp_path,
+                                                                      monkeypatch, capsys):
+    import torch.distributed as dist
+    from launch_helpers import ROOT
+
+    from launch.train import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun exports, read before any group
+    rc = main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"data.dir={tiny_data}",
+               "train.batch_size=81", f"output={blocker / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not dist.is_initialized()
+    assert "train.batch_size=81 x grad_accum=1 on 2 rank(s): the 160 samples" in err
+    assert f"output='{blocker / 'run'}': {blocker} is not a folder" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ok = _train_in_process(tiny_data, tmp_path / "run", "train.batch_size=80", "train.max_steps=1")
+    assert ok == 0
+
+
+def test_label_out_of_range_names_shard_and_key(tmp_path, capsys):
+    from launch.chaos import write_data
+
+    bad = write_data(tmp_path / "data", labels={5: 25})
+    assert _train_in_process(bad, tmp_path / "run", "data.num_workers=1") == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error on rank 0: {bad}/shard-") and "has label 25" in lines[0]
+    assert "outside [0, 20) of manifest.json" in lines[0]
+
+
+def test_a_corrupt_sample_is_counted_once_over_epochs(tmp_path):
+    from launch.chaos import write_data
+
+    bad = write_data(tmp_path / "data", corrupt=(7,))
+    run = tmp_path / "run"
+    assert _train_in_process(bad, run, "train.epochs=3", "checkpoint.every=0") == 0
+    records = [r for r in _records(run) if "loss" in r]
+    assert records[-1]["step"] == 3 * 20 and records[-1]["skipped_samples"] == 1
+
+
+def _bn_engine(world: int):
+    from launch_helpers import EMBEDDING, NUM_CLASSES
+    from torch import nn
+
+    from launch.engine import Engine
+    from partial_fc import PartialFC, build_margin
+
+    cfg = make_config(f"train.batch_size={GLOBAL_BATCH // world}")
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(3, 4, 16, stride=16), nn.BatchNorm2d(4), nn.Flatten(),
+                             nn.Linear(4 * 7 * 7, EMBEDDING))
+    head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed)
+    return Engine(cfg, backbone, head, torch.device("cpu"), total_steps=10, warmup_steps=0)
+
+
+def _bn_save(rank: int, world: int, root: str) -> dict:
+    from launch import checkpoint
+
+    engine = _bn_engine(world)
+    for step in range(2):
+        engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, 1))
+    bn = engine.backbone[1]
+    before = {"mean": bn.running_mean.clone(), "var": bn.running_var.clone()}
+    path = checkpoint.save(Path(root), 2, engine, {"loader": None}, keep=2)
+    return {"before": before, "path": str(path)}
+
+
+def _bn_resave(rank: int, world: int, path: str, root: str) -> str:
+    from launch import checkpoint
+
+    engine = _bn_engine(world)
+    checkpoint.load(Path(path), engine)
+    return str(checkpoint.save(Path(root), 2, engine, {"loader": None}, keep=2))
+
+
+@pytest.mark.slow
+def test_batchnorm_statistics_are_averaged_and_stable_across_resaves(tmp_path):
+    from launch.chaos import _backbone_pt_and_dcp
+
+    saved = run_ranks(_bn_save, 2, args=(str(tmp_path / "two"),), timeout=240)
+    ranks = [s["before"] for s in saved]
+    assert not torch.equal(ranks[0]["mean"], ranks[1]["mean"])  # each rank saw other images
+    folder = Path(saved[0]["path"])
+    exported, stored = _backbone_pt_and_dcp(folder)
+    for name, key in (("mean", "1.running_mean"), ("var", "1.running_var")):
+        assert torch.equal(exported[key], stored[key])
+        expected = ((ranks[0][name].double() + ranks[1][name].double()) / 2).float()
+        assert torch.allclose(exported[key], expected, rtol=0, atol=1e-6)
+    (again,) = run_ranks(_bn_resave, 1, args=(str(folder), str(tmp_path / "one")), timeout=240)
+    resaved, _ = _backbone_pt_and_dcp(Path(again))
+    assert all(torch.equal(exported[k], resaved[k]) for k in exported)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def chaos_data(tmp_path_factory):
+    from launch.chaos import write_data
+
+    return write_data(tmp_path_factory.mktemp("chaos") / "data")
+
+
+def _case_names():
+    from launch.chaos import CASES
+
+    return [case.name for case in CASES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _case_names())
+def test_chaos_case_holds(name, chaos_data, tmp_path):
+    """``make chaos``'s rows, one test each: launch.train in subprocesses (torchrun for the
+    2-rank cases) with the fault injected; the row's own check decides."""
+    from launch.chaos import CASES, run_case
+
+    (case,) = [c for c in CASES if c.name == name]
+    observed, holds = run_case(case, chaos_data, tmp_path)
+    assert holds, f"{name}: expected {case.expected}; observed {observed}"

@@ -1,0 +1,519 @@
+"""``python -m launch.chaos`` (``make chaos``): fault injection end to end, on CPU.
+
+Each case runs ``launch.train`` (the smoke config, iresnet_tiny, a small synthetic set; 1
+process or 2 ranks under torchrun), breaks something the way it breaks in production — a
+diverging learning rate, a NaN on one rank, a planted pickle, a flipped bit, a kill inside
+a checkpoint replacement, a signal to one rank, a full disk, bad data, a bad config — and
+checks what the run did. One table comes out (case | expected | observed | holds); the exit
+code is 0 only when every row holds. ``tests/test_faults.py`` runs the same cases.
+
+Faults that need a hand inside the process (a NaN on one rank at one step, a kill at one
+line of the checkpoint code, a disk that fills up) go through ``python -m launch.chaos
+inject FAULT -- <train arguments>``, which patches that one spot and then runs
+``launch.train.main``; production code carries no test hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "configs" / "smoke.yaml"
+STEPS = 6
+BASE_ARGS = ["engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.every=1",
+             "log.progress=false", f"train.max_steps={STEPS}", "checkpoint.every=2",
+             "checkpoint.keep=5"]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def write_data(folder: Path, corrupt: tuple[int, ...] = (), labels: dict[int, int] | None = None,
+               num_classes: int = 20, per_class: int = 8) -> Path:
+    """A synthetic set (``num_classes`` x ``per_class`` images), then sample ``i`` of the
+    shards' order made undecodable for ``i`` in ``corrupt`` and relabelled per ``labels``."""
+    from data_pipeline import write_synthetic_dataset
+    from data_pipeline.manifest import read_manifest, write_manifest
+    from data_pipeline.stages import tar_samples
+    from data_pipeline.writer import Sample, write_shard
+
+    write_synthetic_dataset(folder, num_classes=num_classes, images_per_class=per_class, seed=0)
+    if not corrupt and not labels:
+        return folder
+    manifest = read_manifest(folder)
+    infos, index = [], 0
+    for info in manifest.shards:
+        samples = []
+        for raw in tar_samples(folder / info.name):
+            jpg, label = raw["jpg"], int(raw["cls"])
+            if index in corrupt:
+                jpg = jpg[:3] + b"garbage" * 20
+            label = (labels or {}).get(index, label)
+            samples.append(Sample(raw["__key__"], jpg, label, raw.get("src", b"").decode()))
+            index += 1
+        infos.append(write_shard(folder / info.name, samples))
+    write_manifest(folder, manifest.__class__(manifest.num_classes, manifest.num_samples,
+                                              tuple(infos), manifest.source))
+    return folder
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str  # stdout and stderr together
+    run: Path
+
+    def records(self) -> list[dict]:
+        path = self.run / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def latest(self) -> str | None:
+        path = self.run / "checkpoints" / "latest"
+        return path.read_text().strip() if path.is_file() else None
+
+    def errors(self) -> list[str]:
+        starts = ("error", "config error")
+        return [line for line in self.out.splitlines() if line.startswith(starts)]
+
+
+def train(data: Path, run: Path, *args: str, ranks: int = 1, inject: list[str] | None = None,
+          timeout: float = 240, until: Callable[[subprocess.Popen], None] | None = None) -> Result:
+    """``launch.train`` on the smoke config with :data:`BASE_ARGS` and ``args``: in one
+    process, or ``ranks`` under torchrun; ``inject`` = ``[FAULT, ...]`` patches first.
+    ``until(proc)`` runs while the training runs (e.g. to send a signal)."""
+    module = ["-m", "launch.chaos", "inject", *inject, "--"] if inject else ["-m", "launch.train"]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
+               "--nproc_per_node", str(ranks), *module]
+    else:
+        cmd = [sys.executable, *module]
+    cmd += ["--config", str(SMOKE), f"data.dir={data}", f"output={run}", *BASE_ARGS, *args]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if until is not None:
+        until(proc)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        out += f"\n(chaos: killed after {timeout} s)"
+    return Result(proc.returncode, out, run)
+
+
+def worker_pids(torchrun: subprocess.Popen) -> dict[int, int]:
+    """``{rank: pid}`` of torchrun's training processes (read from /proc)."""
+    found = {}
+    for child in Path(f"/proc/{torchrun.pid}/task").glob("*/children"):
+        for pid in child.read_text().split():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            if ranks:
+                found[int(ranks[0])] = int(pid)
+    return found
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
+    """Block until metrics.jsonl records ``step`` (or the process ends, or ``limit`` s)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.is_file() and any(json.loads(line).get("step", 0) >= step
+                                  for line in path.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+
+
+# ----------------------------------------------------------------------------- injection
+
+
+def _nan_once(rank: int, call: int) -> None:
+    """The head's ``call``-th forward (1-based) on ``rank`` returns a NaN loss, once."""
+    import torch.distributed as dist
+
+    from partial_fc import PartialFC
+
+    forward, calls = PartialFC.forward, [0]
+
+    def poisoned(self, embeddings, labels):
+        loss = forward(self, embeddings, labels)
+        if self.training and dist.get_rank() == rank:
+            calls[0] += 1
+            if calls[0] == call:
+                return loss * float("nan")
+        return loss
+
+    PartialFC.forward = poisoned
+
+
+def _kill_in_replace() -> None:
+    """SIGKILL this process right after a checkpoint replacement removed the old folder."""
+    from launch import checkpoint
+
+    rmtree = shutil.rmtree
+
+    def rmtree_then_die(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        if Path(path).name.startswith("step-"):
+            os.kill(os.getpid(), 9)
+
+    checkpoint.shutil.rmtree = rmtree_then_die
+
+
+def _disk_full(at: int) -> None:
+    """From the ``at``-th checkpoint on, every ``torch.save`` fails with ENOSPC (full disk)."""
+    import errno
+
+    import torch
+
+    from launch import checkpoint
+
+    torch_save, checkpoint_save, calls = torch.save, checkpoint.save, [0]
+
+    def no_space(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    def save_on_a_full_disk(*args, **kwargs):
+        calls[0] += 1
+        torch.save = no_space if calls[0] >= at else torch_save
+        return checkpoint_save(*args, **kwargs)
+
+    checkpoint.save = save_on_a_full_disk
+
+
+FAULTS = {
+    "nan-rank1-step3": lambda: _nan_once(rank=1, call=3),
+    "kill-in-replace": _kill_in_replace,
+    "disk-full-at-2": lambda: _disk_full(at=2),
+}
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    expected: str
+    check: Callable[[Path, Path], tuple[str, bool]]  # (data, workdir) -> (observed, holds)
+
+
+def _finite_checkpoints(run: Path) -> bool:
+    import torch
+
+    for folder in (run / "checkpoints").glob("step-*"):
+        state = torch.load(folder / "backbone.pt", weights_only=True)
+        if not all(bool(v.isfinite().all()) for v in state.values() if v.is_floating_point()):
+            return False
+    return True
+
+
+def diverging_lr(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", "optim.lr=1e30", "train.max_bad_steps=3")
+    errors = r.errors()
+    nulls = sum(1 for rec in r.records() if "loss" in rec and rec["loss"] is None)
+    holds = (r.rc == 1 and len(errors) == 1 and "3 steps in a row" in errors[0]
+             and nulls == 3 and _finite_checkpoints(r.run))
+    return f"rc {r.rc}, {len(errors)} error line(s), {nulls} null losses, checkpoints finite: " \
+           f"{_finite_checkpoints(r.run)}", holds
+
+
+def nan_on_one_rank(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", ranks=2, inject=["nan-rank1-step3"])
+    last = (r.records() or [{}])[-1]
+    skipped = r.out.count("skipped on every rank")
+    holds = r.rc == 0 and last.get("bad_steps") == 1 and last.get("step") == STEPS
+    return f"rc {r.rc}, bad_steps {last.get('bad_steps')}, {skipped} skip line(s), " \
+           f"reached step {last.get('step')}", holds and skipped == 1
+
+
+def absurd_scale(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", "margin.s=.inf", "optim.lr=1e400")
+    lines = [line for line in r.out.splitlines()
+             if "margin.s=inf" in line or "optim.lr=inf" in line]
+    started = (work / "run").exists()
+    return f"rc {r.rc}, {len(lines)} line(s) naming the keys, run folder made: {started}", \
+        r.rc == 2 and len(lines) == 2 and not started
+
+
+def _two_checkpoints(data: Path, work: Path) -> Result:
+    return train(data, work / "run", "train.max_steps=4")
+
+
+def planted_pickle(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    marker = work / "pwned"
+    (work / "run" / "checkpoints" / "step-00000004" / "state" / ".metadata").write_bytes(
+        pickle.dumps(_Planted(str(marker))))
+    r = train(data, first.run)
+    fell_back = "resumed from" in r.out and "step-00000002" in r.out
+    named = ".metadata: SHA-256 differs" in r.out
+    ran = marker.exists()
+    return f"rc {r.rc}, warning names .metadata: {named}, resumed from step 2: {fell_back}, " \
+           f"payload ran: {ran}", r.rc == 0 and named and fell_back and not ran
+
+
+class _Planted:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def bit_flip(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    (part,) = (first.run / "checkpoints" / "step-00000004" / "state").glob("*.distcp")
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 400] = bytes(b ^ 0x55 for b in raw[len(raw) // 2 :][:400])
+    part.write_bytes(bytes(raw))
+    r = train(data, first.run)
+    named = f"{part.name}: SHA-256 differs" in r.out
+    fell_back = "resumed from" in r.out and "step-00000002" in r.out
+    return f"rc {r.rc}, warning names {part.name}: {named}, resumed from step 2: {fell_back}", \
+        r.rc == 0 and named and fell_back
+
+
+def kill_in_replace(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    # A fresh run in the same folder re-saves step 2 over the old one and dies in between.
+    killed = train(data, first.run, "checkpoint.resume=none", "train.max_steps=4",
+                   inject=["kill-in-replace"])
+    target = killed.latest()
+    r = train(data, first.run, "train.max_steps=4")
+    return f"killed rc {killed.rc}, latest -> {target}, restart rc {r.rc}, resumed: " \
+           f"{'resumed from' in r.out}", killed.rc == -9 and r.rc == 0 and "resumed from" in r.out
+
+
+def broken_latest(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    root = first.run / "checkpoints"
+    (root / "latest").write_text("step-00000099\n")
+    meta = root / "step-00000004" / "meta.json"
+    meta.write_text(meta.read_text()[:50])
+    stale = root / ".tmp-step-00000006"
+    stale.mkdir()
+    r = train(data, first.run)
+    warned = "does not name a usable checkpoint" in r.out and "meta.json: unreadable" in r.out
+    resumed = "resumed from" in r.out and "step-00000002" in r.out
+    return f"rc {r.rc}, warnings: {warned}, resumed from step 2: {resumed}, stale .tmp " \
+           f"removed: {not stale.exists()}", r.rc == 0 and warned and resumed and not stale.exists()
+
+
+def disk_full(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", inject=["disk-full-at-2"])
+    errors = r.errors()
+    named = len(errors) == 1 and "(ENOSPC)" in errors[0]
+    leftovers = sorted(p.name for p in (r.run / "checkpoints").iterdir())
+    holds = r.rc == 1 and named and leftovers == ["latest", "step-00000002"]
+    return f"rc {r.rc}, ENOSPC named in one line: {named}, left: {', '.join(leftovers)}", holds
+
+
+def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
+    whole = train(data, work / "whole", "checkpoint.every=0", ranks=2)
+
+    def terminate_rank1(proc: subprocess.Popen) -> None:
+        wait_for_step(work / "split", 2, proc)
+        pids = worker_pids(proc)
+        if 1 in pids:
+            os.kill(pids[1], 15)
+
+    split = train(data, work / "split", "checkpoint.every=0", ranks=2, until=terminate_rank1)
+    stopped = split.latest()
+    told = "stopped by SIGTERM after step" in split.out and "to resume" in split.out
+    resumed = train(data, work / "split", "checkpoint.every=0", ranks=2)
+    same = _same_backbone(whole.run, resumed.run, STEPS)
+    holds = split.rc == 0 and told and stopped not in (None, f"step-{STEPS:08d}") \
+        and resumed.rc == 0 and same
+    return f"rc {split.rc}, saved {stopped}, said where to resume: {told}; resumed rc " \
+           f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
+
+
+def _same_backbone(a: Path, b: Path, step: int) -> bool:
+    import torch
+
+    tag = f"step-{step:08d}"
+    files = [p / "checkpoints" / tag / "backbone.pt" for p in (a, b)]
+    if not all(f.is_file() for f in files):
+        return False
+    x, y = (torch.load(f, weights_only=True) for f in files)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x if "running" not in k)
+
+
+def config_drift(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    r = train(data, first.run, "margin.type=arcface", "margin.m=0.5")
+    errors = r.errors()
+    holds = r.rc == 2 and len(errors) == 1 and "margin.type 'cosface' -> 'arcface'" in errors[0]
+    return f"rc {r.rc}, {len(errors)} line(s): {errors[0][:90] if errors else r.out[-200:]}", holds
+
+
+def bad_label(data: Path, work: Path) -> tuple[str, bool]:
+    bad = write_data(work / "data", labels={i: 25 for i in range(0, 160, 10)})
+    r = train(bad, work / "run", "data.num_workers=1")
+    errors = r.errors()
+    named = len(errors) == 1 and "shard-" in errors[0] and "has label 25" in errors[0]
+    return f"rc {r.rc}, {len(errors)} line(s): {errors[0][:100] if errors else '-'}", \
+        r.rc == 1 and named and "Traceback" not in r.out
+
+
+def corrupt_image_two_epochs(data: Path, work: Path) -> tuple[str, bool]:
+    bad = write_data(work / "data", corrupt=(7,))
+    r = train(bad, work / "run", "train.max_steps=null", "train.epochs=2")
+    last = (r.records() or [{}])[-1]
+    return f"rc {r.rc}, skipped_samples after 2 epochs: {last.get('skipped_samples')}", \
+        r.rc == 0 and last.get("skipped_samples") == 1
+
+
+def duplicate_yaml_key(data: Path, work: Path) -> tuple[str, bool]:
+    recipe = work / "dup.yaml"
+    recipe.write_text(f"base: {SMOKE}\nmargin:\n  s: 30.0\n  s: 64.0\n")
+    cmd = [sys.executable, "-m", "launch.train", "--config", str(recipe), f"data.dir={data}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    named = "duplicate key 's' (first set at line 3)" in out.stderr
+    return f"rc {out.returncode}, names the key and both lines: {named}", \
+        out.returncode == 2 and named
+
+
+def early_checks(data: Path, work: Path) -> tuple[str, bool]:
+    blocker = work / "a-file"
+    blocker.write_text("")
+    r = train(data, blocker / "run", "train.batch_size=100000")
+    lines = [line for line in r.out.splitlines() if "train.batch_size=100000" in line
+             or "is not a folder" in line]
+    return f"rc {r.rc}, {len(lines)} of 2 problems named before any process group", \
+        r.rc == 2 and len(lines) == 2 and "Traceback" not in r.out
+
+
+def batchnorm_copies_agree(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", "train.max_steps=2", ranks=2)
+    folder = r.run / "checkpoints" / "step-00000002"
+    exported, stored = _backbone_pt_and_dcp(folder)
+    keys = [k for k in exported if "running" in k]
+    worst = max(float((exported[k] - stored[k]).abs().max()) for k in keys) if keys else None
+    return f"rc {r.rc}, {len(keys)} BatchNorm buffers, largest backbone.pt vs DCP " \
+           f"difference {worst}", r.rc == 0 and bool(keys) and worst == 0.0
+
+
+def _backbone_pt_and_dcp(folder: Path) -> tuple[dict, dict]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from launch.checkpoint import _SafeReader
+
+    exported = torch.load(folder / "backbone.pt", weights_only=True)
+    reader = _SafeReader(folder / "state")
+    metadata = reader.read_metadata().state_dict_metadata
+    template = {f"backbone.{k}": torch.zeros(metadata[f"backbone.{k}"].size,
+                                             dtype=metadata[f"backbone.{k}"].properties.dtype)
+                for k in exported}
+    dcp.load(template, storage_reader=reader, no_dist=True)
+    return exported, {k[len("backbone."):]: v for k, v in template.items()}
+
+
+CASES = [
+    Case("optim.lr=1e30 (diverges)", "rc 1, one line after train.max_bad_steps; no NaN "
+         "in metrics or checkpoints", diverging_lr),
+    Case("NaN loss on rank 1 at step 3 (2 ranks)", "step skipped on both ranks, bad_steps 1, "
+         "run completes", nan_on_one_rank),
+    Case("margin.s=.inf, optim.lr=1e400", "rc 2 before any process group, keys named",
+         absurd_scale),
+    Case("pickle planted as .metadata", "refused before unpickling, resumes the previous "
+         "checkpoint, payload never runs", planted_pickle),
+    Case("400 bytes flipped in a .distcp", "detected, named, previous checkpoint resumed",
+         bit_flip),
+    Case("kill -9 inside a checkpoint replacement", "restart finds a complete checkpoint",
+         kill_in_replace),
+    Case("dangling latest, truncated meta.json, stale .tmp", "warned, newest complete resumed, "
+         ".tmp removed", broken_latest),
+    Case("disk full at the 2nd checkpoint", "rc 1, ENOSPC named, no .tmp left, previous "
+         "checkpoint kept", disk_full),
+    Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
+         "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
+    Case("resume with another margin", "rc 2, one line naming the difference", config_drift),
+    Case("label 25 >= num_classes 20", "rc 1, one line naming shard and key", bad_label),
+    Case("corrupt JPEG, 2 epochs", "skipped_samples 1, not 2", corrupt_image_two_epochs),
+    Case("duplicate YAML key", "rc 2, key and lines named", duplicate_yaml_key),
+    Case("batch_size=100000, output under a file", "rc 2 before any process group",
+         early_checks),
+    Case("BatchNorm statistics (2 ranks)", "backbone.pt equals the DCP copy",
+         batchnorm_copies_agree),
+]
+
+
+def run_case(case: Case, data: Path, work: Path) -> tuple[str, bool]:
+    """Run one case in its own folder under ``work``; a crash of the check is a failed row."""
+    folder = work / case.name.split(" ")[0].strip(".=")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return case.check(data, folder)
+    except Exception as exc:  # noqa: BLE001 - reported as an observation
+        return f"check crashed: {type(exc).__name__}: {exc}", False
+
+
+def table(rows: list[tuple[str, str, str, bool]]) -> str:
+    """Markdown: case | expected | observed | holds."""
+    lines = ["| case | expected | observed | holds |", "| --- | --- | --- | --- |"]
+    lines += [f"| {c} | {e} | {o} | {'yes' if h else 'NO'} |" for c, e, o, h in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["inject"]:
+        return _inject(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m launch.chaos", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("-k", default="", help="run only cases whose name contains this")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    try:
+        data = write_data(work / "data")
+        rows = []
+        for case in CASES:
+            if args.k in case.name:
+                start = time.perf_counter()
+                observed, holds = run_case(case, data, work)
+                rows.append((case.name, case.expected, observed, holds))
+                took = time.perf_counter() - start
+                print(f"{'ok ' if holds else 'BAD'} {case.name} ({took:.0f} s)", file=sys.stderr,
+                      flush=True)
+        print(table(rows))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r[3] for r in rows) else 1
+
+
+def _inject(argv: list[str]) -> int:
+    """``inject FAULT [FAULT ...] -- <launch.train arguments>``."""
+    split = argv.index("--")
+    for fault in argv[:split]:
+        FAULTS[fault]()
+    from launch.train import main as train_main
+
+    return train_main(argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
