@@ -4,7 +4,7 @@ a training run's dynamics, several runs overlaid.
 Reads only the run folder (``config.yaml``, ``metrics.jsonl``, ``histograms.jsonl``), so it
 needs no W&B and works on a run that is still going (a partial last line is skipped). The
 page is self-contained: figures are PNGs embedded as base64. ``--png DIR`` also writes them
-as files (``DIR/<figure>.png``). The figures and what to read in them:
+as files (``DIR/<figure>.png``, at ``--dpi``). The figures and what to read in them:
 :mod:`launch.report_figures`.
 """
 
@@ -94,11 +94,11 @@ def _run_table(runs: list[RunData]) -> str:
     return "\n".join(lines + ["</table>"])
 
 
-def render_html(runs: list[RunData], figures: dict[str, Figure]) -> str:
+def render_html(runs: list[RunData], figures: dict[str, Figure], dpi: int = 90) -> str:
     """The self-contained page."""
     parts = []
     for slug, fig in figures.items():
-        data = base64.b64encode(png_bytes(fig)).decode("ascii")
+        data = base64.b64encode(png_bytes(fig, dpi)).decode("ascii")
         caption = html.escape(FIGURES[slug][1])
         parts.append(f'<figure id="{slug}"><img alt="{slug}" src="data:image/png;base64,{data}">'
                      f"<figcaption>{caption}</figcaption></figure>")
@@ -129,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run folders (launch.train's output)")
     parser.add_argument("--out", default="report.html", help="HTML file (default: report.html)")
     parser.add_argument("--png", metavar="DIR", help="also write each figure as DIR/<name>.png")
+    parser.add_argument("--dpi", type=int, default=90, help="PNG resolution (default: 90)")
     return parser.parse_args(argv)
 
 
@@ -142,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     figures = build_figures(runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(runs, figures))
+    out.write_text(render_html(runs, figures, args.dpi))
     if args.png:
         folder = Path(args.png)
         folder.mkdir(parents=True, exist_ok=True)
         for slug, fig in figures.items():
-            (folder / f"{slug}.png").write_bytes(png_bytes(fig))
+            (folder / f"{slug}.png").write_bytes(png_bytes(fig, args.dpi))
     print(f"report: {len(figures)} figures of {len(runs)} run(s) -> {out}", file=sys.stderr)
     return 0
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from launch.run_files import Histograms
 from partial_fc.scale import fixed_adacos_scale
@@ -69,9 +70,18 @@ def _finish(fig: Figure, ax, ylabel: str, title: str) -> Figure:
     return fig
 
 
-def _line_figure(key: str, ylabel: str, title: str, log: bool = False,
+def _spread(runs: list[RunData], key: str) -> float:
+    """max / min of the positive values of ``key`` over all runs (1 when there are none)."""
+    values = np.concatenate([r.series(key)[1] for r in runs])
+    values = values[np.isfinite(values) & (values > 0)]
+    return float(values.max() / values.min()) if len(values) else 1.0
+
+
+def _line_figure(key: str, ylabel: str, title: str, log: bool | str = False,
                  reference: Callable | None = None) -> Callable:
-    """A builder for one metric, one line per run; ``reference(ax, runs)`` adds guides."""
+    """A builder for one metric, one line per run; ``reference(ax, runs)`` adds guides.
+    ``log="auto"``: a log axis when the values span more than a factor 5 (s = 64 beside
+    AdaCos's s = 6.5 would flatten the latter)."""
 
     def build(runs: list[RunData]) -> Figure | None:
         if not _has(runs, key):
@@ -79,8 +89,13 @@ def _line_figure(key: str, ylabel: str, title: str, log: bool = False,
         fig = Figure(figsize=(7, 3.6))
         ax = fig.add_subplot()
         _lines(ax, runs, key)
-        if log:
+        if log is True:
             ax.set_yscale("log")
+        elif log == "auto" and _spread(runs, key) > 5:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
         if reference is not None:
             reference(ax, runs)
         return _finish(fig, ax, ylabel, title)
@@ -209,7 +224,7 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
     "loss": (_line_figure("loss", "loss", "training loss (global batch)"),
              "Loss of the global batch, as the head computes it (margin and scale included)."),
     "lr": (_line_figure("lr", "learning rate", "learning rate"), "Learning rate (warm-up, decay)."),
-    "scale": (_line_figure("scale", "s", "logit scale s", reference=_adacos_fixed),
+    "scale": (_line_figure("scale", "s", "logit scale s", log="auto", reference=_adacos_fixed),
               "Logit scale s. Dashed: AdaCos's fixed scale √2·ln(C−1) (arXiv:1905.00292 "
               "Sec. 4.1); the dynamic scale starts there and follows B_avg and θ_med (Sec. 4.2)."),
     "b_avg": (_line_figure("b_avg", "B_avg", "B_avg (non-target logit sum)", log=True),

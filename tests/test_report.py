@@ -136,3 +136,15 @@ def test_run_still_going_and_folders_that_are_not_runs(runs, tmp_path, capsys):
     (going / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     assert report.main([str(going)]) == 2
     assert "metrics.jsonl:2: not a JSON object" in capsys.readouterr().err
+
+
+def test_scale_axis_turns_logarithmic_when_scales_differ_tenfold():
+    from launch.report_figures import RunData
+
+    def run(label, s):
+        rows = [{"step": i, "loss": 1.0, "scale": s} for i in (1, 2)]
+        return RunData(label, {"data": {"num_classes": 100}}, rows, [], None)
+
+    build = FIGURES["scale"][0]
+    assert build([run("a", 64.0), run("b", 6.5)]).axes[0].get_yscale() == "log"
+    assert build([run("a", 30.0), run("b", 16.0)]).axes[0].get_yscale() == "linear"
