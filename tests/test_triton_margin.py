@@ -152,11 +152,13 @@ def _stats_bounds(e_op, w_op, inv, cos, keep, s, d):
     return max_bound, rel_sum, cos_bound
 
 
-def _check_stats(n, s_cols, d, e_dtype, w_dtype, s, targets, tensor_scale=False):
+def _check_stats(n, s_cols, d, e_dtype, w_dtype, s, targets, tensor_scale=False,
+                 stats=None):
+    """``stats`` (default: the kernels' ``class_tile_stats``) within the float64 bounds."""
     e, w, inv, tgt = _inputs(n, s_cols, d, e_dtype, w_dtype, targets)
     before = [t.clone() for t in (e, w, inv, tgt)]
     scale = torch.tensor(s, device=DEVICE) if tensor_scale else s  # AdaCos passes a 0-d tensor
-    row_max, row_sum, cos_sum = tm.class_tile_stats(e, w, inv, tgt, scale, chunk=7)
+    row_max, row_sum, cos_sum = (stats or tm.class_tile_stats)(e, w, inv, tgt, scale, chunk=7)
     e_op, w_op, cos, keep = _reference(e, w, inv, tgt, s)
     want_max, want_sum, want_cos = _reference_stats(cos, keep, s)
     max_bound, rel_sum, cos_bound = _stats_bounds(e_op, w_op, inv, cos, keep, s, d)
@@ -168,13 +170,14 @@ def _check_stats(n, s_cols, d, e_dtype, w_dtype, s, targets, tensor_scale=False)
         assert torch.isneginf(row_max).all() and (row_sum == 0).all() and (cos_sum == 0).all()
 
 
-def _check_grads(n, s_cols, d, e_dtype, w_dtype, s, targets):
+def _check_grads(n, s_cols, d, e_dtype, w_dtype, s, targets, grads=None):
+    """``grads`` (default: the kernels' ``class_tile_grads``) within the float64 bounds."""
     e, w, inv, tgt = _inputs(n, s_cols, d, e_dtype, w_dtype, targets)
     e_op, w_op, cos, keep = _reference(e, w, inv, tgt, s)
     logits = torch.where(keep, s * cos, 0.8 * s * cos)  # a margin-lowered target logit
     lse, coef, tgrad = _backward_inputs(n, s_cols, tgt, torch.logsumexp(logits, dim=1))
     before = [t.clone() for t in (e, w, inv, tgt, lse, coef, tgrad)]
-    grad_e, grad_w = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad, chunk=7)
+    grad_e, grad_w = (grads or tm.class_tile_grads)(e, w, inv, tgt, s, lse, coef, tgrad, chunk=7)
     assert all(torch.equal(a, b) for a, b in zip(before, (e, w, inv, tgt, lse, coef, tgrad),
                                                  strict=True))
     g = _dcos(cos, keep, tgt, s, lse, coef, tgrad)
