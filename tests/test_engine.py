@@ -39,16 +39,27 @@ def _run(rank: int, world: int, specs: list) -> list:
             f"train.batch_size={GLOBAL_BATCH // world // k}",
         )
         engine = build_engine(cfg)
+        initial = snapshot(engine)["backbone"]
         losses = [
             engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, k))["loss"]
             for step in range(2)
         ]
-        results.append({"losses": losses, **snapshot(engine)})
+        results.append({"losses": losses, "initial": initial, **snapshot(engine)})
     return results
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6)
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what) -> None:
+    """Normwise comparison: ``max|a - b| <= 1e-4 * max|b| + 1e-6``.
+
+    Each element is a sum of fp32 terms that two ranks accumulate in another order than one
+    (partial row sums all-reduced, micro-batches averaged). Its rounding error is bounded by
+    about ``n * eps`` times the sum of the terms' magnitudes, which the tensor's largest entry
+    bounds, not by the element's own value: where terms cancel (the second step's momentum
+    ``g2 + 0.9 g1`` with ``g2 ~ -0.9 g1``) an elementwise rtol fails a correct run (seen:
+    4.2e-6 off on an element of 1e-2, in a buffer whose largest entry is 12)."""
+    a, b = actual.double(), expected.double()
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert err <= 1e-4 * scale + 1e-6, f"{what}: max error {err:.3g}, largest entry {scale:.3g}"
 
 
 @pytest.mark.slow
@@ -61,12 +72,13 @@ def test_two_ranks_equal_one_rank():
         for snap in snaps:
             assert snap["losses"] == pytest.approx(ref["losses"], rel=1e-5), spec
             for name, value in ref["backbone"].items():
-                assert _close(snap["backbone"][name], value), (spec, name)
-        assert _close(full_rows(snaps), ref["rows"]), spec
-        assert _close(full_rows(snaps, "momentum_buffer"), ref["head_opt"]["momentum_buffer"])
+                _assert_close(snap["backbone"][name], value, (spec, name))
+        _assert_close(full_rows(snaps), ref["rows"], (spec, "head rows"))
+        _assert_close(full_rows(snaps, "momentum_buffer"), ref["head_opt"]["momentum_buffer"],
+                      (spec, "head momentum"))
     assert ref["losses"][1] < ref["losses"][0] and all(map(math.isfinite, ref["losses"]))
-    moved = [not torch.equal(v, per_rank[0][0]["backbone"][k]) for k, v in ref["backbone"].items()]
-    assert moved  # sanity: the comparison saw parameters
+    for ref in reference:  # sanity: the steps moved the parameters the comparison looked at
+        assert any(not torch.equal(v, ref["initial"][k]) for k, v in ref["backbone"].items())
 
 
 def test_lr_schedule_warmup_then_poly_or_cosine():
