@@ -129,3 +129,34 @@ def test_iresnet_layer_order():
     assert names[-4:] == ["bn2", "dropout", "fc", "features"]
     assert order[-1][1] == "BatchNorm1d" and not model.features.weight.requires_grad
     assert model.fc.in_features == 64 * 7 * 7 and model.dropout.p == 0.2
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["iresnet_tiny", "iresnet18", "mobilefacenet"])
+def test_parameters_cast_to_low_precision_as_deepspeed_does(name, dtype):
+    """DeepSpeed's bf16/fp16 modes cast the parameters and leave BatchNorm's running
+    statistics fp32. A train step must run, keep the statistics fp32, and compute what torch's
+    autocast computes for the fp32 model (DDP's bf16 path): the same low-precision convolutions
+    on the same rounded weights, BatchNorm with fp32 statistics. The deeper iResNets use the
+    same blocks (partial_fc.backbones.norm)."""
+    torch.manual_seed(0)
+    ref = build_backbone(name, embedding_size=24).train()
+    low = build_backbone(name, embedding_size=24).train()
+    low.load_state_dict(ref.state_dict())
+    for p in low.parameters():
+        p.data = p.data.to(dtype)
+    x = torch.rand(4, 3, 112, 112) * 2 - 1
+    with torch.autocast("cpu", dtype=dtype):
+        expected = ref(x).float()
+    out = low(x.to(dtype))
+    out.float().square().sum().backward()
+    assert out.dtype == dtype
+    assert all(p.grad is not None and p.grad.dtype == dtype
+               for p in low.parameters() if p.requires_grad)
+    for (key, got), want in zip(low.state_dict().items(), ref.state_dict().values(), strict=True):
+        if "running" in key:
+            assert got.dtype == torch.float32, key
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=key)
+    err = float((out.detach().float() - expected).norm() / expected.norm())
+    assert err < 1e-3, f"{name} {dtype}: relative difference to autocast {err:.3g}"

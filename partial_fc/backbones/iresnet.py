@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from partial_fc.backbones.norm import BatchNorm1d, BatchNorm2d
+
 _FEATURE_MAP = 7  # 112 / 2**4
 
 
@@ -33,17 +35,17 @@ class IBasicBlock(nn.Module):
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(inplanes, eps=1e-5)
+        self.bn1 = BatchNorm2d(inplanes, eps=1e-5)
         self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=1, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes, eps=1e-5)
+        self.bn2 = BatchNorm2d(planes, eps=1e-5)
         self.prelu = nn.PReLU(planes)
         self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn3 = nn.BatchNorm2d(planes, eps=1e-5)
+        self.bn3 = BatchNorm2d(planes, eps=1e-5)
         self.downsample: nn.Module | None = None
         if stride != 1 or inplanes != planes:
             self.downsample = nn.Sequential(
                 nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
-                nn.BatchNorm2d(planes, eps=1e-5),
+                BatchNorm2d(planes, eps=1e-5),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +74,7 @@ class IResNet(nn.Module):
         super().__init__()
         assert len(layers) == len(widths) == 4, (layers, widths)
         self.conv1 = nn.Conv2d(3, widths[0], 3, stride=1, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(widths[0], eps=1e-5)
+        self.bn1 = BatchNorm2d(widths[0], eps=1e-5)
         self.prelu = nn.PReLU(widths[0])
         inplanes = widths[0]
         stages = []
@@ -82,10 +84,10 @@ class IResNet(nn.Module):
             stages.append(nn.Sequential(*stage))
             inplanes = planes
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.bn2 = nn.BatchNorm2d(inplanes, eps=1e-5)
+        self.bn2 = BatchNorm2d(inplanes, eps=1e-5)
         self.dropout = nn.Dropout(p=dropout)
         self.fc = nn.Linear(inplanes * _FEATURE_MAP * _FEATURE_MAP, embedding_size)
-        self.features = nn.BatchNorm1d(embedding_size, eps=1e-5)
+        self.features = BatchNorm1d(embedding_size, eps=1e-5)
         self._init_weights()
 
     def _init_weights(self) -> None:

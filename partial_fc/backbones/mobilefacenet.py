@@ -28,13 +28,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from partial_fc.backbones.norm import BatchNorm1d, BatchNorm2d
+
 
 def _conv_bn(cin: int, cout: int, kernel: int, stride: int, groups: int, act: bool):
     """Conv (3x3 padded, other kernels unpadded) + BN (+ PReLU when ``act``)."""
     layers: list[nn.Module] = [
         nn.Conv2d(cin, cout, kernel, stride, padding=1 if kernel == 3 else 0,
                   groups=groups, bias=False),
-        nn.BatchNorm2d(cout),
+        BatchNorm2d(cout),
     ]
     if act:
         layers.append(nn.PReLU(cout))
@@ -85,7 +87,7 @@ class MobileFaceNet(nn.Module):
         self.body = nn.Sequential(*layers)
         self.dropout = nn.Dropout(p=dropout)
         self.fc = nn.Linear(512, embedding_size, bias=False)
-        self.features = nn.BatchNorm1d(embedding_size)
+        self.features = BatchNorm1d(embedding_size)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
