@@ -362,13 +362,16 @@ def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
     if (
         cfg.engine.type == "deepspeed"
-        and cfg.engine.precision == "fp16"
+        and cfg.engine.precision in ("fp16", "bf16")
         and not cfg.engine.zero_stage
     ):
+        # Without ZeRO DeepSpeed's fp16/bf16 optimizer keeps its fp32 master weights and
+        # optimizer state where checkpoints cannot read them (they would be lost on resume).
         out.append(
             (
                 "engine.zero_stage",
-                "engine.zero_stage=0: fp16 needs ZeRO >= 1 (checkpoints read its fp32 partitions)",
+                f"engine.zero_stage=0: {cfg.engine.precision} needs ZeRO >= 1 (checkpoints "
+                "read its fp32 partitions)",
             )
         )
     if not cfg.checkpoint.resume:

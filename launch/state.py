@@ -12,7 +12,8 @@ Every piece of training state becomes one flat name -> tensor entry of one of tw
 DeepSpeed ZeRO/bf16 keeps the backbone's fp32 master weights and optimizer state
 partitioned; they are read and written through DeepSpeed's tensor-fragment API
 (``safe_get_full_optimizer_state`` & co., collective over the data-parallel group), which
-needs the (lazily created) optimizer state to exist: :func:`restore` creates it first.
+needs the (lazily created) optimizer state to exist: :func:`restore` creates it first
+through :class:`ZeroPartitions`, the one place that touches DeepSpeed internals.
 """
 
 from __future__ import annotations
@@ -35,19 +36,62 @@ def _head_opt_state(engine) -> dict:
     return engine.head_optimizer.state.setdefault(engine.head.weight, {})
 
 
-def _zero_optimizer(engine):
-    """The DeepSpeed optimizer that partitions fp32 state, or None (plain torch optimizer)."""
-    if not engine.deepspeed:
-        return None
-    params = list(_trainable(engine).values())
-    return engine.model.optimizer if params and hasattr(params[0], "_hp_mapping") else None
+class ZeroPartitions:
+    """The one place ``launch`` touches DeepSpeed internals (DeepSpeed 0.19).
 
+    ZeRO-1/2 and the bf16 optimizer keep the backbone's fp32 master weights and optimizer
+    state as flat per-group partitions. DeepSpeed's public tensor-fragment API
+    (``deepspeed.utils.safe_get/set_full_*``) reads and writes them per parameter, but there
+    is no public call that creates the optimizer state before the first step, which a resume
+    must fill: that needs the partitions and their parameter groups, named below.
+    ``tests/test_checkpoint.py::test_deepspeed_internals_are_where_launch_state_expects``
+    fails loudly when an installed DeepSpeed moves them.
+    """
 
-def _flat_partitions(zero_opt) -> list[torch.Tensor]:
-    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
-        if hasattr(zero_opt, attr):
-            return list(getattr(zero_opt, attr))
-    raise TypeError(f"unsupported DeepSpeed optimizer {type(zero_opt).__name__}")
+    FLAT = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+    GROUPS = ("bit16_groups", "bf16_groups")
+
+    def __init__(self, zero_optimizer):
+        import deepspeed
+
+        self.base = zero_optimizer.optimizer  # the wrapped torch optimizer
+        names = [n for n in (*self.FLAT, *self.GROUPS) if hasattr(zero_optimizer, n)]
+        if len(names) != 2:
+            raise TypeError(f"DeepSpeed {deepspeed.__version__}: {type(zero_optimizer).__name__} "
+                            f"has not the partitions launch.state reads ({self.FLAT}, "
+                            f"{self.GROUPS}); see launch/state.py ZeroPartitions")
+        self.flat = list(getattr(zero_optimizer, names[0]))
+        self.groups = list(getattr(zero_optimizer, names[1]))
+
+    @classmethod
+    def of(cls, engine) -> ZeroPartitions | None:
+        """The partitions of ``engine``'s DeepSpeed optimizer, or None when its state is a
+        plain torch optimizer's (DDP, DeepSpeed without ZeRO in fp32)."""
+        if not engine.deepspeed:
+            return None
+        params = list(_trainable(engine).values())
+        # Every rank's parameters carry the attribute (None where another rank holds the
+        # fragment), so every rank takes the same branch.
+        linked = bool(params) and hasattr(params[0], "_hp_mapping")
+        return cls(engine.model.optimizer) if linked else None
+
+    def state_keys(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """(names of the per-element state tensors, the scalar state such as Adam's step)."""
+        state0 = self.base.state.get(self.flat[0], {})
+        shape = self.flat[0].shape
+        keys = [k for k, v in state0.items() if torch.is_tensor(v) and v.shape == shape]
+        return keys, {k: torch.as_tensor(v) for k, v in state0.items() if k not in keys}
+
+    def create_state(self, keys: list[str], scalars: dict[str, torch.Tensor]) -> None:
+        """Zero optimizer state for every partition, linked to the parameters' fragments, so
+        ``safe_set_full_optimizer_state`` can fill it (DeepSpeed builds it lazily at the
+        first step otherwise)."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        for flat, group in zip(self.flat, self.groups, strict=True):
+            self.base.state[flat] = {k: torch.zeros_like(flat) for k in keys}
+            self.base.state[flat].update({k: v.clone() for k, v in scalars.items()})
+            lazy_init_hp_params_optimizer_state(group, flat, self.base.state)
 
 
 def _trainable(engine) -> dict[str, torch.nn.Parameter]:
@@ -94,7 +138,7 @@ def collect(engine) -> dict[str, torch.Tensor | Rows]:
         )
     for key, value in engine.backbone.state_dict().items():
         out[f"backbone.{key}"] = value
-    zero = _zero_optimizer(engine)
+    zero = ZeroPartitions.of(engine)
     if zero is None:
         for name, p in engine.backbone.named_parameters():
             for key, value in engine.optimizer.state.get(p, {}).items():
@@ -102,13 +146,8 @@ def collect(engine) -> dict[str, torch.Tensor | Rows]:
         return out
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    base_state = zero.optimizer.state
-    flat = _flat_partitions(zero)
-    state0 = base_state.get(flat[0], {})
-    keys = [k for k, v in state0.items() if torch.is_tensor(v) and v.shape == flat[0].shape]
-    for key, value in state0.items():
-        if key not in keys:
-            out[f"backbone_opt_scalar.{key}"] = torch.as_tensor(value)
+    keys, scalars = zero.state_keys()
+    out.update({f"backbone_opt_scalar.{k}": v for k, v in scalars.items()})
     for name, p in _trainable(engine).items():
         out[f"backbone_fp32.{name}"] = safe_get_full_fp32_param(p).cpu()
         for key in keys:
@@ -128,7 +167,7 @@ def restore(engine, state: dict[str, torch.Tensor]) -> None:
     head_opt.clear()
     head_opt.update({k: v.to(head.weight.device) for k, v in section("head_opt.").items()})
     engine.backbone.load_state_dict(section("backbone."))
-    zero = _zero_optimizer(engine)
+    zero = ZeroPartitions.of(engine)
     opt_state = section("backbone_opt.")
     if zero is None:
         for name, p in engine.backbone.named_parameters():
@@ -141,11 +180,7 @@ def restore(engine, state: dict[str, torch.Tensor]) -> None:
     scalars = section("backbone_opt_scalar.")
     names = _trainable(engine)
     keys = sorted({k.rsplit(".", 1)[1] for k in opt_state})
-    for flat in _flat_partitions(zero):  # create the lazily-built state so it can be filled
-        zero.optimizer.state[flat] = {k: torch.zeros_like(flat) for k in keys}
-        zero.optimizer.state[flat].update({k: v.clone() for k, v in scalars.items()})
-    zero._hp_optimizer_states_linked = False
-    zero._lazy_init_hp_params_optimizer_state()
+    zero.create_state(keys, scalars)
     for name, p in names.items():
         safe_set_full_fp32_param(p, state[f"backbone_fp32.{name}"].to(p.device))
         for key in keys:

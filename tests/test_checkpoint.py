@@ -161,3 +161,32 @@ def test_cuda_rng_is_saved_and_restored(tmp_path, one_rank_group):
     torch.rand(3, device=engine.device)
     checkpoint.load(path, engine)
     assert torch.equal(torch.cuda.get_rng_state(engine.device), cuda_rng)
+
+
+def test_deepspeed_internals_are_where_launch_state_expects(one_rank_group):
+    """launch.state.ZeroPartitions is the only code that reads DeepSpeed internals (the flat
+    fp32 partitions and their parameter groups, to create optimizer state before a resume
+    fills it); this fails loudly when an installed DeepSpeed moves or renames them. (One
+    process group for both stages: DeepSpeed caches the group it first saw.)"""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
+
+    from launch.state import ZeroPartitions
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    for stage in (1, 2):
+        cfg = make_config("engine.type=deepspeed", f"engine.zero_stage={stage}",
+                          "optim.name=adamw", "optim.lr=0.01", "train.batch_size=4")
+        engine = build_engine(cfg)
+        engine.step(0, local_micro_batches(0, 4, 0, 1, 1))
+        zero = ZeroPartitions.of(engine)
+        where = f"DeepSpeed {deepspeed.__version__}, ZeRO-{stage}"
+        assert zero is not None, f"{where}: parameters no longer carry a fragment mapping"
+        keys, scalars = zero.state_keys()
+        assert keys == ["exp_avg", "exp_avg_sq"] and list(scalars) == ["step"], (where, keys)
+        zero.create_state(keys, scalars)  # what a resume does before filling the state
+        param = next(engine.backbone.parameters())
+        value = torch.linspace(-1, 1, param.numel()).reshape(param.shape)
+        safe_set_full_optimizer_state(param, value, "exp_avg")
+        assert torch.equal(safe_get_full_optimizer_state(param, "exp_avg"), value), where
+        assert engine.step(1, local_micro_batches(1, 4, 0, 1, 1))["skipped"] is False

@@ -155,7 +155,7 @@ def _make_dry_run(*args: str) -> str:
     return " ".join(out.stdout.replace("\\\n", " ").split())
 
 
-def test_make_recipes_pass_their_variables_to_torchrun():
+def test_make_recipes_pass_their_variables_to_torchrun(tmp_path):
     import re
 
     makefile = (ROOT / "Makefile").read_text()
@@ -171,11 +171,12 @@ def test_make_recipes_pass_their_variables_to_torchrun():
             f"--master_port 1234 -m launch.train --config configs/{recipe.replace('-', '_')}.yaml "
             "data.dir=/d optim.lr=0.2"
         ) in cmd, cmd
-    train = _make_dry_run("train", "SMOKE_DATA=/tmp/x", "ARGS=train.epochs=1")
-    assert "write_synthetic_dataset" in train or (Path("/tmp/x") / "manifest.json").exists()
+    data = tmp_path / "synthetic"  # no manifest.json yet: make writes the data set first
+    train = _make_dry_run("train", f"SMOKE_DATA={data}", "ARGS=train.epochs=1")
+    assert "write_synthetic_dataset" in train
     assert (
         "torchrun --standalone --nproc_per_node 2 -m launch.train --config configs/smoke.yaml "
-        "data.dir=/tmp/x train.epochs=1"
+        f"data.dir={data} train.epochs=1"
     ) in train, train
     convert = _make_dry_run("convert-ms1m", "SRC=/faces_emore", "OUT=/out")
     assert "-m launch.convert insightface /faces_emore /out" in convert
