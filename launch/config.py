@@ -130,11 +130,20 @@ class CheckpointConfig(_Section):
 
 class LogConfig(_Section):
     every: PosInt = 10
-    hist_every: NonNegInt = 500  # steps between angle histograms; 0 = none (no collective)
+    hist_every: NonNegInt = Field(
+        500, description="steps between target/non-target angle histograms (RUN/histograms.jsonl,"
+        " W&B, TensorBoard); 0 = none, and no collective samples them"
+    )
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "partial-fc"
-    progress: bool = True  # a bar on a terminal; plain lines (every log.every) otherwise
-    tensorboard: bool = False  # scalars and histograms under RUN/tb (needs tensorboard)
+    progress: bool = Field(
+        True, description="a progress bar when stderr is a terminal; otherwise (and with false) "
+        "one plain line every log.every steps"
+    )
+    tensorboard: bool = Field(
+        False, description="also write scalars and histograms to RUN/tb (needs the tensorboard "
+        "package: pip install 'partial-fc[tensorboard]')"
+    )
 
 
 class EvalConfig(_Section):
