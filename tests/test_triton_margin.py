@@ -226,6 +226,34 @@ def test_compiled_kernels_match_float64_at_medium_sizes(case, poisoned):
     _check_grads(*MEDIUM[case])
 
 
+def test_kernels_compose_into_autograds_margin_softmax_gradients():
+    """Used as the head uses them (one rank, CosFace ``psi(c) = c - m``, arXiv:1801.09414
+    Eq. 4), the two functions give autograd's gradients of the mean cross-entropy w.r.t. the
+    normalised embeddings and the *unnormalised* weight rows (float64 reference, fp32 kernels).
+    """
+    n, s_cols, d, s, m = 12, 40, 24, 30.0, 0.35
+    g = torch.Generator().manual_seed(3)
+    e = torch.nn.functional.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=1)
+    w = torch.randn(s_cols, d, generator=g, dtype=torch.float64)
+    y = torch.randint(0, s_cols, (n,), generator=g)
+    rows = torch.arange(n)
+    e_ref, w_ref = e.clone().requires_grad_(), w.clone().requires_grad_()
+    cos = e_ref @ torch.nn.functional.normalize(w_ref, dim=1).T
+    logits = (s * cos).index_put((rows, y), s * (cos[rows, y] - m))
+    torch.nn.functional.cross_entropy(logits, y).backward()
+
+    e32, w32, y = e.float().to(DEVICE), w.float().to(DEVICE), y.to(DEVICE)
+    inv = (1.0 / w.norm(dim=1)).float().to(DEVICE)
+    row_max, row_sum, _ = tm.class_tile_stats(e32, w32, inv, y, s)
+    target_logit = s * ((e32 * w32[y]).sum(1) * inv[y] - m)
+    lse = torch.logaddexp(row_max + torch.log(row_sum), target_logit)
+    coef = torch.full((n,), s / n, device=DEVICE)  # dL/dcos_ik = s p_ik / N off target
+    target_grad = s * (torch.exp(target_logit - lse) - 1.0) / n  # psi' = 1
+    grad_e, grad_w = tm.class_tile_grads(e32, w32, inv, y, s, lse, coef, target_grad)
+    torch.testing.assert_close(grad_e.cpu().double(), e_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad_w.cpu().double(), w_ref.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_rejects_mismatched_inputs():
     e, w, inv, tgt = _inputs(8, 5, 16, torch.float32, torch.float32, "mixed")
     with pytest.raises(ValueError, match="same D"):
