@@ -16,6 +16,7 @@ inject FAULT -- <train arguments>``, which patches that one spot and then runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -199,10 +200,19 @@ def _disk_full(at: int) -> None:
     checkpoint.save = save_on_a_full_disk
 
 
+def _short_timeout(seconds: float) -> None:
+    """The process group's collective timeout set to ``seconds`` (production: 30 min)."""
+    import launch.train
+
+    init = launch.train.init_distributed
+    launch.train.init_distributed = lambda *a, **k: init(*a, **{**k, "timeout_s": seconds})
+
+
 FAULTS = {
     "nan-rank1-step3": lambda: _nan_once(rank=1, call=3),
     "kill-in-replace": _kill_in_replace,
     "disk-full-at-2": lambda: _disk_full(at=2),
+    "timeout-10s": lambda: _short_timeout(10),
 }
 
 
@@ -347,6 +357,29 @@ def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
            f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
 
 
+def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
+    stopped: list[int] = []
+
+    def stop_rank1(proc: subprocess.Popen) -> None:
+        wait_for_step(work / "run", 2, proc)
+        pids = worker_pids(proc)
+        if 1 in pids:
+            os.kill(pids[1], 19)  # SIGSTOP: alive, silent, holding its peers in a collective
+            stopped.append(pids[1])
+
+    start = time.monotonic()
+    r = train(data, work / "run", "train.max_steps=50", ranks=2, inject=["timeout-10s"],
+              until=stop_rank1)
+    took = time.monotonic() - start
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    lines = [line for line in r.out.splitlines() if line.startswith("error on rank 0: step")]
+    named = len(lines) == 1 and "a collective failed" in lines[0] and "10000ms" in lines[0]
+    return f"rc {r.rc} after {took:.0f} s, {lines[0][:110] if lines else r.out[-300:]}", \
+        bool(stopped) and r.rc != 0 and named
+
+
 def _same_backbone(a: Path, b: Path, step: int) -> bool:
     import torch
 
@@ -449,6 +482,8 @@ CASES = [
          "checkpoint kept", disk_full),
     Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
          "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
+    Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
+         "naming the timeout and the step", stopped_rank),
     Case("resume with another margin", "rc 2, one line naming the difference", config_drift),
     Case("label 25 >= num_classes 20", "rc 1, one line naming shard and key", bad_label),
     Case("corrupt JPEG, 2 epochs", "skipped_samples 1, not 2", corrupt_image_two_epochs),

@@ -111,7 +111,8 @@ def train(cfg: Config, env: DistEnv) -> dict:
         except RuntimeError as err:
             if not _collective_failure(err):
                 raise
-            detail = str(err).strip().splitlines()[0]
+            # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0])
             raise CollectiveFailed(
                 f"step {run.step + 1}: a collective failed ({detail}): another rank stopped, "
                 f"died or fell behind by more than the process group's timeout "

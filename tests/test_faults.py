@@ -1,8 +1,20 @@
 """Fault injection: what a run does when something goes wrong (issue 12's list, case by case).
 
 1. Non-finite loss/gradients: the step is skipped on every rank for backbone and head,
-   counted, and K in a row end the run; non-finite values never reach a checkpoint; the
-   schema refuses inf/NaN and absurd scales.
+   counted, and ``train.max_bad_steps`` in a row end the run; non-finite values never reach
+   a checkpoint; the schema refuses inf/NaN and absurd scales.
+2. Checkpoints are hashed before anything is unpickled; a planted ``.metadata`` pickle never
+   runs, a flipped bit is named, and resume falls back to the previous checkpoint.
+3. A stopped rank: the chaos row "kill -STOP rank 1" (one line naming the timeout and step).
+4. Crash-safe replacement, dangling/empty/corrupt ``latest``, stale ``.tmp-*``, ENOSPC.
+5. (torchrun restarts: the distributed set-up's own tests.)
+6. SIGTERM/SIGUSR1: a checkpoint at the step boundary on every rank, exit 0, exact resume.
+7. Config drift on resume: another model is refused in one line, schedule keys noted.
+8. BatchNorm copies agree, corrupt samples counted once, bad labels named, duplicate YAML
+   keys, batches the data cannot fill and unwritable output refused before any group.
+
+The in-process tests run on a 1-rank group; ``test_chaos_case_holds`` runs every row of
+``make chaos`` (launch/chaos.py) end to end, under torchrun where a case needs 2 ranks.
 """
 
 from __future__ import annotations
