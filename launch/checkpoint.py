@@ -80,7 +80,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
     tag = tag_for(step)
     tmp, final = root / f".tmp-{tag}", root / tag
     full = state.collect(engine)
-    _refuse_non_finite(full, step)
+    _refuse_non_finite(full, step, engine.device)
     rows = sorted(k for k, v in full.items() if isinstance(v, state.Rows))
     loaders: list = [None] * world
     dist.all_gather_object(loaders, meta.get("loader"))
@@ -158,7 +158,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _refuse_non_finite(full: dict, step: int) -> None:
+def _refuse_non_finite(full: dict, step: int, device: torch.device) -> None:
     """Raise on every rank, before anything is written or pruned, if any rank's state holds
     inf/NaN: a checkpoint must never replace good ones with a diverged model (collective)."""
     bad = [
@@ -167,7 +167,7 @@ def _refuse_non_finite(full: dict, step: int) -> None:
         if (t := value.local if isinstance(value, state.Rows) else value).is_floating_point()
         and not bool(torch.isfinite(t).all())
     ]
-    flag = torch.tensor([len(bad)])
+    flag = torch.tensor([len(bad)], device=device)  # NCCL reduces device tensors only
     dist.all_reduce(flag)
     if int(flag):
         where = f"{bad[0]} and {len(bad) - 1} more" if bad else "another rank's state"

@@ -240,10 +240,10 @@ def data_counts(run: Run) -> dict[str, int]:
     """Collective: corrupt samples and samples repeated to pad (all ranks), and the steps
     skipped as non-finite. Every epoch meets the same corrupt files, so ``skipped_samples``
     is the most any one epoch has counted, not a sum that grows by them each epoch."""
-    from partial_fc import distributed as pd
+    from partial_fc.distributed import gather_ints
 
     loader = run.loader
-    counts = pd.gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
+    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
     run.skipped_samples = max(run.skipped_samples, int(counts[0]))
     return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
             "bad_steps": run.bad_steps}
