@@ -24,6 +24,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -88,6 +89,29 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     }
 
 
+def import_deepspeed(device: torch.device):
+    """DeepSpeed, with its accelerator on ``device``'s type (cpu or cuda).
+
+    DeepSpeed picks one accelerator per process, CUDA whenever a GPU is visible: a
+    ``device=cpu`` run (the gloo tests) on a GPU machine would get its backbone moved to the
+    GPU while the head and the data stay on the CPU. ``DS_ACCELERATOR`` before the first
+    import is DeepSpeed's documented switch; ``set_accelerator`` corrects a process that
+    imported it earlier for another device.
+    """
+    want = "cpu" if device.type == "cpu" else "cuda"
+    os.environ["DS_ACCELERATOR"] = want
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != want:
+        if want == "cpu":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+        else:
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+        set_accelerator(Accelerator())
+    return deepspeed
+
+
 class Engine:
     """Backbone wrapper + both optimizers + the LR schedule; ``step`` does one update.
 
@@ -125,8 +149,8 @@ class Engine:
         self.set_lr(0)
 
     def _init_deepspeed(self) -> nn.Module:
-        import deepspeed
-        import deepspeed.ops
+        deepspeed = import_deepspeed(self.device)
+        from deepspeed import ops as deepspeed_ops
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         # DeepSpeed 0.19's ZeRO calls torch's deprecated all_gather_into_tensor every step;
@@ -137,7 +161,7 @@ class Engine:
         if self.device.type == "cpu" and not self.cfg.engine.cpu_shm_comm:
             # DeepSpeed JIT-builds a shared-memory all-reduce for CPU on first use (30-50 s);
             # without it its collectives go through the gloo group (config: engine.cpu_shm_comm).
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            deepspeed_ops.__compatible_ops__["deepspeed_shm_comm"] = False
         model, _, _, _ = deepspeed.initialize(
             model=self.backbone,
             optimizer=self.optimizer,
