@@ -12,6 +12,7 @@ NNODES   ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
+MAX_RESTARTS ?= 3
 DATA     ?=
 OUT      ?=
 SRC      ?=
@@ -38,6 +39,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -n 2 -q -m "not slow"
+
+# On a GPU machine: the CUDA-marked tests, including short training runs (tests/test_gpu_runs.py).
+# No setup prerequisite: the lent GPU machine brings its own torch (make test-gpu PY=python3,
+# see docs/gpu.md). Here every one of them is skipped with a reason.
+test-gpu:
+	$(PY) -m pytest -q -rs -m cuda
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline launch tests bench
@@ -79,8 +86,9 @@ report: setup
 	$(PY) -m launch.report $(RUN) --out $(firstword $(RUN))/report.html
 
 # torchrun's static rendezvous: node NODE_RANK of NNODES, rank 0's node at MASTER_ADDR:MASTER_PORT.
+# A failed rank restarts the job up to MAX_RESTARTS times; it resumes from the last checkpoint.
 DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \
-        --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT)
+        --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) --max-restarts $(MAX_RESTARTS)
 
 $(RECIPES): setup
 	$(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \

@@ -200,19 +200,10 @@ def _disk_full(at: int) -> None:
     checkpoint.save = save_on_a_full_disk
 
 
-def _short_timeout(seconds: float) -> None:
-    """The process group's collective timeout set to ``seconds`` (production: 30 min)."""
-    import launch.train
-
-    init = launch.train.init_distributed
-    launch.train.init_distributed = lambda *a, **k: init(*a, **{**k, "timeout_s": seconds})
-
-
 FAULTS = {
     "nan-rank1-step3": lambda: _nan_once(rank=1, call=3),
     "kill-in-replace": _kill_in_replace,
     "disk-full-at-2": lambda: _disk_full(at=2),
-    "timeout-10s": lambda: _short_timeout(10),
 }
 
 
@@ -368,7 +359,7 @@ def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
             stopped.append(pids[1])
 
     start = time.monotonic()
-    r = train(data, work / "run", "train.max_steps=50", ranks=2, inject=["timeout-10s"],
+    r = train(data, work / "run", "train.max_steps=50", "dist.timeout_s=10", ranks=2,
               until=stop_rank1)
     took = time.monotonic() - start
     for pid in stopped:

@@ -14,6 +14,7 @@ and checks the machine (CUDA, files), so a run fails before any process group st
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -128,6 +129,14 @@ class CheckpointConfig(_Section):
     resume: str = "auto"  # auto (RUN/checkpoints/latest if any) | none | a checkpoint or run folder
 
 
+class DistConfig(_Section):
+    timeout_s: PosFloat = Field(
+        300.0, description="seconds a collective may wait for the other ranks before the run "
+        "ends with a message naming the step (a stopped or hung rank); raise it for evaluation "
+        "or checkpoints that take longer on one rank"
+    )
+
+
 class LogConfig(_Section):
     every: PosInt = 10
     hist_every: NonNegInt = Field(
@@ -168,6 +177,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -478,12 +488,39 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.engine.precision == "fp16" and not on_gpu:
         out.append(("engine.precision", "engine.precision='fp16': needs a CUDA device"))
+    out += _gpu_errors(cfg) if on_gpu else []
+    if cfg.engine.type == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        out.append(("engine.type", "engine.type='deepspeed': DeepSpeed is not installed "
+                    "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder"))
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
             out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file"))
+    return out
+
+
+def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
+    """What this node's GPUs cannot run: more ranks than GPUs (torchrun's LOCAL_WORLD_SIZE;
+    two ranks cannot share one GPU under NCCL), bf16 without hardware support, several ranks
+    without NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    gpus = torch.cuda.device_count()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read at call time, before any group
+    if ranks > gpus:
+        out.append(("device", f"device={cfg.device!r}: {ranks} ranks on this node but {gpus} "
+                    f"GPU(s) visible: launch --nproc_per_node {gpus} (make NPROC_PER_NODE="
+                    f"{gpus}) or set device=cpu"))
+    if cfg.engine.precision == "bf16" and gpus and not torch.cuda.is_bf16_supported():
+        out.append(("engine.precision", "engine.precision='bf16': this GPU has no bf16 support "
+                    "(before Ampere); use fp16 with engine.type=deepspeed, or fp32"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_nccl_available():
+        out.append(("device", f"device={cfg.device!r}: this torch build has no NCCL, which "
+                    "multi-GPU runs need; install a CUDA build of torch with NCCL"))
     return out
 
 

@@ -43,10 +43,28 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def init_distributed(device: str, timeout_s: float = 1800.0) -> DistEnv:
+def restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of this incarnation of the job, keyed by torchrun's restart count.
+
+    Under torchrun the workers share the agent's TCP store (``TORCHELASTIC_USE_AGENT_STORE``),
+    which outlives a restart: gloo's rendezvous keys written by the killed incarnation (peer
+    addresses) would be read by the new one, which then connects to dead processes
+    ("Connection refused/reset") or waits forever. A prefix per ``TORCHELASTIC_RESTART_COUNT``
+    gives each incarnation its own keys on the same server.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timeout)
+    return dist.PrefixStore(f"partial_fc/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}",
+                            store)
+
+
+def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
     """Start the default process group (once per process) and return this rank's place.
 
     Call after the config is validated: a bad config must fail before any rendezvous.
+    ``timeout_s`` (config ``dist.timeout_s``) bounds every collective: a rank that stopped
+    ends the run after that long instead of hanging it.
     """
     rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
@@ -58,7 +76,9 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> DistEnv:
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            store = restart_store(rank, world, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timeout)
         else:
             if world != 1:
                 raise RuntimeError(f"WORLD_SIZE={world} without MASTER_ADDR: launch with torchrun")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
 import sys
 import traceback
@@ -287,15 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConfigWarning)
             cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error:\n{err}", file=sys.stderr)
+    except ConfigError as err:  # every rank found the same: one report per node
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"config error:\n{err}", file=sys.stderr)
         return 2
     for w in caught:
         print_main(f"warning: {w.message}")
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    env = init_distributed(cfg.device)
+    env = init_distributed(cfg.device, cfg.dist.timeout_s)
     try:
         train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once

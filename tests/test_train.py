@@ -165,11 +165,12 @@ def test_make_recipes_pass_their_variables_to_torchrun(tmp_path):
     } - {"base.yaml", "smoke.yaml", "orl.yaml"}
     for recipe in recipes:
         cmd = _make_dry_run(recipe, "DATA=/d", "NNODES=2", "NODE_RANK=1", "MASTER_ADDR=10.0.0.9",
-                            "MASTER_PORT=1234", "NPROC_PER_NODE=8", "ARGS=optim.lr=0.2")
+                            "MASTER_PORT=1234", "NPROC_PER_NODE=8", "MAX_RESTARTS=5",
+                            "ARGS=optim.lr=0.2")
         assert (
             "torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr 10.0.0.9 "
-            f"--master_port 1234 -m launch.train --config configs/{recipe.replace('-', '_')}.yaml "
-            "data.dir=/d optim.lr=0.2"
+            "--master_port 1234 --max-restarts 5 -m launch.train --config "
+            f"configs/{recipe.replace('-', '_')}.yaml data.dir=/d optim.lr=0.2"
         ) in cmd, cmd
     data = tmp_path / "synthetic"  # no manifest.json yet: make writes the data set first
     train = _make_dry_run("train", f"SMOKE_DATA={data}", "ARGS=train.epochs=1")
