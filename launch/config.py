@@ -51,64 +51,118 @@ class _Section(BaseModel):
     )
 
 
+def _section(model: type[_Section], description: str) -> Any:
+    """A top-level key holding a whole section (its default: the section's defaults)."""
+    return Field(default_factory=model, description=description)
+
+
 class DataConfig(_Section):
-    dir: str = "data/synthetic"
-    num_classes: PosInt | None = None  # filled from manifest.json; if set, must match it
-    num_samples: PosInt | None = None  # filled from manifest.json; if set, must match it
-    num_workers: NonNegInt = 2
-    flip: bool = True
+    dir: str = Field(
+        "data/synthetic", description="folder of webdataset shards and their manifest.json "
+        "(python -m launch.convert writes one)"
+    )
+    num_classes: PosInt | None = Field(
+        None, description="identities; filled from manifest.json (if set, must match it)"
+    )
+    num_samples: PosInt | None = Field(
+        None, description="images; filled from manifest.json (if set, must match it)"
+    )
+    num_workers: NonNegInt = Field(
+        2, description="loader worker processes per rank decoding shards; 0 = in the main process"
+    )
+    flip: bool = Field(True, description="random horizontal flip of training images")
 
 
 class BackboneConfig(_Section):
-    name: str = "iresnet50"
-    embedding_size: PosInt = 512
-    dropout: UnitFloat = 0.0
+    name: str = Field(
+        "iresnet50", description="backbone architecture (partial_fc.backbones.list_backbones())"
+    )
+    embedding_size: PosInt = Field(512, description="length of the face embedding")
+    dropout: UnitFloat = Field(0.0, description="dropout before the embedding layer, in [0, 1)")
 
 
 class MarginConfig(_Section):
     """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob)."""
 
-    type: Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"] = "arcface"
+    type: Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"] = Field(
+        "arcface", description="target-logit transform (partial_fc.margins): cos(m1*theta + m2)"
+        " - m3 and its special cases, SphereFace's cos(m*theta), or AdaCos's adaptive scale"
+    )
     # s*cos are the logits: past ~1e3 the softmax is a hard max and fp32 loses the margin.
-    s: Annotated[float, Field(gt=0, le=MAX_SCALE)] = 64.0
-    m: float = 0.5
-    m1: PosFloat = 1.0
-    m2: float = 0.5
-    m3: float = 0.0
-    adacos: Literal["fixed", "dynamic"] | None = None
-    easy_margin: bool = False
-    lambda_base: NonNegFloat = 1000.0  # 0 disables the annealing
-    lambda_gamma: NonNegFloat = 0.12
-    lambda_power: NonNegFloat = 1.0
-    lambda_min: NonNegFloat = 5.0
-    p_w: Annotated[float, Field(gt=0, lt=1)] = 0.9  # target-class probability for the s bound
+    s: Annotated[float, Field(gt=0, le=MAX_SCALE)] = Field(
+        64.0, description="fixed logit scale (ignored when margin.adacos is set)"
+    )
+    m: float = Field(
+        0.5, description="the margin of sphereface (integer >= 1), cosface (>= 0, subtracted "
+        "from the cosine) or arcface (radians in [0, pi), added to the angle)"
+    )
+    m1: PosFloat = Field(1.0, description="combined: multiplies the angle (SphereFace-like)")
+    m2: float = Field(0.5, description="combined: radians added to the angle, in [0, pi)")
+    m3: float = Field(0.0, description="combined: subtracted from the cosine, >= 0")
+    adacos: Literal["fixed", "dynamic"] | None = Field(
+        None, description="AdaCos scale (arXiv:1905.00292) instead of margin.s: fixed or "
+        "dynamic; required for type=adacos, combinable with any type"
+    )
+    easy_margin: bool = Field(
+        False, description="arcface/combined: apply the margin only where cos(theta) > 0"
+    )
+    lambda_base: NonNegFloat = Field(
+        1000.0, description="sphereface annealing: the initial weight of the plain cosine; "
+        "0 disables the annealing"
+    )
+    lambda_gamma: NonNegFloat = Field(
+        0.12, description="sphereface annealing: lambda = lambda_base*(1 + gamma*step)^-power"
+    )
+    lambda_power: NonNegFloat = Field(1.0, description="sphereface annealing: decay exponent")
+    lambda_min: NonNegFloat = Field(5.0, description="sphereface annealing: floor of lambda")
+    p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
+        "checked against (a warning only; not passed to the margin)"
+    )
 
 
 class HeadConfig(_Section):
-    sample_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
+    sample_rate: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="share of the classes (the batch's own always included) each step's "
+        "softmax is computed over (Partial FC); 1 = all"
+    )
 
 
 class OptimConfig(_Section):
-    name: Literal["sgd", "adamw"] = "sgd"
-    lr: PosFloat = 0.1
-    momentum: UnitFloat = 0.9
-    weight_decay: NonNegFloat = 5e-4
-    betas: Annotated[list[UnitFloat], Field(min_length=2, max_length=2)] = [0.9, 0.999]
-    eps: PosFloat = 1e-8
+    name: Literal["sgd", "adamw"] = Field("sgd", description="optimiser of backbone and head")
+    lr: PosFloat = Field(0.1, description="peak learning rate (after warm-up)")
+    momentum: UnitFloat = Field(0.9, description="sgd momentum")
+    weight_decay: NonNegFloat = Field(5e-4, description="weight decay (decoupled for adamw)")
+    betas: Annotated[list[UnitFloat], Field(min_length=2, max_length=2)] = Field(
+        [0.9, 0.999], description="adamw: the two moment decay rates"
+    )
+    eps: PosFloat = Field(1e-8, description="adamw: denominator epsilon")
 
 
 class ScheduleConfig(_Section):
-    type: Literal["poly", "cosine"] = "poly"
-    warmup_epochs: NonNegFloat = 0.0
-    power: PosFloat = 2.0  # poly only: lr * (1 - t/T)^power
+    type: Literal["poly", "cosine"] = Field(
+        "poly", description="learning-rate decay after warm-up, to 0 at the last step"
+    )
+    warmup_epochs: NonNegFloat = Field(
+        0.0, description="epochs of linear warm-up from 0 to optim.lr"
+    )
+    power: PosFloat = Field(2.0, description="poly only: lr * (1 - t/T)^power")
 
 
 class TrainConfig(_Section):
-    batch_size: PosInt = 128  # per rank
-    epochs: PosInt = 20
-    max_steps: PosInt | None = None  # stop (and end the LR schedule) after this many steps
-    grad_accum: PosInt = 1
-    clip_grad_norm: PosFloat | None = 5.0  # backbone only; None disables
+    batch_size: PosInt = Field(128, description="images per rank per micro-batch")
+    epochs: PosInt = Field(20, description="passes over the data")
+    max_steps: PosInt | None = Field(
+        None, description="stop (and end the LR schedule) after this many steps; null = epochs"
+    )
+    grad_accum: PosInt = Field(
+        1, description="micro-batches per optimisation step (exact only for a full-softmax, "
+        "fixed-scale, non-SphereFace head)"
+    )
+    clip_grad_norm: PosFloat | None = Field(
+        5.0, description="clip the backbone's gradient norm to this; null disables"
+    )
+
     # A step with a non-finite loss or gradient is skipped on every rank (launch.engine);
     # this many in a row end the run with an error (the model is diverging).
     max_bad_steps: PosInt = Field(
@@ -117,16 +171,28 @@ class TrainConfig(_Section):
 
 
 class EngineConfig(_Section):
-    type: Literal["ddp", "deepspeed"] = "ddp"
-    zero_stage: Literal[0, 1, 2] = 1  # deepspeed only
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    cpu_shm_comm: bool = False  # deepspeed on CPU: its shm all-reduce costs a ~30-50 s JIT build
+    type: Literal["ddp", "deepspeed"] = Field(
+        "ddp", description="how the backbone is replicated: torch DDP or DeepSpeed ZeRO (the "
+        "head is always sharded by class)"
+    )
+    zero_stage: Literal[0, 1, 2] = Field(1, description="deepspeed only: ZeRO stage")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="backbone compute precision (margins and softmax stay fp32); fp16 "
+        "needs deepspeed and a GPU"
+    )
+    cpu_shm_comm: bool = Field(
+        False, description="deepspeed on CPU: use its shared-memory all-reduce (costs a ~30-50 "
+        "s JIT build) instead of the gloo group"
+    )
 
 
 class CheckpointConfig(_Section):
-    every: NonNegInt = 2000  # steps; 0 = only at the end
-    keep: PosInt = 3
-    resume: str = "auto"  # auto (RUN/checkpoints/latest if any) | none | a checkpoint or run folder
+    every: NonNegInt = Field(2000, description="steps between checkpoints; 0 = only at the end")
+    keep: PosInt = Field(3, description="newest checkpoints kept in RUN/checkpoints")
+    resume: str = Field(
+        "auto", description="auto (RUN/checkpoints/latest if any), none, or a checkpoint or "
+        "run folder to resume from"
+    )
 
 
 class DistConfig(_Section):
@@ -138,13 +204,16 @@ class DistConfig(_Section):
 
 
 class LogConfig(_Section):
-    every: PosInt = 10
+    every: PosInt = Field(10, description="steps between metric lines (RUN/metrics.jsonl, W&B)")
     hist_every: NonNegInt = Field(
         500, description="steps between target/non-target angle histograms (RUN/histograms.jsonl,"
         " W&B, TensorBoard); 0 = none, and no collective samples them"
     )
-    wandb: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "partial-fc"
+    wandb: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="Weights & Biases mode (the WANDB_MODE variable overrides it); "
+        "offline writes RUN/wandb for a later wandb sync"
+    )
+    wandb_project: str = Field("partial-fc", description="W&B project name")
     progress: bool = Field(
         True, description="a progress bar when stderr is a terminal; otherwise (and with false) "
         "one plain line every log.every steps"
@@ -156,28 +225,33 @@ class LogConfig(_Section):
 
 
 class EvalConfig(_Section):
-    bins: list[str] = []
-    every: PosInt = 2000
-    batch_size: PosInt = 256
+    bins: list[str] = Field(
+        [], description="verification .bin files (LFW, CFP-FP, ...) evaluated during training "
+        "and at the end"
+    )
+    every: PosInt = Field(2000, description="steps between evaluations of eval.bins")
+    batch_size: PosInt = Field(256, description="images per evaluation batch")
 
 
 class Config(_Section):
-    name: str = "run"
-    output: str | None = None  # None -> runs/<name>
-    seed: NonNegInt = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    data: DataConfig = Field(default_factory=DataConfig)
-    backbone: BackboneConfig = Field(default_factory=BackboneConfig)
-    margin: MarginConfig = Field(default_factory=MarginConfig)
-    head: HeadConfig = Field(default_factory=HeadConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    dist: DistConfig = Field(default_factory=DistConfig)
+    name: str = Field("run", description="run name (W&B, logs, the default output folder)")
+    output: str | None = Field(None, description="run folder; null = runs/<name>")
+    seed: NonNegInt = Field(0, description="seed of initialisation, sampling and data order")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = cuda when available, else cpu"
+    )
+    data: DataConfig = _section(DataConfig, "the training data")
+    backbone: BackboneConfig = _section(BackboneConfig, "the embedding network")
+    margin: MarginConfig = _section(MarginConfig, "the margin-softmax loss")
+    head: HeadConfig = _section(HeadConfig, "the class-sharded classifier (Partial FC)")
+    optim: OptimConfig = _section(OptimConfig, "the optimiser")
+    schedule: ScheduleConfig = _section(ScheduleConfig, "the learning-rate schedule")
+    train: TrainConfig = _section(TrainConfig, "the training loop")
+    engine: EngineConfig = _section(EngineConfig, "backbone replication and precision")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
+    log: LogConfig = _section(LogConfig, "metrics, histograms and progress")
+    eval: EvalConfig = _section(EvalConfig, "verification during training")
+    dist: DistConfig = _section(DistConfig, "the process group")
 
     @property
     def run_dir(self) -> Path:
@@ -639,3 +713,75 @@ def resume_drift(saved: dict | None, cfg: Config, where: str) -> list[str]:
 def dump_config(cfg: Config) -> str:
     """The fully resolved config as YAML (what ``RUN/config.yaml`` holds; loadable again)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- key reference
+
+
+def describe_keys(width: int = 92) -> str:
+    """Every config key with its type, default and description, grouped by section: the
+    reference ``python -m launch.train --help`` prints, generated from the schema."""
+    lines: list[str] = []
+    top = Config.model_fields
+    for name, field in top.items():
+        section = _section_model(field.annotation)
+        if section is None:
+            lines += _describe(name, field, width)
+    for name, field in top.items():
+        section = _section_model(field.annotation)
+        if section is not None:
+            lines += ["", f"{name}: {field.description}"]
+            for key, sub in section.model_fields.items():
+                lines += _describe(f"{name}.{key}", sub, width)
+    return "\n".join(lines)
+
+
+def _section_model(annotation: Any) -> type[_Section] | None:
+    """The section model a top-level key holds, or None for a plain key (name, seed, ...)."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, _Section) else None
+
+
+def _describe(key: str, field: Any, width: int) -> list[str]:
+    import textwrap
+
+    kind = _type_name(field.annotation) + _bounds(field.metadata)
+    head = f"  {key}: {kind} = {_yaml_value(field.get_default(call_default_factory=True))}"
+    return [head, *textwrap.wrap(field.description, width, initial_indent=" " * 6,
+                                 subsequent_indent=" " * 6)]
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as it would be written in a recipe (``null``, ``true``, ``[0.9, 0.999]``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000)
+    return text.removesuffix("\n...\n").strip()
+
+
+def _type_name(annotation: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0]) + _bounds(args[1:])
+    if origin is Literal:
+        return "|".join(_yaml_value(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        named = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(named) + (" | null" if type(None) in args else "")
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(metadata: Any) -> str:
+    """``gt=0`` as `` > 0`` and so on (constraints sit in FieldInfo.metadata or directly)."""
+    symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    parts = []
+    for item in metadata:
+        for bound in getattr(item, "metadata", [item]):
+            for attr, symbol in symbols.items():
+                if getattr(bound, attr, None) is not None:
+                    parts.append(f"{symbol} {getattr(bound, attr)}")
+            if getattr(bound, "min_length", None) is not None:  # betas: min == max
+                parts.append(f"length {bound.min_length}")
+    return f" ({', '.join(parts)})" if parts else ""

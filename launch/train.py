@@ -32,6 +32,7 @@ from launch.config import (
     Config,
     ConfigError,
     ConfigWarning,
+    describe_keys,
     dump_config,
     load_config,
     resume_drift,
@@ -49,9 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m launch.train",
         description="Train a face-embedding backbone with a sharded margin-softmax head.",
-        epilog="Overrides are dotted keys of the schema in launch/config.py, values in YAML "
-        "syntax, e.g. margin.type=cosface margin.m=0.35 optim.lr=0.05 "
-        "eval.bins=[lfw.bin,cfp_fp.bin]. Recipes: configs/*.yaml.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Overrides are dotted keys of the schema below, values in YAML syntax, e.g.\n"
+        "  margin.type=cosface margin.m=0.35 optim.lr=0.05 eval.bins=[lfw.bin,cfp_fp.bin]\n"
+        "Recipes: configs/*.yaml (a recipe holds only differences from these defaults).\n\n"
+        "config keys (key: type = default):\n" + describe_keys(),
     )
     parser.add_argument("--config", required=True, help="YAML recipe (may say base: FILE)")
     parser.add_argument(

@@ -196,3 +196,39 @@ def test_malformed_manifest_is_a_config_error_among_others(tmp_path):
     assert len(lines) == 2, lines
     assert lines[0].startswith(f"{path}: data.dir='{data}': ") and "malformed manifest" in lines[0]
     assert lines[1] == "command line: checkpoint.resume='nowhere': no such folder"
+
+
+
+def test_help_lists_every_key_with_its_description(capsys):
+    """``launch.train --help`` is generated from the schema: every key has a description and
+    appears with its type and default."""
+    from pydantic import BaseModel
+
+    from launch.config import Config
+    from launch.train import parse_args
+
+    keys = {}
+    for name, field in Config.model_fields.items():
+        assert field.description, f"{name}: Field(description=...) missing"
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            for key, sub in section.model_fields.items():
+                assert sub.description, f"{name}.{key}: Field(description=...) missing"
+                keys[f"{name}.{key}"] = sub.description
+        else:
+            keys[name] = field.description
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    shown = {ln.split(":")[0].strip(): i for i, ln in enumerate(lines) if ln.startswith("  ")
+             and not ln.startswith("   ") and ": " in ln}
+    missing = sorted(set(keys) - set(shown))
+    assert not missing, f"not in --help: {missing}"
+    for key, description in keys.items():  # the description follows its key line
+        following = " ".join(ln.strip() for ln in lines[shown[key] + 1 : shown[key] + 6])
+        assert following.startswith(" ".join(description.split())[:40]), key
+    assert lines[shown["margin.type"]].endswith("arcface|combined|adacos = arcface")
+    assert lines[shown["train.max_steps"]] == "  train.max_steps: int (> 0) | null = null"
+    assert lines[shown["optim.betas"]].endswith("(length 2) = [0.9, 0.999]")
