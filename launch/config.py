@@ -575,6 +575,17 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     return out
 
 
+def machine_notes(cfg: Config) -> list[str]:
+    """The data and machine checks of ``load_config(..., resolve=True)`` as lines, for a
+    config loaded with ``resolve=False`` (``--print-config`` before the data exists). Fills
+    ``data.num_classes/num_samples`` where the manifest is there, so the theory checks run
+    (their :class:`ConfigWarning` raised here, as ``load_config`` does)."""
+    notes = [msg for _, msg in _resolve_errors(cfg)]
+    for msg in theory_warnings(cfg):
+        warnings.warn(msg, ConfigWarning, stacklevel=2)
+    return notes
+
+
 def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
     """What this node's GPUs cannot run: more ranks than GPUs (torchrun's LOCAL_WORLD_SIZE;
     two ranks cannot share one GPU under NCCL), bf16 without hardware support, several ranks

@@ -35,6 +35,7 @@ from launch.config import (
     describe_keys,
     dump_config,
     load_config,
+    machine_notes,
     resume_drift,
 )
 from launch.distributed import DistEnv, init_distributed, shutdown
@@ -290,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConfigWarning)
-            cfg = load_config(args.config, args.overrides)
+            # --print-config works before the data exists: what the data and the machine
+            # decide (manifest, CUDA, files) is reported as notes instead of refused.
+            cfg = load_config(args.config, args.overrides, resolve=not args.print_config)
+            notes = machine_notes(cfg) if args.print_config else []
     except ConfigError as err:  # every rank found the same: one report per node
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"config error:\n{err}", file=sys.stderr)
@@ -298,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     for w in caught:
         print_main(f"warning: {w.message}")
     if args.print_config:
+        for note in notes:
+            print(f"note: {note} (training would refuse this)", file=sys.stderr)
         print(dump_config(cfg), end="")
         return 0
     env = init_distributed(cfg.device, cfg.dist.timeout_s)

@@ -41,6 +41,23 @@ def test_help_and_bad_config_fail_before_any_process_group(tmp_path, capsys):
     assert not dist.is_initialized()
 
 
+def test_print_config_works_before_the_data_exists(tmp_path, capsys):
+    """--print-config shows the resolved config; the missing data is a note, not a refusal."""
+    import yaml
+
+    from launch.config import Config
+
+    smoke = str(ROOT / "configs" / "smoke.yaml")
+    assert main(["--config", smoke, "--print-config", f"data.dir={tmp_path}", "seed=3"]) == 0
+    out, err = capsys.readouterr()
+    cfg = Config.model_validate(yaml.safe_load(out))
+    assert cfg.seed == 3 and cfg.data.dir == str(tmp_path) and cfg.data.num_classes is None
+    assert f"note: data.dir='{tmp_path}': no manifest.json there" in err
+    # A schema error is still refused.
+    assert main(["--config", smoke, "--print-config", "seed=-1"]) == 2
+    assert "seed=-1" in capsys.readouterr().err
+
+
 def _write_pairs(path: Path, pairs: int = 10) -> None:
     """A tiny verification set of noise images (the numbers are not the point: the call is)."""
     import io
