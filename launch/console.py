@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -132,3 +133,12 @@ def plain_line(record: dict, total: int, epoch: int | None, eta_s: float | None)
     if record.get("memory_mb") is not None:
         parts.append(f"mem {record['memory_mb']:.0f} MiB")
     return " ".join(parts)
+
+
+def plain_help(doc: str) -> str:
+    """A module docstring as ``--help`` text: reST roles and literals (``:func:`x```,
+    double backticks, ``::``) become the plain words they mark up."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    text = re.sub(r"``([^`]+)``|`([^`]+)`", lambda m: m.group(1) or m.group(2), text)
+    return re.sub(r"::$", ":", text, flags=re.M).strip()
+

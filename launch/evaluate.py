@@ -26,6 +26,7 @@ from tqdm import tqdm
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
 from data_pipeline.verification_bin import read_bin
+from launch.console import plain_help
 from launch.inference import add_checkpoint_argument, load_backbone
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
@@ -147,7 +148,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launch.evaluate", description=plain_help(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_argument(p)
     p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")

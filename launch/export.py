@@ -23,6 +23,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from launch.console import plain_help
 from launch.inference import add_checkpoint_argument, load_backbone
 
 
@@ -55,7 +56,7 @@ def check_onnx(backbone: nn.Module, path: str | os.PathLike, batch_sizes=(1, 5))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.export", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m launch.export", description=plain_help(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_argument(p)
     p.add_argument("--out", required=True, type=Path, help="ONNX file to write")

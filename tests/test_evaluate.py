@@ -146,7 +146,9 @@ def test_help(program, capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(program).main(["--help"])
-    assert exit_info.value.code == 0 and "--checkpoint" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--checkpoint" in text
+    assert "``" not in text and ":func:" not in text and "::" not in text  # plain text, not reST
 
 
 def test_repeated_images_are_embedded_once(tmp_path):
