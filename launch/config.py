@@ -26,6 +26,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from partial_fc.margins import AdaCosMode, MarginType, margin_errors
+
 CLI = "command line"
 
 PosInt = Annotated[int, Field(gt=0)]
@@ -82,9 +84,11 @@ class BackboneConfig(_Section):
 
 
 class MarginConfig(_Section):
-    """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob)."""
+    """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob): one
+    field per ``partial_fc.margins.MARGIN_KEYS``, whose rules (``margin_errors``) the
+    config check calls."""
 
-    type: Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"] = Field(
+    type: MarginType = Field(
         "arcface", description="target-logit transform (partial_fc.margins): cos(m1*theta + m2)"
         " - m3 and its special cases, SphereFace's cos(m*theta), or AdaCos's adaptive scale"
     )
@@ -99,7 +103,7 @@ class MarginConfig(_Section):
     m1: PosFloat = Field(1.0, description="combined: multiplies the angle (SphereFace-like)")
     m2: float = Field(0.5, description="combined: radians added to the angle, in [0, pi)")
     m3: float = Field(0.0, description="combined: subtracted from the cosine, >= 0")
-    adacos: Literal["fixed", "dynamic"] | None = Field(
+    adacos: AdaCosMode | None = Field(
         None, description="AdaCos scale (arXiv:1905.00292) instead of margin.s: fixed or "
         "dynamic; required for type=adacos, combinable with any type"
     )
@@ -425,16 +429,7 @@ def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
     out: list[tuple[str, str]] = []
     m = cfg.margin
-    if m.type == "sphereface" and (m.m < 1 or not float(m.m).is_integer()):
-        out.append(("margin.m", f"margin.m={m.m}: SphereFace needs an integer m >= 1 (e.g. 4)"))
-    if m.type == "arcface" and not 0 <= m.m < math.pi:
-        out.append(("margin.m", f"margin.m={m.m}: ArcFace needs 0 <= m < pi"))
-    if m.type == "cosface" and m.m < 0:
-        out.append(("margin.m", f"margin.m={m.m}: CosFace needs m >= 0"))
-    if m.type == "combined" and (not 0 <= m.m2 < math.pi or m.m3 < 0):
-        out.append(("margin.m2", f"margin.m2={m.m2}, m3={m.m3}: need 0 <= m2 < pi, m3 >= 0"))
-    if m.type == "adacos" and m.adacos is None:
-        out.append(("margin.adacos", "margin.adacos=None: margin.type=adacos needs fixed|dynamic"))
+    out += margin_errors(cfg.margin_kwargs())  # partial_fc.margins owns the margin rules
     if cfg.train.grad_accum > 1:
         why = []
         if cfg.head.sample_rate < 1:

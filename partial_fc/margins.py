@@ -13,20 +13,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
 from partial_fc.scale import AdaCosScale, FixedScale
 
-__all__ = ["CombinedMargin", "Margin", "SphereFaceMargin", "build_margin", "MARGIN_TYPES"]
+__all__ = [
+    "MARGIN_KEYS", "MARGIN_TYPES", "CombinedMargin", "Margin", "MarginType", "SphereFaceMargin",
+    "build_margin", "margin_errors",
+]
 
-MARGIN_TYPES = ("normface", "sphereface", "cosface", "arcface", "combined", "adacos")
-_KEYS = frozenset(
+MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"]
+MARGIN_TYPES: tuple[str, ...] = get_args(MarginType)
+AdaCosMode = Literal["fixed", "dynamic"]
+# The keys build_margin reads. launch.config.MarginConfig declares each one for the user (with
+# its default and description, plus the validation-only p_w); a test holds the two equal.
+MARGIN_KEYS = frozenset(
     {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin"}
     | {"lambda_base", "lambda_gamma", "lambda_power", "lambda_min"}
 )
+_LAMBDAS = ("lambda_base", "lambda_gamma", "lambda_power", "lambda_min")
 # acos is clamped to [-1 + eps, 1 - eps]: 1 - 1e-7 rounds to the fp32 value 1 - 2**-23, where
 # |d acos / d cos| is about 2.9e3 instead of infinity.
 _ACOS_EPS = 1e-7
@@ -76,19 +84,10 @@ class CombinedMargin(Margin):
         easy_margin: bool = False,
     ) -> None:
         super().__init__(scale)
-        if not (math.isfinite(m1) and m1 > 0):
-            raise ValueError(f"margin: m1={m1} must be > 0")
-        if not 0.0 <= m2 < math.pi:
-            raise ValueError(f"margin: m2={m2} must be in [0, pi)")
-        if not (math.isfinite(m3) and m3 >= 0):
-            raise ValueError(f"margin: m3={m3} must be >= 0")
+        _raise(_combined_errors(m1, m2, m3, easy_margin))
         self.m1, self.m2, self.m3, self.easy_margin = float(m1), float(m2), float(m3), easy_margin
         # theta_th: where m1*theta + m2 reaches pi; None when it never does on [0, pi].
         self.theta_th = (math.pi - m2) / m1 if m1 * math.pi + m2 > math.pi else None
-        if easy_margin and self.theta_th is not None and self.theta_th < math.pi / 2:
-            raise ValueError(
-                f"margin: easy_margin needs m1*pi/2 + m2 <= pi, got m1={m1}, m2={m2}"
-            )
 
     def psi(self, cos: Tensor, step: int) -> Tensor:
         c = cos.float()
@@ -144,12 +143,9 @@ class SphereFaceMargin(Margin):
         lambda_min: float = 5.0,
     ) -> None:
         super().__init__(scale)
-        if not (float(m).is_integer() and m >= 1):
-            raise ValueError(f"margin: m={m}: SphereFace needs an integer m >= 1 (e.g. 4)")
-        for key, val in (("lambda_base", lambda_base), ("lambda_gamma", lambda_gamma),
-                         ("lambda_power", lambda_power), ("lambda_min", lambda_min)):
-            if not (math.isfinite(val) and val >= 0):
-                raise ValueError(f"margin: {key}={val} must be >= 0")
+        lambdas = {"lambda_base": lambda_base, "lambda_gamma": lambda_gamma,
+                   "lambda_power": lambda_power, "lambda_min": lambda_min}
+        _raise(_sphereface_errors(m, lambdas))
         self.m = int(m)
         self.lambda_base, self.lambda_gamma = float(lambda_base), float(lambda_gamma)
         self.lambda_power, self.lambda_min = float(lambda_power), float(lambda_min)
@@ -176,6 +172,92 @@ class SphereFaceMargin(Margin):
 # Per-type defaults of ``m`` (the insightface / paper values); ``s`` defaults to 64.
 _DEFAULT_M = {"sphereface": 4, "cosface": 0.35, "arcface": 0.5}
 
+# ----------------------------------------------------------------------------- the rules
+# Every rule a margin's parameters obey lives here, once: the constructors, build_margin and
+# launch.config (which reports them before any process starts) all call these. Each error is
+# (dotted config key, one line naming key, value and the valid range).
+
+
+def _error(key: str, value: Any, rule: str) -> tuple[str, str]:
+    return f"margin.{key}", f"margin.{key}={value!r}: {rule}"
+
+
+def _raise(errors: list[tuple[str, str]]) -> None:
+    if errors:
+        raise ValueError("; ".join(msg for _, msg in errors))
+
+
+def _nonneg(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value >= 0
+
+
+def _angle(value: Any) -> bool:
+    """A margin added to the angle: cos(theta + m) must still fall on theta in [0, pi]."""
+    return _nonneg(value) and value < math.pi
+
+
+def _easy_margin_errors(m1: float, m2: float, key: str) -> list[tuple[str, str]]:
+    """``easy_margin`` keeps ``cos(m1*theta + m2)`` for ``cos(theta) > 0`` only, so that
+    branch must be monotone up to ``theta = pi/2``: ``m1*pi/2 + m2 <= pi``."""
+    if m1 * math.pi / 2 + m2 <= math.pi:
+        return []
+    return [_error(key, m2, f"easy_margin needs m1*pi/2 + m2 <= pi (m1={m1})")]
+
+
+def _combined_errors(m1: Any, m2: Any, m3: Any, easy_margin: bool) -> list[tuple[str, str]]:
+    """``cos(m1*theta + m2) - m3`` (arXiv:1801.07698 Eq. 4)."""
+    out = []
+    if not (_nonneg(m1) and m1 > 0):
+        out.append(_error("m1", m1, "must be a finite number > 0"))
+    if not _angle(m2):
+        out.append(_error("m2", m2, "must be in [0, pi)"))
+    if not _nonneg(m3):
+        out.append(_error("m3", m3, "must be >= 0"))
+    if easy_margin and not out:
+        out += _easy_margin_errors(m1, m2, "m2")
+    return out
+
+
+def _sphereface_errors(m: Any, lambdas: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A-Softmax's ``cos(m*theta)`` is a Chebyshev polynomial only for integer ``m``."""
+    out = []
+    if not (isinstance(m, int | float) and float(m).is_integer() and m >= 1):
+        out.append(_error("m", m, "SphereFace needs an integer m >= 1 (e.g. 4)"))
+    out += [_error(k, v, "must be >= 0") for k, v in lambdas.items() if not _nonneg(v)]
+    return out
+
+
+def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every rule the margin config ``cfg`` (the keys of :func:`build_margin`) breaks, as
+    ``(dotted key, message)``; empty when ``build_margin(cfg)`` will succeed (given ``s > 0``).
+    """
+    unknown = sorted(set(cfg) - MARGIN_KEYS)
+    if unknown:
+        return [("margin", f"margin: unknown key(s) {unknown}; valid keys: {sorted(MARGIN_KEYS)}")]
+    get = {k: v for k, v in cfg.items() if v is not None}.get
+    kind, adacos = get("type"), get("adacos")
+    out = []
+    if kind not in MARGIN_TYPES:
+        out.append(_error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}"))
+    if adacos not in (None, *get_args(AdaCosMode)):
+        out.append(_error("adacos", adacos, "not one of fixed|dynamic"))
+    if kind == "adacos" and adacos is None:
+        out.append(_error("adacos", None, "type=adacos needs adacos=fixed|dynamic"))
+    m = get("m", _DEFAULT_M.get(kind, 0.0))
+    if kind == "sphereface":
+        out += _sphereface_errors(m, {k: get(k) for k in _LAMBDAS if get(k) is not None})
+    elif kind == "cosface" and not _nonneg(m):
+        out.append(_error("m", m, "CosFace needs m >= 0"))
+    elif kind == "arcface":
+        if not _angle(m):
+            out.append(_error("m", m, "ArcFace needs 0 <= m < pi"))
+        elif get("easy_margin", False):
+            out += _easy_margin_errors(1.0, m, "m")
+    elif kind == "combined":
+        out += _combined_errors(get("m1", 1.0), get("m2", 0.0), get("m3", 0.0),
+                                bool(get("easy_margin", False)))
+    return out
+
 
 def build_margin(cfg: Mapping[str, Any]) -> Margin:
     """Build a margin from a config dict.
@@ -186,35 +268,22 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
     ``lambda_base, lambda_gamma, lambda_power, lambda_min`` (SphereFace annealing). A key
     whose value is ``None`` counts as absent; keys a type does not use are ignored, so one
     schema can pass them all. When ``adacos`` is set, ``s`` is ignored (AdaCos sets it).
-    Unknown keys or values raise ``ValueError`` naming them.
+    Unknown keys or values raise ``ValueError`` naming them (:func:`margin_errors`).
     """
-    unknown = sorted(set(cfg) - _KEYS)
-    if unknown:
-        raise ValueError(f"margin: unknown key(s) {unknown}; valid keys: {sorted(_KEYS)}")
+    _raise(margin_errors(cfg))
     get = {k: v for k, v in cfg.items() if v is not None}.get
-    kind = get("type")
-    if kind not in MARGIN_TYPES:
-        raise ValueError(f"margin: type={kind!r} is not one of {'|'.join(MARGIN_TYPES)}")
-    adacos = get("adacos")
-    if adacos not in (None, "fixed", "dynamic"):
-        raise ValueError(f"margin: adacos={adacos!r} is not one of fixed|dynamic")
-    if kind == "adacos" and adacos is None:
-        raise ValueError("margin: type=adacos needs adacos=fixed|dynamic")
+    kind, adacos = get("type"), get("adacos")
     scale = AdaCosScale(adacos == "dynamic") if adacos else FixedScale(float(get("s", 64.0)))
     m = get("m", _DEFAULT_M.get(kind, 0.0))
     if kind == "sphereface":
-        anneal = {k: float(get(k)) for k in _KEYS if k.startswith("lambda_") and get(k) is not None}
+        anneal = {k: float(get(k)) for k in _LAMBDAS if get(k) is not None}
         return SphereFaceMargin(scale, m=m, **anneal)
     if kind in ("normface", "adacos"):
         return CombinedMargin(scale)
     if kind == "cosface":
-        if not (math.isfinite(m) and m >= 0):
-            raise ValueError(f"margin: m={m} must be >= 0 for cosface")
         return CombinedMargin(scale, m3=float(m))
     easy = bool(get("easy_margin", False))
     if kind == "arcface":
-        if not 0.0 <= m < math.pi:
-            raise ValueError(f"margin: m={m} must be in [0, pi) for arcface")
         return CombinedMargin(scale, m2=float(m), easy_margin=easy)
     return CombinedMargin(
         scale, float(get("m1", 1.0)), float(get("m2", 0.0)), float(get("m3", 0.0)), easy

@@ -101,6 +101,11 @@ BAD = [
         ["cfg.yaml: train.grad_accum=4: not exact", "dynamic AdaCos"],
     ),
     ({}, ["engine.precision=fp16"], ["engine.precision='fp16': needs engine.type=deepspeed"]),
+    (  # a rule of partial_fc.margins, reported by the config check
+        {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
+        [],
+        ["cfg.yaml: margin.m2=0.5: easy_margin needs m1*pi/2 + m2 <= pi (m1=2.0)"],
+    ),
     ("a: [1, 2\nb: 3\n", [], ["cfg.yaml: invalid YAML"]),
     ("- 1\n- 2\n", [], ["cfg.yaml: top level must be a mapping"]),
     ({"base": "missing.yaml"}, [], ["cfg.yaml: base='missing.yaml': no such file"]),
@@ -233,3 +238,13 @@ def test_help_lists_every_key_with_its_description(capsys):
     assert lines[shown["margin.type"]].endswith("arcface|combined|adacos = arcface")
     assert lines[shown["train.max_steps"]] == "  train.max_steps: int (> 0) | null = null"
     assert lines[shown["optim.betas"]].endswith("(length 2) = [0.9, 0.999]")
+
+
+def test_margin_schema_holds_exactly_build_margins_keys():
+    """MarginConfig declares the keys partial_fc.margins reads (plus p_w), no more, no less;
+    its types are the ones margins.py lists."""
+    from launch.config import MarginConfig
+    from partial_fc.margins import MARGIN_KEYS, MARGIN_TYPES
+
+    assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}
+    assert MarginConfig(type=MARGIN_TYPES[-1]).type == MARGIN_TYPES[-1]
