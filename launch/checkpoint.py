@@ -20,9 +20,10 @@ rank's word; the newest ``checkpoint.keep`` folders and ``latest``'s target are 
 
 Reading (:func:`find_resume`, rank 0, then broadcast): ``latest``'s target, or when it is
 missing, empty, dangling or fails verification, the newest ``step-*`` that verifies, with a
-warning. Verification hashes every file against ``meta.json`` *before* anything is
-unpickled; DCP's ``.metadata`` (a pickle) is then read with an allow-list unpickler and the
-tensors with ``weights_only=True``, so a planted file can neither run code nor load silently.
+warning. Verification (``launch.integrity``) hashes every file against ``meta.json`` *before*
+anything is unpickled; DCP's ``.metadata`` (a pickle) is then read with an allow-list
+unpickler and the tensors with ``weights_only=True``, so a planted file can neither run code
+nor load silently.
 
 Head rows: each rank saves its block ``[start, stop)`` as a plain tensor named
 ``<key>/rows.<start>.<stop>``; a run on any number of ranks loads the blocks that overlap
@@ -34,9 +35,7 @@ on a file system every node sees.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -46,19 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from data_pipeline.manifest import atomic_write_bytes, fsync_dir
 from launch import state
+from launch.integrity import META, CheckpointError, SafeReader, read_meta, sha256, verify
 from launch.logging import print_main
 
 LATEST = "latest"
-META = "meta.json"
 _BLOCK = re.compile(r"^(?P<key>.+)/rows\.(?P<start>\d+)\.(?P<stop>\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or trusted; the message names the step or file."""
 
 
 def tag_for(step: int) -> str:
@@ -106,7 +101,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
         if rank == 0:
             torch.save(_plain_backbone(full), tmp / "backbone.pt")
             mine += ["backbone.pt", "state/.metadata"]
-        hashes.update({name: _sha256(tmp / name) for name in mine})
+        hashes.update({name: sha256(tmp / name) for name in mine})
 
     _on_every_rank(write, f"saving step {step}", tmp)
     gathered: list = [None] * world
@@ -232,14 +227,6 @@ def _plain_backbone(full: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # ----------------------------------------------------------------------------- find, verify
 
 
@@ -308,77 +295,7 @@ def _candidates(root: Path) -> list[Path]:
     return [p for p in ordered if (p / META).is_file()]
 
 
-def verify(path: Path) -> dict:
-    """Check folder ``path`` against its meta.json before anything in it is unpickled;
-    returns the meta dict. Raises :class:`CheckpointError` naming the first bad file."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / META).read_text())
-        files = meta["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path / META}: unreadable or incomplete ({exc})") from None
-    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {META}
-    extra = sorted(present - set(files))
-    if extra:
-        raise CheckpointError(f"{path / extra[0]}: not listed in {META}; refusing the folder")
-    for name, digest in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in {META})")
-        if _sha256(file) != digest:
-            raise CheckpointError(f"{file}: SHA-256 differs from {META}: corrupted or replaced")
-    return meta
-
-
 # ----------------------------------------------------------------------------- load
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata``: DCP's metadata classes and the torch/pathlib value types
-    they hold, nothing else. A name outside the list is refused before its module is even
-    imported, so a planted pickle cannot call ``os.system`` & co."""
-
-    CLASSES_FROM = "torch.distributed.checkpoint.metadata"
-    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-             ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-             ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str):
-        if module == self.CLASSES_FROM:  # classes only: no function of DCP may be called
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        elif (module, name) in self.NAMES:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file-system reader with the metadata pickle read through the allow-list."""
-
-    def __init__(self, folder: Path):
-        super().__init__(folder)
-        self.folder = Path(folder)
-
-    def read_metadata(self, *args, **kwargs):
-        file = self.folder / ".metadata"
-        try:
-            with open(file, "rb") as f:
-                metadata = _AllowListUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
-            raise CheckpointError(f"{file}: not DCP metadata ({exc})") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def read_meta(path: Path) -> dict:
-    """The meta.json of checkpoint folder ``path`` (plain JSON: safe before verification)."""
-    return json.loads((Path(path) / META).read_text())
 
 
 def load(path: Path, engine) -> dict:
@@ -390,7 +307,7 @@ def load(path: Path, engine) -> dict:
     """
     path = Path(path)
     meta = read_meta(path)
-    reader = _SafeReader(path / "state")
+    reader = SafeReader(path / "state")
     head = engine.head
     lo, hi = head.class_start, head.class_start + head.num_local
     template: dict[str, torch.Tensor] = {}

@@ -223,7 +223,9 @@ class Engine:
                 (loss / k).backward()
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
                 if boundary:
-                    finite &= torch.isfinite(self.head.weight.grad.sum())
+                    grad = self.head.weight.grad
+                    if grad is not None:
+                        finite &= torch.isfinite(grad.sum())
                     skip = not self._agree_finite(finite)
                 surrogate = (emb.float() * (e.grad * self.world_size)).sum()
                 if angles and boundary:

@@ -17,6 +17,7 @@ import itertools
 import os
 import re
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -104,6 +105,7 @@ class Run:
     bad_steps: int = 0  # skipped as non-finite, in all
     skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
     bad_in_a_row: int = 0
+    step_started: float = 0.0  # time.monotonic() when the current step began
 
 
 def train(cfg: Config, env: DistEnv) -> dict:
@@ -118,10 +120,11 @@ def train(cfg: Config, env: DistEnv) -> dict:
                 raise
             # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
             detail = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0])
+            waited = time.monotonic() - run.step_started
             raise CollectiveFailed(
-                f"step {run.step + 1}: a collective failed ({detail}): another rank stopped, "
-                f"died or fell behind by more than the process group's timeout "
-                f"(dist.timeout_s); resume from {run.saved or 'the start'}"
+                f"step {run.step + 1}: a collective failed after {waited:.0f} s ({detail}): "
+                f"another rank stopped, died or fell behind by more than the process group's "
+                f"timeout (dist.timeout_s); resume from {run.saved or 'the start'}"
             ) from None
     return finish(run, stopped_by)
 
@@ -216,6 +219,7 @@ def loop(run: Run, signals: StopSignals) -> str | None:
 def one_step(run: Run, micro_batches: list) -> None:
     """One optimisation step, its metrics, and the non-finite-step bookkeeping."""
     cfg, log = run.cfg, run.log
+    run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
     stats = run.engine.step(run.step, micro_batches, angles=hist)
     run.step += 1

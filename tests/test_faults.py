@@ -218,10 +218,10 @@ def _rehash(folder, name):
     """Update meta.json's hash of ``name``: an attacker who rewrote the manifest too."""
     import json
 
-    from launch.checkpoint import _sha256
+    from launch.integrity import sha256
 
     meta = json.loads((folder / "meta.json").read_text())
-    meta["files"][name] = _sha256(folder / name)
+    meta["files"][name] = sha256(folder / name)
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -532,19 +532,19 @@ def _bn_resave(rank: int, world: int, path: str, root: str) -> str:
 
 @pytest.mark.slow
 def test_batchnorm_statistics_are_averaged_and_stable_across_resaves(tmp_path):
-    from launch.chaos import _backbone_pt_and_dcp
+    from launch.chaos_cases import backbone_pt_and_dcp
 
     saved = run_ranks(_bn_save, 2, args=(str(tmp_path / "two"),), timeout=240)
     ranks = [s["before"] for s in saved]
     assert not torch.equal(ranks[0]["mean"], ranks[1]["mean"])  # each rank saw other images
     folder = Path(saved[0]["path"])
-    exported, stored = _backbone_pt_and_dcp(folder)
+    exported, stored = backbone_pt_and_dcp(folder)
     for name, key in (("mean", "1.running_mean"), ("var", "1.running_var")):
         assert torch.equal(exported[key], stored[key])
         expected = ((ranks[0][name].double() + ranks[1][name].double()) / 2).float()
         assert torch.allclose(exported[key], expected, rtol=0, atol=1e-6)
     (again,) = run_ranks(_bn_resave, 1, args=(str(folder), str(tmp_path / "one")), timeout=240)
-    resaved, _ = _backbone_pt_and_dcp(Path(again))
+    resaved, _ = backbone_pt_and_dcp(Path(again))
     assert all(torch.equal(exported[k], resaved[k]) for k in exported)
 
 
@@ -559,7 +559,7 @@ def chaos_data(tmp_path_factory):
 
 
 def _case_names():
-    from launch.chaos import CASES
+    from launch.chaos_cases import CASES
 
     return [case.name for case in CASES]
 
@@ -569,7 +569,7 @@ def _case_names():
 def test_chaos_case_holds(name, chaos_data, tmp_path):
     """``make chaos``'s rows, one test each: launch.train in subprocesses (torchrun for the
     2-rank cases) with the fault injected; the row's own check decides."""
-    from launch.chaos import CASES, run_case
+    from launch.chaos_cases import CASES, run_case
 
     (case,) = [c for c in CASES if c.name == name]
     observed, holds = run_case(case, chaos_data, tmp_path)
