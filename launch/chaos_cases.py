@@ -187,7 +187,7 @@ def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
             os.kill(pid, 9)
     lines = [line for line in r.out.splitlines() if line.startswith("error on rank 0: step")]
     named = len(lines) == 1 and "a collective failed after 1" in lines[0] \
-        and "timeout (dist.timeout_s)" in lines[0]
+        and "timeout (dist.timeout_s=10)" in lines[0]
     return f"rc {r.rc} after {took:.0f} s, {lines[0][:110] if lines else r.out[-300:]}", \
         bool(stopped) and r.rc != 0 and named
 

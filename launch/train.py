@@ -82,7 +82,19 @@ class CollectiveFailed(RuntimeError):
     """A collective timed out or lost a peer: another rank stopped, died or fell behind."""
 
 
-def _collective_failure(err: BaseException) -> bool:
+def _collective_report(run: Run, err: RuntimeError) -> CollectiveFailed:
+    """The one-line report of a failed collective: the step, how long it waited, why."""
+    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0])
+    waited = time.monotonic() - run.step_started
+    return CollectiveFailed(
+        f"step {run.step + 1}: a collective failed after {waited:.0f} s ({detail}): another "
+        f"rank stopped, died or fell behind by more than the process group's timeout "
+        f"(dist.timeout_s={run.cfg.dist.timeout_s:g}); resume from {run.saved or 'the start'}"
+    )
+
+
+def _is_collective_failure(err: BaseException) -> bool:
     """Whether ``err`` is a process-group failure (gloo/NCCL timeout or a closed peer)."""
     pattern = r"Timed out|timeout|Connection (closed|reset|refused)|gloo|NCCL"
     return isinstance(err, dist.DistError) or re.search(pattern, str(err)) is not None
@@ -116,16 +128,9 @@ def train(cfg: Config, env: DistEnv) -> dict:
         try:
             stopped_by = loop(run, signals)
         except RuntimeError as err:
-            if not _collective_failure(err):
-                raise
-            # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
-            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0])
-            waited = time.monotonic() - run.step_started
-            raise CollectiveFailed(
-                f"step {run.step + 1}: a collective failed after {waited:.0f} s ({detail}): "
-                f"another rank stopped, died or fell behind by more than the process group's "
-                f"timeout (dist.timeout_s); resume from {run.saved or 'the start'}"
-            ) from None
+            if _is_collective_failure(err):
+                raise _collective_report(run, err) from None
+            raise
     return finish(run, stopped_by)
 
 
