@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from data_pipeline.errors import DataError
 
@@ -80,11 +83,20 @@ def write_manifest(data_dir: str | os.PathLike, manifest: Manifest) -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Readers see either the old file or the complete new one, never a prefix; the new one
-    survives a power cut once this returns (file and folder entry fsynced)."""
+    """Write ``data`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` when the block ends without error. Readers see
+    either the old file or the complete new one, never a prefix; the new one survives a power
+    cut once the block returns (the file and its folder entry fsynced). An error leaves
+    ``path`` untouched (and ``NAME.tmp`` behind, overwritten by the next attempt)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -7,10 +7,10 @@ Layout of `OUT/`:
   manifest.json          written last; its presence means the conversion finished.
   .convert.json          the conversion's fingerprint while it runs (removed at the end).
 
-Atomicity: a shard is written to `NAME.tmp`, fsynced and renamed, so a file named
-`shard-*.tar` is always complete. Resume: shard i always holds write positions
-[i*S, (i+1)*S) of a fixed (seeded) permutation of the source, so a restarted conversion with
-the same fingerprint keeps the finished shards and rewrites only the missing ones.
+Atomicity: a shard is written through manifest.atomic_file (`NAME.tmp`, fsync, rename, folder
+fsync), so a file named `shard-*.tar` is always complete. Resume: shard i always holds write
+positions [i*S, (i+1)*S) of a fixed (seeded) permutation of the source, so a restarted
+conversion with the same fingerprint keeps the finished shards and rewrites only the missing ones.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from data_pipeline.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
+    atomic_file,
     atomic_write_bytes,
     read_manifest,
     write_manifest,
@@ -73,9 +74,8 @@ def shard_name(index: int) -> str:
 
 def write_shard(path: Path, samples: Iterable[Sample]) -> ShardInfo:
     """Write one tar shard atomically; members get mtime 0 and fixed ownership (reproducible)."""
-    tmp = path.with_name(path.name + ".tmp")
     count = 0
-    with open(tmp, "wb") as raw:
+    with atomic_file(path) as raw:
         with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for sample in samples:
                 assert "." not in sample.key, sample.key
@@ -85,9 +85,6 @@ def write_shard(path: Path, samples: Iterable[Sample]) -> ShardInfo:
                     info.size, info.mode, info.mtime = len(payload), 0o644, 0
                     tar.addfile(info, io.BytesIO(payload))
                 count += 1
-        raw.flush()
-        os.fsync(raw.fileno())
-    os.replace(tmp, path)
     return ShardInfo(path.name, count, path.stat().st_size)
 
 
