@@ -83,9 +83,14 @@ class _EpochStream(IterableDataset):
 
 
 class Loader:
-    """Iterable over (images uint8 [B,3,112,112], labels int64 [B][, keys list[str]]).
+    """The training loader for a converted data folder: an iterable over (images uint8
+    [B,3,112,112], labels int64 [B][, keys list[str]]); see the module docstring for the
+    guarantees. Public name: `make_loader`.
 
-    Built by `make_loader`; see the module docstring for the guarantees.
+    rank/world_size: this process's data-parallel position (pass them explicitly; the
+        trainer reads them from its process group). batch_size is per rank.
+    shuffle=False reads shards in order with no sample shuffle (evaluation, debugging).
+    decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
@@ -279,19 +284,6 @@ def _pad(parts: tuple | None, last: tuple | None, batch_size: int) -> tuple:
     return images, labels, keys
 
 
-def make_loader(data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
-                world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
-                flip: bool = True, with_keys: bool = False, shuffle: bool = True,
-                shuffle_buffer: int = 1000, decoder: str = "auto",
-                prefetch_factor: int = 2) -> Loader:
-    """The training loader for a converted data folder (see Loader and this module's doc).
-
-    rank/world_size: this process's data-parallel position (pass them explicitly; the
-        trainer reads them from its process group). batch_size is per rank.
-    shuffle=False reads shards in order with no sample shuffle (evaluation, debugging).
-    decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
-    """
-    return Loader(data_dir, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
-                  epoch=epoch, num_workers=num_workers, flip=flip, with_keys=with_keys,
-                  shuffle=shuffle, shuffle_buffer=shuffle_buffer, decoder=decoder,
-                  prefetch_factor=prefetch_factor)
+# The public constructor (data_pipeline's API since the start): the class itself, so its
+# keyword arguments are declared once.
+make_loader = Loader
