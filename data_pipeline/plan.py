@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partial_fc.distributed import split_evenly
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -33,13 +35,6 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
     if not shuffle:
         return list(range(num_shards))
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(num_shards)]
-
-
-def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of part `index` when `total` items are cut into `parts` near-equal runs."""
-    base, extra = divmod(total, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (index < extra)
 
 
 def samples_per_rank(num_samples: int, world_size: int) -> int:

@@ -27,21 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partial_fc import distributed as pd
+from partial_fc import distributed as dist_ops
 from partial_fc.init import init_rows_
 from partial_fc.margins import Margin
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.scale import AdaCosScale, log_mean_exp, median_angle
 from partial_fc.softmax import margin_softmax_loss
 
-__all__ = ["PartialFC", "partition"]
-
-
-def partition(num_classes: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Contiguous, remainder-aware split: ``(class_start, num_local)`` of ``rank``; the first
-    ``num_classes % world_size`` ranks hold one class more."""
-    base, extra = divmod(num_classes, world_size)
-    return base * rank + min(rank, extra), base + (rank < extra)
+__all__ = ["PartialFC"]
 
 
 class PartialFC(nn.Module):
@@ -85,11 +78,11 @@ class PartialFC(nn.Module):
         num_classes: int,
         margin: Margin,
         sample_rate: float = 1.0,
-        process_group: pd.ProcessGroup = None,
+        process_group: dist_ops.ProcessGroup = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        world, rank = pd.get_world_size(process_group), pd.get_rank(process_group)
+        world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
         if embedding_size < 1:
             raise ValueError(f"PartialFC: embedding_size={embedding_size} must be >= 1")
         if num_classes < world:
@@ -106,7 +99,8 @@ class PartialFC(nn.Module):
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate, self.process_group, self.seed = sample_rate, process_group, seed
         self.world_size, self.rank = world, rank
-        self.class_start, self.num_local = partition(num_classes, world, rank)
+        self.class_start, stop = dist_ops.split_evenly(num_classes, world, rank)
+        self.num_local = stop - self.class_start
         self.weight = nn.Parameter(init_rows_(
             torch.empty(self.num_local, embedding_size), self.class_start, seed))
         self.margin = margin
@@ -136,8 +130,8 @@ class PartialFC(nn.Module):
         group = self.process_group
         sizes = self._check_inputs(embeddings, labels)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
-        e = pd.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)  # [N, D]
-        y = pd.all_gather(labels, group, sizes)  # [N]
+        e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)  # [N, D]
+        y = dist_ops.all_gather(labels, group, sizes)  # [N]
         bad = (y < 0) | (y >= self.num_classes)
         if bool(bad.any()):  # every rank sees the same gathered labels: all raise together
             raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
@@ -169,7 +163,7 @@ class PartialFC(nn.Module):
     def _check_inputs(self, embeddings: Tensor, labels: Tensor) -> list[int]:
         """Validate shapes on every rank at once (one small all-gather), so a bad rank makes
         all ranks raise instead of leaving the others blocked in a collective."""
-        world = pd.get_world_size(self.process_group)
+        world = dist_ops.get_world_size(self.process_group)
         if world != self.world_size:
             raise RuntimeError(f"PartialFC: built for world size {self.world_size}, "
                                f"called with {world}")
@@ -178,7 +172,7 @@ class PartialFC(nn.Module):
               and labels.shape[0] == embeddings.shape[0] and not labels.is_floating_point()
               and not labels.is_complex() and labels.dtype != torch.bool)
         n = embeddings.shape[0] if embeddings.dim() else 0
-        meta = pd.gather_ints([n, int(ok)], embeddings.device,
+        meta = dist_ops.gather_ints([n, int(ok)], embeddings.device,
                               self.process_group)
         if not bool(meta[:, 1].all()):
             culprit = int((meta[:, 1] == 0).nonzero()[0, 0])
@@ -222,7 +216,7 @@ class PartialFC(nn.Module):
             del ex
         packed[2 * n] = sampled
         packed[2 * n + 1] = cos.sum(dim=1).double().sum() - packed[rows].sum()
-        packed = pd.all_reduce(packed, self.process_group)
+        packed = dist_ops.all_reduce(packed, self.process_group)
         target_cos, total = packed[:n].float(), int(packed[2 * n])
         neg_ratio = (self.num_classes - 1) / (total - 1) if total > 1 else math.nan
         theta_med = median_angle(target_cos)

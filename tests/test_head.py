@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from partial_fc import PartialFC, build_margin
-from partial_fc.head import partition
+from partial_fc.distributed import split_evenly
 from partial_fc.init import BLOCK, init_rows_
 
 MARGINS = {
@@ -138,18 +138,18 @@ def test_fixed_scale_b_avg_stat_is_the_definition():
     assert head.stats["cos_nontarget_mean"] == pytest.approx(nontarget, rel=1e-5, abs=1e-6)
 
 
-def test_partition_is_contiguous_and_remainder_aware():
-    parts = [partition(1001, 3, r) for r in range(3)]
-    assert parts == [(0, 334), (334, 334), (668, 333)]
-    assert [partition(10, 4, r) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+def test_split_evenly_is_contiguous_and_remainder_aware():
+    parts = [split_evenly(1001, 3, r) for r in range(3)]
+    assert parts == [(0, 334), (334, 668), (668, 1001)]
+    assert [split_evenly(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
 
 
 def test_init_rows_depend_only_on_seed_and_global_class():
     num_classes = 2 * BLOCK + 37
     full = init_rows_(torch.empty(num_classes, 3), 0, seed=5)
     for world in (2, 3, 7):
-        parts = [partition(num_classes, world, r) for r in range(world)]
-        rows = [init_rows_(torch.empty(n, 3), start, seed=5) for start, n in parts]
+        parts = [split_evenly(num_classes, world, r) for r in range(world)]
+        rows = [init_rows_(torch.empty(stop - start, 3), start, seed=5) for start, stop in parts]
         assert torch.equal(torch.cat(rows), full), world
     assert not torch.equal(init_rows_(torch.empty(10, 3), 0, seed=6), full[:10])
     assert full.std().item() == pytest.approx(0.01, rel=0.05)
