@@ -34,7 +34,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from launch.config import Config, OptimConfig, ScheduleConfig
-from partial_fc import distributed as pd
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 
@@ -198,7 +197,7 @@ class Engine:
 
         Returns ``{"loss", "lr", "grad_norm", "skipped"}`` (loss = mean over micro-batches of
         the global-batch loss, identical on all ranks); with ``angles=True`` also
-        ``"angles"`` from :meth:`angle_sample` on the last micro-batch (collective).
+        ``"angles"`` from ``PartialFC.angle_sample`` on the last micro-batch (collective).
 
         ``skipped`` is True, on every rank alike, when the step was dropped because the loss,
         an embedding gradient, the head gradient or the backbone gradient norm was not finite
@@ -229,7 +228,7 @@ class Engine:
                     skip = not self._agree_finite(finite)
                 surrogate = (emb.float() * (e.grad * self.world_size)).sum()
                 if angles and boundary:
-                    sample = self.angle_sample(e.detach(), y)
+                    sample = self.head.angle_sample(e.detach(), y)
                 if self.deepspeed:
                     skip = self._deepspeed_backward(surrogate, boundary, skip) or skip
                 else:
@@ -319,35 +318,6 @@ class Engine:
             for name, module in modules.items():
                 for key, value in module.named_buffers():
                     value.copy_(saved[f"{name}.{key}"])
-
-    @torch.no_grad()
-    def angle_sample(self, e: torch.Tensor, y: torch.Tensor, per_rank: int = 2048) -> dict:
-        """Target and non-target angles (degrees) of the global batch, for histograms.
-
-        Collective. Each rank measures the samples whose class it owns (targets) and up to
-        ``per_rank`` random (sample, own class) pairs that are not targets, before this
-        step's update; every rank returns the gathered ``{"theta_target", "theta_nontarget"}``.
-        Diagnostics only: it does not touch the loss or the gradients.
-        """
-        head = self.head
-        sizes = pd.gather_sizes(e.shape[0], e.device)
-        emb = pd.all_gather(nn.functional.normalize(e.float(), dim=1), sizes=sizes)
-        lab = pd.all_gather(y.to(torch.int64), sizes=sizes)
-        cos = emb @ nn.functional.normalize(head.weight.float(), dim=1).t()  # [N, num_local]
-        local = lab - head.class_start
-        owned = (local >= 0) & (local < head.num_local)
-        target = cos[owned, local[owned]]
-        mask = torch.ones_like(cos, dtype=torch.bool)
-        mask[owned, local[owned]] = False
-        others = cos[mask]
-        gen = torch.Generator(device=cos.device).manual_seed(int(head.step))  # not the global RNG
-        pick = torch.randperm(others.numel(), generator=gen, device=cos.device)[:per_rank]
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (target.cpu(), others[pick].cpu()))
-        return {
-            name: torch.rad2deg(torch.acos(torch.cat([g[i] for g in gathered]).clamp(-1, 1)))
-            for i, name in enumerate(("theta_target", "theta_nontarget"))
-        }
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partial_fc import distributed as dist_ops
-from partial_fc.init import init_rows_
+from partial_fc.init import derive_seed, init_rows_
 from partial_fc.margins import Margin
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.scale import AdaCosScale, log_mean_exp, median_angle
@@ -125,6 +125,38 @@ class PartialFC(nn.Module):
         if rows is None:
             return torch.zeros(0, dtype=torch.int64, device=self.weight.device)
         return None if bool(rows.all()) else rows.nonzero().squeeze(1)
+
+    @torch.no_grad()
+    def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
+                     ) -> dict[str, Tensor]:
+        """Target and non-target angles (degrees) of the global batch, for histograms (as
+        AdaCos Fig. 1). Collective: every rank passes its local batch and gets the gathered
+        ``{"theta_target": [N], "theta_nontarget": [<= P * per_rank]}``, the same on all ranks.
+
+        Each rank measures the targets it owns and ``per_rank`` (sample, own class) pairs drawn
+        uniformly with replacement, targets among them dropped, seeded by ``(seed, step,
+        rank)``; only those rows are normalised, so the cost is ``O((N + per_rank) D)``, not
+        a full ``[N, num_local]`` product. Diagnostics only: no loss, gradient, step or
+        sampler state is touched."""
+        group, device = self.process_group, embeddings.device
+        sizes = dist_ops.gather_sizes(embeddings.shape[0], device, group)
+        e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)
+        y = dist_ops.all_gather(labels.to(device=device, dtype=torch.int64), group, sizes)
+        targets = local_targets(y, self.class_start, self.num_local)
+        owned = (targets >= 0).nonzero().squeeze(1)
+        gen = torch.Generator(device=device).manual_seed(
+            derive_seed(self.seed, int(self.step), self.rank))
+        pick_i = torch.randint(len(y), (per_rank,), generator=gen, device=device)
+        pick_k = torch.randint(self.num_local, (per_rank,), generator=gen, device=device)
+        keep = pick_k != targets[pick_i]
+        pick_i, pick_k = pick_i[keep], pick_k[keep]
+        out = {}
+        for name, i, k in (("theta_target", owned, targets[owned]),
+                           ("theta_nontarget", pick_i, pick_k)):
+            w = F.normalize(self.weight.detach()[k].float(), dim=1)
+            cos = (e[i] * w).sum(dim=1).clamp(-1.0, 1.0)
+            out[name] = torch.rad2deg(torch.acos(dist_ops.all_gather(cos, group)))
+        return out
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         group = self.process_group

@@ -204,3 +204,19 @@ def test_cuda_matches_cpu_and_bf16_autocast_is_fp32_softmax():
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(x_gpu.grad).all()
     assert sampled.sampled_index.is_cuda and len(sampled.sampled_index) == 50
+
+
+def test_angle_sample_measures_targets_and_only_non_targets():
+    head = _head(MARGINS["cosface"], num_classes=10, dim=4)
+    labels = torch.tensor([3, 7, 3, 0, 9])
+    emb = head.weight.detach()[labels] * 2.0  # every target at angle 0
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    got = head.angle_sample(emb, labels, per_rank=300)
+    assert torch.allclose(got["theta_target"], torch.zeros(5), atol=0.1)
+    theta = torch.rad2deg(torch.acos(ref.cosines(emb, head.weight.detach()).clamp(-1, 1)))
+    theta[torch.arange(5), labels] = float("nan")  # targets must never be drawn
+    nontarget = got["theta_nontarget"]
+    assert 200 < len(nontarget) <= 300  # 300 draws, about 1 in 10 hits a target
+    gap = (nontarget[:, None] - theta.flatten()[None]).abs().nan_to_num(float("inf"))
+    assert gap.min(dim=1).values.max() < 1e-3  # each is one of the non-target angles
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())

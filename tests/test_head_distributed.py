@@ -86,6 +86,8 @@ def _run_cases(rank: int, world: int) -> dict:
     one = slice(N - world + rank, N - world + rank + 1)
     out["batch1"] = _grads(_head(CASES["arcface_adacos_dynamic"], weight), emb[one], labels[one])
     out["errors"] = _errors(rank, world, emb[even], labels[even], weight)
+    out["angles"] = _head(CASES["cosface"], weight).angle_sample(emb[uneven], labels[uneven],
+                                                                 per_rank=200)
     for name in ("adacos_dynamic", "arcface_adacos_dynamic"):  # s over several SGD steps
         head = _head(CASES[name], weight)
         opt = SampledSGD(head, **SGD)
@@ -140,11 +142,29 @@ def _check(world: int, results: list[dict]) -> None:
         label_msg, shape_msg = r["errors"]
         assert label_msg == f"PartialFC: label {C} out of range [0, {C}) (num_classes={C})"
         assert shape_msg.startswith("PartialFC: rank 0 passed bad inputs"), shape_msg
+    _check_angles(world, results, emb, weight, labels)
     for name in ("adacos_dynamic", "arcface_adacos_dynamic"):
         _check_steps(name, world, results, emb, weight, labels)
     for name, cfg in (("sampled_sgd", CASES["arcface_adacos_dynamic"]),
                       ("sampled_adamw", CASES["cosface"])):
         _check_sampling(name, cfg, results, emb, weight, labels)
+
+
+def _check_angles(world, results, emb, weight, labels):
+    """PartialFC.angle_sample: gathered targets = all N target angles, non-targets drawn from
+    the non-target angles only, identical on all ranks."""
+    got = results[0]["angles"]
+    for r in results[1:]:
+        assert all(torch.equal(r["angles"][k], v) for k, v in got.items())
+    theta = torch.rad2deg(torch.acos(ref.cosines(emb.double(), weight.double()).clamp(-1, 1)))
+    target = theta[torch.arange(N), labels]
+    torch.testing.assert_close(got["theta_target"].double().sort().values, target.sort().values,
+                               rtol=0, atol=1e-3)
+    theta[torch.arange(N), labels] = float("nan")
+    nontarget = got["theta_nontarget"].double()
+    assert 190 * world <= len(nontarget) <= 200 * world
+    gap = (nontarget[:, None] - theta.flatten()[None]).abs().nan_to_num(float("inf"))
+    assert gap.min(dim=1).values.max() < 1e-3
 
 
 def _same_on_all_ranks(results, name):
