@@ -15,7 +15,7 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from launch.inference import add_checkpoint_argument, load_backbone
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
-from partial_fc.eval.verification import FARS, evaluate_pairs
+from partial_fc.eval.verification import FARS, evaluate_pairs, resolves
 
 
 @contextlib.contextmanager
@@ -127,15 +127,24 @@ def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_s
 
 
 def format_table(results: dict[str, dict[str, float]]) -> str:
-    """Plain-text table, one row per verification set or IJB target; "-" where n/a."""
-    fars = [f"tar@far={far:.0e}" for far in sorted({*FARS, *IJB_FARS})]
+    """Plain-text table, one row per verification set or IJB target; "-" where n/a. A TAR
+    at a FAR the set's impostor pairs cannot resolve (fewer than 1/FAR) is printed with a
+    ``*`` and a note under the table."""
+    fars = sorted({*FARS, *IJB_FARS})
+
+    def tar(far: float) -> Callable[[dict], str]:
+        def cell(r: dict) -> str:
+            exact = resolves(r.get("impostor_pairs", 0), far)
+            return f"{100 * r[f'tar@far={far:.0e}']:.2f}" + ("" if exact else "*")
+        return cell
+
     columns = [  # (header, key, format)
-        ("pairs", "num_pairs", lambda r: f"{int(r['num_pairs'])}"),
+        ("pairs", "num_pairs", lambda r: f"{r['num_pairs']}"),
         ("accuracy (%)", "accuracy",
          lambda r: f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_std']:.2f}"),
         ("threshold", "best_threshold", lambda r: f"{r['best_threshold']:.3f}"),
         ("AUC", "auc", lambda r: f"{r['auc']:.4f}"),
-        *((f"TAR@{c[8:]} (%)", c, lambda r, c=c: f"{100 * r[c]:.2f}") for c in fars),
+        *((f"TAR@{far:.0e} (%)", f"tar@far={far:.0e}", tar(far)) for far in fars),
     ]
     columns = [col for col in columns if any(col[1] in r for r in results.values())]
     rows = [["set", *(header for header, _, _ in columns)]]
@@ -144,6 +153,9 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if any(cell.endswith("*") for row in rows[1:] for cell in row):
+        lines.append("* fewer than 1/FAR impostor pairs: the TAR at the nearest FAR they can "
+                     "resolve (the IJB protocol's closest-FAR rule), not a measurement at FAR")
     return "\n".join(lines)
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partial_fc.eval.verification import best_threshold, cosine_scores, evaluate_pairs
+from partial_fc.eval.verification import (
+    best_threshold,
+    cosine_scores,
+    evaluate_pairs,
+    resolves,
+)
 
 
 def _pairs_with_scores(scores) -> tuple[np.ndarray, np.ndarray]:
@@ -45,8 +50,10 @@ def test_ten_fold_accuracy_by_hand():
     assert out["accuracy_std"] == pytest.approx(0.15)
     assert out["best_threshold"] == pytest.approx(0.5)
     assert out["auc"] == pytest.approx(0.9)
-    assert out["num_pairs"] == 20
-    assert "tar@far=1e-03" not in out  # 10 negatives cannot resolve FAR 1e-3
+    assert out["num_pairs"] == 20 and isinstance(out["num_pairs"], int)
+    # 10 negatives cannot resolve FAR 1e-3: the closest ROC point is FPR 0, TPR 9/10.
+    assert out["impostor_pairs"] == 10 and not resolves(10, 1e-3) and resolves(1000, 1e-3)
+    assert out["tar@far=1e-03"] == pytest.approx(0.9)
 
 
 def test_tar_at_far_by_hand():

@@ -111,9 +111,13 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
                  str(tmp_path / "r.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["set", "pairs", "accuracy"]
-    assert [ln.split()[0] for ln in lines[2:]] == ["lfw", "cfp"]
+    assert [ln.split()[0] for ln in lines[2:4]] == ["lfw", "cfp"]
+    # 5 impostor pairs cannot resolve FAR 1e-3: the TAR is printed, marked, with a note.
+    assert "TAR@1e-03 (%)" in lines[0] and lines[2].split()[-1].endswith("*"), lines
+    assert lines[4].startswith("* fewer than 1/FAR impostor pairs") and len(lines) == 5
     saved = json.loads((tmp_path / "r.json").read_text())
     assert set(saved) == {"lfw", "cfp"} and saved["lfw"]["num_pairs"] == 10
+    assert saved["lfw"]["impostor_pairs"] == 5 and 0 <= saved["lfw"]["tar@far=1e-03"] <= 1
 
 
 def _ranks(rank, world, run, bin_path):

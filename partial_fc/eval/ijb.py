@@ -10,7 +10,8 @@ numbers compare with published tables:
 4. template feature: ``t = normalise(sum_{m in template} g_m)``;
 5. score of a template pair: cosine ``<t_1, t_2>``;
 6. TAR at FAR in 1e-6 .. 1e-1 from ``sklearn.metrics.roc_curve``, taking the ROC
-   point whose FAR is *closest* to the target (insightface's rule; at a FAR that
+   point whose FAR is *closest* to the target (insightface's rule, the one
+   ``partial_fc.eval.verification.tar_at_far`` applies to every set; at a FAR that
    the negative count cannot resolve this is the nearest achievable point).
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from sklearn.metrics import roc_curve
 
-from partial_fc.eval.verification import normalise_rows
+from partial_fc.eval.verification import normalise_rows, tar_at_far
 
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 
@@ -73,27 +74,24 @@ def pair_scores(template_ids, template_feats, t1, t2) -> np.ndarray:
 
 
 def tar_at_far_closest(labels, scores, fars=IJB_FARS) -> dict[float, float]:
-    """TAR at the ROC point whose FAR is closest to each target (insightface's rule).
-
-    Ties go to the larger FAR, as in insightface's ``min(zip(|fpr - far|, index))``
-    over the flipped ROC.
-    """
+    """TAR at the ROC point whose FAR is closest to each target (:func:`tar_at_far`)."""
     fpr, tpr, _ = roc_curve(np.asarray(labels).astype(bool), np.asarray(scores))
-    fpr, tpr = fpr[::-1], tpr[::-1]
-    return {far: float(tpr[int(np.argmin(np.abs(fpr - far)))]) for far in fars}
+    return {far: tar_at_far(fpr, tpr, far) for far in fars}
 
 
 def evaluate_ijb(image_feats, templates, medias, face_scores, t1, t2, labels,
-                 fars=IJB_FARS) -> dict[str, float]:
+                 fars=IJB_FARS) -> dict[str, float | int]:
     """Steps 1-6 for ``[N]`` images and ``[M]`` labelled template pairs.
 
     Returns:
-        ``{"tar@far=1e-06": ..., ..., "tar@far=1e-01": ..., "num_pairs": M}``.
+        ``{"tar@far=1e-06": ..., ..., "tar@far=1e-01": ..., "num_pairs": M,
+        "impostor_pairs": negatives}`` (the counts are integers).
         ``face_scores=None`` disables detector-score weighting.
     """
     ids, feats = template_features(image_feats, templates, medias, face_scores)
     scores = pair_scores(ids, feats, t1, t2)
-    out = {f"tar@far={far:.0e}": tar for far, tar in
-           tar_at_far_closest(labels, scores, fars).items()}
-    out["num_pairs"] = float(len(scores))
+    out: dict[str, float | int] = {f"tar@far={far:.0e}": tar for far, tar in
+                                   tar_at_far_closest(labels, scores, fars).items()}
+    out["num_pairs"] = len(scores)
+    out["impostor_pairs"] = int((~np.asarray(labels).astype(bool)).sum())
     return out

@@ -60,11 +60,25 @@ def best_threshold(scores: np.ndarray, issame: np.ndarray) -> tuple[float, float
 
 
 def tar_at_far(fpr: np.ndarray, tpr: np.ndarray, far: float) -> float:
-    """Highest true-accept rate whose false-accept rate is ``<= far`` (from an ROC)."""
-    return float(tpr[fpr <= far].max())
+    """True-accept rate at the ROC point whose false-accept rate is closest to ``far``.
+
+    The IJB protocol's rule (insightface ``recognition/_evaluation_/ijb``), used for every
+    TAR@FAR this project reports (``.bin`` sets and IJB alike), so the columns compare. Ties
+    go to the larger FAR, as insightface's ``min(zip(|fpr - far|, index))`` over the flipped
+    ROC. With fewer than ``1/far`` impostor pairs no ROC point lies at ``far``: the value is
+    the nearest achievable point (:func:`resolves` says which; reports mark it).
+    """
+    fpr, tpr = np.asarray(fpr)[::-1], np.asarray(tpr)[::-1]
+    return float(tpr[int(np.argmin(np.abs(fpr - far)))])
 
 
-def evaluate_pairs(emb1, emb2, issame, nfolds: int = 10) -> dict[str, float]:
+def resolves(impostor_pairs: int, far: float) -> bool:
+    """Whether ``impostor_pairs`` different-identity pairs can measure a FAR of ``far``
+    (at least one false accept allowed: ``impostor_pairs * far >= 1``)."""
+    return impostor_pairs * far >= 1.0
+
+
+def evaluate_pairs(emb1, emb2, issame, nfolds: int = 10) -> dict[str, float | int]:
     """Verification metrics for P pairs ``(emb1[p], emb2[p])``.
 
     Args:
@@ -76,8 +90,9 @@ def evaluate_pairs(emb1, emb2, issame, nfolds: int = 10) -> dict[str, float]:
         A flat dict of floats: ``accuracy`` and ``accuracy_std`` (mean and std over
         the folds, each fold scored at the threshold chosen on the other folds),
         ``best_threshold`` (best cosine threshold on all pairs), ``auc`` (ROC area),
-        ``tar@far=1e-03`` / ``tar@far=1e-04`` (only when there are at least
-        1/FAR different-identity pairs, else the key is absent), ``num_pairs``.
+        ``tar@far=1e-03`` / ``tar@far=1e-04`` (:func:`tar_at_far`; with fewer than 1/FAR
+        ``impostor_pairs`` the nearest achievable FAR, see :func:`resolves`), and the
+        integers ``num_pairs`` and ``impostor_pairs`` (different-identity pairs).
     """
     scores = cosine_scores(emb1, emb2)
     same = np.asarray(issame, dtype=bool).reshape(-1)
@@ -100,9 +115,8 @@ def evaluate_pairs(emb1, emb2, issame, nfolds: int = 10) -> dict[str, float]:
         "accuracy_std": float(np.std(fold_acc)),
         "best_threshold": threshold,
         "auc": float(auc(fpr, tpr)),  # what roc_auc_score computes, from this ROC
-        "num_pairs": float(len(same)),
+        "num_pairs": len(same),
+        "impostor_pairs": n_neg,
     }
-    for far in FARS:
-        if n_neg * far >= 1.0:
-            out[f"tar@far={far:.0e}"] = tar_at_far(fpr, tpr, far)
+    out.update({f"tar@far={far:.0e}": tar_at_far(fpr, tpr, far) for far in FARS})
     return out
