@@ -1,7 +1,7 @@
 """One optimisation step: data-parallel backbone (DDP or DeepSpeed) + model-parallel head.
 
 The sharded head is deliberately **outside** DDP/DeepSpeed: its rows are never averaged
-(DESIGN.md invariant 2) and it has its own row-sampling optimizer
+(docs/design.md, invariant 2) and it has its own row-sampling optimizer
 (``partial_fc.optim.SampledSGD/SampledAdamW``). A step splits the backward in two:
 
 1. ``e = emb.detach().float()``; ``loss = head(e, labels)``; ``loss.backward()`` gives the
