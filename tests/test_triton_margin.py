@@ -31,6 +31,8 @@ import sys
 import pytest
 import torch
 
+from partial_fc import chunked
+
 CUDA = torch.cuda.is_available()
 if not CUDA:  # must precede the first import of triton (triton.jit reads it at decoration)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -218,12 +220,23 @@ def test_class_tile_grads_match_float64(case, poisoned):
     _check_grads(*CASES[case])
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chunked_torch_path_matches_float64(case, poisoned):
+    """The PyTorch path (``partial_fc.chunked``, chunk = 7 columns: several chunks, a partial
+    last one) within the same bounds as the kernels."""
+    _check_stats(*CASES[case], tensor_scale=case.startswith("odd"),
+                 stats=chunked.class_tile_stats)
+    _check_grads(*CASES[case], grads=chunked.class_tile_grads)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (compiled Triton kernels)")
 @pytest.mark.parametrize("case", sorted(MEDIUM))
 def test_compiled_kernels_match_float64_at_medium_sizes(case, poisoned):
     _check_stats(*MEDIUM[case], tensor_scale=True)
     _check_grads(*MEDIUM[case])
+    _check_stats(*MEDIUM[case], tensor_scale=True, stats=chunked.class_tile_stats)
+    _check_grads(*MEDIUM[case], grads=chunked.class_tile_grads)
 
 
 def test_kernels_compose_into_autograds_margin_softmax_gradients():

@@ -1,0 +1,107 @@
+"""The class-tile passes of the margin softmax head in PyTorch, chunked over classes.
+
+Same names and semantics as the Triton kernels of ``partial_fc.kernels.triton_margin`` (used on
+CPU, and as their reference): ``e [N, D]`` normalised embeddings, ``w [S, D]`` this rank's
+(sampled) weight rows, *not* normalised, ``inv_norm [S] = 1 / ||w_k||`` folded into each chunk
+(no normalised copy of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` (arXiv:1801.07698 Eq. 2-3),
+``target_col [N]`` the column of row ``i``'s target in ``w`` (``-1``: not in this shard).
+
+The classes are swept ``chunk`` columns at a time, so at most two ``[N, chunk]`` fp32 buffers are
+alive: the forward keeps an online row max / sum-exp (Milakov & Gimelshein 2018) and the
+backward recomputes each chunk's cosines (as Cut Cross-Entropy does, arXiv:2411.09009) instead
+of keeping ``[N, S]`` logits. Matmul operands are rounded to the narrower of ``e.dtype`` and
+``w.dtype`` (as autocast picks) and multiplied in fp32; ``exp`` and every output are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["chunk_columns", "class_tile_grads", "class_tile_stats"]
+
+
+def chunk_columns(n: int, max_tile_bytes: int) -> int:
+    """Columns of one fp32 ``[n, chunk]`` tile within ``max_tile_bytes`` (at least 1)."""
+    return max(1, max_tile_bytes // (4 * max(n, 1)))
+
+
+def _operands(e: Tensor, w: Tensor) -> tuple[Tensor, torch.dtype]:
+    """``e`` rounded to the operand dtype and widened to fp32 (exact), and that dtype: a 16-bit
+    matmul in PyTorch rounds its *output* to 16 bits, so the products run in fp32 on operands
+    rounded as the kernels round them."""
+    if e.dim() != 2 or w.dim() != 2 or e.shape[1] != w.shape[1]:
+        raise ValueError(f"chunked: e {tuple(e.shape)} and w {tuple(w.shape)} need the same D")
+    op = w.dtype if e.dtype == torch.float32 else e.dtype
+    return e.to(op).float(), op
+
+
+def _cos_chunk(e_f: Tensor, w: Tensor, op: torch.dtype, inv_norm: Tensor, a: int,
+               b: int) -> tuple[Tensor, Tensor]:
+    """fp32 ``cos [N, b - a]`` of columns ``a:b`` (a fresh buffer, free to modify) and those
+    rows of ``w`` as the matmul saw them (fp32)."""
+    w_f = w[a:b].to(op).float()
+    return (e_f @ w_f.t()).mul_(inv_norm[a:b]), w_f
+
+
+def _targets_in(target_col: Tensor, a: int, b: int) -> tuple[Tensor, Tensor]:
+    """Rows whose target lies in columns ``a:b``, and its column inside the chunk."""
+    rows = ((target_col >= a) & (target_col < b)).nonzero().squeeze(1)
+    return rows, target_col[rows] - a
+
+
+@torch.no_grad()
+def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                     s: Tensor | float, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Over the non-target columns of each row: ``row_max = max_k s cos_ik`` (``-inf`` if none),
+    ``row_sum = sum_k exp(s cos_ik - row_max_i)`` and ``cos_sum = sum_k cos_ik``, ``[N]`` fp32.
+    ``s`` is a float or a 0-d tensor; at most ``chunk`` columns are materialised at once."""
+    e_f, op = _operands(e, w)
+    n, cols = e.shape[0], w.shape[0]
+    s = s.float() if isinstance(s, Tensor) else float(s)
+    row_max = torch.full((n,), -torch.inf, device=e.device)
+    row_sum = torch.zeros(n, device=e.device)
+    cos_sum = torch.zeros(n, device=e.device)
+    for a in range(0, cols, chunk):
+        b = min(a + chunk, cols)
+        cos, _ = _cos_chunk(e_f, w, op, inv_norm, a, b)
+        rows, at = _targets_in(target_col, a, b)
+        cos[rows, at] = 0.0
+        cos_sum += cos.sum(dim=1)
+        z = cos.mul_(s)
+        z[rows, at] = -torch.inf
+        new_max = torch.maximum(row_max, z.amax(dim=1))
+        safe = torch.where(torch.isinf(new_max), 0.0, new_max)  # rows with no column yet
+        row_sum.mul_(torch.exp(row_max - safe)).add_(z.sub_(safe[:, None]).exp_().sum(dim=1))
+        row_max = new_max
+    return row_max, row_sum, cos_sum
+
+
+@torch.no_grad()
+def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+                     chunk: int) -> tuple[Tensor, Tensor]:
+    """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
+    ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` and, w.r.t.
+    the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
+    ``g = G^T E`` ``[S, D]``, both fp32. ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the
+    projection costs one column sum per chunk."""
+    e_f, op = _operands(e, w)
+    cols = w.shape[0]
+    s = s.float() if isinstance(s, Tensor) else float(s)
+    grad_e = torch.zeros(e.shape, dtype=torch.float32, device=e.device)
+    grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    lse, coef = lse.float()[:, None], coef.float()[:, None]
+    for a in range(0, cols, chunk):
+        b = min(a + chunk, cols)
+        cos, w_f = _cos_chunk(e_f, w, op, inv_norm, a, b)
+        rows, at = _targets_in(target_col, a, b)
+        g = (cos * s).sub_(lse).exp_().mul_(coef)
+        g[rows, at] = target_grad[rows].float()
+        r = (g * cos).sum(dim=0)  # [b - a]: w_hat_k . g_k
+        del cos
+        inv = inv_norm[a:b]
+        grad_w[a:b] = ((g.t() @ e_f).mul_(inv[:, None])
+                       .sub_((inv * inv * r)[:, None] * w[a:b].float()))
+        grad_e.addmm_(g.mul_(inv), w_f)
+    return grad_e, grad_w
