@@ -195,21 +195,25 @@ class Engine:
     ) -> dict:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
-        Returns ``{"loss", "lr", "grad_norm", "skipped"}`` (loss = mean over micro-batches of
-        the global-batch loss, identical on all ranks); with ``angles=True`` also
-        ``"angles"`` from ``PartialFC.angle_sample`` on the last micro-batch (collective).
+        Returns ``{"loss", "lr", "grad_norm", "skipped", "overflow"}`` (loss = mean over
+        micro-batches of the global-batch loss, identical on all ranks); with
+        ``angles=True`` also ``"angles"`` from ``PartialFC.angle_sample`` on the last
+        micro-batch (collective).
 
         ``skipped`` is True, on every rank alike, when the step was dropped because the loss,
         an embedding gradient, the head gradient or the backbone gradient norm was not finite
         (:meth:`_agree_finite`, DeepSpeed's own overflow check): then neither the backbone nor
         the head is updated, both optimizers' states and every buffer (BatchNorm statistics,
         the AdaCos scale) are as before the step, and the gradients are cleared.
+        ``overflow`` is True when the skip was DeepSpeed's fp16 loss scaler's alone
+        (:meth:`_loss_scale_overflow`): the same skip of both optimizers, but not a sign of
+        divergence.
         """
         lr = self.set_lr(step)
         k = len(micro_batches)
         buffers = self._buffers()
         finite = torch.ones((), dtype=torch.bool, device=self.device)
-        skip, loss_sum = False, 0.0
+        skip, dropped, loss_sum = False, False, 0.0
         for i, (images, labels) in enumerate(micro_batches):
             boundary = i == k - 1
             x = normalize_images(images.to(self.device, non_blocking=True)).to(self.input_dtype)
@@ -230,10 +234,12 @@ class Engine:
                 if angles and boundary:
                     sample = self.head.angle_sample(e.detach(), y)
                 if self.deepspeed:
-                    skip = self._deepspeed_backward(surrogate, boundary, skip) or skip
+                    dropped = self._deepspeed_backward(surrogate, boundary, skip)
                 else:
                     surrogate.backward()
             loss_sum += loss.item()
+        overflow = self._loss_scale_overflow(dropped, skip)
+        skip = skip or dropped
         if self.deepspeed:
             norm = self.model.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
@@ -250,10 +256,25 @@ class Engine:
         else:
             self.head_optimizer.step()
         self.head_optimizer.zero_grad(set_to_none=True)
-        out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm, "skipped": skip}
+        out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm, "skipped": skip,
+               "overflow": overflow}
         if angles:
             out["angles"] = sample
         return out
+
+    def _loss_scale_overflow(self, dropped: bool, bad: bool) -> bool:
+        """Whether DeepSpeed dropped this step for its fp16 loss scaler only.
+
+        ``dropped``: DeepSpeed did not apply the update (``was_step_applied``); ``bad``: this
+        engine's own all-reduced check found a non-finite loss or embedding/head gradient.
+        In fp16 a drop with finite loss and head gradients means the *scaled* backbone
+        gradients overflowed: the scaler halves its scale and goes on. That is the normal
+        start of an fp16 run (the scale begins at 2^16), counted as ``skipped_steps`` and
+        not towards ``train.max_bad_steps``; a backbone that really diverges drives the
+        scale to its minimum, where DeepSpeed stops the run itself. In bf16/fp32 there is
+        no scale, so a drop is a non-finite gradient (a bad step).
+        """
+        return dropped and not bad and self.cfg.engine.precision == "fp16"
 
     def _agree_finite(self, finite: torch.Tensor) -> bool:
         """Whether ``finite`` holds on every rank: one all-reduce (MIN) of a 0/1 flag."""

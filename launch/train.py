@@ -115,6 +115,7 @@ class Run:
     epoch: int = 0
     saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
     bad_steps: int = 0  # skipped as non-finite, in all
+    skipped_steps: int = 0  # dropped by DeepSpeed's fp16 loss scaler (overflow), in all
     skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
     bad_in_a_row: int = 0
     step_started: float = 0.0  # time.monotonic() when the current step began
@@ -187,6 +188,7 @@ def resume(run: Run) -> None:
         meta = checkpoint.load(path, run.engine)
         run.step, run.saved = meta["step"], path
         run.bad_steps = meta.get("bad_steps", 0)
+        run.skipped_steps = meta.get("skipped_steps", 0)
         run.skipped_samples = meta.get("skipped_samples", 0)
         loader.load_state_dict(meta["loader"])
         finished = len(loader) - loader.batches_done < cfg.train.grad_accum
@@ -228,7 +230,9 @@ def one_step(run: Run, micro_batches: list) -> None:
     hist = log.wants_histograms(run.step + 1)
     stats = run.engine.step(run.step, micro_batches, angles=hist)
     run.step += 1
-    if stats["skipped"]:  # the same on every rank, so all raise together below
+    if stats["overflow"]:  # fp16 loss scale too high: skipped, not diverging
+        run.skipped_steps += 1
+    elif stats["skipped"]:  # the same on every rank, so all raise together below
         run.bad_steps += 1
         run.bad_in_a_row += 1
     else:
@@ -237,7 +241,7 @@ def one_step(run: Run, micro_batches: list) -> None:
     log.step(run.step, stats, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
     if hist:
         log.histograms(run.step, stats["angles"])
-    if not stats["skipped"]:
+    if not stats["skipped"] or stats["overflow"]:
         return
     log.info(f"step {run.step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
              f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
@@ -252,15 +256,16 @@ def one_step(run: Run, micro_batches: list) -> None:
 
 def data_counts(run: Run) -> dict[str, int]:
     """Collective: corrupt samples and samples repeated to pad (all ranks), and the steps
-    skipped as non-finite. Every epoch meets the same corrupt files, so ``skipped_samples``
-    is the most any one epoch has counted, not a sum that grows by them each epoch."""
+    skipped as non-finite (``bad_steps``) or by the fp16 loss scaler (``skipped_steps``).
+    Every epoch meets the same corrupt files, so ``skipped_samples`` is the most any one
+    epoch has counted, not a sum that grows by them each epoch."""
     from partial_fc.distributed import gather_ints
 
     loader = run.loader
     counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
     run.skipped_samples = max(run.skipped_samples, int(counts[0]))
     return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
-            "bad_steps": run.bad_steps}
+            "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
 
 
 def save(run: Run) -> None:
@@ -268,7 +273,7 @@ def save(run: Run) -> None:
     cfg = run.cfg
     meta = {"loader": run.loader.state_dict(), "name": cfg.name,
             "config": cfg.model_dump(mode="json"), "bad_steps": run.bad_steps,
-            "skipped_samples": run.skipped_samples}
+            "skipped_steps": run.skipped_steps, "skipped_samples": run.skipped_samples}
     run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, meta, cfg.checkpoint.keep)
 
 

@@ -62,7 +62,7 @@ def local_micro_batches(step: int, size: int, rank: int, world: int, k: int) -> 
     return out
 
 
-def build_engine(cfg, total_steps: int = 10):
+def build_engine(cfg, total_steps: int = 10, device: str = "cpu"):
     from launch.engine import Engine
     from partial_fc import PartialFC, build_margin
 
@@ -75,7 +75,8 @@ def build_engine(cfg, total_steps: int = 10):
         sample_rate=cfg.head.sample_rate,
         seed=cfg.seed,
     )
-    return Engine(cfg, backbone, head, torch.device("cpu"), total_steps=total_steps, warmup_steps=0)
+    return Engine(cfg, backbone, head, torch.device(device), total_steps=total_steps,
+                  warmup_steps=0)
 
 
 def snapshot(engine) -> dict:

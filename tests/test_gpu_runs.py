@@ -62,6 +62,10 @@ def _assert_trained(result: subprocess.CompletedProcess, run: Path) -> None:
 def test_short_gpu_run_trains(synthetic_data, tmp_path, overrides):
     run = tmp_path / "run"
     _assert_trained(_train(synthetic_data, run, *overrides), run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "loss" in r][-1]
+    # fp16: steps the loss scaler dropped are counted apart from non-finite (bad) steps.
+    assert last["skipped_steps"] >= 0 and last["bad_steps"] == 0, last
 
 
 def test_deepspeed_run_resumes_from_its_checkpoint(synthetic_data, tmp_path):

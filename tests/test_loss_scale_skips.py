@@ -1,0 +1,107 @@
+"""A step DeepSpeed's fp16 loss scaler drops is dropped by the head's optimizer too, and counted.
+
+DeepSpeed's fp16 optimizer skips an update whose *scaled* gradients overflowed (it then halves
+the scale) and reports it through ``was_step_applied()``. The head lives outside DeepSpeed, so
+``Engine.step`` must skip the head's update on the same step, put every buffer back, and report
+``overflow`` (a loss-scale skip, counted as ``skipped_steps``, not a diverging step).
+
+On CPU fp16 does not run (no fp16 kernels here), so the CPU test makes DeepSpeed's ZeRO-1
+engine behave as its scaler does on an overflow - no update, ``was_step_applied() == False`` -
+and checks what this project's code does with that. The cuda-marked test overflows a real
+fp16 scaler (initial scale 2^32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch_helpers import build_engine, local_micro_batches, make_config, snapshot
+
+GLOBAL_BATCH = 8
+
+
+def _same(a: dict, b: dict) -> bool:
+    same = torch.equal(a["rows"], b["rows"])
+    for part in ("backbone", "head_opt", "head_state"):
+        same &= a[part].keys() == b[part].keys()
+        same &= all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+    return same
+
+
+def _drop_next_update(engine, monkeypatch) -> None:
+    """DeepSpeed's overflow behaviour for the next ``step()``: gradients cleared, no update,
+    ``was_step_applied()`` False once (deepspeed/runtime/engine.py ``_take_model_step``)."""
+    model = engine.model
+    step, applied = model.step, model.was_step_applied
+
+    def overflowed_step(*args, **kwargs):
+        monkeypatch.setattr(model, "step", step)
+        model.zero_grad()
+
+    def not_applied():
+        monkeypatch.setattr(model, "was_step_applied", applied)
+        return False
+
+    monkeypatch.setattr(model, "step", overflowed_step)
+    monkeypatch.setattr(model, "was_step_applied", not_applied)
+
+
+def test_dropped_deepspeed_step_skips_the_head_too(one_rank_group, monkeypatch):
+    import os
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    # One process group for both (DeepSpeed keeps groups across engines in a process).
+    for precision in ("fp16", "bf16"):
+        cfg = make_config("engine.type=deepspeed", "engine.zero_stage=1",
+                          f"train.batch_size={GLOBAL_BATCH}")
+        engine = build_engine(cfg)
+        # The engine runs fp32 on CPU; only the overflow classification reads the precision.
+        engine.cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
+            update={"precision": precision})})
+        engine.step(0, local_micro_batches(0, GLOBAL_BATCH, 0, 1, 1))  # momentum exists
+        before = snapshot(engine)
+        _drop_next_update(engine, monkeypatch)
+        out = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, 0, 1, 1))
+        assert out["skipped"], precision
+        # fp16: the scaler's own skip; bf16 has no scaler, so a drop is a non-finite gradient.
+        assert out["overflow"] == (precision == "fp16"), precision
+        assert _same(snapshot(engine), before), precision
+        nxt = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, 0, 1, 1))
+        assert not nxt["skipped"] and not nxt["overflow"], precision
+        assert not torch.equal(snapshot(engine)["rows"], before["rows"]), precision
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_fp16_overflow_skips_backbone_and_head(monkeypatch):
+    import os
+
+    import torch.distributed as dist
+
+    import launch.engine as engine_module
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    make_ds = engine_module.deepspeed_config
+
+    def huge_initial_scale(cfg, world_size):  # 2^32 x any gradient overflows fp16 (6.5e4)
+        out = make_ds(cfg, world_size)
+        out["fp16"].update(initial_scale_power=32)
+        return out
+
+    monkeypatch.setattr(engine_module, "deepspeed_config", huge_initial_scale)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = make_config("engine.type=deepspeed", "engine.zero_stage=1",
+                          "engine.precision=fp16", f"train.batch_size={GLOBAL_BATCH}")
+        engine = build_engine(cfg, device="cuda:0")
+        before, outs = snapshot(engine), []
+        for s in range(40):  # the scale halves per overflow: 2^32 -> a working scale
+            outs.append(engine.step(s, local_micro_batches(s, GLOBAL_BATCH, 0, 1, 1)))
+            if not outs[-1]["skipped"]:
+                break
+            assert outs[-1]["overflow"] and _same(snapshot(engine), before), s
+        assert len(outs) > 1 and not outs[-1]["skipped"] and not outs[-1]["overflow"], outs
+        assert not torch.equal(snapshot(engine)["rows"], before["rows"])
+    finally:
+        dist.destroy_process_group()
