@@ -288,6 +288,7 @@ def test_missing_triton_is_a_clear_import_error(monkeypatch):
         importlib.import_module("partial_fc.kernels.triton_margin")
 
 
+@pytest.mark.slow  # a fresh interpreter importing every partial_fc module: 3-15 s
 def test_nothing_else_imports_triton():
     code = ("import pkgutil, sys, importlib, partial_fc\n"
             "for m in pkgutil.walk_packages(partial_fc.__path__, 'partial_fc.'):\n"
