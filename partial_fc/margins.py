@@ -75,14 +75,8 @@ class CombinedMargin(Margin):
     and the gradient w.r.t. ``cos`` is 0, never NaN or inf.
     """
 
-    def __init__(
-        self,
-        scale: FixedScale | AdaCosScale,
-        m1: float = 1.0,
-        m2: float = 0.0,
-        m3: float = 0.0,
-        easy_margin: bool = False,
-    ) -> None:
+    def __init__(self, scale: FixedScale | AdaCosScale, m1: float = 1.0, m2: float = 0.0,
+                 m3: float = 0.0, easy_margin: bool = False) -> None:
         super().__init__(scale)
         _raise(_combined_errors(m1, m2, m3, easy_margin))
         self.m1, self.m2, self.m3, self.easy_margin = float(m1), float(m2), float(m3), easy_margin
