@@ -1,0 +1,362 @@
+"""``python -m launch.plan``: does my run fit, and what does each step move?
+
+Per-GPU memory of the sharded head (weight, optimizer state, gradient, working memory) and
+of the backbone (parameters, gradients, optimizer state after ZeRO sharding, activations),
+the bytes and time of every collective of one step, and the largest class count that fits,
+all from ``partial_fc.memory`` (the formulas, with their derivation). ``--config RECIPE``
+supplies the run's values; flags override them. ``--scaling 8,64,512`` adds a modelled step
+time per GPU count (see docs/scaling.md for which inputs are measured and which modelled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from partial_fc import memory
+from partial_fc.backbones import build_backbone, list_backbones
+
+GIB = 2**30
+
+# Activation bytes per image at 112x112 in training mode: partial_fc.memory.activation_bytes
+# at batch 4 minus batch 2, halved (CPU, torch 2.11, D=512); a backbone missing here is
+# measured when first asked for (measure_activations).
+ACTIVATIONS = {
+    ("iresnet18", "fp32"): 46_113_792, ("iresnet18", "bf16"): 23_056_896,
+    ("iresnet34", "fp32"): 61_166_592, ("iresnet34", "bf16"): 30_583_296,
+    ("iresnet50", "fp32"): 70_800_384, ("iresnet50", "bf16"): 35_400_192,
+    ("iresnet100", "fp32"): 111_744_000, ("iresnet100", "bf16"): 55_872_000,
+    ("iresnet200", "fp32"): 195_437_568, ("iresnet200", "bf16"): 97_718_784,
+    ("iresnet_tiny", "fp32"): 4_768_768, ("iresnet_tiny", "bf16"): 2_384_384,
+    ("mobilefacenet", "fp32"): 36_835_328, ("mobilefacenet", "bf16"): 18_417_664,
+}
+
+# Measured on one H100 (issue 11, torch 2.11, bf16, batch 128): iresnet50 forward + backward
+# + SGD on random input in channels_last, and the head's three matmuls at C_local = 1M,
+# N = 1024, D = 512 in bf16 (issue 10).
+R50_IMAGES_PER_S = 3513.0
+HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
+
+
+class PlanError(ValueError):
+    """An impossible input: one line naming the flag and the value."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    classes: int
+    gpus: int
+    gpus_per_node: int
+    sample_rate: float
+    dim: int
+    batch: int
+    backbone: str
+    state_dtype: str
+    gpu_memory: float
+    optimizer: str
+    precision: str
+    engine: str
+    zero_stage: int
+    reserve: float
+    intra_bw: float
+    inter_bw: float
+    latency_us: float
+    row_sparse_grad: bool
+
+
+def backbone_params(name: str, dim: int) -> tuple[int, int]:
+    """``(parameters, trainable parameters)``, from building the model on the meta device
+    (no weights allocated)."""
+    with torch.device("meta"):
+        model = build_backbone(name, embedding_size=dim)
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+@functools.cache
+def backbone_flops(name: str, dim: int = 512) -> float:
+    """Forward flops per 112x112 image (torch's FlopCounterMode on the meta device)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_backbone(name, embedding_size=dim)
+        with FlopCounterMode(display=False) as counter:
+            model(torch.empty(2, 3, 112, 112))
+    return counter.get_total_flops() / 2
+
+
+def activations_per_image(name: str, precision: str) -> int:
+    """The table's entry (fp16 counts as bf16), or a measurement now (CPU-seconds)."""
+    key = (name, "fp32" if precision == "fp32" else "bf16")
+    return ACTIVATIONS[key] if key in ACTIVATIONS else measure_activations(*key)
+
+
+@functools.cache
+def measure_activations(name: str, precision: str) -> int:
+    """Activation bytes per image: saved-for-backward bytes at batch 4 minus batch 2, halved
+    (the batch-independent part, e.g. autocast's weight copies, cancels)."""
+    model = build_backbone(name)
+    a2, a4 = (memory.activation_bytes(model, b, precision) for b in (2, 4))
+    return (a4 - a2) // 2
+
+
+def plan(inp: Inputs) -> dict:
+    """Everything the CLI prints, as one JSON-ready dict (bytes, seconds)."""
+    params, trainable = backbone_params(inp.backbone, inp.dim)
+    act = activations_per_image(inp.backbone, inp.precision) * inp.batch
+    bb = memory.backbone_state_bytes(params, inp.gpus, trainable=trainable, engine=inp.engine,
+                                     precision=inp.precision, zero_stage=inp.zero_stage,
+                                     optimizer=inp.optimizer)
+    fixed = sum(bb.values()) + act + int(inp.reserve * GIB)
+    limit = int(inp.gpu_memory * GIB)
+
+    def head(classes: int) -> memory.HeadMemory:
+        return memory.head_memory(
+            classes, inp.gpus, inp.dim, inp.batch * inp.gpus, inp.sample_rate,
+            state_dtype=inp.state_dtype, optimizer=inp.optimizer, precision=inp.precision,
+            row_sparse_grad=inp.row_sparse_grad)
+
+    h = head(inp.classes)
+    peak = fixed + h.total
+    multi_node = inp.gpus > inp.gpus_per_node
+    bw = (inp.inter_bw if multi_node else inp.intra_bw) * 1e9
+    colls = []
+    for c in memory.step_collectives(inp.batch, inp.gpus, inp.dim, trainable, engine=inp.engine,
+                                     precision=inp.precision, zero_stage=inp.zero_stage):
+        colls.append({"name": c.name, "kind": c.kind, "bytes": c.nbytes,
+                      "traffic_bytes_per_gpu": round(c.traffic(inp.gpus)),
+                      "seconds": memory.collective_seconds(c, inp.gpus, bw,
+                                                           inp.latency_us * 1e-6)})
+    return {
+        "inputs": inp.__dict__,
+        "backbone_params": params,
+        "classes_per_gpu": h.num_local,
+        "sampled_classes_per_gpu": h.sampled,
+        "weight_bytes_per_gpu": h.weight,
+        "head_state_bytes_per_gpu": h.optimizer_state,
+        "head_grad_bytes_per_gpu": h.gradient,
+        "head_working_bytes_per_gpu": h.working,
+        "backbone_param_bytes_per_gpu": bb["parameters"],
+        "backbone_grad_bytes_per_gpu": bb["gradients"],
+        "backbone_state_bytes_per_gpu": bb["optimizer_state"],
+        "activation_bytes_per_gpu": act,
+        "reserve_bytes_per_gpu": int(inp.reserve * GIB),
+        "peak_bytes_per_gpu": peak,
+        "gpu_memory_bytes": limit,
+        "fits": peak <= limit,
+        "max_classes": memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
+        "link": "inter-node" if multi_node else "intra-node",
+        "link_bytes_per_s": bw,
+        "collectives": colls,
+        "comm_seconds": sum(c["seconds"] for c in colls),
+    }
+
+
+def step_model(result: dict, head_factor: float) -> dict:
+    """Modelled step time on H100s: the backbone's measured single-GPU step (scaled by flops
+    from iresnet50 and by batch), the head at ``head_factor`` x its matmul time, the head's
+    collectives in full, and the backbone's gradient sync minus the backward it overlaps
+    (DDP buckets; backward ~ 2/3 of the backbone step)."""
+    inp = result["inputs"]
+    per_image = backbone_flops(inp["backbone"], inp["dim"]) / backbone_flops("iresnet50")
+    t_bb = inp["batch"] * per_image / R50_IMAGES_PER_S
+    flops = memory.head_matmul_flops(inp["batch"] * inp["gpus"],
+                                     result["sampled_classes_per_gpu"], inp["dim"])
+    t_head = head_factor * flops / HEAD_MATMUL_FLOPS_PER_S
+    grads = [c["seconds"] for c in result["collectives"] if c["name"].startswith("backbone")]
+    t_head_comm = result["comm_seconds"] - sum(grads)
+    t_sync = max(0.0, sum(grads) - 2 / 3 * t_bb)
+    step = t_bb + t_head + t_head_comm + t_sync
+    return {"backbone_s": t_bb, "head_s": t_head, "head_comm_s": t_head_comm,
+            "grad_sync_exposed_s": t_sync, "step_s": step,
+            "images_per_s": inp["batch"] * inp["gpus"] / step, "efficiency": t_bb / step}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+_FLAGS = {  # flag -> (recipe attribute path, type, default when neither recipe nor flag)
+    "classes": ("data.num_classes", int, None),
+    "sample_rate": ("head.sample_rate", float, 1.0),
+    "dim": ("backbone.embedding_size", int, 512),
+    "batch": ("train.batch_size", int, 128),
+    "backbone": ("backbone.name", str, "iresnet50"),
+    "optimizer": ("optim.name", str, "sgd"),
+    "precision": ("engine.precision", str, "bf16"),
+    "engine": ("engine.type", str, "ddp"),
+    "zero_stage": ("engine.zero_stage", int, 0),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a recipe (configs/*.yaml) supplying the values below; "
+                   "its data folder need not exist")
+    p.add_argument("--classes", type=int, help="identities C (default: the recipe's "
+                   "data.num_classes)")
+    p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--sample-rate", type=float, help="Partial FC sample rate r in (0, 1] "
+                   "(default 1)")
+    p.add_argument("--dim", type=int, help="embedding size D (default 512)")
+    p.add_argument("--batch", type=int, help="images per GPU (default 128)")
+    p.add_argument("--backbone", help=f"one of {', '.join(list_backbones())} (default iresnet50)")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], help="sgd = momentum (default)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="backbone compute "
+                   "(default bf16 without a recipe)")
+    p.add_argument("--engine", choices=["ddp", "deepspeed"], help="default ddp")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], help="deepspeed ZeRO stage")
+    p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of head weight, gradient and optimizer state (default fp32)")
+    p.add_argument("--row-sparse-grad", action="store_true",
+                   help="the head's weight gradient holds only the sampled rows")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--reserve", type=float, default=2.0, help="GiB per GPU kept for the CUDA "
+                   "context, library workspaces and fragmentation (default 2)")
+    p.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU within a node "
+                   "(default 450, NVLink 4)")
+    p.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU between nodes "
+                   "(default 50 = 400 Gb/s)")
+    p.add_argument("--latency-us", type=float, default=10.0, help="per-hop latency, us")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--scaling", help="comma-separated GPU counts: modelled H100 step time each")
+    p.add_argument("--head-factor", type=float, default=2.0, help="--scaling: head time as a "
+                   "multiple of its matmuls (default 2, issue 10's target)")
+    return p
+
+
+def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
+    """Recipe values, then flags; raises :class:`PlanError` for impossible inputs."""
+    values = {}
+    if args.config:
+        from launch.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, resolve=False)
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
+        for key, (path, _, _) in _FLAGS.items():
+            obj = cfg
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            values[key] = obj
+    for key, (_, _, default) in _FLAGS.items():
+        flag = getattr(args, key)
+        values[key] = flag if flag is not None else values.get(key, default)
+    if values["classes"] is None:
+        raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
+    gpus = gpus or args.gpus or args.nodes * args.gpus_per_node
+    inp = Inputs(gpus=gpus, gpus_per_node=args.gpus_per_node, state_dtype=args.state_dtype,
+                 gpu_memory=args.gpu_memory, reserve=args.reserve, intra_bw=args.intra_bw,
+                 inter_bw=args.inter_bw, latency_us=args.latency_us,
+                 row_sparse_grad=args.row_sparse_grad, **values)
+    _check(inp)
+    return inp
+
+
+def _check(inp: Inputs) -> None:
+    problems = [
+        (inp.gpus < 1, f"--gpus={inp.gpus}: need at least 1"),
+        (inp.gpus_per_node < 1, f"--gpus-per-node={inp.gpus_per_node}: need at least 1"),
+        (inp.classes < inp.gpus, f"--classes={inp.classes}: fewer classes than --gpus="
+         f"{inp.gpus} (every GPU holds at least one class)"),
+        (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
+        (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
+        (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
+        (inp.backbone not in list_backbones(),
+         f"--backbone={inp.backbone!r}: unknown (valid: {', '.join(list_backbones())})"),
+        (inp.engine == "ddp" and inp.precision == "fp16",
+         "--precision=fp16: needs --engine=deepspeed"),
+        (not inp.gpu_memory > 0, f"--gpu-memory={inp.gpu_memory}: must be > 0 GiB"),
+        (not inp.reserve >= 0, f"--reserve={inp.reserve}: must be >= 0 GiB"),
+        (not (inp.intra_bw > 0 and inp.inter_bw > 0), "--intra-bw/--inter-bw: must be > 0"),
+    ]
+    for bad, msg in problems:
+        if bad:
+            raise PlanError(msg)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def format_table(r: dict) -> str:
+    i = r["inputs"]
+    lines = [
+        f"{i['classes']:,} classes on {i['gpus']} GPUs ({i['gpus_per_node']}/node): "
+        f"{r['classes_per_gpu']:,} per GPU, {r['sampled_classes_per_gpu']:,} sampled (r="
+        f"{i['sample_rate']}); D={i['dim']}, batch {i['batch']}/GPU; {i['backbone']} "
+        f"({r['backbone_params'] / 1e6:.1f}M params), {i['engine']} {i['precision']}"
+        + (f" ZeRO-{i['zero_stage']}" if i["engine"] == "deepspeed" else "")
+        + f", {i['optimizer']}, head state {i['state_dtype']}",
+        "",
+        "memory per GPU",
+    ]
+    rows = [("head weight", "weight_bytes_per_gpu"),
+            ("head optimizer state", "head_state_bytes_per_gpu"),
+            ("head gradient" + (" (sampled rows)" if i["row_sparse_grad"] else " (dense)"),
+             "head_grad_bytes_per_gpu"),
+            ("head logits / working", "head_working_bytes_per_gpu"),
+            ("backbone parameters", "backbone_param_bytes_per_gpu"),
+            ("backbone gradients", "backbone_grad_bytes_per_gpu"),
+            ("backbone optimizer state", "backbone_state_bytes_per_gpu"),
+            ("activations", "activation_bytes_per_gpu"),
+            ("reserve (context, workspaces)", "reserve_bytes_per_gpu"),
+            ("peak", "peak_bytes_per_gpu")]
+    lines += [f"  {name:<34}{_gib(r[key])}" for name, key in rows]
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    lines += [f"  {verdict} in {_gib(r['gpu_memory_bytes']).strip()}; largest class count "
+              f"that fits: {r['max_classes']:,}", "",
+              f"collectives per step ({r['link']} link, {r['link_bytes_per_s'] / 1e9:g} GB/s "
+              "per GPU, ring)"]
+    for c in r["collectives"]:
+        lines.append(f"  {c['name']:<38}{c['kind']:<15}{c['bytes'] / 2**20:10.2f} MiB"
+                     f"{c['seconds'] * 1e3:9.3f} ms")
+    lines.append(f"  {'total':<53}{r['comm_seconds'] * 1e3:19.3f} ms")
+    return "\n".join(lines)
+
+
+def format_scaling(rows: list[tuple[dict, dict]]) -> str:
+    out = ["| GPUs | classes/GPU | sampled/GPU | peak GiB | fits | backbone ms | head ms | "
+           "head comm ms | grad sync ms | step ms | img/s | efficiency |",
+           "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r, m in rows:
+        out.append(
+            f"| {r['inputs']['gpus']} | {r['classes_per_gpu']:,} | "
+            f"{r['sampled_classes_per_gpu']:,} | {r['peak_bytes_per_gpu'] / GIB:.1f} | "
+            f"{'yes' if r['fits'] else 'no'} | {m['backbone_s'] * 1e3:.1f} | "
+            f"{m['head_s'] * 1e3:.2f} | {m['head_comm_s'] * 1e3:.2f} | "
+            f"{m['grad_sync_exposed_s'] * 1e3:.2f} | {m['step_s'] * 1e3:.1f} | "
+            f"{m['images_per_s']:,.0f} | {m['efficiency']:.0%} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.scaling:
+            counts = [int(x) for x in args.scaling.split(",") if x.strip()]
+            if not counts or min(counts) < 1:
+                raise PlanError(f"--scaling={args.scaling!r}: comma-separated GPU counts >= 1")
+            rows = []
+            for g in counts:
+                r = plan(resolve_inputs(args, gpus=g))
+                rows.append((r, step_model(r, args.head_factor)))
+            print(json.dumps([{**r, "step": m} for r, m in rows], indent=1) if args.json
+                  else format_scaling(rows))
+            return 0
+        result = plan(resolve_inputs(args))
+    except (PlanError, ValueError) as e:
+        print(f"launch.plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

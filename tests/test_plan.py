@@ -1,0 +1,178 @@
+"""launch.plan / partial_fc.memory against what real CPU runs allocate: head weight, optimizer
+state and gradient bytes exactly (sum of nbytes of the tensors), the head's working memory
+within 0.8-1.25x of the profiler's peak, backbone state and activations exactly; the CLI's
+JSON, its largest-fitting class count and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from launch import plan
+from partial_fc import PartialFC, SampledAdamW, SampledSGD, build_margin
+from partial_fc.backbones import build_backbone
+from partial_fc.memory import (
+    Collective,
+    backbone_state_bytes,
+    head_memory,
+    largest_fitting,
+    tensor_bytes,
+)
+
+OPTIMIZERS = {"sgd": lambda h: SampledSGD(h, lr=0.1), "adamw": lambda h: SampledAdamW(h, lr=0.01)}
+
+
+def _head(classes, dim, rate, margin=None):
+    torch.manual_seed(0)
+    return PartialFC(dim, classes, build_margin(margin or dict(type="arcface", s=64.0, m=0.5)),
+                     sample_rate=rate)
+
+
+def _state_bytes(opt) -> int:
+    return sum(tensor_bytes(t) for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("rate", [1.0, 0.3])
+def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate):
+    classes, dim, n = 3000, 24, 40
+    head = _head(classes, dim, rate)
+    opt = OPTIMIZERS[optimizer](head)
+    emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
+    head(emb, labels).backward()
+    grad = tensor_bytes(head.weight.grad)
+    opt.step()
+    want = head_memory(classes, 1, dim, n, rate, optimizer=optimizer)
+    assert tensor_bytes(head.weight) == want.weight
+    assert _state_bytes(opt) == want.optimizer_state
+    assert grad == want.gradient
+
+
+def _profiled_peak(fn) -> int:
+    """Peak of live bytes allocated inside ``fn`` (torch.profiler's CPU memory events in time
+    order; blocks alive before ``fn`` starts are not counted)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("classes", "dim", "n", "rate", "margin"),
+    [
+        (5000, 64, 32, 0.2, None),  # sampled rows dominate
+        (5000, 64, 32, 1.0, None),
+        (2000, 32, 512, 1.0, None),  # logits dominate
+        (2000, 32, 512, 0.3, None),
+        (3000, 16, 256, 1.0, dict(type="arcface", m=0.5, adacos="dynamic")),  # AdaCos exp buffer
+    ],
+)
+def test_working_memory_within_factor_of_measured_peak(classes, dim, n, rate, margin):
+    """One engine-style step after a warm-up (state exists; the gradient is allocated in
+    backward and freed by zero_grad): its peak is the gradient plus the working memory."""
+    head = _head(classes, dim, rate, margin)
+    opt = SampledSGD(head, lr=0.1)
+    emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
+
+    def step():
+        head(emb.clone().requires_grad_(), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    measured = _profiled_peak(step)
+    want = head_memory(classes, 1, dim, n, rate)
+    assert 0.8 <= measured / (want.gradient + want.working) <= 1.25
+
+
+def test_backbone_state_bytes_match_a_real_ddp_style_step():
+    model = build_backbone("iresnet_tiny", embedding_size=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 112, 112)).sum().backward()
+    opt.step()
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    want = backbone_state_bytes(params, 4, trainable=trainable, engine="ddp", optimizer="sgd")
+    assert plan.backbone_params("iresnet_tiny", 32) == (params, trainable)  # meta device
+    assert want["parameters"] == sum(tensor_bytes(p) for p in model.parameters())
+    assert want["gradients"] == sum(tensor_bytes(p.grad) for p in model.parameters()
+                                    if p.grad is not None)
+    assert want["optimizer_state"] == _state_bytes(opt)
+
+
+def test_zero_stages_shard_state_then_gradients():
+    full = backbone_state_bytes(1000, 8, engine="deepspeed", precision="bf16", zero_stage=0)
+    one = backbone_state_bytes(1000, 8, engine="deepspeed", precision="bf16", zero_stage=1)
+    two = backbone_state_bytes(1000, 8, engine="deepspeed", precision="bf16", zero_stage=2)
+    assert full == {"parameters": 2000, "gradients": 2000, "optimizer_state": 8000}
+    assert one == {"parameters": 2000, "gradients": 2000, "optimizer_state": 1000}
+    assert two == {"parameters": 2000, "gradients": 250, "optimizer_state": 1000}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_table_matches_a_fresh_measurement(precision):
+    assert plan.measure_activations.__wrapped__("iresnet_tiny", precision) == \
+        plan.ACTIVATIONS[("iresnet_tiny", precision)]
+
+
+def test_ring_traffic():
+    assert Collective("x", "all_reduce", 800).traffic(4) == 1200  # 2 (P-1)/P
+    assert Collective("x", "all_gather", 800).traffic(4) == 600
+    assert Collective("x", "all_reduce", 800).traffic(1) == 0
+
+
+def test_largest_fitting_is_the_boundary():
+    assert largest_fitting(lambda c: 3 * c, 100, 1) == 33
+    assert largest_fitting(lambda c: 3 * c, 2, 1) == 0
+
+
+def _json(capsys, *argv) -> dict:
+    assert plan.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_max_classes_fits_and_one_more_does_not(capsys):
+    args = ["--gpus", "2", "--sample-rate", "0.1", "--backbone", "iresnet_tiny",
+            "--gpu-memory", "3", "--reserve", "0.5"]
+    r = _json(capsys, "--classes", "1000", *args)
+    for key in ("weight_bytes_per_gpu", "head_state_bytes_per_gpu", "peak_bytes_per_gpu",
+                "fits", "max_classes"):
+        assert key in r
+    top = r["max_classes"]
+    assert _json(capsys, "--classes", str(top), *args)["fits"]
+    over = _json(capsys, "--classes", str(top + 2), *args)  # +2: one more row per GPU
+    assert not over["fits"] and over["peak_bytes_per_gpu"] > over["gpu_memory_bytes"]
+
+
+def test_cli_reads_a_recipe_whose_data_does_not_exist(capsys):
+    r = _json(capsys, "--config", "configs/webface42m_r100.yaml", "--gpus", "64")
+    assert r["inputs"]["classes"] == 2059906 and r["inputs"]["sample_rate"] == 0.2
+    assert r["inputs"]["backbone"] == "iresnet100"
+    assert r["classes_per_gpu"] == -(-2059906 // 64)
+    r = _json(capsys, "--config", "configs/webface42m_r100.yaml", "--classes", "500", "--gpus", "2")
+    assert r["inputs"]["classes"] == 500
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--classes", "4", "--gpus", "8"], "--classes=4: fewer classes than --gpus=8"),
+        (["--classes", "100", "--sample-rate", "0"], "--sample-rate=0.0: must be in (0, 1]"),
+        (["--classes", "100", "--backbone", "vgg"], "--backbone='vgg': unknown"),
+        (["--config", "configs/base.yaml"], "--classes: required"),
+        (["--classes", "100", "--precision", "fp16"], "--precision=fp16: needs --engine"),
+    ],
+)
+def test_cli_impossible_inputs_are_one_line(capsys, argv, message):
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
