@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
+from partial_fc.margins import MARGIN_TYPES
 
 METHODS = ("partialfc", "reference")
 
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--margin", default="arcface",
-                        choices=("normface", "sphereface", "cosface", "arcface", "combined"))
+                        choices=[t for t in MARGIN_TYPES if t != "adacos"])  # adacos: no --scale
     parser.add_argument("--scale", type=float, default=64.0)
     parser.add_argument("--amp", choices=("none", "bf16"), default="none")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))

@@ -15,7 +15,6 @@ and checks the machine (CUDA, files), so a run fails before any process group st
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 import tempfile
@@ -26,7 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from partial_fc.margins import AdaCosMode, MarginType, margin_errors
+from partial_fc.margins import AdaCosMode, MarginType, margin_errors, margin_warnings
 
 CLI = "command line"
 
@@ -415,16 +414,6 @@ def _schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> li
     return lines
 
 
-def normface_scale_bound(num_classes: int, p_w: float) -> float:
-    """Smallest fixed scale s for which the softmax can reach target probability ``p_w``.
-
-    NormFace (arXiv:1704.06369, Prop. 2) / CosFace (arXiv:1801.09414, Sec. 3.4, Eq. 9):
-    ``s >= (C - 1) / C * ln((C - 1) * P_W / (1 - P_W))``.
-    """
-    c = num_classes
-    return (c - 1) / c * math.log((c - 1) * p_w / (1 - p_w))
-
-
 def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
     out: list[tuple[str, str]] = []
@@ -481,24 +470,11 @@ def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
 
 
 def theory_warnings(cfg: Config) -> list[str]:
-    """The theory checks as one string each; empty while ``data.num_classes`` is unknown."""
-    c, m = cfg.data.num_classes, cfg.margin
-    if c is None or c < 2:
+    """The theory checks (``partial_fc.margins.margin_warnings``) as one string each; empty
+    while ``data.num_classes`` is unknown."""
+    if cfg.data.num_classes is None:
         return []
-    out = []
-    if m.type in ("normface", "cosface", "arcface", "combined") and m.adacos is None:
-        bound = normface_scale_bound(c, m.p_w)
-        if m.s < bound:
-            out.append(
-                f"margin.s={m.s} is below the NormFace/CosFace bound {bound:.2f} for C={c} "
-                f"classes at P_W={m.p_w}: the loss cannot reach P_W (arXiv:1801.09414 Eq. 9)"
-            )
-    if m.type == "cosface" and not 0 <= m.m <= c / (c - 1):
-        out.append(
-            f"margin.m={m.m} is outside the CosFace range [0, C/(C-1)] = [0, {c / (c - 1):.4f}] "
-            f"for C={c} (arXiv:1801.09414 Sec. 3.4)"
-        )
-    return out
+    return margin_warnings(cfg.margin_kwargs(), cfg.data.num_classes, cfg.margin.p_w)
 
 
 def _missing(package: str) -> bool:

@@ -22,7 +22,7 @@ from partial_fc.scale import AdaCosScale, FixedScale
 
 __all__ = [
     "MARGIN_KEYS", "MARGIN_TYPES", "CombinedMargin", "Margin", "MarginType", "SphereFaceMargin",
-    "build_margin", "margin_errors",
+    "build_margin", "margin_errors", "margin_warnings", "normface_scale_bound",
 ]
 
 MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"]
@@ -250,6 +250,41 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     elif kind == "combined":
         out += _combined_errors(get("m1", 1.0), get("m2", 0.0), get("m3", 0.0),
                                 bool(get("easy_margin", False)))
+    return out
+
+
+def normface_scale_bound(num_classes: int, p_w: float) -> float:
+    """Smallest fixed scale s for which the softmax can reach target probability ``p_w``.
+
+    NormFace (arXiv:1704.06369, Prop. 2) / CosFace (arXiv:1801.09414, Sec. 3.4, Eq. 9):
+    ``s >= (C - 1) / C * ln((C - 1) * P_W / (1 - P_W))``.
+    """
+    c = num_classes
+    return (c - 1) / c * math.log((c - 1) * p_w / (1 - p_w))
+
+
+def margin_warnings(cfg: Mapping[str, Any], num_classes: int, p_w: float) -> list[str]:
+    """Settings that train but contradict the theory for ``num_classes`` classes, one line
+    each: a fixed scale below the NormFace/CosFace bound at target probability ``p_w``, a
+    CosFace margin outside ``[0, C/(C-1)]``. Empty for ``C < 2``."""
+    c = num_classes
+    if c < 2:
+        return []
+    get = {k: v for k, v in cfg.items() if v is not None}.get
+    kind, s, m = get("type"), get("s", 64.0), get("m", _DEFAULT_M.get(get("type"), 0.0))
+    out = []
+    if kind not in ("sphereface", "adacos") and get("adacos") is None:  # a fixed cosine scale
+        bound = normface_scale_bound(c, p_w)
+        if s < bound:
+            out.append(
+                f"margin.s={s} is below the NormFace/CosFace bound {bound:.2f} for C={c} "
+                f"classes at P_W={p_w}: the loss cannot reach P_W (arXiv:1801.09414 Eq. 9)"
+            )
+    if kind == "cosface" and not 0 <= m <= c / (c - 1):
+        out.append(
+            f"margin.m={m} is outside the CosFace range [0, C/(C-1)] = [0, {c / (c - 1):.4f}] "
+            f"for C={c} (arXiv:1801.09414 Sec. 3.4)"
+        )
     return out
 
 

@@ -10,8 +10,8 @@ from launch.config import (
     ConfigWarning,
     dump_config,
     load_config,
-    normface_scale_bound,
 )
+from partial_fc.margins import normface_scale_bound
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
