@@ -12,8 +12,8 @@ Each final checkpoint is then scored on the held-out identities s31-s40:
 - ``orl.bin`` (``data_pipeline.orl_pairs``: 450 genuine + 450 seeded impostor pairs) with
   ``launch.evaluate.evaluate_bins``: 10-fold accuracy (± std over the folds) and AUC;
 - all 4 950 pairs of those 100 images (450 genuine, 4 500 impostor), embedded once with
-  the evaluator's flip-TTA ``embed_images``: TAR at FAR = 1e-3 (4.5 false accepts allowed,
-  a coarse figure; 450 impostors are too few for it on ``orl.bin``).
+  the evaluator's flip-TTA ``embed_images``: TAR at FAR = 1e-3 (the ROC point closest to
+  4.5 false accepts, a coarse figure; 450 impostors are too few for it on ``orl.bin``).
 
 An ``untrained`` row (the trainer's initialisation, same seed) is the floor. Several
 ``--seeds`` add a summary over seeds: that spread, not the fold std, says which
@@ -99,7 +99,7 @@ def _score(backbone, pairs_bin: Path, all_pairs) -> dict[str, float]:
     emb = embed_images(backbone, images, 128, "cpu").numpy()
     a, b, same = (np.array(column) for column in zip(*pairs, strict=True))
     every = evaluate_pairs(emb[a], emb[b], same.astype(bool))
-    result[FAR] = every.get(FAR, float("nan"))
+    result[FAR] = every[FAR]
     return result
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from partial_fc.eval.ijb import evaluate_ijb
 from partial_fc.eval.verification import (
+    FARS,
     best_threshold,
     cosine_scores,
     evaluate_pairs,
@@ -67,6 +69,40 @@ def test_tar_at_far_by_hand():
     out = evaluate_pairs(*_pairs_with_scores(scores), same)
     assert out["tar@far=1e-04"] == pytest.approx(0.5)
     assert out["tar@far=1e-03"] == pytest.approx(0.6)
+
+
+def _closest_far_case():
+    """1800 negatives (FARs k/1800) and 100 positives: 10 above every negative, 10 between
+    the 1st and 2nd, 10 between the 2nd and 3rd, 70 below all. FAR 1e-3 is closest to
+    2/1800 (1.11e-3, TAR 0.3), not 1/1800 (0.56e-3, TAR 0.2, the highest TAR at FAR <= 1e-3
+    that verification used before the rules were made one)."""
+    neg = 0.5 - np.arange(1800) * 1e-4
+    pos = np.concatenate([np.full(10, 0.9), np.full(10, 0.49995), np.full(10, 0.49985),
+                          np.zeros(70)])
+    same = np.concatenate([np.ones(len(pos), bool), np.zeros(len(neg), bool)])
+    return np.concatenate([pos, neg]), same
+
+
+def test_tar_at_far_is_the_closest_far_rule():
+    scores, same = _closest_far_case()
+    out = evaluate_pairs(*_pairs_with_scores(scores), same)
+    assert out["tar@far=1e-03"] == pytest.approx(0.3)
+
+
+def test_bin_sets_and_ijb_share_the_rule():
+    # The same pair scores through IJB's path (one single-image template per pair side).
+    scores, same = _closest_far_case()
+    emb1, emb2 = _pairs_with_scores(scores)
+    p = len(scores)
+    ids = np.arange(2 * p)
+    ijb = evaluate_ijb(np.concatenate([emb1, emb2]), ids, ids, None, ids[:p], ids[p:], same,
+                       fars=FARS)
+    pairs = evaluate_pairs(emb1, emb2, same)
+    for far in FARS:
+        key = f"tar@far={far:.0e}"
+        assert ijb[key] == pytest.approx(pairs[key]), key
+    assert ijb["num_pairs"] == pairs["num_pairs"] == p
+    assert ijb["impostor_pairs"] == pairs["impostor_pairs"] == 1800
 
 
 def test_matches_brute_force_on_random_scores():
