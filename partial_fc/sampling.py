@@ -1,10 +1,14 @@
 """Partial FC class sampling (arXiv:2203.15565 Sec. 3): per step and per rank, keep every
 positive class of the global batch and fill up with random negatives.
 
-The sampler follows insightface's ``partial_fc_v2``: draw a uniform score per local class,
-force the positives to the top by giving them score 2, take the ``top-k``, sort, and remap
-labels with ``searchsorted``. The generator is seeded from ``(seed, step, rank)`` only, so a
-run is reproducible and never depends on time or pid.
+The negatives are a uniformly random subset of the non-positive local classes, the same
+distribution as insightface's ``partial_fc_v2`` (a uniform score per class, positives forced
+to the top, ``top-k``), so the AdaCos ``B`` correction by ``(C - 1) / (S - 1)`` stays valid.
+It is drawn without touching all ``num_local`` classes: sequential rejection sampling (iid
+uniform rows, each row's first draw kept, positives skipped), vectorised in a few rounds, so
+a step costs ``O(S log S)`` for ``S`` sampled classes, not a ``randperm``/``topk`` over the
+shard. The generator is seeded from ``(seed, step, rank)`` only, so a run is reproducible and
+never depends on time or pid.
 """
 
 from __future__ import annotations
@@ -56,9 +60,37 @@ def sample_classes(
     if size >= num_local:
         return None, targets
     gen = torch.Generator(device=labels.device).manual_seed(derive_seed(seed, step, rank))
-    score = torch.rand(num_local, generator=gen, device=labels.device)
-    score[positives] = 2.0
-    index = torch.sort(torch.topk(score, size).indices).values
+    count, free = size - positives.numel(), num_local - positives.numel()
+    if 2 * count <= free:
+        negatives = _distinct_rows(count, num_local, positives, gen)
+    else:  # most rows are kept: draw the (fewer) dropped ones; the complement is as uniform
+        keep = torch.ones(num_local, dtype=torch.bool, device=labels.device)
+        keep[_distinct_rows(free - count, num_local, positives, gen)] = False
+        keep[positives] = False
+        negatives = keep.nonzero().squeeze(1)
+    index = torch.sort(torch.cat([positives, negatives])).values
     owned = targets >= 0
     remapped = torch.searchsorted(index, targets[owned])
     return index, targets.masked_scatter(owned, remapped)
+
+
+def _distinct_rows(count: int, num_local: int, excluded: Tensor, gen: torch.Generator) -> Tensor:
+    """``count`` distinct rows of ``range(num_local)`` outside the sorted ``excluded``, every
+    such subset equally likely: the distinct values of iid uniform draws in first-draw order
+    (exclusions skipped) are a uniform random permutation's prefix. Each round draws the
+    expected number of draws still needed (coupon collector) plus slack; O(draws log draws)."""
+    device = excluded.device
+    free = num_local - excluded.numel()
+    chosen = torch.zeros(0, dtype=torch.int64, device=device)
+    while chosen.numel() < count:
+        unseen = free - chosen.numel()
+        expected = free * math.log(unseen / max(unseen - (count - chosen.numel()), 0.5))
+        draws = torch.randint(num_local, (int(1.1 * expected) + 16,), generator=gen,
+                              device=device)
+        draws = draws[~torch.isin(draws, excluded)]
+        cand = torch.cat([chosen, draws])
+        uniq, inverse = torch.unique(cand, return_inverse=True)
+        first = torch.full((uniq.numel(),), cand.numel(), dtype=torch.int64, device=device)
+        first.scatter_reduce_(0, inverse, torch.arange(cand.numel(), device=device), "amin")
+        chosen = cand[first.sort().values]
+    return chosen[:count]

@@ -175,14 +175,21 @@ def test_adacos_scale_does_not_drift_with_the_sample_rate():
     g = torch.Generator().manual_seed(0)
     emb = torch.randn(32, 16, generator=g)
     labels = torch.randint(0, num_classes, (32,), generator=g)
-    scales = {}
-    for rate in (1.0, 0.3, 0.05):
-        head = PartialFC(16, num_classes, build_margin(MARGINS["adacos_dynamic"]),
-                         sample_rate=rate, seed=1)
-        head(emb, labels)
-        scales[rate] = head.stats["scale"]
-    for rate in (0.3, 0.05):  # without the (C-1)/(S-1) rescale s would drop by ~ln(1/r)/cos
-        assert scales[rate] == pytest.approx(scales[1.0], rel=0.01), rate
+    # One sampled step's s is a random estimate (seed to seed it moves up to 2 % at r=0.05,
+    # with any uniform sampler); its ratio to the full s, averaged over 8 seeds (which seed
+    # both the init and the sampler), must be 1.
+    ratios = {0.3: [], 0.05: []}
+    for seed in range(1, 9):
+        scale = {}
+        for rate in (1.0, 0.3, 0.05):
+            head = PartialFC(16, num_classes, build_margin(MARGINS["adacos_dynamic"]),
+                             sample_rate=rate, seed=seed)
+            head(emb, labels)
+            scale[rate] = head.stats["scale"]
+        for rate, got in ratios.items():
+            got.append(scale[rate] / scale[1.0])
+    for rate, got in ratios.items():  # without the (C-1)/(S-1) rescale: ~ln(1/r)/cos lower
+        assert sum(got) / len(got) == pytest.approx(1.0, rel=0.01), rate
 
 
 @pytest.mark.cuda

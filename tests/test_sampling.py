@@ -1,5 +1,7 @@
 """partial_fc.sampling: sample size, positives kept, label remap, seeded determinism."""
 
+import math
+
 import pytest
 import torch
 
@@ -68,3 +70,28 @@ def test_derive_seed():
     assert 0 <= derive_seed(0) < 2**63
     with pytest.raises(ValueError, match="must be >= 0"):
         derive_seed(-1)
+
+
+@pytest.mark.parametrize("rate", [0.4, 0.8])  # draws the kept rows / the dropped rows
+def test_negatives_are_a_uniform_subset_of_the_non_positives(rate):
+    """Same distribution as a top-k of uniform scores (what the AdaCos B correction
+    assumes): every non-positive is kept with probability count/free and every pair with
+    probability count(count-1)/(free(free-1)). 2000 seeded draws: 4-sigma bounds, no flake."""
+    trials, num_local, positive = 2000, 10, 2
+    counts, pairs = torch.zeros(num_local), torch.zeros(num_local, num_local)
+    for step in range(trials):
+        index, _ = _sample([100 + positive], step=step, num_local=num_local, rate=rate)
+        assert positive in index.tolist() and len(index) == sample_size(rate, num_local)
+        hit = torch.zeros(num_local)
+        hit[index] = 1.0
+        counts += hit
+        pairs += hit[:, None] * hit[None]
+    count, free = sample_size(rate, num_local) - 1, num_local - 1
+    freq = torch.cat([counts[:positive], counts[positive + 1:]]) / trials
+    p = count / free
+    assert (freq - p).abs().max() < 4 * math.sqrt(p * (1 - p) / trials), freq
+    others = [k for k in range(num_local) if k != positive]
+    pair = pairs[others][:, others] / trials
+    off = ~torch.eye(free, dtype=torch.bool)
+    q = p * (count - 1) / (free - 1)
+    assert (pair[off] - q).abs().max() < 4.5 * math.sqrt(q * (1 - q) / trials), pair
