@@ -143,7 +143,7 @@ def all_gather(x: Tensor, process_group: ProcessGroup = None,
         return x
     if sizes is None:
         sizes = gather_sizes(x.shape[0], x.device, process_group)
-    return _AllGather.apply(process_group, tuple(sizes), x)
+    return _Rows.apply(process_group, tuple(sizes), True, x)
 
 
 def reduce_scatter(x: Tensor, process_group: ProcessGroup = None,
@@ -159,7 +159,7 @@ def reduce_scatter(x: Tensor, process_group: ProcessGroup = None,
         if x.shape[0] % world:
             raise ValueError(f"reduce_scatter: {x.shape[0]} rows do not split over {world} ranks")
         sizes = [x.shape[0] // world] * world
-    return _ReduceScatter.apply(process_group, tuple(sizes), x)
+    return _Rows.apply(process_group, tuple(sizes), False, x)
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -220,27 +220,16 @@ class _Copy(Function):
         return None, _AllReduce.apply(ctx.group, grad)
 
 
-class _AllGather(Function):
-    """forward: all-gather rows; backward: _ReduceScatter."""
+class _Rows(Function):
+    """forward: all-gather rows (``gather=True``) or reduce-scatter them; backward: the other
+    one (each is the other's adjoint)."""
 
     @staticmethod
-    def forward(ctx, group: ProcessGroup, sizes: tuple[int, ...], x: Tensor) -> Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return _gather_rows(x, sizes, group)
+    def forward(ctx, group: ProcessGroup, sizes: tuple[int, ...], gather: bool,
+                x: Tensor) -> Tensor:
+        ctx.group, ctx.sizes, ctx.gather = group, sizes, gather
+        return (_gather_rows if gather else _scatter_rows)(x, sizes, group)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, None, Tensor]:
-        return None, None, _ReduceScatter.apply(ctx.group, ctx.sizes, grad)
-
-
-class _ReduceScatter(Function):
-    """forward: reduce-scatter rows; backward: _AllGather."""
-
-    @staticmethod
-    def forward(ctx, group: ProcessGroup, sizes: tuple[int, ...], x: Tensor) -> Tensor:
-        ctx.group, ctx.sizes = group, sizes
-        return _scatter_rows(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, None, Tensor]:
-        return None, None, _AllGather.apply(ctx.group, ctx.sizes, grad)
+    def backward(ctx, grad: Tensor) -> tuple[None, None, None, Tensor]:
+        return None, None, None, _Rows.apply(ctx.group, ctx.sizes, not ctx.gather, grad)
