@@ -243,8 +243,13 @@ def test_help_lists_every_key_with_its_description(capsys):
 def test_margin_schema_holds_exactly_build_margins_keys():
     """MarginConfig declares the keys partial_fc.margins reads (plus p_w), no more, no less;
     its types are the ones margins.py lists."""
+    from pydantic import ValidationError
+
     from launch.config import MarginConfig
     from partial_fc.margins import MARGIN_KEYS, MARGIN_TYPES
 
     assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}
-    assert MarginConfig(type=MARGIN_TYPES[-1]).type == MARGIN_TYPES[-1]
+    for kind in MARGIN_TYPES:  # each listed type is accepted (a refusal raises) ...
+        MarginConfig(type=kind)
+    with pytest.raises(ValidationError, match="'combined' or 'adacos'"):  # ... and no other
+        MarginConfig(type="curricularface")

@@ -117,7 +117,9 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     assert lines[4].startswith("* fewer than 1/FAR impostor pairs") and len(lines) == 5
     saved = json.loads((tmp_path / "r.json").read_text())
     assert set(saved) == {"lfw", "cfp"} and saved["lfw"]["num_pairs"] == 10
-    assert saved["lfw"]["impostor_pairs"] == 5 and 0 <= saved["lfw"]["tar@far=1e-03"] <= 1
+    assert saved["lfw"]["impostor_pairs"] == 5
+    # The JSON holds the TAR the table prints (last column: FAR 1e-3, marked).
+    assert lines[2].split()[-1] == f"{100 * saved['lfw']['tar@far=1e-03']:.2f}*", lines
 
 
 def _ranks(rank, world, run, bin_path):

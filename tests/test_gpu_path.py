@@ -38,9 +38,11 @@ def _resolve(data: Path, tmp_path: Path, *overrides: str):
 
 def test_one_rank_per_gpu_passes(machine, synthetic_data, tmp_path):
     machine(gpus=2, local_ranks=2, world=2)
-    cfg = _resolve(synthetic_data, tmp_path, "device=cuda", "engine.precision=bf16",
-                   "engine.zero_stage=1")
-    assert cfg.device == "cuda"
+    gpu_bf16 = ("device=cuda", "engine.precision=bf16", "engine.zero_stage=1")
+    _resolve(synthetic_data, tmp_path, *gpu_bf16)  # accepted: a refusal raises ConfigError
+    machine(gpus=2, local_ranks=3, world=3)  # one rank more than GPUs: the same config refused
+    with pytest.raises(ConfigError, match="3 ranks on this node but 2 GPU"):
+        _resolve(synthetic_data, tmp_path, *gpu_bf16)
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
@@ -67,7 +69,9 @@ def test_several_gpu_ranks_without_nccl_are_refused(machine, synthetic_data, tmp
 
 def test_cpu_runs_ignore_the_gpus(machine, synthetic_data, tmp_path):
     machine(gpus=1, bf16=False, nccl=False, local_ranks=4, world=4)
-    assert _resolve(synthetic_data, tmp_path, "device=cpu").device == "cpu"
+    _resolve(synthetic_data, tmp_path, "device=cpu")  # accepted: a refusal raises ConfigError
+    with pytest.raises(ConfigError, match="4 ranks on this node but 1 GPU"):  # on the GPU: not
+        _resolve(synthetic_data, tmp_path, "device=cuda")
 
 
 def test_missing_deepspeed_is_a_config_error(machine, synthetic_data, tmp_path, monkeypatch):
@@ -79,4 +83,4 @@ def test_missing_deepspeed_is_a_config_error(machine, synthetic_data, tmp_path, 
     machine(gpus=0)
     with pytest.raises(ConfigError, match=r"partial-fc\[deepspeed\]"):
         _resolve(synthetic_data, tmp_path, "engine.type=deepspeed")
-    assert _resolve(synthetic_data, tmp_path, "engine.type=ddp").engine.type == "ddp"
+    _resolve(synthetic_data, tmp_path, "engine.type=ddp")  # DDP needs no DeepSpeed: accepted

@@ -64,8 +64,13 @@ def test_short_gpu_run_trains(synthetic_data, tmp_path, overrides):
     _assert_trained(_train(synthetic_data, run, *overrides), run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "loss" in r][-1]
-    # fp16: steps the loss scaler dropped are counted apart from non-finite (bad) steps.
-    assert last["skipped_steps"] >= 0 and last["bad_steps"] == 0, last
+    # Steps the fp16 loss scaler dropped are counted apart from non-finite (bad) steps: some
+    # while its scale falls from 2^16, never all; without a loss scaler (bf16) none.
+    assert last["bad_steps"] == 0, last
+    if "engine.precision=fp16" in overrides:
+        assert last["skipped_steps"] < last["step"], last
+    else:
+        assert last["skipped_steps"] == 0, last
 
 
 def test_deepspeed_run_resumes_from_its_checkpoint(synthetic_data, tmp_path):
