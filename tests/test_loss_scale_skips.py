@@ -13,9 +13,12 @@ fp16 scaler (initial scale 2^32).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from launch_helpers import build_engine, local_micro_batches, make_config, snapshot
+from spawn import run_ranks
 
 GLOBAL_BATCH = 8
 
@@ -28,29 +31,27 @@ def _same(a: dict, b: dict) -> bool:
     return same
 
 
-def _drop_next_update(engine, monkeypatch) -> None:
+def _drop_next_update(model) -> None:
     """DeepSpeed's overflow behaviour for the next ``step()``: gradients cleared, no update,
     ``was_step_applied()`` False once (deepspeed/runtime/engine.py ``_take_model_step``)."""
-    model = engine.model
     step, applied = model.step, model.was_step_applied
 
     def overflowed_step(*args, **kwargs):
-        monkeypatch.setattr(model, "step", step)
+        model.step = step
         model.zero_grad()
 
     def not_applied():
-        monkeypatch.setattr(model, "was_step_applied", applied)
+        model.was_step_applied = applied
         return False
 
-    monkeypatch.setattr(model, "step", overflowed_step)
-    monkeypatch.setattr(model, "was_step_applied", not_applied)
+    model.step, model.was_step_applied = overflowed_step, not_applied
 
 
-def test_dropped_deepspeed_step_skips_the_head_too(one_rank_group, monkeypatch):
-    import os
-
+def _dropped_step(rank: int, world: int) -> dict:
+    """In a spawned rank: DeepSpeed caches the first process group it sees, so its engines
+    must not share a test process with other groups."""
     os.environ.setdefault("LOCAL_RANK", "0")
-    # One process group for both (DeepSpeed keeps groups across engines in a process).
+    out = {}
     for precision in ("fp16", "bf16"):
         cfg = make_config("engine.type=deepspeed", "engine.zero_stage=1",
                           f"train.batch_size={GLOBAL_BATCH}")
@@ -60,22 +61,28 @@ def test_dropped_deepspeed_step_skips_the_head_too(one_rank_group, monkeypatch):
             update={"precision": precision})})
         engine.step(0, local_micro_batches(0, GLOBAL_BATCH, 0, 1, 1))  # momentum exists
         before = snapshot(engine)
-        _drop_next_update(engine, monkeypatch)
-        out = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, 0, 1, 1))
-        assert out["skipped"], precision
-        # fp16: the scaler's own skip; bf16 has no scaler, so a drop is a non-finite gradient.
-        assert out["overflow"] == (precision == "fp16"), precision
-        assert _same(snapshot(engine), before), precision
+        _drop_next_update(engine.model)
+        dropped = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, 0, 1, 1))
+        unchanged = _same(snapshot(engine), before)
         nxt = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, 0, 1, 1))
-        assert not nxt["skipped"] and not nxt["overflow"], precision
-        assert not torch.equal(snapshot(engine)["rows"], before["rows"]), precision
+        moved = not torch.equal(snapshot(engine)["rows"], before["rows"])
+        out[precision] = (dropped["skipped"], dropped["overflow"], unchanged,
+                          nxt["skipped"] or nxt["overflow"], moved)
+    return out
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_real_fp16_overflow_skips_backbone_and_head(monkeypatch):
-    import os
+def test_dropped_deepspeed_step_skips_the_head_too():
+    (out,) = run_ranks(_dropped_step, 1)
+    for precision, (skipped, overflow, unchanged, next_skipped, moved) in out.items():
+        assert skipped and unchanged, precision
+        # fp16: the scaler's own skip; bf16 has no scaler, so a drop is a non-finite gradient.
+        assert overflow == (precision == "fp16"), precision
+        assert not next_skipped and moved, precision
 
+
+def _real_overflow(rank: int, world: int) -> list[tuple[bool, bool, bool]]:
+    """In a spawned process (DeepSpeed caches its first group): a 1-rank NCCL group, fp16
+    ZeRO-1 with the loss scale starting at 2^32 (x any gradient overflows fp16's 6.5e4)."""
     import torch.distributed as dist
 
     import launch.engine as engine_module
@@ -83,25 +90,31 @@ def test_real_fp16_overflow_skips_backbone_and_head(monkeypatch):
     os.environ.setdefault("LOCAL_RANK", "0")
     make_ds = engine_module.deepspeed_config
 
-    def huge_initial_scale(cfg, world_size):  # 2^32 x any gradient overflows fp16 (6.5e4)
+    def huge_initial_scale(cfg, world_size):
         out = make_ds(cfg, world_size)
         out["fp16"].update(initial_scale_power=32)
         return out
 
-    monkeypatch.setattr(engine_module, "deepspeed_config", huge_initial_scale)
+    engine_module.deepspeed_config = huge_initial_scale
+    dist.destroy_process_group()  # the spawned gloo group: this one runs on NCCL
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        cfg = make_config("engine.type=deepspeed", "engine.zero_stage=1",
-                          "engine.precision=fp16", f"train.batch_size={GLOBAL_BATCH}")
-        engine = build_engine(cfg, device="cuda:0")
-        before, outs = snapshot(engine), []
-        for s in range(40):  # the scale halves per overflow: 2^32 -> a working scale
-            outs.append(engine.step(s, local_micro_batches(s, GLOBAL_BATCH, 0, 1, 1)))
-            if not outs[-1]["skipped"]:
-                break
-            assert outs[-1]["overflow"] and _same(snapshot(engine), before), s
-        assert len(outs) > 1 and not outs[-1]["skipped"] and not outs[-1]["overflow"], outs
-        assert not torch.equal(snapshot(engine)["rows"], before["rows"])
-    finally:
-        dist.destroy_process_group()
+    cfg = make_config("engine.type=deepspeed", "engine.zero_stage=1", "engine.precision=fp16",
+                      f"train.batch_size={GLOBAL_BATCH}")
+    engine = build_engine(cfg, device="cuda:0")
+    before, seen = snapshot(engine), []
+    for s in range(40):  # the scale halves per overflow: 2^32 -> a working scale
+        out = engine.step(s, local_micro_batches(s, GLOBAL_BATCH, 0, 1, 1))
+        seen.append((out["skipped"], out["overflow"], _same(snapshot(engine), before)))
+        if not out["skipped"]:
+            break
+    return seen
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_fp16_overflow_skips_backbone_and_head():
+    (seen,) = run_ranks(_real_overflow, 1, timeout=300)
+    *dropped, (last_skipped, last_overflow, last_unchanged) = seen
+    assert dropped and all(skip and overflow and same for skip, overflow, same in dropped), seen
+    assert not last_skipped and not last_overflow and not last_unchanged, seen
