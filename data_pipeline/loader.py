@@ -91,12 +91,15 @@ class Loader:
         trainer reads them from its process group). batch_size is per rank.
     shuffle=False reads shards in order with no sample shuffle (evaluation, debugging).
     decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
+    pin_memory: batches in page-locked memory, for asynchronous copies to a CUDA device
+        (needs CUDA; the trainer sets it when it trains on one).
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
                  flip: bool = True, with_keys: bool = False, shuffle: bool = True,
-                 shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2):
+                 shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2,
+                 pin_memory: bool = False):
         if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0 or world_size < 1:
             raise ValueError(f"batch_size={batch_size}, num_workers={num_workers}, "
                              f"shuffle_buffer={shuffle_buffer}, world_size={world_size}: "
@@ -112,6 +115,7 @@ class Loader:
         self.batch_size, self.num_workers = batch_size, num_workers
         self.flip, self.with_keys, self.shuffle = flip, with_keys, shuffle
         self.shuffle_buffer, self.prefetch_factor = shuffle_buffer, prefetch_factor
+        self.pin_memory = pin_memory
         self.decoder = resolve_decoder(decoder)
         total = self.manifest.num_samples
         self._len = plan.batches_per_rank(total, world_size, batch_size)
@@ -191,6 +195,7 @@ class Loader:
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
                              collate_fn=_as_is, worker_init_fn=_ignore_sigusr1,
+                             pin_memory=self.pin_memory,
                              generator=torch.Generator().manual_seed(self.seed))
         pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
         buffered, last = 0, None
@@ -255,8 +260,16 @@ class Loader:
                 pending.popleft()
             else:
                 pending[0][1] = offset + n
-        cat = (lambda xs: xs[0]) if len(images) == 1 else torch.cat
-        return cat(images), cat(labels), keys
+        return self._cat(images), self._cat(labels), keys
+
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """One batch from chunk slices, in page-locked memory with ``pin_memory`` (a slice of
+        one pinned chunk already is) so the trainer's non_blocking copy to the GPU is async."""
+        if len(parts) == 1:
+            return parts[0]
+        shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+        out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=self.pin_memory)
+        return torch.cat(parts, out=out)
 
 
 def _ignore_sigusr1(worker: int) -> None:

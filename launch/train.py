@@ -160,6 +160,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
         seed=cfg.seed,
         num_workers=cfg.data.num_workers,
         flip=cfg.data.flip,
+        pin_memory=env.device.type == "cuda",
     )
     steps_per_epoch = len(loader) // k
     if steps_per_epoch == 0:

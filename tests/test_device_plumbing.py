@@ -1,0 +1,84 @@
+"""Device plumbing of a training step (issue 11 item 1): channels_last backbone and input,
+cuDNN autotuning and page-locked batches on CUDA; CPU runs exactly as before.
+
+The CPU tests check that nothing changes there (the switches default to on); the cuda-marked
+tests check that the switches take effect and that a channels_last step computes the same
+loss and update as an NCHW one (fp32, IEEE matmuls: only the convolution algorithms differ).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from launch_helpers import build_engine, local_micro_batches, make_config, snapshot
+
+
+def _conv_weight(engine) -> torch.Tensor:
+    return next(m.weight for m in engine.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+
+
+def test_cpu_engine_keeps_nchw_and_leaves_cudnn_alone(one_rank_group):
+    cfg = make_config()
+    assert cfg.engine.channels_last and cfg.engine.cudnn_benchmark  # the defaults
+    benchmark = torch.backends.cudnn.benchmark
+    engine = build_engine(cfg)
+    weight = _conv_weight(engine)
+    assert weight.is_contiguous() and not weight.is_contiguous(memory_format=torch.channels_last)
+    assert engine.memory_format == torch.contiguous_format
+    assert torch.backends.cudnn.benchmark == benchmark
+
+
+def test_loader_does_not_pin_by_default(tmp_path):
+    from data_pipeline import make_loader, write_synthetic_dataset
+
+    write_synthetic_dataset(tmp_path, num_classes=4, images_per_class=6, seed=0)
+    loader = make_loader(tmp_path, batch_size=5, num_workers=0)
+    images, labels = next(iter(loader))
+    assert images.shape == (5, 3, 112, 112) and not images.is_pinned()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("workers", [0, 1])
+def test_loader_pins_batches_on_cuda(tmp_path, workers):
+    from data_pipeline import make_loader, write_synthetic_dataset
+
+    write_synthetic_dataset(tmp_path, num_classes=4, images_per_class=6, seed=0)
+    plain = list(make_loader(tmp_path, batch_size=5, num_workers=workers))
+    pinned = list(make_loader(tmp_path, batch_size=5, num_workers=workers, pin_memory=True))
+    assert all(x.is_pinned() and y.is_pinned() for x, y in pinned), workers
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(plain, pinned, strict=True)), workers
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_channels_last_step_equals_nchw_step_on_cuda():
+    import torch.distributed as dist
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    torch.cuda.set_device(0)
+    matmul = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = {}
+        for channels_last in (True, False):
+            cfg = make_config("train.batch_size=8", f"engine.channels_last={channels_last}")
+            engine = build_engine(cfg, device="cuda:0")
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+            assert _conv_weight(engine).is_contiguous(memory_format=fmt), channels_last
+            loss = engine.step(0, local_micro_batches(0, 8, 0, 1, 1))["loss"]
+            out[channels_last] = loss, snapshot(engine)
+        assert torch.backends.cudnn.benchmark
+        (loss_cl, snap_cl), (loss_nchw, snap_nchw) = out[True], out[False]
+        # fp32 with TF32 off: different conv algorithms sum in other orders (~1e-6 relative).
+        assert loss_cl == pytest.approx(loss_nchw, rel=1e-5)
+        assert torch.allclose(snap_cl["rows"], snap_nchw["rows"], rtol=1e-4, atol=1e-6)
+        for name, value in snap_nchw["backbone"].items():
+            assert torch.allclose(snap_cl["backbone"][name], value, rtol=1e-4, atol=1e-6), name
+    finally:
+        dist.destroy_process_group()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul
