@@ -136,8 +136,11 @@ def test_build_margin_accepts_the_full_schema_for_every_type():
     assert isinstance(arc_dyn.scale, AdaCosScale) and arc_dyn.scale.dynamic
     assert arc_dyn.m2 == 0.5
     assert build_margin(dict(type="cosface", s=30.0)).scale.value() == 30.0
+    # Each key reaches its place in cos(m1 θ + m2) - m3 (reading the attributes back would
+    # only repeat the constructor call).
     combined = build_margin(dict(FULL_CFG, type="combined", m1=1.1, m2=0.2, m3=0.05))
-    assert (combined.m1, combined.m2, combined.m3) == (1.1, 0.2, 0.05)
+    want = math.cos(1.1 * math.acos(0.5) + 0.2) - 0.05
+    assert _psi(combined, [0.5]).item() == pytest.approx(want, abs=1e-6)
 
 
 def test_scale_state_is_in_state_dict():
