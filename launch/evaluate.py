@@ -83,13 +83,16 @@ def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
     return all_gather(local, process_group, sizes=[chunk] * world)[:n]
 
 
-def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_size: int,
-                  device: torch.device | str, process_group=None) -> dict[str, dict[str, float]]:
+def evaluate_bins(
+    backbone: nn.Module, bin_paths: Sequence[str | Path], batch_size: int,
+    device: torch.device | str, process_group=None,
+) -> dict[str, dict[str, float | int]]:
     """Verification metrics of ``backbone`` on insightface ``.bin`` sets.
 
     Called by every rank of ``process_group``; each rank embeds its share of the
     images and all ranks return the same dict ``{bin stem: evaluate_pairs(...)}``
-    (keys: accuracy, accuracy_std, best_threshold, auc, tar@far=..., num_pairs).
+    (keys: accuracy, accuracy_std, best_threshold, auc, tar@far=..., and the integers
+    num_pairs and impostor_pairs).
     Pass the bare backbone (not a DDP/DeepSpeed wrapper); its train/eval mode is
     restored on return.
     """
@@ -110,7 +113,7 @@ def evaluate_bins(backbone: nn.Module, bin_paths: Sequence[str | Path], batch_si
 
 
 def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_size: int,
-                     device: torch.device | str, progress: bool = False) -> dict[str, float]:
+                     device: torch.device | str, progress: bool = False) -> dict[str, float | int]:
     """IJB-B/C 1:1 TAR@FAR (``partial_fc.eval.ijb``) of ``backbone`` on ``root`` (one process).
 
     Faces are aligned from the 5 landmarks, embedded with flip TTA (:func:`embed_images`),
@@ -126,7 +129,7 @@ def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_s
                         meta.face_scores, meta.t1, meta.t2, meta.labels)
 
 
-def format_table(results: dict[str, dict[str, float]]) -> str:
+def format_table(results: dict[str, dict[str, float | int]]) -> str:
     """Plain-text table, one row per verification set or IJB target; "-" where n/a. A TAR
     at a FAR the set's impostor pairs cannot resolve (fewer than 1/FAR) is printed with a
     ``*`` and a note under the table."""

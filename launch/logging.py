@@ -168,7 +168,7 @@ class RunLogger:
         for sink in self._sinks:
             sink.histograms(step, values)
 
-    def evaluation(self, step: int, results: dict[str, dict[str, float]]) -> None:
+    def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
         """Verification results of ``launch.evaluate.evaluate_bins``."""
         flat = {
             f"val/{name}/{k}": v
