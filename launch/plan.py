@@ -288,7 +288,8 @@ def _gib(n: float) -> str:
 def format_table(r: dict) -> str:
     i = r["inputs"]
     lines = [
-        f"{i['classes']:,} classes on {i['gpus']} GPUs ({i['gpus_per_node']}/node): "
+        f"{i['classes']:,} classes on {i['gpus']} GPU{'s' * (i['gpus'] > 1)} "
+        f"({i['gpus_per_node']}/node): "
         f"{r['classes_per_gpu']:,} per GPU, {r['sampled_classes_per_gpu']:,} sampled (r="
         f"{i['sample_rate']}); D={i['dim']}, batch {i['batch']}/GPU; {i['backbone']} "
         f"({r['backbone_params'] / 1e6:.1f}M params), {i['engine']} {i['precision']}"

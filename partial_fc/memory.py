@@ -3,8 +3,8 @@
 
 Head (``partial_fc.head.PartialFC`` with ``partial_fc.optim``), on the rank holding the most
 classes, ``C_local = ceil(C / P)``, with ``N = P * n`` embeddings in the global batch and
-``S`` sampled rows (``partial_fc.sampling.sample_size``, at least the distinct positives, so
-the worst case is ``max(ceil(r C_local), min(N, C_local))``):
+``S`` sampled rows (``partial_fc.sampling.sample_size``, and at least the distinct positives
+this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn labels):
 
 - weight ``C_local * D``; optimizer state: SGD momentum ``C_local * D``, AdamW two moments
   ``2 C_local * D`` plus per-row fp32 step counts ``C_local`` (all in the weight's dtype);
@@ -87,9 +87,8 @@ def head_memory(
     """
     c_local = -(-num_classes // world_size)
     state = DTYPE_BYTES[state_dtype]
-    sampled = max(sample_size(sample_rate, c_local), min(global_batch, c_local))
-    if sample_rate == 1.0:
-        sampled = c_local
+    positives = math.ceil(c_local * -math.expm1(-global_batch / num_classes))
+    sampled = max(sample_size(sample_rate, c_local), min(positives, c_local))
     weight = c_local * dim * state
     opt = _OPTIMIZER_COPIES[optimizer] * weight + (4 * c_local if optimizer == "adamw" else 0)
     if row_sparse_grad and sampled < c_local:
