@@ -152,7 +152,9 @@ class Engine:
         """cuDNN autotuning and the backbone's memory format: channels_last on CUDA (NHWC
         is what tensor-core convolutions read; NCHW costs a transpose per layer), the default
         on CPU, where neither setting is touched (``engine.channels_last``,
-        ``engine.cudnn_benchmark``)."""
+        ``engine.cudnn_benchmark``). Not on CPU also because torch 2.13's CPU backward of a
+        1x1 stride-2 convolution (iResNet's downsample) in channels_last corrupts the heap
+        (measured: ``malloc(): invalid next size``, then a segfault)."""
         if self.device.type != "cuda":
             return torch.contiguous_format
         torch.backends.cudnn.benchmark = self.cfg.engine.cudnn_benchmark
