@@ -93,6 +93,16 @@ def snapshot(engine) -> dict:
     }
 
 
+def same_snapshots(a: dict, b: dict) -> bool:
+    """Whether two :func:`snapshot` s hold bit-identical head rows, backbone state, head
+    optimizer state and head buffers."""
+    same = torch.equal(a["rows"], b["rows"])
+    for part in ("backbone", "head_opt", "head_state"):
+        same &= a[part].keys() == b[part].keys()
+        same &= all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+    return same
+
+
 def full_rows(snaps: list[dict], key: str | None = None) -> torch.Tensor:
     """Concatenate per-rank row blocks (``rows`` or ``head_opt[key]``) in class order."""
     ordered = sorted(snaps, key=lambda s: s["class_start"])

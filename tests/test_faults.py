@@ -24,7 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import build_engine, local_micro_batches, make_config, snapshot
+from launch_helpers import (
+    build_engine,
+    local_micro_batches,
+    make_config,
+    same_snapshots,
+    snapshot,
+)
 from spawn import run_ranks
 
 GLOBAL_BATCH = 12
@@ -46,14 +52,6 @@ def _poison_once(engine, rank_to_poison: int | None = None):
     engine.head.forward = poisoned
 
 
-def _equal_snapshots(a: dict, b: dict) -> bool:
-    same = torch.equal(a["rows"], b["rows"])
-    for part in ("backbone", "head_opt", "head_state"):
-        same &= a[part].keys() == b[part].keys()
-        same &= all(torch.equal(a[part][k], b[part][k]) for k in a[part])
-    return same
-
-
 def test_bad_step_is_skipped_and_changes_nothing(one_rank_group):
     """A NaN step leaves every weight, optimizer state and buffer as it was, and the run
     continues exactly as if that batch had not been there (AdaCos: its scale is a buffer)."""
@@ -66,13 +64,13 @@ def test_bad_step_is_skipped_and_changes_nothing(one_rank_group):
     _poison_once(skipping)
     out = skipping.step(1, local_micro_batches(1, 4, 0, 1, 1))
     assert out["skipped"] and not torch.isfinite(torch.tensor(out["loss"]))
-    assert _equal_snapshots(snapshot(skipping), before)
+    assert same_snapshots(snapshot(skipping), before)
     assert all(p.grad is None for p in skipping.backbone.parameters())
     assert skipping.head.weight.grad is None
     good = skipping.step(2, local_micro_batches(2, 4, 0, 1, 1))
     ref = plain.step(2, local_micro_batches(2, 4, 0, 1, 1))
     assert not good["skipped"] and good["loss"] == ref["loss"]
-    assert _equal_snapshots(snapshot(skipping), snapshot(plain))
+    assert same_snapshots(snapshot(skipping), snapshot(plain))
 
 
 SKIP_SPECS = {
@@ -95,9 +93,9 @@ def _skip_on_all_ranks(rank: int, world: int) -> dict:
         before = snapshot(engine)
         _poison_once(engine, rank_to_poison=1)  # only rank 1 sees a NaN loss
         bad = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, rank, world, k))
-        unchanged = _equal_snapshots(snapshot(engine), before)
+        unchanged = same_snapshots(snapshot(engine), before)
         good = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, rank, world, k))
-        moved = not _equal_snapshots(snapshot(engine), before)
+        moved = not same_snapshots(snapshot(engine), before)
         out[name] = (bad["skipped"], unchanged, good["skipped"], moved)
     return out
 

@@ -17,18 +17,16 @@ import os
 
 import pytest
 import torch
-from launch_helpers import build_engine, local_micro_batches, make_config, snapshot
+from launch_helpers import (
+    build_engine,
+    local_micro_batches,
+    make_config,
+    same_snapshots,
+    snapshot,
+)
 from spawn import run_ranks
 
 GLOBAL_BATCH = 8
-
-
-def _same(a: dict, b: dict) -> bool:
-    same = torch.equal(a["rows"], b["rows"])
-    for part in ("backbone", "head_opt", "head_state"):
-        same &= a[part].keys() == b[part].keys()
-        same &= all(torch.equal(a[part][k], b[part][k]) for k in a[part])
-    return same
 
 
 def _drop_next_update(model) -> None:
@@ -63,7 +61,7 @@ def _dropped_step(rank: int, world: int) -> dict:
         before = snapshot(engine)
         _drop_next_update(engine.model)
         dropped = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, 0, 1, 1))
-        unchanged = _same(snapshot(engine), before)
+        unchanged = same_snapshots(snapshot(engine), before)
         nxt = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, 0, 1, 1))
         moved = not torch.equal(snapshot(engine)["rows"], before["rows"])
         out[precision] = (dropped["skipped"], dropped["overflow"], unchanged,
@@ -105,7 +103,7 @@ def _real_overflow(rank: int, world: int) -> list[tuple[bool, bool, bool]]:
     before, seen = snapshot(engine), []
     for s in range(40):  # the scale halves per overflow: 2^32 -> a working scale
         out = engine.step(s, local_micro_batches(s, GLOBAL_BATCH, 0, 1, 1))
-        seen.append((out["skipped"], out["overflow"], _same(snapshot(engine), before)))
+        seen.append((out["skipped"], out["overflow"], same_snapshots(snapshot(engine), before)))
         if not out["skipped"]:
             break
     return seen
