@@ -61,6 +61,7 @@ def test_channels_last_step_equals_nchw_step_on_cuda():
     os.environ.setdefault("LOCAL_RANK", "0")
     torch.cuda.set_device(0)
     matmul = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    benchmark = torch.backends.cudnn.benchmark
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -82,3 +83,4 @@ def test_channels_last_step_equals_nchw_step_on_cuda():
     finally:
         dist.destroy_process_group()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul
+        torch.backends.cudnn.benchmark = benchmark
