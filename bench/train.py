@@ -1,0 +1,250 @@
+"""Benchmark: the trainer's step next to the backbone's own ceiling, on one device.
+
+    python bench/train.py                                   # CUDA: iresnet50 bf16 batch 128
+    python bench/train.py --device cpu                      # CPU: iresnet_tiny fp32 batch 8
+    python bench/train.py --runs 1000:1.0,1000000:0.1 --steps 100 --warmup 20
+
+One process, a 1-rank process group (``launch.distributed.init_distributed``, no torchrun).
+
+- ``ceiling``: the backbone alone, as the engine runs it (same batch, precision and memory
+  format: channels_last on CUDA), on random input: forward, ``mean(emb^2)`` backward, the
+  backbone's optimizer (``launch.engine.make_optimizer``);
+- each ``classes:rate`` of ``--runs``: the full step, ``launch.engine.Engine.step`` with a
+  ``partial_fc.PartialFC`` head of that many classes and sample rate, on synthetic uint8
+  batches (pinned on CUDA) that cycle on the host.
+
+Per step: ``data`` (host time to fetch the next batch), then the engine's step cut by hooks
+into ``input`` (host-to-device copy and normalisation), ``bb fwd``, ``head fwd`` (its
+collectives included), ``head bwd``, ``bb bwd`` (DDP's gradient all-reduce and clipping
+included), ``optim`` (both optimizers) and ``other``. Times come from CUDA events on CUDA and
+``time.perf_counter`` on CPU (synchronous there). One rank has no communication to speak of;
+the table's last line gives what ``launch.plan`` models for ``--model-gpus`` GPUs. Cells are
+the median over ``--steps`` after ``--warmup``, ``±`` half the 10th-90th percentile range.
+Prints figures, asserts nothing; not run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import statistics
+import time
+import warnings
+
+import torch
+
+from launch import plan
+from launch.config import Config
+from launch.distributed import init_distributed, resolve_device, shutdown
+from launch.engine import Engine, make_optimizer
+from partial_fc import PartialFC, build_margin
+from partial_fc.backbones import build_backbone
+
+PHASES = ("data", "input", "bb fwd", "head fwd", "head bwd", "bb bwd", "optim", "other")
+
+
+class Marks:
+    """Named time points in stream order; ``segments()`` gives ms from each to the next."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: list[tuple[str, object]] = []
+
+    def __call__(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append((name, event))
+        else:
+            self.points.append((name, time.perf_counter()))
+
+    def segments(self) -> dict[str, float]:
+        """``{name: ms from the previous mark to this one}`` (reset afterwards)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            gap = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        else:
+            gap = lambda a, b: (b - a) * 1e3  # noqa: E731
+        out = {name: gap(t0, t1) for (_, t0), (name, t1) in itertools.pairwise(self.points)}
+        self.points.clear()
+        return out
+
+
+def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.device) -> Config:
+    return Config.model_validate({
+        "device": device.type,
+        "data": {"num_classes": classes},
+        "backbone": {"name": args.backbone},
+        "head": {"sample_rate": rate},
+        "train": {"batch_size": args.batch},
+        "engine": {"type": "ddp", "precision": args.precision},
+    })
+
+
+def _batches(args: argparse.Namespace, classes: int, device: torch.device):
+    """Endless synthetic (uint8 images, labels) batches, 4 distinct ones cycled on the host."""
+    gen = torch.Generator().manual_seed(0)
+    pin = device.type == "cuda"
+    made = [(torch.randint(0, 256, (args.batch, 3, 112, 112), dtype=torch.uint8, generator=gen),
+             torch.randint(0, classes, (args.batch,), generator=gen)) for _ in range(4)]
+    if pin:
+        made = [(x.pin_memory(), y.pin_memory()) for x, y in made]
+    return itertools.cycle(made)
+
+
+def _collect(rows: list[dict[str, float]], warmup: int) -> dict[str, tuple[float, float]]:
+    kept = rows[warmup:]
+    out = {}
+    for key in kept[0]:
+        values = sorted(r[key] for r in kept)
+        if len(values) >= 2:
+            q = statistics.quantiles(values, n=10)
+            spread = (q[-1] - q[0]) / 2
+        else:
+            spread = 0.0
+        out[key] = (statistics.median(values), spread)
+    return out
+
+
+def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
+    cfg = _config(args, 2, 1.0, device)
+    torch.manual_seed(0)
+    fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_backbone(args.backbone).to(device, memory_format=fmt)
+    opt = make_optimizer(cfg.optim, model.parameters())
+    x = torch.randn(args.batch, 3, 112, 112, device=device).to(memory_format=fmt)
+    cast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    marks, rows = Marks(device), []
+    for _ in range(args.warmup + args.steps):
+        marks("start")
+        with cast:
+            emb = model(x)
+        marks("bb fwd")
+        emb.float().square().mean().backward()
+        marks("bb bwd")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        marks("optim")
+        rows.append(marks.segments())
+    return _with_peak(_collect([{**r, "step": sum(r.values())} for r in rows], args.warmup),
+                      device)
+
+
+def run_step(args: argparse.Namespace, device: torch.device, classes: int, rate: float) -> dict:
+    cfg = _config(args, classes, rate, device)
+    torch.manual_seed(0)
+    head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
+                     sample_rate=rate)
+    engine = Engine(cfg, build_backbone(args.backbone), head, device,
+                    total_steps=args.warmup + args.steps, warmup_steps=0)
+    marks = Marks(device)
+    engine.backbone.register_forward_pre_hook(lambda *_: marks("input"))
+    engine.backbone.register_forward_hook(lambda *_: marks("bb fwd"))
+    engine.head.register_forward_hook(lambda *_: marks("head fwd"))
+    # Fires when the backbone's output gradient is ready: the start of its backward. torch
+    # warns that the images need no gradient, which is what the step intends.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    engine.backbone.register_full_backward_pre_hook(lambda *_: marks("head bwd"))
+    engine.optimizer.register_step_pre_hook(lambda *_: marks("bb bwd"))
+    engine.head_optimizer.register_step_post_hook(lambda *_: marks("optim"))
+    batches, rows = _batches(args, classes, device), []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        data_ms = (time.perf_counter() - t0) * 1e3
+        marks("start")
+        engine.step(step, [batch])
+        marks("other")
+        seg = marks.segments()
+        rows.append({"data": data_ms, **seg, "step": data_ms + sum(seg.values())})
+    return _with_peak(_collect(rows, args.warmup), device)
+
+
+def _with_peak(out: dict, device: torch.device) -> dict:
+    """Adds CUDA's peak allocated GiB of the run, then frees what the run left cached."""
+    gc.collect()
+    if device.type == "cuda":
+        out["peak GiB"] = (torch.cuda.max_memory_allocated(device) / plan.GIB, 0.0)
+        torch.cuda.empty_cache()
+    return out
+
+
+def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int) -> dict:
+    flags = ["--classes", str(classes), "--sample-rate", str(rate), "--gpus", str(gpus),
+             "--batch", str(args.batch), "--backbone", args.backbone,
+             "--precision", args.precision, "--engine", "ddp", "--reserve", "0"]
+    return plan.plan(plan.resolve_inputs(plan.build_parser().parse_args(flags)))
+
+
+def _cell(stat: tuple[float, float] | None) -> str:
+    return "-" if stat is None else f"{stat[0]:.2f}±{stat[1]:.2f}"
+
+
+def print_table(args: argparse.Namespace, results: list[tuple[str, int, float, dict]]) -> None:
+    cols = ["run", "img/s", "step ms", *PHASES, "peak GiB", "planned GiB"]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for name, classes, rate, r in results:
+        planned = "-" if classes == 0 else \
+            f"{_planned(args, classes, rate, 1)['peak_bytes_per_gpu'] / plan.GIB:.2f}"
+        peak = f"{r['peak GiB'][0]:.2f}" if "peak GiB" in r else "-"
+        ips = args.batch / r["step"][0] * 1e3
+        lines.append(" | ".join([name, f"{ips:,.0f}", _cell(r["step"]),
+                                 *(_cell(r.get(p)) for p in PHASES), peak, planned]))
+    print("\n".join(f"| {line} |" for line in lines))
+    if len(results) > 1:  # the step's collectives depend on N, D and the backbone, not on C
+        _, classes, rate, _ = results[1]
+        p = _planned(args, classes, rate, args.model_gpus)
+        print(f"communication per step at {args.model_gpus} GPUs, modelled by launch.plan "
+              f"({p['link']} link, {p['link_bytes_per_s'] / 1e9:g} GB/s per GPU): "
+              f"{p['comm_seconds'] * 1e3:.2f} ms")
+
+
+def _runs(text: str) -> list[tuple[int, float]]:
+    try:
+        return [(int(c), float(r)) for c, r in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--runs={text!r}: expected classes:rate,...") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--runs", type=_runs, help="classes:rate,... (CUDA default "
+                   "1000:1.0,1000000:1.0,1000000:0.1; CPU default 1000:1.0,20000:1.0,20000:0.1)")
+    p.add_argument("--backbone", help="default iresnet50 on CUDA, iresnet_tiny on CPU")
+    p.add_argument("--batch", type=int, help="images per step (default 128 CUDA, 8 CPU)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="default bf16 CUDA, fp32 CPU")
+    p.add_argument("--steps", type=int, help="timed steps (default 50 CUDA, 5 CPU)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 10 CUDA, 2 CPU)")
+    p.add_argument("--model-gpus", type=int, default=8, help="GPU count of the modelled "
+                   "communication line (default 8)")
+    args = p.parse_args(argv)
+    cuda = resolve_device(args.device, 0).type == "cuda"
+    defaults = dict(runs=[(1000, 1.0), (1_000_000, 1.0), (1_000_000, 0.1)], backbone="iresnet50",
+                    batch=128, precision="bf16", steps=50, warmup=10) if cuda else \
+        dict(runs=[(1000, 1.0), (20_000, 1.0), (20_000, 0.1)], backbone="iresnet_tiny",
+             batch=8, precision="fp32", steps=5, warmup=2)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    env = init_distributed(args.device)
+    try:
+        print(f"device {env.device}, {args.backbone}, {args.precision}, batch {args.batch}, "
+              f"{args.steps} steps after {args.warmup}, torch {torch.__version__}")
+        results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
+        for classes, rate in args.runs:
+            results.append((f"trainer {classes:,} r={rate}", classes, rate,
+                            run_step(args, env.device, classes, rate)))
+        print_table(args, results)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
