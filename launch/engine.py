@@ -111,6 +111,10 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+class LossScaleFloor(RuntimeError):
+    """fp16: the gradients overflow even at DeepSpeed's smallest loss scale (all ranks alike)."""
+
+
 class Engine:
     """Backbone wrapper + both optimizers + the LR schedule; ``step`` does one update.
 
@@ -248,7 +252,7 @@ class Engine:
                 if angles and boundary:
                     sample = self.head.angle_sample(e.detach(), y)
                 if self.deepspeed:
-                    dropped = self._deepspeed_backward(surrogate, boundary, skip)
+                    dropped = self._deepspeed_backward(surrogate, boundary, skip, step)
                 else:
                     surrogate.backward()
             loss_sum += loss.item()
@@ -296,7 +300,8 @@ class Engine:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag)
 
-    def _deepspeed_backward(self, surrogate: torch.Tensor, boundary: bool, skip: bool) -> bool:
+    def _deepspeed_backward(self, surrogate: torch.Tensor, boundary: bool, skip: bool,
+                            step: int) -> bool:
         """DeepSpeed's backward + step for one micro-batch; True when the update was dropped.
 
         DeepSpeed has no public "skip this step" call, but its ZeRO, bf16 and fp16 optimizers
@@ -315,7 +320,7 @@ class Engine:
             self.model.step()
             return False
         if self._deepspeed_checks_overflow():
-            self.model.step()
+            self._scaled_step(step)
             return not self.model.was_step_applied()
         grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
         if bool(torch.isfinite(torch.stack([g.float().norm() for g in grads]).sum())):
@@ -331,6 +336,24 @@ class Engine:
             for p, saved in zip(self.backbone.parameters(), params, strict=True):
                 p.copy_(saved)
         return True
+
+    def _scaled_step(self, step: int) -> None:
+        """DeepSpeed's step, its fp16 loss scaler's dead end as :class:`LossScaleFloor`.
+
+        The scaler halves its scale on each overflow and, once at its minimum (1), raises a
+        bare ``Exception`` (deepspeed/runtime/fp16/loss_scaler.py; the message is the only
+        way to tell it from a bug). Every rank reaches it on the same step.
+        """
+        try:
+            self.model.step()
+        except Exception as err:
+            if "loss scale already at minimum" not in str(err):
+                raise
+            raise LossScaleFloor(
+                f"step {step + 1}: fp16 gradients overflow even at DeepSpeed's minimum loss "
+                "scale: the backbone diverges; lower optim.lr, or train with "
+                "engine.precision=bf16"
+            ) from None
 
     def _deepspeed_checks_overflow(self) -> bool:
         """Whether DeepSpeed's optimizer checks the gradients for inf/NaN before a step."""

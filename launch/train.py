@@ -343,7 +343,9 @@ def report_failure(err: Exception, rank: int) -> int:
     if isinstance(err, ConfigError):
         print_main(f"config error: {err}")
         return 2
-    if isinstance(err, Diverged | checkpoint.CheckpointError):
+    from launch.engine import LossScaleFloor
+
+    if isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError):
         print_main(f"error: {err}")
         return 1
     if isinstance(err, DataError | CollectiveFailed):

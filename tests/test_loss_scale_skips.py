@@ -7,8 +7,9 @@ the scale) and reports it through ``was_step_applied()``. The head lives outside
 
 On CPU fp16 does not run (no fp16 kernels here), so the CPU test makes DeepSpeed's ZeRO-1
 engine behave as its scaler does on an overflow - no update, ``was_step_applied() == False`` -
-and checks what this project's code does with that. The cuda-marked test overflows a real
-fp16 scaler (initial scale 2^32).
+and checks what this project's code does with that; likewise for the scaler's dead end (an
+overflow at its minimum scale raises a bare Exception), which must end the run with one line.
+The cuda-marked test overflows a real fp16 scaler (initial scale 2^32).
 """
 
 from __future__ import annotations
@@ -66,11 +67,32 @@ def _dropped_step(rank: int, world: int) -> dict:
         moved = not torch.equal(snapshot(engine)["rows"], before["rows"])
         out[precision] = (dropped["skipped"], dropped["overflow"], unchanged,
                           nxt["skipped"] or nxt["overflow"], moved)
+    out["floor"] = _at_minimum_scale(engine)
     return out
+
+
+def _at_minimum_scale(engine) -> list[str]:
+    """What ``Engine.step`` raises when DeepSpeed's step raises its scaler's minimum-scale
+    Exception (deepspeed/runtime/fp16/loss_scaler.py's text), and when it raises another."""
+    seen = []
+    for message in ("Current loss scale already at minimum - cannot decrease scale anymore. "
+                    "Exiting run.", "some other failure"):
+        def failing_step(*args, message=message, **kwargs):
+            raise Exception(message)  # noqa: TRY002 - DeepSpeed's own exception type
+
+        engine.model.step = failing_step
+        try:
+            engine.step(4, local_micro_batches(4, GLOBAL_BATCH, 0, 1, 1))
+        except Exception as err:  # noqa: BLE001 - the type is what is checked
+            seen.append(f"{type(err).__name__}: {err}")
+    return seen
 
 
 def test_dropped_deepspeed_step_skips_the_head_too():
     (out,) = run_ranks(_dropped_step, 1)
+    floor, other = out.pop("floor")
+    assert floor.startswith("LossScaleFloor: step 5: fp16 gradients overflow even at "), floor
+    assert "engine.precision=bf16" in floor and other == "Exception: some other failure", other
     for precision, (skipped, overflow, unchanged, next_skipped, moved) in out.items():
         assert skipped and unchanged, precision
         # fp16: the scaler's own skip; bf16 has no scaler, so a drop is a non-finite gradient.
@@ -116,3 +138,14 @@ def test_real_fp16_overflow_skips_backbone_and_head():
     *dropped, (last_skipped, last_overflow, last_unchanged) = seen
     assert dropped and all(skip and overflow and same for skip, overflow, same in dropped), seen
     assert not last_skipped and not last_overflow and not last_unchanged, seen
+
+
+def test_minimum_loss_scale_is_one_line_not_a_traceback(capsys, monkeypatch):
+    from launch.engine import LossScaleFloor
+    from launch.train import report_failure
+
+    monkeypatch.delenv("RANK", raising=False)
+    err = LossScaleFloor("step 7: fp16 gradients overflow even at DeepSpeed's minimum loss scale")
+    assert report_failure(err, 0) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: {err}"], lines
