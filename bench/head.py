@@ -1,30 +1,41 @@
-"""Benchmark: PartialFC vs the textbook full-softmax head, step time and peak memory per rank.
+"""Benchmark: PartialFC against a textbook sharded head, per rank: step time, extra peak memory.
 
-    python bench/head.py --classes 100000 --dim 512 --batch 128 --ranks 2 --sample-rate 0.1
-    python bench/head.py --device cuda --ranks 8 --classes 2000000 --amp bf16   # NCCL
+    python bench/head.py -C 200000 -D 512 -N 64 -P 2                      # CPU, gloo
+    python bench/head.py --device cuda -P 1 -C 1000000 -N 1024 --amp bf16  # one GPU = one rank
 
-Each method runs in its own freshly spawned process group (gloo on CPU, NCCL on CUDA, one GPU
-per rank), so peak figures do not mix:
+Both heads run in the same freshly spawned process group (gloo on CPU, NCCL on CUDA, one GPU
+per rank), on the same weight shard (``C/P`` rows per rank, the same sampled rows at ``r<1``)
+and the same batches:
 
-- ``partialfc``: ``partial_fc.PartialFC`` with this rank's ``C/P`` rows, the global batch
-  all-gathered, sampling rate ``r``;
-- ``reference``: every rank holds the full ``[C, D]`` matrix (as DDP would), materialises
-  logits ``[N, C]`` for its local batch with the same margin, ``F.cross_entropy``, and
-  all-reduces the ``[C, D]`` weight gradient (DDP's averaging) when ``P > 1``.
+- ``ours``: ``partial_fc.PartialFC``;
+- ``textbook``: the sharded head as insightface writes it with autograd: all-gather the
+  normalised embeddings, full ``[N, C/P]`` cosines and logits per rank (margin on the target
+  entries), all-reduce MAX of the row max and SUM of the sum-exp and the target logit, loss;
+  autograd keeps its intermediates. Not a replicated classifier, which no one would run;
+- ``matmuls``: only the three matmuls of a step at this rank's shapes (``E W^T``, ``G W``,
+  ``G^T E``; ``N`` global rows, ``S`` sampled classes), the floor any head pays.
 
-Timed: forward + backward (and the reference's gradient all-reduce), median over ``--steps``
-after ``--warmup``; optimizer steps are not timed. Memory: CUDA
-``max_memory_allocated``; on CPU the growth of the process's peak RSS (``ru_maxrss``) over its
-value before the head was built, a coarser figure. Prints figures, asserts nothing; not run
-by the test suite.
+Memory (measured first, one step at a time): the extra peak of a forward + backward over what
+was alive before it (weights, batch), weight gradient included. CUDA: ``max_memory_allocated``
+minus ``memory_allocated``. CPU: glibc's ``M_MMAP_THRESHOLD`` is fixed at 64 KiB (``mallopt``,
+which also stops its dynamic growth), so every tensor is its own mapping, returned to the OS
+when freed; the peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus
+the resident set before the step is then the peak of live bytes, reproducible to a few pages.
+
+Time (measured after, with a caching heap as a GPU allocator has: on CPU ``mallopt`` turns
+``mmap`` off and trimming off, so freed blocks are reused, not faulted in again each step):
+forward + backward, the two heads interleaved step by step so machine load hits both alike;
+per step the slowest rank counts. Printed: median and [min, max] over ``--steps`` steps (and
+the spread of the per-rank extra peaks); classes per GB = ``C/P`` over (weight + extra peak).
+Prints figures, asserts nothing; not run by the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
-import resource
-import socket
 import statistics
 import time
 
@@ -34,42 +45,137 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
+from partial_fc import distributed as dist_ops
 from partial_fc.margins import MARGIN_TYPES
+from partial_fc.sampling import local_targets, sample_size
 
-METHODS = ("partialfc", "reference")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 
 
 def _free_port() -> int:
+    import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _reference_step(weight, emb, labels, margin, s):
-    """Full logits [n, C] with the margin on the target entries, F.cross_entropy, backward."""
-    cos = (F.normalize(emb, dim=1) @ F.normalize(weight, dim=1).t()).float()
-    rows = torch.arange(len(labels), device=emb.device)
-    logits = (cos * s).index_put((rows, labels), margin.psi(cos[rows, labels], 0) * s)
-    loss = F.cross_entropy(logits, labels)
+class _Textbook(torch.nn.Module):
+    """The sharded full-softmax head, autograd all the way; same shard and sampler as ours."""
+
+    def __init__(self, ours: PartialFC):
+        super().__init__()
+        self.ours = ours  # reads its weight, shard, margin and last sampled rows; never runs it
+        self.weight = torch.nn.Parameter(ours.weight.detach().clone())
+
+    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ours, group = self.ours, self.ours.process_group
+        e = dist_ops.all_gather(F.normalize(emb.float(), dim=1), group)
+        y = dist_ops.all_gather(labels, group)
+        index = ours.sampled_index
+        targets = local_targets(y, ours.class_start, ours.num_local)
+        weight = self.weight
+        if index is not None:  # the rows ours sampled this step, labels remapped likewise
+            weight = weight[index]
+            owned = targets >= 0
+            targets = targets.masked_scatter(owned, torch.searchsorted(index, targets[owned]))
+        s = float(ours.margin.scale.value())
+        cos = (e @ F.normalize(weight, dim=1).t()).float()
+        rows = (targets >= 0).nonzero().squeeze(1)
+        cols = targets[rows]
+        logits = (cos * s).index_put((rows, cols), ours.margin.psi(cos[rows, cols], 0) * s)
+        row_max = dist_ops.all_reduce_max(logits.detach().max(dim=1).values, group)
+        sum_exp = dist_ops.all_reduce((logits - row_max[:, None]).exp().sum(dim=1), group)
+        target = torch.zeros_like(row_max).index_put((rows,), logits[rows, cols] - row_max[rows])
+        return (sum_exp.log() - dist_ops.all_reduce(target, group)).mean()
+
+
+class _Clock:
+    """Wall time of a region: CUDA events on a GPU, perf_counter after a barrier on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def stop_ms(self) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return self.begin.elapsed_time(end)
+        return 1e3 * (time.perf_counter() - self.begin)
+
+
+class _Memory:
+    """Extra peak bytes of a region over what was alive when it began (see module doc)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cpu":
+            self.libc = ctypes.CDLL("libc.so.6")
+            self.libc.mallopt(M_MMAP_THRESHOLD, 64 << 10)
+            self.libc.mallopt(M_TRIM_THRESHOLD, 0)
+
+    def caching_heap(self) -> None:
+        """After the memory steps: keep freed blocks for reuse (what the timed steps get)."""
+        if self.device.type == "cpu":
+            self.libc.mallopt(M_MMAP_MAX, 0)
+            self.libc.mallopt(M_TRIM_THRESHOLD, 1 << 62)
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        self.libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        self.base = self._status("VmRSS")
+
+    def stop_bytes(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return self._status("VmHWM") - self.base
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def _step(head, emb, labels, amp) -> None:
+    x = emb.detach().requires_grad_()
+    with torch.autocast(**amp):
+        loss = head(x, labels)
     loss.backward()
-    if dist.get_world_size() > 1:  # what DDP does with a replicated classifier
-        dist.all_reduce(weight.grad)
-        weight.grad /= dist.get_world_size()
-    return loss
 
 
-def _peak_mib(device: torch.device, rss_before_kib: int) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kib) / 1024
+def _matmuls(n: int, s: int, d: int, device, dtype, clock: _Clock, steps: int) -> list[float]:
+    e, g = (torch.randn(n, d, device=device, dtype=dtype),
+            torch.randn(n, s, device=device, dtype=dtype))
+    w = torch.randn(s, d, device=device, dtype=dtype)
+    out = []
+    for _ in range(steps + 1):
+        clock.start()
+        _ = e @ w.t(), g @ w, g.t() @ e
+        out.append(clock.stop_ms())
+    return out[1:]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _worker(rank: int, args: argparse.Namespace, method: str, port: int, out) -> None:
+def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -78,76 +184,105 @@ def _worker(rank: int, args: argparse.Namespace, method: str, port: int, out) ->
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
         backend = "gloo"
+    memory, clock = _Memory(device), _Clock(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.ranks)
     margin = build_margin(dict(type=args.margin, s=args.scale))
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    if method == "partialfc":
-        head = PartialFC(args.dim, args.classes, margin, sample_rate=args.sample_rate).to(device)
-        params = head.weight
-    else:
-        margin = margin.to(device)
-        params = torch.nn.Parameter(torch.randn(args.classes, args.dim, device=device) * 0.01)
+    ours = PartialFC(args.dim, args.classes, margin, sample_rate=args.sample_rate).to(device)
+    heads = {"ours": ours, "textbook": _Textbook(ours).to(device)}
     gen = torch.Generator(device=device).manual_seed(rank)
-    times = []
-    amp = dict(cuda=dict(device_type="cuda"), cpu=dict(device_type="cpu"))[device.type]
-    for step in range(args.warmup + args.steps):
-        emb = torch.randn(args.batch, args.dim, device=device, generator=gen, requires_grad=True)
-        labels = torch.randint(0, args.classes, (args.batch,), device=device, generator=gen)
-        params.grad = None
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        with torch.autocast(**amp, dtype=torch.bfloat16, enabled=args.amp == "bf16"):
-            if method == "partialfc":
-                head(emb, labels).backward()
-            else:
-                _reference_step(params, emb, labels, margin, args.scale)
-        _sync(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    out.put((method, rank, 1e3 * statistics.median(times), _peak_mib(device, rss_before)))
+    batches = [(torch.randn(args.batch, args.dim, device=device, generator=gen),
+                torch.randint(0, args.classes, (args.batch,), device=device, generator=gen))
+               for _ in range(2)]
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
+    result = {"mem": {}, "ms": {name: [] for name in heads}}
+
+    def prepare(name, i):
+        """The textbook reuses the rows ours samples (ours runs first); no gradient alive."""
+        if name == "textbook":
+            _step(ours, *batches[i % 2], amp)
+        for head in heads.values():
+            head.weight.grad = None
+
+    for name in heads:
+        prepare(name, 0)
+        _step(heads[name], *batches[0], amp)  # warm up
+        peaks = []
+        for i in range(args.mem_steps):
+            prepare(name, i)
+            memory.start()
+            _step(heads[name], *batches[i % 2], amp)
+            peaks.append(memory.stop_bytes())
+        result["mem"][name] = peaks
+    memory.caching_heap()
+    for i in range(args.warmup + args.steps):
+        for name in heads:
+            prepare(name, i)
+            dist.barrier()
+            clock.start()
+            _step(heads[name], *batches[i % 2], amp)
+            if i >= args.warmup:
+                result["ms"][name].append(clock.stop_ms())
+    sampled = sample_size(args.sample_rate, ours.num_local)
+    dtype = torch.bfloat16 if args.amp == "bf16" else torch.float32
+    result["ms"]["matmuls"] = _matmuls(args.batch * args.ranks, sampled, args.dim, device,
+                                       dtype, clock, args.steps)
+    result["weight_bytes"] = ours.weight.numel() * ours.weight.element_size()
+    result["num_local"] = ours.num_local
+    queue.put((rank, result))
     dist.destroy_process_group()
     os._exit(0)
 
 
+def _fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):9.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--classes", "-C", type=int, default=100_000)
+    parser.add_argument("--classes", "-C", type=int, default=200_000)
     parser.add_argument("--dim", "-D", type=int, default=512)
-    parser.add_argument("--batch", "-N", type=int, default=128, help="per rank")
+    parser.add_argument("--batch", "-N", type=int, default=64, help="per rank")
     parser.add_argument("--ranks", "-P", type=int, default=2)
     parser.add_argument("--sample-rate", "-r", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per head")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--mem-steps", type=int, default=3, help="memory steps per head")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--margin", default="arcface",
                         choices=[t for t in MARGIN_TYPES if t != "adacos"])  # adacos: no --scale
     parser.add_argument("--scale", type=float, default=64.0)
     parser.add_argument("--amp", choices=("none", "bf16"), default="none")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 1:
         parser.error("--device cuda: no CUDA device visible")
-    ctx = mp.get_context("spawn")
-    rows = []
-    for method in args.methods:
-        out = ctx.SimpleQueue()
-        mp.spawn(_worker, args=(args, method, _free_port(), out), nprocs=args.ranks)
-        rows += sorted(out.get() for _ in range(args.ranks))
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.ranks)
+    results = [r for _, r in sorted(queue.get() for _ in range(args.ranks))]
+    slowest = {name: [max(step) for step in zip(*(r["ms"][name] for r in results), strict=True)]
+               for name in results[0]["ms"]}
+    gib = 2**30
     print(f"C={args.classes} D={args.dim} N/rank={args.batch} P={args.ranks} "
-          f"r={args.sample_rate} device={args.device} amp={args.amp} margin={args.margin}")
-    print(f"{'method':<10} {'rank':>4} {'fwd+bwd ms':>11} {'peak MiB':>10}")
-    for method, rank, ms, mib in rows:
-        print(f"{method:<10} {rank:>4} {ms:>11.2f} {mib:>10.1f}")
-    worst = {m: (max(r[2] for r in rows if r[0] == m), max(r[3] for r in rows if r[0] == m))
-             for m in args.methods}
-    if len(worst) == 2:
-        (t_p, m_p), (t_r, m_r) = worst["partialfc"], worst["reference"]
-        print(f"reference / partialfc (slowest rank): time {t_r / t_p:.2f}x, "
-              f"peak memory {m_r / max(m_p, 1e-9):.2f}x")
+          f"r={args.sample_rate} device={args.device} amp={args.amp} margin={args.margin} "
+          f"steps={args.steps} (slowest rank per step; extra peak over ranks and steps)")
+    print(f"{'':<9} {'fwd+bwd ms, median [min, max]':>30} {'extra peak MiB [min, max]':>28} "
+          f"{'classes/GB':>11}")
+    for name, times in slowest.items():
+        if name == "matmuls":
+            print(f"{name:<9} {_fmt(times):>30}")
+            continue
+        peaks = [p for r in results for p in r["mem"][name]]
+        per_gb = min(r["num_local"] / ((r["weight_bytes"] + max(r["mem"][name])) / 1e9)
+                     for r in results)
+        print(f"{name:<9} {_fmt(times):>30} {max(peaks) / 2**20:>11.1f} "
+              f"[{min(peaks) / 2**20:.1f}, {max(peaks) / 2**20:.1f}] {per_gb:>11.0f}")
+    med = {name: statistics.median(times) for name, times in slowest.items()}
+    peak = {name: max(p for r in results for p in r["mem"][name]) for name in ("ours", "textbook")}
+    print(f"ours / textbook: time {med['ours'] / med['textbook']:.2f}x, extra peak "
+          f"{peak['ours'] / max(peak['textbook'], 1):.2f}x; matmuls = "
+          f"{100 * med['matmuls'] / med['ours']:.0f}% of ours, "
+          f"{100 * med['matmuls'] / med['textbook']:.0f}% of the textbook's time; "
+          f"weight {results[0]['weight_bytes'] / gib:.3f} GiB/rank")
 
 
 if __name__ == "__main__":
