@@ -7,10 +7,12 @@ For each class count ``S`` (one rank's sampled rows, ``C_local * r``) it times, 
 ``triton.testing.do_bench`` (median of ``--rep`` ms after ``--warmup`` ms):
 
 - ``stats``: ``class_tile_stats`` (forward: one ``[N, S]`` matmul recomputed tile by tile);
-- ``grads``: ``class_tile_grads`` (backward: two kernels, each recomputing the cosines and
-  doing one more matmul);
+- ``grads``: ``class_tile_grads`` (backward: per class chunk, one kernel recomputing the
+  cosines into ``G'`` and two GEMMs);
 - ``matmuls``: ``E W^T`` ``[N, S]``, ``G W`` ``[N, D]`` and ``G^T E`` ``[S, D]`` with cuBLAS
   (``G`` a precomputed ``[N, S]`` tensor of the operand dtype): the GEMM floor of any head;
+- ``torch``: the same two passes by ``partial_fc.chunked`` (PyTorch, fp32 products), chunked
+  to 256 MiB fp32 tiles;
 
 and prints the kernels' total, the share ``matmuls / (stats + grads)`` and each call's extra
 peak memory (``max_memory_allocated`` minus allocated before; the ``[N, S]`` ``G`` of the
@@ -102,6 +104,7 @@ def _ptxas_report(arch: int, dtype: torch.dtype) -> None:
 def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
     import triton.testing
 
+    from partial_fc import chunked
     from partial_fc.kernels.triton_margin import class_tile_grads, class_tile_stats
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -121,16 +124,21 @@ def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
     def grads():
         return class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad)
 
+    chunk = chunked.chunk_columns(n, 256 << 20)  # the kernels' G' budget, as fp32 columns
+
+    def torch_path():
+        chunked.class_tile_stats(e, w, inv, tgt, scale, chunk)
+        return chunked.class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad, chunk)
+
     grad_cos = torch.randn(n, s_cols, device="cuda", generator=g).to(dtype)
 
     def matmuls():
         return e @ w.T, grad_cos @ w, grad_cos.T @ e
 
+    runs = (("stats", stats), ("grads", grads), ("matmuls", matmuls), ("torch", torch_path))
     times = {name: triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep,
-                                           return_mode="median")
-             for name, fn in (("stats", stats), ("grads", grads), ("matmuls", matmuls))}
-    peaks = {name: _extra_peak_gib(fn)
-             for name, fn in (("stats", stats), ("grads", grads), ("matmuls", matmuls))}
+                                           return_mode="median") for name, fn in runs}
+    peaks = {name: _extra_peak_gib(fn) for name, fn in runs}
     total = times["stats"] + times["grads"]
     tflop = 3 * 2 * n * s_cols * d / 1e12
     print(f"N={n} S={s_cols} D={d} {str(dtype).removeprefix('torch.')}:  "
@@ -138,7 +146,8 @@ def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
           f"grads {times['grads']:.3f} ms ({peaks['grads']:.2f} GiB)  "
           f"kernels {total:.3f} ms  |  3 matmuls {times['matmuls']:.3f} ms "
           f"({tflop / times['matmuls'] * 1e3:.0f} TFLOP/s, {peaks['matmuls']:.2f} GiB)  "
-          f"share {times['matmuls'] / total:.2f}")
+          f"share {times['matmuls'] / total:.2f}  |  PyTorch chunked path {times['torch']:.3f} ms "
+          f"({peaks['torch']:.2f} GiB, chunk {chunk})")
 
 
 def main(argv: list[str] | None = None) -> None:
