@@ -78,13 +78,14 @@ def _distinct_rows(count: int, num_local: int, excluded: Tensor, gen: torch.Gene
     """``count`` distinct rows of ``range(num_local)`` outside the sorted ``excluded``, every
     such subset equally likely: the distinct values of iid uniform draws in first-draw order
     (exclusions skipped) are a uniform random permutation's prefix. Each round draws the
-    expected number of draws still needed (coupon collector) plus slack; O(draws log draws)."""
+    expected number of draws still needed (coupon collector over all ``num_local`` rows) plus
+    slack; O(draws log draws)."""
     device = excluded.device
     free = num_local - excluded.numel()
     chosen = torch.zeros(0, dtype=torch.int64, device=device)
     while chosen.numel() < count:
         unseen = free - chosen.numel()
-        expected = free * math.log(unseen / max(unseen - (count - chosen.numel()), 0.5))
+        expected = num_local * math.log(unseen / max(unseen - (count - chosen.numel()), 0.5))
         draws = torch.randint(num_local, (int(1.1 * expected) + 16,), generator=gen,
                               device=device)
         draws = draws[~torch.isin(draws, excluded)]
