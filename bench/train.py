@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.d
         "backbone": {"name": args.backbone},
         "head": {"sample_rate": rate},
         "train": {"batch_size": args.batch},
-        "engine": {"type": "ddp", "precision": args.precision},
+        "engine": {"type": args.engine, "precision": args.precision},
     })
 
 
@@ -178,7 +178,7 @@ def _with_peak(out: dict, device: torch.device) -> dict:
 def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int) -> dict:
     flags = ["--classes", str(classes), "--sample-rate", str(rate), "--gpus", str(gpus),
              "--batch", str(args.batch), "--backbone", args.backbone,
-             "--precision", args.precision, "--engine", "ddp", "--reserve", "0"]
+             "--precision", args.precision, "--engine", args.engine, "--reserve", "0"]
     return plan.plan(plan.resolve_inputs(plan.build_parser().parse_args(flags)))
 
 
@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backbone", help="default iresnet50 on CUDA, iresnet_tiny on CPU")
     p.add_argument("--batch", type=int, help="images per step (default 128 CUDA, 8 CPU)")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="default bf16 CUDA, fp32 CPU")
+    p.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp",
+                   help="the trainer's backbone engine (deepspeed: ZeRO-1, the schema's default "
+                   "stage); the ceiling is always plain torch")
     p.add_argument("--steps", type=int, help="timed steps (default 50 CUDA, 5 CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 10 CUDA, 2 CPU)")
     p.add_argument("--model-gpus", type=int, default=8, help="GPU count of the modelled "
@@ -235,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, value)
     env = init_distributed(args.device)
     try:
-        print(f"device {env.device}, {args.backbone}, {args.precision}, batch {args.batch}, "
+        print(f"device {env.device}, {args.backbone}, {args.engine} {args.precision}, "
+              f"batch {args.batch}, "
               f"{args.steps} steps after {args.warmup}, torch {torch.__version__}")
         results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
         for classes, rate in args.runs:

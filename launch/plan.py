@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from launch.config import Config, ConfigError, load_config
 from partial_fc import memory
 from partial_fc.backbones import build_backbone, list_backbones
 
@@ -179,21 +180,24 @@ def step_model(result: dict, head_factor: float) -> dict:
 
 # ----------------------------------------------------------------------------- CLI
 
-_FLAGS = {  # flag -> (recipe attribute path, type, default when neither recipe nor flag)
-    "classes": ("data.num_classes", int, None),
-    "sample_rate": ("head.sample_rate", float, 1.0),
-    "dim": ("backbone.embedding_size", int, 512),
-    "batch": ("train.batch_size", int, 128),
-    "backbone": ("backbone.name", str, "iresnet50"),
-    "optimizer": ("optim.name", str, "sgd"),
-    "precision": ("engine.precision", str, "bf16"),
-    "engine": ("engine.type", str, "ddp"),
-    "zero_stage": ("engine.zero_stage", int, 0),
+_FLAGS = {  # flag -> the recipe key supplying it (launch.config's schema: the defaults)
+    "classes": "data.num_classes",
+    "sample_rate": "head.sample_rate",
+    "dim": "backbone.embedding_size",
+    "batch": "train.batch_size",
+    "backbone": "backbone.name",
+    "optimizer": "optim.name",
+    "precision": "engine.precision",
+    "engine": "engine.type",
+    "zero_stage": "engine.zero_stage",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m launch.plan", description=__doc__.split("\n\n")[0],
+        epilog="Values not given come from --config, else from launch.config's schema defaults "
+        "(launch.train --help lists them).")
     p.add_argument("--config", help="a recipe (configs/*.yaml) supplying the values below; "
                    "its data folder need not exist")
     p.add_argument("--classes", type=int, help="identities C (default: the recipe's "
@@ -201,15 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--sample-rate", type=float, help="Partial FC sample rate r in (0, 1] "
-                   "(default 1)")
-    p.add_argument("--dim", type=int, help="embedding size D (default 512)")
-    p.add_argument("--batch", type=int, help="images per GPU (default 128)")
-    p.add_argument("--backbone", help=f"one of {', '.join(list_backbones())} (default iresnet50)")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], help="sgd = momentum (default)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="backbone compute "
-                   "(default bf16 without a recipe)")
-    p.add_argument("--engine", choices=["ddp", "deepspeed"], help="default ddp")
+    p.add_argument("--sample-rate", type=float, help="Partial FC sample rate r in (0, 1]")
+    p.add_argument("--dim", type=int, help="embedding size D")
+    p.add_argument("--batch", type=int, help="images per GPU")
+    p.add_argument("--backbone", help=f"one of {', '.join(list_backbones())}")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], help="sgd = with momentum")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="backbone compute")
+    p.add_argument("--engine", choices=["ddp", "deepspeed"], help="backbone replication")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], help="deepspeed ZeRO stage")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of head weight, gradient and optimizer state (default fp32)")
@@ -232,22 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
     """Recipe values, then flags; raises :class:`PlanError` for impossible inputs."""
+    try:
+        cfg = load_config(args.config, resolve=False) if args.config else Config()
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     values = {}
-    if args.config:
-        from launch.config import ConfigError, load_config
-
-        try:
-            cfg = load_config(args.config, resolve=False)
-        except ConfigError as e:
-            raise PlanError(str(e)) from None
-        for key, (path, _, _) in _FLAGS.items():
-            obj = cfg
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            values[key] = obj
-    for key, (_, _, default) in _FLAGS.items():
+    for key, path in _FLAGS.items():
         flag = getattr(args, key)
-        values[key] = flag if flag is not None else values.get(key, default)
+        if flag is None:
+            flag = cfg
+            for part in path.split("."):
+                flag = getattr(flag, part)
+        values[key] = flag
     if values["classes"] is None:
         raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
     gpus = gpus or args.gpus or args.nodes * args.gpus_per_node

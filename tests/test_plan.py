@@ -176,3 +176,26 @@ def test_cli_impossible_inputs_are_one_line(capsys, argv, message):
     assert plan.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_scaling_mode_models_one_row_per_gpu_count(capsys):
+    assert plan.main(["--config", "configs/ms1mv3_r50.yaml", "--scaling", "8,64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["inputs"]["gpus"] for r in rows] == [8, 64]
+    assert [r["link"] for r in rows] == ["intra-node", "inter-node"]
+    for r in rows:
+        m = r["step"]
+        parts = m["backbone_s"] + m["head_s"] + m["head_comm_s"] + m["grad_sync_exposed_s"]
+        assert m["step_s"] == pytest.approx(parts)
+        assert m["efficiency"] == pytest.approx(m["backbone_s"] / m["step_s"])
+    assert rows[1]["step"]["efficiency"] < rows[0]["step"]["efficiency"]  # slower link, bigger N
+
+
+def test_defaults_come_from_the_schema(capsys):
+    from launch.config import Config
+
+    r = _json(capsys, "--classes", "1000")["inputs"]
+    cfg = Config()
+    assert (r["precision"], r["engine"], r["zero_stage"], r["batch"], r["backbone"]) == (
+        cfg.engine.precision, cfg.engine.type, cfg.engine.zero_stage, cfg.train.batch_size,
+        cfg.backbone.name)
