@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.console import plain_help
+
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "configs" / "smoke.yaml"
 STEPS = 6
@@ -217,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["inject"]:
         return _inject(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m launch.chaos", description=__doc__.split(
-        "\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.chaos", description=plain_help(
+        __doc__.split("\n\n")[0]))
     parser.add_argument("-k", default="", help="run only cases whose name contains this")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args(argv)

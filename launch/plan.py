@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from launch.config import Config, ConfigError, load_config
+from launch.console import plain_help
 from partial_fc import memory
 from partial_fc.backbones import build_backbone, list_backbones
 
@@ -195,7 +196,7 @@ _FLAGS = {  # flag -> the recipe key supplying it (launch.config's schema: the d
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m launch.plan", description=__doc__.split("\n\n")[0],
+        prog="python -m launch.plan", description=plain_help(__doc__.split("\n\n")[0]),
         epilog="Values not given come from --config, else from launch.config's schema defaults "
         "(launch.train --help lists them).")
     p.add_argument("--config", help="a recipe (configs/*.yaml) supplying the values below; "
