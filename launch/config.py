@@ -129,6 +129,14 @@ class HeadConfig(_Section):
         1.0, description="share of the classes (the batch's own always included) each step's "
         "softmax is computed over (Partial FC); 1 = all"
     )
+    kernel: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "
+        "(chunked PyTorch), auto = triton on CUDA when installed, else torch"
+    )
+    max_tile_mib: PosInt = Field(
+        32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "
+        "(memory budget; no [batch, num_local] buffer is ever allocated)"
+    )
 
 
 class OptimConfig(_Section):
@@ -442,6 +450,9 @@ def _semantic_errors(cfg: Config) -> list[tuple[str, str]]:
                     f"because {'; '.join(why)} (use grad_accum=1 or a larger batch)",
                 )
             )
+    if cfg.head.kernel == "triton" and importlib.util.find_spec("triton") is None:
+        out.append(("head.kernel", "head.kernel='triton': triton is not installed "
+                    "(pip install triton, or head.kernel=auto)"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
     if (

@@ -150,6 +150,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
         build_margin(cfg.margin_kwargs()),
         sample_rate=cfg.head.sample_rate,
         seed=cfg.seed,
+        kernel=cfg.head.kernel,
+        max_tile_bytes=cfg.head.max_tile_mib << 20,
     )
     k = cfg.train.grad_accum
     loader = make_loader(

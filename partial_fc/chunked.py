@@ -50,12 +50,28 @@ def _targets_in(target_col: Tensor, a: int, b: int) -> tuple[Tensor, Tensor]:
     return rows, target_col[rows] - a
 
 
-@torch.no_grad()
 def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                      s: Tensor | float, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     """Over the non-target columns of each row: ``row_max = max_k s cos_ik`` (``-inf`` if none),
     ``row_sum = sum_k exp(s cos_ik - row_max_i)`` and ``cos_sum = sum_k cos_ik``, ``[N]`` fp32.
     ``s`` is a float or a 0-d tensor; at most ``chunk`` columns are materialised at once."""
+    with torch.no_grad(), torch.autocast(e.device.type, enabled=False):  # fp32 products
+        return _stats(e, w, inv_norm, target_col, s, chunk)
+
+
+def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+                     chunk: int) -> tuple[Tensor, Tensor]:
+    """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
+    ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` and, w.r.t.
+    the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
+    ``g = G^T E`` ``[S, D]``, both fp32. ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the
+    projection costs one column sum per chunk."""
+    with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
+        return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk)
+
+
+def _stats(e, w, inv_norm, target_col, s, chunk):
     e_f, op = _operands(e, w)
     n, cols = e.shape[0], w.shape[0]
     s = s.float() if isinstance(s, Tensor) else float(s)
@@ -77,15 +93,7 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     return row_max, row_sum, cos_sum
 
 
-@torch.no_grad()
-def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
-                     chunk: int) -> tuple[Tensor, Tensor]:
-    """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
-    ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` and, w.r.t.
-    the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
-    ``g = G^T E`` ``[S, D]``, both fp32. ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the
-    projection costs one column sum per chunk."""
+def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
     e_f, op = _operands(e, w)
     cols = w.shape[0]
     s = s.float() if isinstance(s, Tensor) else float(s)

@@ -5,12 +5,15 @@ gradient convention)::
 
     e_local [n_r, D] --normalise--> all_gather --> E [N, D]      (labels likewise -> Y [N])
     sample local classes (training, r < 1)   -> W_s [S_r, D] rows of this rank's shard
-    cos = E @ normalise(W_s)^T  [N, S_r]     (autocast may run this matmul in bf16/fp16)
-    no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (fp32 row sums, fp64 reduce)
-    partial_fc.softmax (one autograd Function, hand-written backward), fp32:
-      logits: s * cos, target entries this rank owns -> s * psi(cos_target)
+    inv = 1 / ||W_s|| [S_r]; class_tile_stats (partial_fc.chunked or the Triton kernels), no grad:
+      per row over non-target columns: max and sum-exp of s * cos, sum of cos (chunked over
+      classes: never an [N, S_r] buffer), target cosines from the gathered target rows
+    no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (dynamic AdaCos: the tile
+      statistics at s_{t-1} for B_avg, then again at s_t)
+    partial_fc.softmax (one autograd Function): target logits s * psi(cos_target);
       max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
       loss = mean_i [ log(sum_k exp(z_ik - m_i)) - (z_iy - m_i) ]   identical on all ranks
+      backward: class_tile_grads recomputes the cosines chunk by chunk
 
 The result equals ``F.cross_entropy`` on the full ``[N, C]`` logits of one process: the
 embedding gradient is exactly ``dL/de_local`` and each rank's ``weight.grad`` holds exactly
@@ -27,14 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from partial_fc import chunked
 from partial_fc import distributed as dist_ops
 from partial_fc.init import derive_seed, init_rows_
+from partial_fc.kernels import triton_available
 from partial_fc.margins import Margin
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.scale import AdaCosScale, log_mean_exp, median_angle
-from partial_fc.softmax import margin_softmax_loss
+from partial_fc.softmax import Shard, margin_softmax_loss
 
-__all__ = ["PartialFC"]
+__all__ = ["KERNELS", "PartialFC"]
+
+KERNELS = ("auto", "torch", "triton")
 
 
 class PartialFC(nn.Module):
@@ -49,6 +56,11 @@ class PartialFC(nn.Module):
         process_group: ``None`` = WORLD, resolved when called; no initialised process group
             = one rank (no collectives at all).
         seed: seeds the weight init (per global class) and the negative sampling.
+        kernel: the class-tile passes: ``"torch"`` (``partial_fc.chunked``), ``"triton"``
+            (``partial_fc.kernels.triton_margin``, CUDA), ``"auto"`` = triton for CUDA
+            tensors when triton is installed, else torch.
+        max_tile_bytes: memory budget of the torch path: at most this many bytes of fp32
+            ``[N, chunk]`` cosines per class chunk (the Triton kernels hold tiles only).
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
@@ -64,12 +76,10 @@ class PartialFC(nn.Module):
     ``sampled_index`` holds the local rows the last forward used (``None`` = all rows);
     ``pop_sampled_rows()`` is how ``partial_fc.optim`` learns which rows to update.
 
-    Memory: at most two fp32 ``[N, S]`` buffers are alive at once: in forward the cosines
-    (the matmul's output, freed when ``forward`` returns) and one other, first dynamic
-    AdaCos's ``exp(s (cos - 1))`` (freed once summed), then the logits, which
-    ``partial_fc.softmax.margin_softmax_loss`` turns in place into the probabilities, the only
-    ``[N, S]`` buffer kept for backward; its backward turns it in place into ``dL/dcos``,
-    consumed by the matmul's backward. Inputs are never modified.
+    Memory: no ``[N, S]`` buffer: the torch path holds at most two fp32 ``[N, chunk]`` buffers
+    (``chunk = max_tile_bytes / (4 N)`` columns), the Triton kernels tiles only; besides them
+    the step keeps ``[N]`` vectors, the gathered sampled rows (``r < 1``) and the weight
+    gradient. Inputs are never modified.
     """
 
     def __init__(
@@ -80,6 +90,8 @@ class PartialFC(nn.Module):
         sample_rate: float = 1.0,
         process_group: dist_ops.ProcessGroup = None,
         seed: int = 0,
+        kernel: str = "auto",
+        max_tile_bytes: int = 32 << 20,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -96,6 +108,14 @@ class PartialFC(nn.Module):
             raise TypeError(f"PartialFC: margin must come from build_margin, got {margin!r}")
         if seed < 0:
             raise ValueError(f"PartialFC: seed={seed} must be >= 0")
+        if kernel not in KERNELS:
+            raise ValueError(f"PartialFC: kernel={kernel!r} must be one of {KERNELS}")
+        if kernel == "triton" and not triton_available():
+            raise ValueError("PartialFC: kernel='triton' needs triton (pip install triton); "
+                             "use kernel='torch' or 'auto'")
+        if max_tile_bytes < 1:
+            raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
+        self.kernel, self.max_tile_bytes = kernel, int(max_tile_bytes)
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate, self.process_group, self.seed = sample_rate, process_group, seed
         self.world_size, self.rank = world, rank
@@ -175,16 +195,17 @@ class PartialFC(nn.Module):
         else:
             index, targets = None, local_targets(y, self.class_start, self.num_local)
         self._record_rows(index)
-        weight = self.weight if index is None else self.weight[index]
-        cos = (e @ F.normalize(weight, dim=1).t()).float()  # [N, S]
-        rows = (targets >= 0).nonzero().squeeze(1)
-        cols = targets[rows]
-        cos_t = cos.detach()[rows, cols]  # [n_owned]: targets this rank owns
-        glob = self._global_stats(cos, rows, cols, cos_t)
-        s = self.margin.scale.value()  # s_t, after a dynamic AdaCos update
+        shard = self._shard(e, index, targets)
+        scale = self.margin.scale
+        row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
+        glob = self._global_stats(shard, row_max, row_sum, cos_sum, scale.value())
+        s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
+        if glob["log_b_avg"] is not None:  # the scale moved: the statistics at s_t
+            row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
-            cos, rows, cols, functools.partial(self.margin.psi, step=step), s, group)
+            e, self.weight, shard, row_max, row_sum,
+            functools.partial(self.margin.psi, step=step), s, group)
         if self.training:
             self.step += 1
         self._set_stats(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
@@ -230,24 +251,46 @@ class PartialFC(nn.Module):
         else:
             self._pending_rows[index] = True
 
+    def _shard(self, e: Tensor, index: Tensor | None, targets: Tensor) -> Shard:
+        """This step's rows, their inverse norms (as ``F.normalize``: norms below 1e-12 count
+        as 1e-12) and the tile functions; the operand ``e`` is autocast's dtype when autocast
+        is on (the matmuls' operands; the softmax stays fp32)."""
+        with torch.no_grad():
+            w = self.weight.detach() if index is None else self.weight.detach()[index]
+            inv = 1.0 / w.float().norm(dim=1).clamp_min(1e-12)
+            e_op = e.detach()
+            if torch.is_autocast_enabled(e.device.type):
+                e_op = e_op.to(torch.get_autocast_dtype(e.device.type))
+            tiles = self._tiles(e.device)
+            return Shard(e_op, w, index, inv, targets, tiles,
+                         chunked.chunk_columns(e.shape[0], self.max_tile_bytes))
+
+    def _tiles(self, device: torch.device):
+        """The module with ``class_tile_stats`` / ``class_tile_grads`` for ``device``."""
+        use_triton = self.kernel == "triton" or (
+            self.kernel == "auto" and device.type == "cuda" and triton_available())
+        if not use_triton:
+            return chunked
+        from partial_fc.kernels import triton_margin  # optional dependency, CUDA only
+        return triton_margin
+
     @torch.no_grad()
-    def _global_stats(self, cos: Tensor, rows: Tensor, cols: Tensor, cos_t: Tensor) -> dict:
+    def _global_stats(self, shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor,
+                      s_prev: Tensor | float) -> dict:
         """One all-reduce (fp64) of: each sample's target cos, each sample's partial
-        ``sum_{k != y} exp(s_prev (cos_k - 1))`` (dynamic AdaCos only), the number of sampled
-        classes and the sum of non-target cosines. Updates a dynamic AdaCos scale. Row sums
-        over ``[N, S]`` run in fp32 (an fp64 ``sum`` would copy the whole buffer to fp64)."""
-        n, sampled = cos.shape
+        ``sum_{k != y} exp(s_prev (cos_k - 1))`` (dynamic AdaCos only, from the tile statistics
+        at ``s_prev``), the number of sampled classes and the sum of non-target cosines.
+        Updates a dynamic AdaCos scale."""
+        n, sampled = shard.e.shape[0], shard.w.shape[0]
+        rows = shard.rows
         scale = self.margin.scale
         dynamic = isinstance(scale, AdaCosScale) and scale.dynamic and self.training
-        packed = torch.zeros(2 * n + 2, dtype=torch.float64, device=cos.device)
-        packed[rows] = cos_t.double()
-        if dynamic:  # shift by s_prev * 1 (cos <= 1): no overflow whatever s is
-            ex = (cos - 1.0).mul_(scale.value()).exp_()
-            ex[rows, cols] = 0.0
-            packed[n: 2 * n] = ex.sum(dim=1).double()
-            del ex
+        packed = torch.zeros(2 * n + 2, dtype=torch.float64, device=row_max.device)
+        packed[rows] = shard.cos_t.double()
+        if dynamic:  # exp(row_max - s_prev) <= ~1 (cos <= 1): no overflow whatever s is
+            packed[n: 2 * n] = (row_sum * torch.exp(row_max - s_prev)).double()
         packed[2 * n] = sampled
-        packed[2 * n + 1] = cos.sum(dim=1).double().sum() - packed[rows].sum()
+        packed[2 * n + 1] = cos_sum.double().sum()
         packed = dist_ops.all_reduce(packed, self.process_group)
         target_cos, total = packed[:n].float(), int(packed[2 * n])
         neg_ratio = (self.num_classes - 1) / (total - 1) if total > 1 else math.nan

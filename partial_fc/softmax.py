@@ -1,16 +1,19 @@
-"""Class-sharded margin softmax cross-entropy with a hand-written backward (Megatron-style).
+"""Class-sharded margin softmax cross-entropy from class-tile statistics (no ``[N, S]`` logits).
 
-Each rank holds the cosines ``cos [N, S]`` of the whole global batch against its ``S`` local
-classes; the loss is ``F.cross_entropy`` of the full ``[N, C]`` logits, which no rank holds.
-Ordinary autograd over that path keeps two or three ``[N, S]`` buffers alive at peak during
-backward; this Function keeps one: the softmax probabilities, which its backward turns, in
-place, into the gradient w.r.t. ``cos``.
+Each rank holds the global batch's normalised embeddings ``e [N, D]`` and its ``S`` (sampled)
+weight rows; the loss is ``F.cross_entropy`` of the full ``[N, C]`` logits, which no rank
+holds, and no rank materialises its ``[N, S]`` part either: the forward reduces per-row
+statistics that the head computed with ``class_tile_stats`` (``partial_fc.chunked`` or the
+Triton kernels) across the ranks, and the backward recomputes the cosines tile by tile through
+``class_tile_grads`` (as Cut Cross-Entropy does, arXiv:2411.09009). The margin ``psi`` is
+applied to the ``N`` target cosines only, outside the tiles, so any differentiable ``psi``
+works (SphereFace's lambda blend, ArcFace's fallback past ``theta + m > pi``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -19,13 +22,37 @@ from torch.autograd.function import once_differentiable
 
 from partial_fc import distributed as pd
 
-__all__ = ["margin_softmax_loss"]
+__all__ = ["Shard", "margin_softmax_loss"]
+
+
+class Shard:
+    """This rank's part of one step, computed without gradient by the head: the operand
+    embeddings ``e`` ``[N, D]``, the weight rows ``w`` ``[S, D]`` (the parameter's rows
+    ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
+    ``[N]`` (column or ``-1``), the owned target rows ``rows`` and their cosines ``cos_t``,
+    the tile functions ``tiles`` and their column budget ``chunk``."""
+
+    def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
+                 targets: Tensor, tiles: ModuleType, chunk: int) -> None:
+        self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
+        self.targets, self.tiles, self.chunk = targets, tiles, chunk
+        self.rows = (targets >= 0).nonzero().squeeze(1)
+        cols = targets[self.rows]
+        self.cos_t = ((e[self.rows].float() * w[cols].float()).sum(dim=1)
+                      * inv_norm[cols])  # [n_owned]
+
+    def stats(self, s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
+        """``(row_max, row_sum, cos_sum)`` over this shard's non-target columns at scale ``s``."""
+        return self.tiles.class_tile_stats(self.e, self.w, self.inv_norm, self.targets, s,
+                                           self.chunk)
 
 
 def margin_softmax_loss(
-    cos: Tensor,
-    rows: Tensor,
-    cols: Tensor,
+    e: Tensor,
+    weight: Tensor,
+    shard: Shard,
+    row_max: Tensor,
+    row_sum: Tensor,
     psi: Callable[[Tensor], Tensor],
     s: Tensor | float,
     process_group: pd.ProcessGroup = None,
@@ -37,67 +64,67 @@ def margin_softmax_loss(
     classes. Called by every rank of ``process_group`` (``None`` = WORLD) with the same ``N``.
 
     Args:
-        cos: ``[N, S]`` float, this rank's cosines (fp32 under autocast: the head casts);
-            never modified.
-        rows, cols: ``[n_owned]`` int64, the target entries this rank owns
-            (``cos[rows, cols]``; each row at most once).
+        e: ``[N, D]`` the normalised embeddings (differentiable; ``shard.e`` is their operand).
+        weight: the head's parameter ``[num_local, D]``; its gradient is ``dL/dW`` on the
+            rows ``shard.index`` (all rows when None) and 0 elsewhere.
+        shard: this rank's rows, targets and tile functions.
+        row_max, row_sum: ``shard.stats(s)``'s first two outputs.
         psi: elementwise margin transform of target cosines, ``[n] -> [n]``, differentiable.
         s: the scale, a constant for the step (float or 0-d tensor; no gradient flows to it).
 
     Returns:
-        ``loss`` (0-d, identical on all ranks, differentiable w.r.t. ``cos``); ``sum_exp``
-        ``[N]``, ``sum_{k != y_i} exp(z_ik - shift_i)`` over all ranks; ``shift`` ``[N]``, the
-        detached global row max of the logits. Both are replicated and carry no gradient.
+        ``loss`` (0-d, identical on all ranks); ``sum_exp`` ``[N]``,
+        ``sum_{k != y_i} exp(z_ik - shift_i)`` over all ranks; ``shift`` ``[N]``, the global
+        row max of the logits. Both are replicated and carry no gradient.
     """
-    return _MarginSoftmaxLoss.apply(process_group, psi, s, cos, rows, cols)
+    return _MarginSoftmaxLoss.apply(process_group, psi, s, shard, row_max, row_sum, e, weight)
 
 
 class _MarginSoftmaxLoss(Function):
-    """forward: loss via all-reduce MAX (detached shift), SUM of sum-exp and target logit;
-    backward: ``d loss / d cos`` from the saved probabilities, in place.
+    """forward: all-reduce MAX of the row max (a shift that cancels out of the loss), SUM of
+    the shifted sum-exp and target logit; backward: ``class_tile_grads`` with
 
-    With ``p`` the global softmax of the logits and ``g`` the incoming loss gradient::
+        d loss / d cos_ik = g s p_ik / N  (k != y_i),   g s (p_iy - 1) psi'(cos_iy) / N
 
-        d loss / d cos_ik = g * s * (p_ik - 1[k = y_i]) / N * (psi'(cos_iy) if k = y_i else 1)
-
-    Saved: ``p`` restricted to this rank's classes (the one ``[N, S]`` buffer, computed in
-    place from the logits), ``rows``, ``cols`` and the owned target cosines ``[n_owned]``;
-    ``psi'`` comes from a small autograd call on that 1-D vector in backward. Backward
-    overwrites ``p``, so a second backward through the same graph raises (saved tensor
-    modified in place) instead of returning wrong gradients; no double backward.
+    (``p`` the global softmax, ``g`` the incoming loss gradient), ``psi'`` from a small
+    autograd call on the 1-D target cosines. Saved: ``[N]`` vectors and the shard only.
     """
 
     @staticmethod
-    def forward(ctx, group, psi, s, cos, rows, cols):
-        n = cos.shape[0]
-        cos_t = cos[rows, cols]
-        t_logit = psi(cos_t) * s
-        logits = cos * s  # the one [N, S] buffer: logits -> exp -> probabilities
-        logits.index_put_((rows, cols), torch.full_like(t_logit, -math.inf))
-        row_max = logits.amax(dim=1)
-        row_max[rows] = torch.maximum(row_max[rows], t_logit)
-        shift = pd.all_reduce_max(row_max, group)  # [N]
-        probs = logits.sub_(shift[:, None]).exp_()
-        partial = torch.stack([probs.sum(dim=1),
+    def forward(ctx, group, psi, s, shard, row_max, row_sum, e, weight):
+        n = shard.e.shape[0]
+        rows = shard.rows
+        t_logit = psi(shard.cos_t) * s
+        local_max = row_max.clone()
+        local_max[rows] = torch.maximum(local_max[rows], t_logit)
+        shift = pd.all_reduce_max(local_max, group)  # [N]
+        partial = torch.stack([row_sum * torch.exp(row_max - shift),
                                torch.zeros_like(shift).index_put((rows,), t_logit - shift[rows])])
         sum_exp, target = pd.all_reduce(partial, group)  # [N] each, replicated
-        total = sum_exp + torch.exp(target)
-        loss = (torch.log(total) - target).mean()
-        probs.div_(total[:, None]).index_put_((rows, cols), torch.exp(target[rows]) / total[rows])
-        ctx.psi, ctx.s, ctx.n = psi, s, n
-        ctx.save_for_backward(probs, rows, cols, cos_t)
+        log_total = torch.log(sum_exp + torch.exp(target))
+        loss = (log_total - target).mean()
+        ctx.psi, ctx.s, ctx.n, ctx.shard = psi, s, n, shard
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        ctx.save_for_backward(shift + log_total, target - log_total)
         ctx.mark_non_differentiable(sum_exp, shift)
         return loss, sum_exp, shift
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_sum_exp, _grad_shift):
-        probs, rows, cols, cos_t = ctx.saved_tensors
+        lse, log_p_target = ctx.saved_tensors
+        shard = ctx.shard
         with torch.enable_grad():  # psi' on the 1-D target vector only
-            c = cos_t.detach().requires_grad_()
+            c = shard.cos_t.detach().requires_grad_()
             (slope,) = torch.autograd.grad(ctx.psi(c).sum(), c)
-        coef = grad_loss * ctx.s / ctx.n
-        p_t = probs[rows, cols]
-        grad = probs.mul_(coef)  # non-targets: g * s * p / N
-        grad.index_put_((rows, cols), (p_t - 1.0) * slope * coef)
-        return None, None, None, grad, None, None
+        coef = (grad_loss.float() * ctx.s / ctx.n).expand(ctx.n)
+        rows = shard.rows
+        target_grad = torch.zeros_like(lse).index_put(
+            (rows,), (torch.exp(log_p_target[rows]) - 1.0) * slope * coef[rows])
+        grad_e, grad_w = shard.tiles.class_tile_grads(
+            shard.e, shard.w, shard.inv_norm, shard.targets, ctx.s, lse, coef.contiguous(),
+            target_grad, shard.chunk)
+        if shard.index is not None:
+            full = torch.zeros(ctx.weight_shape, dtype=grad_w.dtype, device=grad_w.device)
+            grad_w = full.index_copy_(0, shard.index, grad_w)
+        return None, None, None, None, None, None, grad_e, grad_w.to(ctx.weight_dtype)

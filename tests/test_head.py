@@ -227,3 +227,32 @@ def test_angle_sample_measures_targets_and_only_non_targets():
     gap = (nontarget[:, None] - theta.flatten()[None]).abs().nan_to_num(float("inf"))
     assert gap.min(dim=1).values.max() < 1e-3  # each is one of the non-target angles
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("name", ["sphereface", "arcface", "adacos_dynamic"])
+def test_class_chunk_size_does_not_change_loss_gradients_or_stats(name):
+    """The torch path's memory budget only changes how the classes are swept: 1, 7 (a
+    partial last chunk) and all 50 columns per chunk give the same step, sampled or not."""
+    g = torch.Generator().manual_seed(4)
+    emb, labels = torch.randn(9, 8, generator=g), torch.randint(0, 50, (9,), generator=g)
+    runs = []
+    for cols in (1, 7, 50):
+        for rate in (1.0, 0.5):
+            head = _head(MARGINS[name], num_classes=50, dim=8, sample_rate=rate,
+                         kernel="torch", max_tile_bytes=4 * 9 * cols)
+            x = emb.clone().requires_grad_()
+            head(x, labels).backward()
+            runs.append((rate, head.stats, x.grad, head.weight.grad))
+    for rate, stats, egrad, wgrad in runs[2:]:  # fp32 sums in another order: s = 64 and
+        want = runs[rate != 1.0]  # ArcFace's psi' amplify the cosines' last-bit differences
+        assert stats == pytest.approx(want[1], rel=1e-5)
+        for got, exp in ((egrad, want[2]), (wgrad, want[3])):
+            scale = exp.abs().max().item()
+            torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_kernel_and_tile_budget_arguments_are_checked():
+    with pytest.raises(ValueError, match="kernel='cuda' must be one of"):
+        _head(MARGINS["cosface"], kernel="cuda")
+    with pytest.raises(ValueError, match="max_tile_bytes=0 must be >= 1"):
+        _head(MARGINS["cosface"], max_tile_bytes=0)
