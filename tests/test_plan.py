@@ -199,3 +199,31 @@ def test_defaults_come_from_the_schema(capsys):
     assert (r["precision"], r["engine"], r["zero_stage"], r["batch"], r["backbone"]) == (
         cfg.engine.precision, cfg.engine.type, cfg.engine.zero_stage, cfg.train.batch_size,
         cfg.backbone.name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rate", [1.0, 0.1])
+def test_head_memory_on_cuda_within_factor(rate):
+    """The same check with CUDA's allocator: peak allocated during a step, minus what was
+    allocated before it, against the gradient plus the working memory; state exact."""
+    classes, dim, n = 200_000, 128, 1024
+    head = _head(classes, dim, rate).cuda()
+    opt = SampledSGD(head, lr=0.1)
+    emb = torch.randn(n, dim, device="cuda")
+    labels = torch.randint(0, classes, (n,), device="cuda")
+
+    def step():
+        head(emb.clone().requires_grad_(), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # state and cuBLAS workspaces
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    measured = torch.cuda.max_memory_allocated() - before
+    want = head_memory(classes, 1, dim, n, rate)
+    assert _state_bytes(opt) == want.optimizer_state
+    assert 0.8 <= measured / (want.gradient + want.working) <= 1.25
