@@ -14,7 +14,7 @@ import argparse
 import functools
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -26,7 +26,7 @@ from partial_fc.backbones import build_backbone, list_backbones
 GIB = 2**30
 
 # Activation bytes per image at 112x112 in training mode: partial_fc.memory.activation_bytes
-# at batch 4 minus batch 2, halved (CPU, torch 2.11, D=512); a backbone missing here is
+# at batch 4 minus batch 2, halved (CPU, torch 2.13, D=512); a backbone missing here is
 # measured when first asked for (measure_activations).
 ACTIVATIONS = {
     ("iresnet18", "fp32"): 46_113_792, ("iresnet18", "bf16"): 23_056_896,
@@ -135,7 +135,7 @@ def plan(inp: Inputs) -> dict:
                       "seconds": memory.collective_seconds(c, inp.gpus, bw,
                                                            inp.latency_us * 1e-6)})
     return {
-        "inputs": inp.__dict__,
+        "inputs": asdict(inp),
         "backbone_params": params,
         "classes_per_gpu": h.num_local,
         "sampled_classes_per_gpu": h.sampled,
