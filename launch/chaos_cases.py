@@ -13,6 +13,7 @@ import pickle
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,6 +169,11 @@ def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
            f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
 
 
+def _kill_quietly(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+
+
 def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
     stopped: list[int] = []
 
@@ -177,14 +183,16 @@ def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
         if 1 in pids:
             os.kill(pids[1], 19)  # SIGSTOP: alive, silent, holding its peers in a collective
             stopped.append(pids[1])
+            # Rank 0 reports after the 10 s timeout; then end the stopped rank rather than
+            # wait out torchrun's 30 s SIGTERM grace (a stopped process defers SIGTERM).
+            threading.Timer(25, _kill_quietly, args=(pids[1],)).start()
 
     start = time.monotonic()
     r = train(data, work / "run", "train.max_steps=50", "dist.timeout_s=10", ranks=2,
               until=stop_rank1)
     took = time.monotonic() - start
     for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
+        _kill_quietly(pid)
     lines = [line for line in r.out.splitlines() if line.startswith("error on rank 0: step")]
     named = len(lines) == 1 and "a collective failed after 1" in lines[0] \
         and "timeout (dist.timeout_s=10)" in lines[0]
