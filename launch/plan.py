@@ -64,6 +64,7 @@ class Inputs:
     precision: str
     engine: str
     zero_stage: int
+    max_tile_mib: int
     reserve: float
     intra_bw: float
     inter_bw: float
@@ -120,8 +121,8 @@ def plan(inp: Inputs) -> dict:
     def head(classes: int) -> memory.HeadMemory:
         return memory.head_memory(
             classes, inp.gpus, inp.dim, inp.batch * inp.gpus, inp.sample_rate,
-            state_dtype=inp.state_dtype, optimizer=inp.optimizer, precision=inp.precision,
-            row_sparse_grad=inp.row_sparse_grad)
+            max_tile_bytes=inp.max_tile_mib << 20, state_dtype=inp.state_dtype,
+            optimizer=inp.optimizer, precision=inp.precision, row_sparse_grad=inp.row_sparse_grad)
 
     h = head(inp.classes)
     peak = fixed + h.total
@@ -191,6 +192,7 @@ _FLAGS = {  # flag -> the recipe key supplying it (launch.config's schema: the d
     "precision": "engine.precision",
     "engine": "engine.type",
     "zero_stage": "engine.zero_stage",
+    "max_tile_mib": "head.max_tile_mib",
 }
 
 
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="backbone compute")
     p.add_argument("--engine", choices=["ddp", "deepspeed"], help="backbone replication")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], help="deepspeed ZeRO stage")
+    p.add_argument("--max-tile-mib", type=int, help="the head's budget for one fp32 [N, chunk] "
+                   "tile of the class-chunked torch path")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of head weight, gradient and optimizer state (default fp32)")
     p.add_argument("--row-sparse-grad", action="store_true",
@@ -266,6 +270,7 @@ def _check(inp: Inputs) -> None:
          f"{inp.gpus} (every GPU holds at least one class)"),
         (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
         (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
+        (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
         (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
         (inp.backbone not in list_backbones(),
          f"--backbone={inp.backbone!r}: unknown (valid: {', '.join(list_backbones())})"),

@@ -10,12 +10,14 @@ this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn label
   ``2 C_local * D`` plus per-row fp32 step counts ``C_local`` (all in the weight's dtype);
 - gradient: dense ``C_local * D`` (``weight.grad``), or ``S * D`` values plus ``S`` int64
   indices when the head keeps a row-sparse gradient;
-- working memory of one forward + backward (freed when the step ends): the gathered
-  normalised embeddings and their gradient ``2 N D`` fp32; ``3 S D`` fp32 for the rows'
-  normalised copy, its gradient and one more row-sized tensor (the gathered rows at r < 1,
-  a temporary of normalise's backward at r = 1); the logits ``[N, S]``: two fp32 buffers
-  at the forward's peak (see the PartialFC docstring), plus the half-precision matmul
-  output under bf16/fp16 autocast. tests/test_plan.py measures this within 0.8-1.25x.
+- working memory of one forward + backward (freed when the step ends), for the class-chunked
+  head (``partial_fc.chunked``, at most ``chunk = chunk_columns(N, max_tile_bytes)`` columns
+  of fp32 ``[N, chunk]`` tiles at once): the gathered embeddings and their gradient
+  ``2 N D`` fp32; at r < 1 the gathered rows ``W_s`` and their fp32 gradient before it is
+  scattered into the dense one, ``S D`` each; in backward three tiles (cosines, ``G``,
+  ``G * cos``) or one tile and two ``[chunk, D]`` update temporaries, whichever is larger;
+  under autocast the rounded operand copies. The Triton kernels hold tiles only: this is the
+  torch path's figure, an upper bound. tests/test_plan.py measures it within 0.8-1.25x.
 
 Backbone with ``Psi`` parameters (ZeRO, arXiv:1910.02054 Sec. 3.1 and 5.1): DDP keeps fp32
 parameters, fp32 gradients and fp32 optimizer state (``K = 4`` bytes SGD momentum, 8 Adam)
@@ -39,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from partial_fc.chunked import chunk_columns
 from partial_fc.sampling import sample_size
 
 __all__ = [
@@ -50,6 +53,8 @@ __all__ = [
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 HEAD_MATMULS = 3  # forward cos = E W^T, backward dE and dW: 2 N S D flops each
 _OPTIMIZER_COPIES = {"sgd": 1, "adamw": 2}  # weight-sized state tensors per parameter
+_ROW_UPDATE = {"sgd": 4, "adamw": 7}  # [S, D] tensors alive in partial_fc.optim's row update
+_FULL_UPDATE = {"sgd": 1, "adamw": 3}  # [C_local, D] temporaries of its in-place update
 
 
 @dataclass(frozen=True)
@@ -73,16 +78,19 @@ class HeadMemory:
 
 def head_memory(
     num_classes: int, world_size: int, dim: int, global_batch: int, sample_rate: float = 1.0,
-    *, state_dtype: str = "fp32", optimizer: str = "sgd", precision: str = "fp32",
-    row_sparse_grad: bool = False,
+    *, max_tile_bytes: int, state_dtype: str = "fp32", optimizer: str = "sgd",
+    precision: str = "fp32", row_sparse_grad: bool = False,
 ) -> HeadMemory:
     """Bytes of the head's weight, optimizer state, gradient and working memory per GPU.
 
     Args:
         num_classes, world_size: ``C`` and ``P``; ``dim``: ``D``; ``global_batch``: ``N``.
+        max_tile_bytes: the head's budget for one fp32 ``[N, chunk]`` tile (``PartialFC``'s
+            ``max_tile_bytes``; ``chunk`` from ``partial_fc.chunked.chunk_columns``).
         state_dtype: dtype of weight, gradient and optimizer state (``fp32`` | ``bf16``).
         optimizer: ``sgd`` (momentum) | ``adamw``.
-        precision: the backbone's autocast (``bf16``/``fp16`` add a half-precision logits copy).
+        precision: the backbone's autocast (``bf16``/``fp16``: the matmul operands are
+            rounded copies).
         row_sparse_grad: the gradient holds only the sampled rows (dense otherwise).
     """
     c_local = -(-num_classes // world_size)
@@ -95,9 +103,23 @@ def head_memory(
         grad = sampled * dim * state + sampled * 8
     else:
         grad = weight
-    logits = global_batch * sampled * (8 + (2 if precision in ("bf16", "fp16") else 0))
-    working = 2 * global_batch * dim * 4 + 3 * sampled * dim * 4 + logits
-    return HeadMemory(c_local, sampled, weight, opt, grad, working)
+    n, half = global_batch, precision in ("bf16", "fp16")
+    chunk = min(chunk_columns(n, max_tile_bytes), sampled)
+    # the fp32 input copy, E, dL/dE and normalise's backward (+ the operand copies)
+    emb = 4 * n * dim * 4 + (n * dim * 6 if half else 0)
+    rows = sampled * dim * (state + 4) if sampled < c_local else 0  # W_s, fp32 dL/dW_s
+    if state != 4:  # the dense fp32 gradient before its cast to the weight's dtype
+        rows += c_local * dim * 4
+    # backward, per chunk: cos, G and G*cos tiles, or G with the [chunk, D] update temporaries
+    tiles = max(3 * n * chunk * 4, n * chunk * 4 + 2 * chunk * dim * 4)
+    tiles += chunk * dim * 4 if half else 0  # the chunk's rows as the matmul saw them
+    # the optimizer step: sampled rows of weight, gradient and state and their temporaries, or
+    # in place over all rows with SGD's decayed gradient (AdamW: three temporaries)
+    if sampled < c_local:
+        update = _ROW_UPDATE[optimizer] * sampled * dim * state
+    else:
+        update = _FULL_UPDATE[optimizer] * c_local * dim * state
+    return HeadMemory(c_local, sampled, weight, opt, grad, max(emb + rows + tiles, update))
 
 
 def backbone_state_bytes(
