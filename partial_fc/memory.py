@@ -108,7 +108,7 @@ def head_memory(
     # the fp32 input copy, E, dL/dE and normalise's backward (+ the operand copies)
     emb = 4 * n * dim * 4 + (n * dim * 6 if half else 0)
     rows = sampled * dim * (state + 4) if sampled < c_local else 0  # W_s, fp32 dL/dW_s
-    if state != 4:  # the dense fp32 gradient before its cast to the weight's dtype
+    if state != 4 and grad == weight:  # the dense fp32 gradient before its cast
         rows += c_local * dim * 4
     # backward, per chunk: cos, G and G*cos tiles, or G with the [chunk, D] update temporaries
     tiles = max(3 * n * chunk * 4, n * chunk * 4 + 2 * chunk * dim * 4)
