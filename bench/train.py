@@ -76,7 +76,7 @@ def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.d
         "device": device.type,
         "data": {"num_classes": classes},
         "backbone": {"name": args.backbone},
-        "head": {"sample_rate": rate},
+        "head": {"sample_rate": rate, "kernel": args.kernel},
         "train": {"batch_size": args.batch},
         "engine": {"type": args.engine, "precision": args.precision},
     })
@@ -138,7 +138,8 @@ def run_step(args: argparse.Namespace, device: torch.device, classes: int, rate:
     cfg = _config(args, classes, rate, device)
     torch.manual_seed(0)
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
-                     sample_rate=rate)
+                     sample_rate=rate, kernel=cfg.head.kernel,
+                     max_tile_bytes=cfg.head.max_tile_mib << 20)
     engine = Engine(cfg, build_backbone(args.backbone), head, device,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                    "stage); the ceiling is always plain torch")
     p.add_argument("--steps", type=int, help="timed steps (default 50 CUDA, 5 CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 10 CUDA, 2 CPU)")
+    p.add_argument("--kernel", choices=["auto", "torch", "triton"], default="auto",
+                   help="the head's class-tile passes (head.kernel)")
     p.add_argument("--model-gpus", type=int, default=8, help="GPU count of the modelled "
                    "communication line (default 8)")
     args = p.parse_args(argv)
