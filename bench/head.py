@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
 from partial_fc import distributed as dist_ops
+from partial_fc.head import KERNELS
 from partial_fc.margins import MARGIN_TYPES
 from partial_fc.sampling import local_targets, sample_size
 
@@ -188,7 +189,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.ranks)
     margin = build_margin(dict(type=args.margin, s=args.scale))
-    ours = PartialFC(args.dim, args.classes, margin, sample_rate=args.sample_rate).to(device)
+    tile = {} if args.max_tile_mib is None else {"max_tile_bytes": args.max_tile_mib << 20}
+    ours = PartialFC(args.dim, args.classes, margin, sample_rate=args.sample_rate,
+                     kernel=args.kernel, **tile).to(device)
     heads = {"ours": ours, "textbook": _Textbook(ours).to(device)}
     gen = torch.Generator(device=device).manual_seed(rank)
     batches = [(torch.randn(args.batch, args.dim, device=device, generator=gen),
@@ -253,6 +256,9 @@ def main() -> None:
                         choices=[t for t in MARGIN_TYPES if t != "adacos"])  # adacos: no --scale
     parser.add_argument("--scale", type=float, default=64.0)
     parser.add_argument("--amp", choices=("none", "bf16"), default="none")
+    parser.add_argument("--kernel", choices=KERNELS, default="auto", help="PartialFC's backend")
+    parser.add_argument("--max-tile-mib", type=int, default=None,
+                        help="PartialFC's max_tile_bytes in MiB (default: PartialFC's)")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 1:
         parser.error("--device cuda: no CUDA device visible")
@@ -264,6 +270,7 @@ def main() -> None:
     gib = 2**30
     print(f"C={args.classes} D={args.dim} N/rank={args.batch} P={args.ranks} "
           f"r={args.sample_rate} device={args.device} amp={args.amp} margin={args.margin} "
+          f"kernel={args.kernel} max_tile_mib={args.max_tile_mib or 'default'} "
           f"steps={args.steps} (slowest rank per step; extra peak over ranks and steps)")
     print(f"{'':<9} {'fwd+bwd ms, median [min, max]':>30} {'extra peak MiB [min, max]':>28} "
           f"{'classes/GB':>11}")
