@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", type=int, help="identities C (default: the recipe's "
                    "data.num_classes)")
     p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--nodes", type=int, help="nodes (default 1, or --gpus / --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--sample-rate", type=float, help="Partial FC sample rate r in (0, 1]")
     p.add_argument("--dim", type=int, help="embedding size D")
@@ -253,7 +253,10 @@ def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
         values[key] = flag
     if values["classes"] is None:
         raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
-    gpus = gpus or args.gpus or args.nodes * args.gpus_per_node
+    if args.gpus and args.nodes and args.gpus != args.nodes * args.gpus_per_node:
+        raise PlanError(f"--gpus={args.gpus}: not --nodes={args.nodes} x --gpus-per-node="
+                        f"{args.gpus_per_node}; give one or the other")
+    gpus = gpus or args.gpus or (args.nodes or 1) * args.gpus_per_node
     inp = Inputs(gpus=gpus, gpus_per_node=args.gpus_per_node, state_dtype=args.state_dtype,
                  gpu_memory=args.gpu_memory, reserve=args.reserve, intra_bw=args.intra_bw,
                  inter_bw=args.inter_bw, latency_us=args.latency_us,

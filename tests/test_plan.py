@@ -159,6 +159,11 @@ def test_cli_max_classes_fits_and_one_more_does_not(capsys):
     assert not over["fits"] and over["peak_bytes_per_gpu"] > over["gpu_memory_bytes"]
 
 
+def test_cli_nodes_times_gpus_per_node(capsys):
+    r = _json(capsys, "--classes", "1000", "--nodes", "3", "--gpus-per-node", "4")
+    assert r["inputs"]["gpus"] == 12 and r["link"] == "inter-node"
+
+
 def test_cli_reads_a_recipe_whose_data_does_not_exist(capsys):
     r = _json(capsys, "--config", "configs/webface42m_r100.yaml", "--gpus", "64")
     assert r["inputs"]["classes"] == 2059906 and r["inputs"]["sample_rate"] == 0.2
@@ -176,6 +181,7 @@ def test_cli_reads_a_recipe_whose_data_does_not_exist(capsys):
         (["--classes", "100", "--backbone", "vgg"], "--backbone='vgg': unknown"),
         (["--config", "configs/base.yaml"], "--classes: required"),
         (["--classes", "100", "--precision", "fp16"], "--precision=fp16: needs --engine"),
+        (["--classes", "100", "--gpus", "8", "--nodes", "2"], "--gpus=8: not --nodes=2 x"),
     ],
 )
 def test_cli_impossible_inputs_are_one_line(capsys, argv, message):
