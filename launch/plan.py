@@ -220,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "tile of the class-chunked torch path")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of head weight, gradient and optimizer state (default fp32)")
-    p.add_argument("--row-sparse-grad", action="store_true",
-                   help="the head's weight gradient holds only the sampled rows")
+    p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="the head's weight gradient holds only the sampled rows, as PartialFC "
+                   "keeps it (default); --no-row-sparse-grad models a dense one")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
     p.add_argument("--reserve", type=float, default=2.0, help="GiB per GPU kept for the CUDA "
                    "context, library workspaces and fragmentation (default 2)")

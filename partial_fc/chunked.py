@@ -6,11 +6,12 @@ CPU, and as their reference): ``e [N, D]`` normalised embeddings, ``w [S, D]`` t
 (no normalised copy of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` (arXiv:1801.07698 Eq. 2-3),
 ``target_col [N]`` the column of row ``i``'s target in ``w`` (``-1``: not in this shard).
 
-The classes are swept ``chunk`` columns at a time, so at most two ``[N, chunk]`` fp32 buffers are
-alive: the forward keeps an online row max / sum-exp (Milakov & Gimelshein 2018) and the
-backward recomputes each chunk's cosines (as Cut Cross-Entropy does, arXiv:2411.09009) instead
-of keeping ``[N, S]`` logits. Matmul operands are rounded to the narrower of ``e.dtype`` and
-``w.dtype`` (as autocast picks) and multiplied in fp32; ``exp`` and every output are fp32.
+The classes are swept ``chunk`` columns at a time, so at most two ``[N, chunk]`` fp32
+buffers are alive (plus ``[N, D]`` and the ``[S, D]`` output): the forward keeps an online
+row max / sum-exp (Milakov & Gimelshein 2018) and the backward recomputes each chunk's cosines
+(as Cut Cross-Entropy does, arXiv:2411.09009) instead of keeping ``[N, S]`` logits. Matmul
+operands are rounded to the narrower of ``e.dtype`` and ``w.dtype`` (as autocast picks) and
+multiplied in fp32; ``exp`` and every output are fp32.
 """
 
 from __future__ import annotations
@@ -106,10 +107,11 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
         rows, at = _targets_in(target_col, a, b)
         g = (cos * s).sub_(lse).exp_().mul_(coef)
         g[rows, at] = target_grad[rows].float()
-        r = (g * cos).sum(dim=0)  # [b - a]: w_hat_k . g_k
+        r = cos.mul_(g).sum(dim=0)  # [b - a]: w_hat_k . g_k (cos is not needed any more)
         del cos
         inv = inv_norm[a:b]
-        grad_w[a:b] = ((g.t() @ e_f).mul_(inv[:, None])
-                       .sub_((inv * inv * r)[:, None] * w[a:b].float()))
+        out = grad_w[a:b]  # written in place: no [chunk, D] temporaries
+        torch.mm(g.t(), e_f, out=out)
+        out.mul_(inv[:, None]).addcmul_(w[a:b].float(), (inv * inv * r)[:, None], value=-1.0)
         grad_e.addmm_(g.mul_(inv), w_f)
     return grad_e, grad_w

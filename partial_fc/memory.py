@@ -8,16 +8,17 @@ this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn label
 
 - weight ``C_local * D``; optimizer state: SGD momentum ``C_local * D``, AdamW two moments
   ``2 C_local * D`` plus per-row fp32 step counts ``C_local`` (all in the weight's dtype);
-- gradient: dense ``C_local * D`` (``weight.grad``), or ``S * D`` values plus ``S`` int64
-  indices when the head keeps a row-sparse gradient;
+- gradient: dense ``C_local * D`` (``weight.grad``) at ``S = C_local``, else ``S * D`` values
+  plus ``S`` int64 indices: the head's row-sparse COO gradient (``row_sparse_grad=False``
+  models the dense one of earlier heads);
 - working memory of one forward + backward (freed when the step ends), for the class-chunked
   head (``partial_fc.chunked``, at most ``chunk = chunk_columns(N, max_tile_bytes)`` columns
   of fp32 ``[N, chunk]`` tiles at once): the gathered embeddings and their gradient
-  ``2 N D`` fp32; at r < 1 the gathered rows ``W_s`` and their fp32 gradient before it is
-  scattered into the dense one, ``S D`` each; in backward three tiles (cosines, ``G``,
-  ``G * cos``) or one tile and two ``[chunk, D]`` update temporaries, whichever is larger;
-  under autocast the rounded operand copies. The Triton kernels hold tiles only: this is the
-  torch path's figure, an upper bound. tests/test_plan.py measures it within 0.8-1.25x.
+  ``2 N D`` fp32; at r < 1 the gathered rows ``W_s`` (and, for a dense gradient, their fp32
+  gradient before it is scattered, ``S D``); in backward two tiles (cosines, ``G``: the
+  gradient rows are written in place); under autocast the rounded operand copies. The Triton
+  kernels hold tiles only: this is the torch path's figure, an upper bound. tests/test_plan.py
+  measures it within 0.8-1.25x.
 
 Backbone with ``Psi`` parameters (ZeRO, arXiv:1910.02054 Sec. 3.1 and 5.1): DDP keeps fp32
 parameters, fp32 gradients and fp32 optimizer state (``K = 4`` bytes SGD momentum, 8 Adam)
@@ -79,7 +80,7 @@ class HeadMemory:
 def head_memory(
     num_classes: int, world_size: int, dim: int, global_batch: int, sample_rate: float = 1.0,
     *, max_tile_bytes: int, state_dtype: str = "fp32", optimizer: str = "sgd",
-    precision: str = "fp32", row_sparse_grad: bool = False,
+    precision: str = "fp32", row_sparse_grad: bool = True,
 ) -> HeadMemory:
     """Bytes of the head's weight, optimizer state, gradient and working memory per GPU.
 
@@ -91,7 +92,8 @@ def head_memory(
         optimizer: ``sgd`` (momentum) | ``adamw``.
         precision: the backbone's autocast (``bf16``/``fp16``: the matmul operands are
             rounded copies).
-        row_sparse_grad: the gradient holds only the sampled rows (dense otherwise).
+        row_sparse_grad: the gradient holds only the sampled rows (as ``PartialFC`` keeps it
+            at r < 1; False models a dense one).
     """
     c_local = -(-num_classes // world_size)
     state = DTYPE_BYTES[state_dtype]
@@ -107,11 +109,12 @@ def head_memory(
     chunk = min(chunk_columns(n, max_tile_bytes), sampled)
     # the fp32 input copy, E, dL/dE and normalise's backward (+ the operand copies)
     emb = 4 * n * dim * 4 + (n * dim * 6 if half else 0)
-    rows = sampled * dim * (state + 4) if sampled < c_local else 0  # W_s, fp32 dL/dW_s
+    rows = 0
+    if sampled < c_local:  # W_s, and dL/dW_s unless it is the sparse gradient itself
+        rows = sampled * dim * (state + (0 if row_sparse_grad else 4))
     if state != 4 and grad == weight:  # the dense fp32 gradient before its cast
         rows += c_local * dim * 4
-    # backward, per chunk: cos, G and G*cos tiles, or G with the [chunk, D] update temporaries
-    tiles = max(3 * n * chunk * 4, n * chunk * 4 + 2 * chunk * dim * 4)
+    tiles = 2 * n * chunk * 4  # backward, per chunk: the cos and G tiles
     tiles += chunk * dim * 4 if half else 0  # the chunk's rows as the matmul saw them
     # the optimizer step: sampled rows of weight, gradient and state and their temporaries, or
     # in place over all rows with SGD's decayed gradient (AdamW: three temporaries)

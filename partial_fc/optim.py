@@ -13,6 +13,10 @@ They are ``torch.optim.Optimizer`` subclasses over ``[head.weight]`` with the us
 SGD ``momentum_buffer`` ``[num_local, D]``; AdamW ``exp_avg``, ``exp_avg_sq`` ``[num_local, D]``
 and ``step`` ``[num_local]`` (fp32, per-row update counts: a row's bias correction counts only
 the steps in which it was sampled, like a "lazy" sparse Adam). All rows of this rank's shard.
+
+At ``sample_rate < 1`` the head's ``weight.grad`` is a row-sparse COO tensor (only the
+sampled rows are stored, never a dense ``[num_local, D]`` gradient); the optimizers read it
+through ``coalesce().indices()/values()``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,23 @@ from torch import Tensor
 from partial_fc.head import PartialFC
 
 __all__ = ["SampledAdamW", "SampledSGD"]
+
+
+def _dense(grad: Tensor) -> Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def _rows_of(grad: Tensor, rows: Tensor) -> Tensor:
+    """``grad[rows]`` for a dense or a row-sparse COO gradient (the head's at ``r < 1``: its
+    rows are a subset of ``rows``, the rows the forwards used; several forwards before a step
+    leave duplicates, which ``coalesce`` sums)."""
+    if not grad.is_sparse:
+        return grad[rows]
+    grad = grad.coalesce()
+    if grad.indices().shape[1] == len(rows):  # the same rows (one forward per step): no copy
+        return grad.values()
+    out = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+    return out.index_copy_(0, torch.searchsorted(rows, grad.indices()[0]), grad.values())
 
 
 class _SampledOptimizer(torch.optim.Optimizer):
@@ -54,11 +75,11 @@ class _SampledOptimizer(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state)
                 if rows is None:
-                    self._update(p, p.grad, state, group)
+                    self._update(p, _dense(p.grad), state, group)
                     continue
                 sub = {k: v[rows] for k, v in state.items()}
                 w = p[rows]
-                self._update(w, p.grad[rows], sub, group)
+                self._update(w, _rows_of(p.grad, rows), sub, group)
                 p[rows] = w
                 for k, v in sub.items():
                     state[k][rows] = v

@@ -65,8 +65,10 @@ def margin_softmax_loss(
 
     Args:
         e: ``[N, D]`` the normalised embeddings (differentiable; ``shard.e`` is their operand).
-        weight: the head's parameter ``[num_local, D]``; its gradient is ``dL/dW`` on the
-            rows ``shard.index`` (all rows when None) and 0 elsewhere.
+        weight: the head's parameter ``[num_local, D]``; its gradient is ``dL/dW``: dense when
+            ``shard.index`` is None (all rows), else a sparse COO tensor holding the rows
+            ``shard.index`` only (autograd accumulates it into ``weight.grad`` as for
+            ``nn.Embedding(sparse=True)``; ``partial_fc.optim`` consumes it).
         shard: this rank's rows, targets and tile functions.
         row_max, row_sum: ``shard.stats(s)``'s first two outputs.
         psi: elementwise margin transform of target cosines, ``[n] -> [n]``, differentiable.
@@ -124,7 +126,9 @@ class _MarginSoftmaxLoss(Function):
         grad_e, grad_w = shard.tiles.class_tile_grads(
             shard.e, shard.w, shard.inv_norm, shard.targets, ctx.s, lse, coef.contiguous(),
             target_grad, shard.chunk)
-        if shard.index is not None:
-            full = torch.zeros(ctx.weight_shape, dtype=grad_w.dtype, device=grad_w.device)
-            grad_w = full.index_copy_(0, shard.index, grad_w)
-        return None, None, None, None, None, None, grad_e, grad_w.to(ctx.weight_dtype)
+        grad_w = grad_w.to(ctx.weight_dtype)
+        if shard.index is not None:  # row-sparse (as nn.Embedding(sparse=True)): no dense
+            grad_w = torch.sparse_coo_tensor(  # [num_local, D]; index is sorted and unique
+                shard.index[None], grad_w, ctx.weight_shape, is_coalesced=True,
+                check_invariants=False)
+        return None, None, None, None, None, None, grad_e, grad_w

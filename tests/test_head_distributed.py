@@ -61,7 +61,7 @@ def _grads(head, emb_local, labels_local):
     emb_local = emb_local.clone().requires_grad_()
     loss = head(emb_local, labels_local)
     loss.backward()
-    return dict(loss=loss.item(), stats=dict(head.stats), wgrad=head.weight.grad.clone(),
+    return dict(loss=loss.item(), stats=dict(head.stats), wgrad=head.weight.grad.to_dense(),
                 egrad=emb_local.grad.clone())
 
 
