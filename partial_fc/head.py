@@ -17,7 +17,9 @@ gradient convention)::
 
 The result equals ``F.cross_entropy`` on the full ``[N, C]`` logits of one process: the
 embedding gradient is exactly ``dL/de_local`` and each rank's ``weight.grad`` holds exactly
-its rows of ``dL/dW`` (zero for unsampled rows). Nothing is scaled by the world size;
+its rows of ``dL/dW``: dense at ``sample_rate == 1`` (and in eval), else a sparse COO tensor
+holding the sampled rows only (no dense ``[num_local, D]`` gradient; ``partial_fc.optim``
+reads it). Nothing is scaled by the world size;
 compensating data-parallel gradient averaging of the backbone is the engine's job.
 """
 
