@@ -137,3 +137,33 @@ def test_adamw_step_counts_follow_the_weight_on_load():
 def test_adamw_state_saved_on_cpu_resumes_on_cuda():
     step = next(iter(_adamw_round_trip("cuda", torch.float32).state.values()))["step"]
     assert step.device.type == "cuda"
+
+
+def test_row_sparse_gradient_of_two_forwards_updates_their_union_once():
+    """At r < 1 ``weight.grad`` is a sparse COO tensor; two forwards before one step leave
+    duplicate rows, which the optimizer sums; a third forward without backward adds rows with
+    no stored gradient (gradient 0, as a dense one would hold). The update is SGD's on the
+    union of the samples, and no other row or momentum entry moves."""
+    head = _head(rate=0.2)
+    opt = SampledSGD(head, lr=0.3, momentum=0.9, weight_decay=5e-4)
+    before = head.weight.detach().clone()
+    used = []
+    for step in range(2):
+        emb, labels = _batch(step)
+        head(emb, labels).backward()
+        used.append(head.sampled_index)
+    head(*_batch(2))  # used, never backpropagated
+    used.append(head.sampled_index)
+    grad = head.weight.grad
+    assert grad.is_sparse and grad.coalesce().values().shape[0] < head.num_local
+    rows = torch.unique(torch.cat(used))
+    assert not torch.equal(used[0], used[1])  # different samples: duplicates and new rows
+    assert len(rows) > grad.coalesce().indices().shape[1]  # rows with no stored gradient
+    dense = grad.to_dense()
+    opt.step()
+    want = before.clone()
+    want[rows] -= 0.3 * (dense[rows] + 5e-4 * before[rows])
+    torch.testing.assert_close(head.weight.detach(), want, rtol=1e-6, atol=1e-7)
+    others = torch.ones(head.num_local, dtype=torch.bool).index_fill_(0, rows, False)
+    assert torch.equal(opt.state[head.weight]["momentum_buffer"][others],
+                       torch.zeros_like(before[others]))
