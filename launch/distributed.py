@@ -37,10 +37,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
-    """``auto|cpu|cuda`` -> the device of the rank with this ``local_rank``."""
+    """``auto|cpu|cuda`` -> the device of the rank with this ``local_rank``: GPU
+    ``local_rank`` (one rank per GPU; ``launch.config`` refuses more ranks than GPUs, which
+    a modulo here would have stacked onto one device)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank)
 
 
 def restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
