@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -137,6 +138,22 @@ class HeadConfig(_Section):
         32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "
         "(memory budget; no [batch, num_local] buffer is ever allocated)"
     )
+    # Its own budget, not max_tile_mib: it bounds other tensors ([rows, D] copies, whatever the
+    # batch), on every kernel, and trades memory against kernel launches per step.
+    max_update_mib: PosInt = Field(
+        64, description="head optimizer: MiB of fp32 temporaries per chunk of updated rows "
+        "(bounds the step's working memory whatever the number of sampled rows)"
+    )
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of the head's weight, gradient and optimizer state; bf16 "
+        "halves them (bf16 matmul operands, fp32 accumulation, softmax and update arithmetic)"
+    )
+
+    def partial_fc_kwargs(self) -> dict[str, Any]:
+        """``PartialFC``'s keyword arguments this section sets (bytes, a torch dtype)."""
+        return {"sample_rate": self.sample_rate, "kernel": self.kernel,
+                "max_tile_bytes": self.max_tile_mib << 20,
+                "state_dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[self.state_dtype]}
 
 
 class OptimConfig(_Section):

@@ -65,10 +65,11 @@ def make_optimizer(optim: OptimConfig, params) -> torch.optim.Optimizer:
     return cls(params, lr=optim.lr, **_optimizer_kwargs(optim))
 
 
-def make_head_optimizer(optim: OptimConfig, head: nn.Module) -> torch.optim.Optimizer:
+def make_head_optimizer(optim: OptimConfig, head: nn.Module,
+                        max_update_bytes: int) -> torch.optim.Optimizer:
     """The head's row-sampling optimizer (unsampled rows get no momentum, no decay)."""
     cls = SampledSGD if optim.name == "sgd" else SampledAdamW
-    return cls(head, optim.lr, **_optimizer_kwargs(optim))
+    return cls(head, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
@@ -137,7 +138,7 @@ class Engine:
         self.memory_format = self._cuda_settings()
         self.backbone = backbone.to(device, memory_format=self.memory_format)
         self.head = head.to(device)
-        self.head_optimizer = make_head_optimizer(cfg.optim, head)
+        self.head_optimizer = make_head_optimizer(cfg.optim, head, cfg.head.max_update_mib << 20)
         self.optimizer = make_optimizer(cfg.optim, self.backbone.parameters())
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         self.deepspeed = cfg.engine.type == "deepspeed"

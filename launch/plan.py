@@ -65,6 +65,7 @@ class Inputs:
     engine: str
     zero_stage: int
     max_tile_mib: int
+    max_update_mib: int
     reserve: float
     intra_bw: float
     inter_bw: float
@@ -121,8 +122,9 @@ def plan(inp: Inputs) -> dict:
     def head(classes: int) -> memory.HeadMemory:
         return memory.head_memory(
             classes, inp.gpus, inp.dim, inp.batch * inp.gpus, inp.sample_rate,
-            max_tile_bytes=inp.max_tile_mib << 20, state_dtype=inp.state_dtype,
-            optimizer=inp.optimizer, precision=inp.precision, row_sparse_grad=inp.row_sparse_grad)
+            max_tile_bytes=inp.max_tile_mib << 20, max_update_bytes=inp.max_update_mib << 20,
+            state_dtype=inp.state_dtype, optimizer=inp.optimizer, precision=inp.precision,
+            row_sparse_grad=inp.row_sparse_grad)
 
     h = head(inp.classes)
     peak = fixed + h.total
@@ -193,6 +195,8 @@ _FLAGS = {  # flag -> the recipe key supplying it (launch.config's schema: the d
     "engine": "engine.type",
     "zero_stage": "engine.zero_stage",
     "max_tile_mib": "head.max_tile_mib",
+    "max_update_mib": "head.max_update_mib",
+    "state_dtype": "head.state_dtype",
 }
 
 
@@ -218,8 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], help="deepspeed ZeRO stage")
     p.add_argument("--max-tile-mib", type=int, help="the head's budget for one fp32 [N, chunk] "
                    "tile of the class-chunked torch path")
-    p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="dtype of head weight, gradient and optimizer state (default fp32)")
+    p.add_argument("--max-update-mib", type=int, help="the head optimizer's budget for the fp32 "
+                   "temporaries of one chunk of updated rows")
+    p.add_argument("--state-dtype", choices=["fp32", "bf16"],
+                   help="dtype of head weight, gradient and optimizer state")
     p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="the head's weight gradient holds only the sampled rows, as PartialFC "
                    "keeps it (default); --no-row-sparse-grad models a dense one")
@@ -258,10 +264,9 @@ def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
         raise PlanError(f"--gpus={args.gpus}: not --nodes={args.nodes} x --gpus-per-node="
                         f"{args.gpus_per_node}; give one or the other")
     gpus = gpus or args.gpus or (args.nodes or 1) * args.gpus_per_node
-    inp = Inputs(gpus=gpus, gpus_per_node=args.gpus_per_node, state_dtype=args.state_dtype,
-                 gpu_memory=args.gpu_memory, reserve=args.reserve, intra_bw=args.intra_bw,
-                 inter_bw=args.inter_bw, latency_us=args.latency_us,
-                 row_sparse_grad=args.row_sparse_grad, **values)
+    inp = Inputs(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_memory=args.gpu_memory,
+                 reserve=args.reserve, intra_bw=args.intra_bw, inter_bw=args.inter_bw,
+                 latency_us=args.latency_us, row_sparse_grad=args.row_sparse_grad, **values)
     _check(inp)
     return inp
 
@@ -275,6 +280,7 @@ def _check(inp: Inputs) -> None:
         (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
         (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
         (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
+        (inp.max_update_mib < 1, f"--max-update-mib={inp.max_update_mib}: must be >= 1"),
         (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
         (inp.backbone not in list_backbones(),
          f"--backbone={inp.backbone!r}: unknown (valid: {', '.join(list_backbones())})"),

@@ -144,15 +144,9 @@ def build(cfg: Config, env: DistEnv) -> Run:
 
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
     backbone = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
-    head = PartialFC(
-        cfg.backbone.embedding_size,
-        cfg.data.num_classes,
-        build_margin(cfg.margin_kwargs()),
-        sample_rate=cfg.head.sample_rate,
-        seed=cfg.seed,
-        kernel=cfg.head.kernel,
-        max_tile_bytes=cfg.head.max_tile_mib << 20,
-    )
+    head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
+                     build_margin(cfg.margin_kwargs()), seed=cfg.seed,
+                     **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = make_loader(
         cfg.data.dir,

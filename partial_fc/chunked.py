@@ -11,7 +11,8 @@ buffers are alive (plus ``[N, D]`` and the ``[S, D]`` output): the forward keeps
 row max / sum-exp (Milakov & Gimelshein 2018) and the backward recomputes each chunk's cosines
 (as Cut Cross-Entropy does, arXiv:2411.09009) instead of keeping ``[N, S]`` logits. Matmul
 operands are rounded to the narrower of ``e.dtype`` and ``w.dtype`` (as autocast picks) and
-multiplied in fp32; ``exp`` and every output are fp32.
+multiplied in fp32; ``exp`` and every output are fp32 except ``grad_w``, which is in
+``w.dtype`` (a bf16 weight's gradient, rounded once from the fp32 chunk: no fp32 ``[S, D]``).
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                      s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
                      chunk: int) -> tuple[Tensor, Tensor]:
     """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
-    ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` and, w.r.t.
-    the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
-    ``g = G^T E`` ``[S, D]``, both fp32. ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the
-    projection costs one column sum per chunk."""
+    ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` fp32 and,
+    w.r.t. the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
+    ``g = G^T E`` ``[S, D]`` in ``w.dtype`` (computed in fp32 per chunk, rounded once).
+    ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the projection costs one column sum
+    per chunk."""
     with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
         return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk)
 
@@ -99,7 +101,8 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
     cols = w.shape[0]
     s = s.float() if isinstance(s, Tensor) else float(s)
     grad_e = torch.zeros(e.shape, dtype=torch.float32, device=e.device)
-    grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    wide = w.dtype == torch.float32
     lse, coef = lse.float()[:, None], coef.float()[:, None]
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
@@ -110,8 +113,12 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
         r = cos.mul_(g).sum(dim=0)  # [b - a]: w_hat_k . g_k (cos is not needed any more)
         del cos
         inv = inv_norm[a:b]
-        out = grad_w[a:b]  # written in place: no [chunk, D] temporaries
+        # fp32 w: written in place (no [chunk, D] temporary); bf16: an fp32 chunk, rounded once
+        out = grad_w[a:b] if wide else torch.empty(b - a, w.shape[1], device=w.device)
         torch.mm(g.t(), e_f, out=out)
-        out.mul_(inv[:, None]).addcmul_(w[a:b].float(), (inv * inv * r)[:, None], value=-1.0)
+        w_st = w_f if w.dtype == op else w[a:b].float()  # the rows as stored (not rounded)
+        out.mul_(inv[:, None]).addcmul_(w_st, (inv * inv * r)[:, None], value=-1.0)
+        if not wide:
+            grad_w[a:b] = out
         grad_e.addmm_(g.mul_(inv), w_f)
     return grad_e, grad_w

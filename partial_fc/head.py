@@ -44,6 +44,7 @@ from partial_fc.softmax import Shard, margin_softmax_loss
 __all__ = ["KERNELS", "PartialFC"]
 
 KERNELS = ("auto", "torch", "triton")
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PartialFC(nn.Module):
@@ -63,12 +64,18 @@ class PartialFC(nn.Module):
             tensors when triton is installed, else torch.
         max_tile_bytes: memory budget of the torch path: at most this many bytes of fp32
             ``[N, chunk]`` cosines per class chunk (the Triton kernels hold tiles only).
+        state_dtype: dtype of ``weight`` (and so of its gradient and of the ``partial_fc.optim``
+            state): ``torch.float32`` or ``torch.bfloat16``, which halves the head's largest
+            tensors. In bf16 the matmuls take bf16 operands (the embeddings are rounded too)
+            with fp32 accumulation; inverse norms, softmax statistics and the loss stay fp32;
+            the gradient is rounded once from fp32; the optimizers update in fp32 and round
+            once per step (round to nearest even).
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
 
-    State (``state_dict``): ``weight`` ``[num_local, D]`` (this rank's rows, classes
-    ``class_start ..``); ``step`` (int64, replicated: training-mode forwards so far, seeds
+    State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
+    classes ``class_start ..``); ``step`` (int64, replicated: training-mode forwards so far, seeds
     the sampler and SphereFace's lambda); ``margin.scale.s`` (fp32, replicated; AdaCos only).
 
     After each forward ``stats`` holds floats identical on all ranks: ``scale``, ``theta_med``
@@ -94,6 +101,7 @@ class PartialFC(nn.Module):
         seed: int = 0,
         kernel: str = "auto",
         max_tile_bytes: int = 32 << 20,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -117,20 +125,26 @@ class PartialFC(nn.Module):
                              "use kernel='torch' or 'auto'")
         if max_tile_bytes < 1:
             raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
+                             f"{STATE_DTYPES}")
         self.kernel, self.max_tile_bytes = kernel, int(max_tile_bytes)
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate, self.process_group, self.seed = sample_rate, process_group, seed
         self.world_size, self.rank = world, rank
         self.class_start, stop = dist_ops.split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
-        self.weight = nn.Parameter(init_rows_(
-            torch.empty(self.num_local, embedding_size), self.class_start, seed))
+        self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
+            torch.empty(self.num_local, embedding_size, dtype=state_dtype), self.class_start,
+            seed))
         self.margin = margin
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.stats: dict[str, float] = {}
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
-        self._pending_rows: Tensor | None = None  # bool [num_local]: rows used since last pop
+        # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
+        self._pending_rows: Tensor | None = None
+        self._pending_all = False
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
@@ -140,13 +154,15 @@ class PartialFC(nn.Module):
     def pop_sampled_rows(self) -> Tensor | None:
         """Sorted local rows used by the forwards (with grad enabled) since the last call, for
         the ``partial_fc.optim`` optimizers. ``None`` means all rows (always so when
-        ``sample_rate == 1``); an empty tensor means no forward happened."""
-        rows, self._pending_rows = self._pending_rows, None
-        if self.sample_rate == 1.0:
+        ``sample_rate == 1``, and when the forwards used every row); an empty tensor means no
+        forward happened. After one forward this is the sampler's own index (no copy)."""
+        rows, every = self._pending_rows, self._pending_all
+        self._pending_rows, self._pending_all = None, False
+        if self.sample_rate == 1.0 or every or (rows is not None and len(rows) == self.num_local):
             return None
         if rows is None:
             return torch.zeros(0, dtype=torch.int64, device=self.weight.device)
-        return None if bool(rows.all()) else rows.nonzero().squeeze(1)
+        return rows
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -242,27 +258,34 @@ class PartialFC(nn.Module):
         return sizes
 
     def _record_rows(self, index: Tensor | None) -> None:
+        """Add this forward's rows (``index``: sorted, unique; None = all) to the pending set
+        in ``O(S log S)``, never an ``O(num_local)`` mask: the first forward's index is kept as
+        is, later ones (gradient accumulation) are merged by ``torch.unique`` (sorted)."""
         self.sampled_index = index
-        if self.sample_rate == 1.0 or not torch.is_grad_enabled():
+        if self.sample_rate == 1.0 or not torch.is_grad_enabled() or self._pending_all:
             return
-        if self._pending_rows is None:
-            self._pending_rows = torch.zeros(self.num_local, dtype=torch.bool,
-                                             device=self.weight.device)
         if index is None:
-            self._pending_rows.fill_(True)
+            self._pending_rows, self._pending_all = None, True
+        elif self._pending_rows is None:
+            self._pending_rows = index
         else:
-            self._pending_rows[index] = True
+            self._pending_rows = torch.unique(torch.cat([self._pending_rows, index]))
 
     def _shard(self, e: Tensor, index: Tensor | None, targets: Tensor) -> Shard:
-        """This step's rows, their inverse norms (as ``F.normalize``: norms below 1e-12 count
-        as 1e-12) and the tile functions; the operand ``e`` is autocast's dtype when autocast
-        is on (the matmuls' operands; the softmax stays fp32)."""
+        """This step's rows, their inverse norms (fp32; as ``F.normalize``: norms below 1e-12
+        count as 1e-12) and the tile functions. The operand ``e`` (the matmuls' operands; the
+        softmax stays fp32) is in the weight's dtype when that is bf16, else in autocast's
+        dtype when autocast is on, else fp32: so the target cosines (``Shard.cos_t``) see the
+        same rounded embeddings as the tiles, and a bf16 head equals an fp32 head holding the
+        same (bf16-valued) rows under bf16 autocast."""
         with torch.no_grad():
             w = self.weight.detach() if index is None else self.weight.detach()[index]
             inv = 1.0 / w.float().norm(dim=1).clamp_min(1e-12)
-            e_op = e.detach()
-            if torch.is_autocast_enabled(e.device.type):
-                e_op = e_op.to(torch.get_autocast_dtype(e.device.type))
+            e_op, device = e.detach(), e.device.type
+            if self.weight.dtype != torch.float32:
+                e_op = e_op.to(self.weight.dtype)
+            elif torch.is_autocast_enabled(device):
+                e_op = e_op.to(torch.get_autocast_dtype(device))
             tiles = self._tiles(e.device)
             return Shard(e_op, w, index, inv, targets, tiles,
                          chunked.chunk_columns(e.shape[0], self.max_tile_bytes))

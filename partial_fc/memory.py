@@ -7,18 +7,25 @@ classes, ``C_local = ceil(C / P)``, with ``N = P * n`` embeddings in the global 
 this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn labels):
 
 - weight ``C_local * D``; optimizer state: SGD momentum ``C_local * D``, AdamW two moments
-  ``2 C_local * D`` plus per-row fp32 step counts ``C_local`` (all in the weight's dtype);
+  ``2 C_local * D`` (these in the weight's dtype, ``state_dtype``) plus per-row fp32 step
+  counts ``C_local``;
 - gradient: dense ``C_local * D`` (``weight.grad``) at ``S = C_local``, else ``S * D`` values
   plus ``S`` int64 indices: the head's row-sparse COO gradient (``row_sparse_grad=False``
-  models the dense one of earlier heads);
+  models the dense one of earlier heads), in the weight's dtype;
 - working memory of one forward + backward (freed when the step ends), for the class-chunked
   head (``partial_fc.chunked``, at most ``chunk = chunk_columns(N, max_tile_bytes)`` columns
   of fp32 ``[N, chunk]`` tiles at once): the gathered embeddings and their gradient
   ``2 N D`` fp32; at r < 1 the gathered rows ``W_s`` (and, for a dense gradient, their fp32
   gradient before it is scattered, ``S D``); in backward two tiles (cosines, ``G``: the
-  gradient rows are written in place); under autocast the rounded operand copies. The Triton
-  kernels hold tiles only: this is the torch path's figure, an upper bound. tests/test_plan.py
-  measures it within 0.8-1.25x.
+  gradient rows of an fp32 weight are written in place, a bf16 weight's through one fp32
+  ``[chunk, D]``); with bf16 autocast or a bf16 weight the rounded operand copies. The Triton
+  kernels hold tiles only: this is the torch path's figure, an upper bound;
+- or, when larger, the optimizer step (``partial_fc.optim``): per chunk of at most
+  ``rows_per_chunk(max_update_bytes, D, temporaries)`` rows, fp32 ``[rows, D]`` copies of the
+  weight, its state and (bf16) its gradient, plus the formula's scratch tensors; at
+  ``S = C_local`` an fp32 weight and state are updated in place (scratch only).
+
+tests/test_plan.py measures the gradient plus the working memory within 0.8-1.25x.
 
 Backbone with ``Psi`` parameters (ZeRO, arXiv:1910.02054 Sec. 3.1 and 5.1): DDP keeps fp32
 parameters, fp32 gradients and fp32 optimizer state (``K = 4`` bytes SGD momentum, 8 Adam)
@@ -43,19 +50,20 @@ import torch
 from torch import nn
 
 from partial_fc.chunked import chunk_columns
+from partial_fc.optim import SampledAdamW, SampledSGD, rows_per_chunk
 from partial_fc.sampling import sample_size
 
 __all__ = [
     "Collective", "HeadMemory", "activation_bytes", "backbone_state_bytes",
-    "collective_seconds", "head_matmul_flops", "head_memory", "largest_fitting",
+    "collective_seconds", "head_matmul_flops", "head_memory", "head_update_bytes",
+    "largest_fitting",
     "step_collectives", "tensor_bytes",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 HEAD_MATMULS = 3  # forward cos = E W^T, backward dE and dW: 2 N S D flops each
-_OPTIMIZER_COPIES = {"sgd": 1, "adamw": 2}  # weight-sized state tensors per parameter
-_ROW_UPDATE = {"sgd": 4, "adamw": 7}  # [S, D] tensors alive in partial_fc.optim's row update
-_FULL_UPDATE = {"sgd": 1, "adamw": 3}  # [C_local, D] temporaries of its in-place update
+_OPTIMIZER_COPIES = {"sgd": 1, "adamw": 2}  # fp32 state tensors per backbone parameter
+_HEAD_OPTIMIZERS = {"sgd": SampledSGD, "adamw": SampledAdamW}
 
 
 @dataclass(frozen=True)
@@ -79,8 +87,8 @@ class HeadMemory:
 
 def head_memory(
     num_classes: int, world_size: int, dim: int, global_batch: int, sample_rate: float = 1.0,
-    *, max_tile_bytes: int, state_dtype: str = "fp32", optimizer: str = "sgd",
-    precision: str = "fp32", row_sparse_grad: bool = True,
+    *, max_tile_bytes: int, max_update_bytes: int, state_dtype: str = "fp32",
+    optimizer: str = "sgd", precision: str = "fp32", row_sparse_grad: bool = True,
 ) -> HeadMemory:
     """Bytes of the head's weight, optimizer state, gradient and working memory per GPU.
 
@@ -88,7 +96,10 @@ def head_memory(
         num_classes, world_size: ``C`` and ``P``; ``dim``: ``D``; ``global_batch``: ``N``.
         max_tile_bytes: the head's budget for one fp32 ``[N, chunk]`` tile (``PartialFC``'s
             ``max_tile_bytes``; ``chunk`` from ``partial_fc.chunked.chunk_columns``).
-        state_dtype: dtype of weight, gradient and optimizer state (``fp32`` | ``bf16``).
+        max_update_bytes: the head optimizer's budget for the fp32 temporaries of one chunk
+            of rows (``SampledSGD`` / ``SampledAdamW``'s ``max_update_bytes``).
+        state_dtype: dtype of weight, gradient and optimizer state (``fp32`` | ``bf16``;
+            AdamW's step counts are fp32 either way).
         optimizer: ``sgd`` (momentum) | ``adamw``.
         precision: the backbone's autocast (``bf16``/``fp16``: the matmul operands are
             rounded copies).
@@ -97,32 +108,40 @@ def head_memory(
     """
     c_local = -(-num_classes // world_size)
     state = DTYPE_BYTES[state_dtype]
+    head_opt = _HEAD_OPTIMIZERS[optimizer]
     positives = math.ceil(c_local * -math.expm1(-global_batch / num_classes))
     sampled = max(sample_size(sample_rate, c_local), min(positives, c_local))
     weight = c_local * dim * state
-    opt = _OPTIMIZER_COPIES[optimizer] * weight + (4 * c_local if optimizer == "adamw" else 0)
+    opt = head_opt.ROW_STATE * weight + (4 * c_local if optimizer == "adamw" else 0)
     if row_sparse_grad and sampled < c_local:
         grad = sampled * dim * state + sampled * 8
     else:
         grad = weight
-    n, half = global_batch, precision in ("bf16", "fp16")
+    n, narrow = global_batch, state != 4
+    rounded = narrow or precision in ("bf16", "fp16")  # 16-bit matmul operands
     chunk = min(chunk_columns(n, max_tile_bytes), sampled)
     # the fp32 input copy, E, dL/dE and normalise's backward (+ the operand copies)
-    emb = 4 * n * dim * 4 + (n * dim * 6 if half else 0)
+    emb = 4 * n * dim * 4 + (n * dim * 6 if rounded else 0)
     rows = 0
     if sampled < c_local:  # W_s, and dL/dW_s unless it is the sparse gradient itself
         rows = sampled * dim * (state + (0 if row_sparse_grad else 4))
-    if state != 4 and grad == weight:  # the dense fp32 gradient before its cast
-        rows += c_local * dim * 4
     tiles = 2 * n * chunk * 4  # backward, per chunk: the cos and G tiles
-    tiles += chunk * dim * 4 if half else 0  # the chunk's rows as the matmul saw them
-    # the optimizer step: sampled rows of weight, gradient and state and their temporaries, or
-    # in place over all rows with SGD's decayed gradient (AdamW: three temporaries)
-    if sampled < c_local:
-        update = _ROW_UPDATE[optimizer] * sampled * dim * state
-    else:
-        update = _FULL_UPDATE[optimizer] * c_local * dim * state
+    tiles += chunk * dim * 4 * (rounded + narrow)  # the rows as the matmul saw them; bf16 dW
+    update = head_update_bytes(c_local, sampled, dim, max_update_bytes=max_update_bytes,
+                               state_dtype=state_dtype, optimizer=optimizer)
     return HeadMemory(c_local, sampled, weight, opt, grad, max(emb + rows + tiles, update))
+
+
+def head_update_bytes(num_local: int, rows: int, dim: int, *, max_update_bytes: int,
+                      state_dtype: str = "fp32", optimizer: str = "sgd") -> int:
+    """Peak temporaries of one ``partial_fc.optim`` step updating ``rows`` of ``num_local``
+    rows (one forward per step), a chunk of rows at a time: fp32 copies of the weight and its
+    state (none for an fp32 weight when all rows are updated: slices, in place) and of a bf16
+    gradient, plus the update formula's scratch tensors."""
+    head_opt, narrow = _HEAD_OPTIMIZERS[optimizer], state_dtype != "fp32"
+    copies = (1 + head_opt.ROW_STATE + narrow) if rows < num_local or narrow else 0
+    per_chunk = rows_per_chunk(max_update_bytes, dim, head_opt.temporaries())
+    return min(rows, per_chunk) * dim * 4 * (head_opt.SCRATCH + copies)
 
 
 def backbone_state_bytes(

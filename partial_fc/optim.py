@@ -11,12 +11,31 @@ and ``torch.optim.AdamW``.
 They are ``torch.optim.Optimizer`` subclasses over ``[head.weight]`` with the usual
 ``param_groups`` (``lr`` etc.), so LR schedulers and ``state_dict()`` work. State per rank:
 SGD ``momentum_buffer`` ``[num_local, D]``; AdamW ``exp_avg``, ``exp_avg_sq`` ``[num_local, D]``
-and ``step`` ``[num_local]`` (fp32, per-row update counts: a row's bias correction counts only
-the steps in which it was sampled, like a "lazy" sparse Adam). All rows of this rank's shard.
+(these in the weight's dtype) and ``step`` ``[num_local]`` (fp32, per-row update counts: a
+row's bias correction counts only the steps in which it was sampled, like a "lazy" sparse
+Adam). All rows of this rank's shard.
 
 At ``sample_rate < 1`` the head's ``weight.grad`` is a row-sparse COO tensor (only the
 sampled rows are stored, never a dense ``[num_local, D]`` gradient); the optimizers read it
 through ``coalesce().indices()/values()``.
+
+Precision: the update runs in fp32 on fp32 copies of the rows, their gradient and state, and
+each tensor is rounded once when written back (round to nearest even). For a bf16 weight
+(``PartialFC(state_dtype=torch.bfloat16)``) this stores exactly what the fp32 optimizer would
+compute from the same bf16 inputs, rounded to bf16; running the update's 3-6 elementwise ops
+in bf16 instead would round after each (relative error up to ``2**-8`` per op, compounding
+in the momentum). What bf16 storage still loses: an update below half a bf16 step of the
+weight (``|lr * buf| < 2**-9 |w|``, about) rounds away; stochastic rounding would keep it in
+expectation at the price of a random stream and statistical tests, and is not done. State
+shaped like the weight follows the weight's dtype: state restored from a checkpoint saved
+with another dtype is cast at the next step.
+
+Working memory: rows are updated in chunks of ``rows_per_chunk`` rows, sized so that the
+update's fp32 temporaries (``TEMPORARIES`` ``[rows, D]`` tensors) stay within
+``max_update_bytes`` whatever the number of sampled rows ``S`` (gathering all ``S`` rows at
+once held 4 (SGD) or 7 (AdamW) ``[S, D]`` copies: ~10 GB per GPU at 100M classes on 8 GPUs,
+r = 0.1). Every formula is elementwise per row, so the chunking changes no bit of the result.
+When all rows are updated the chunks are slices, updated in place when fp32 (no copies).
 """
 
 from __future__ import annotations
@@ -26,30 +45,63 @@ from torch import Tensor
 
 from partial_fc.head import PartialFC
 
-__all__ = ["SampledAdamW", "SampledSGD"]
+__all__ = ["SampledAdamW", "SampledSGD", "rows_per_chunk"]
 
 
-def _dense(grad: Tensor) -> Tensor:
-    return grad.to_dense() if grad.is_sparse else grad
+def rows_per_chunk(max_update_bytes: int, dim: int, temporaries: int) -> int:
+    """Rows per update chunk: ``temporaries`` fp32 ``[rows, dim]`` tensors within
+    ``max_update_bytes`` (at least one row)."""
+    return max(1, max_update_bytes // (temporaries * dim * 4))
 
 
-def _rows_of(grad: Tensor, rows: Tensor) -> Tensor:
-    """``grad[rows]`` for a dense or a row-sparse COO gradient (the head's at ``r < 1``: its
-    rows are a subset of ``rows``, the rows the forwards used; several forwards before a step
-    leave duplicates, which ``coalesce`` sums)."""
-    if not grad.is_sparse:
-        return grad[rows]
-    grad = grad.coalesce()
-    if grad.indices().shape[1] == len(rows):  # the same rows (one forward per step): no copy
-        return grad.values()
-    out = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-    return out.index_copy_(0, torch.searchsorted(rows, grad.indices()[0]), grad.values())
+class _GradRows:
+    """Chunks ``rows[a:b]`` (``rows`` None: rows ``a:b``) of a dense or row-sparse COO
+    gradient, without an ``[S, D]`` copy (``coalesce()`` would make one: autograd's
+    accumulation drops the coalesced flag). The head's sparse gradient holds a subset of
+    ``rows``, the rows its forwards used: several forwards before a step leave duplicates,
+    summed here in fp32 (in their order), and a forward without backward adds rows with no
+    stored gradient, which read as 0."""
+
+    def __init__(self, grad: Tensor, rows: Tensor | None, per: int) -> None:
+        self.grad, self.where, self.order = grad, None, None
+        if not grad.is_sparse:
+            return
+        index, total = grad._indices()[0], grad.shape[0] if rows is None else len(rows)
+        if not bool((index[1:] > index[:-1]).all()):  # duplicates: the forwards' rows in turn
+            self.order = torch.argsort(index, stable=True)
+            index = index[self.order]
+        if self.order is not None or len(index) != total:
+            self.where = index if rows is None else torch.searchsorted(rows, index)
+            starts = torch.arange(0, total + per, per, device=index.device).clamp_max(total)
+            self.bounds = torch.searchsorted(self.where, starts).tolist()  # entries per chunk
+
+    def chunk(self, a: int, b: int, sel: slice | Tensor, per: int) -> Tensor:
+        """The gradient of rows ``sel`` (chunk ``a:b``, ``per`` rows a chunk): a view in the
+        gradient's dtype where it stores exactly these rows, else fp32."""
+        if not self.grad.is_sparse:
+            return self.grad[sel]
+        values = self.grad._values()
+        if self.where is None:  # the same rows (one forward per step): no copy
+            return values[a:b]
+        lo, hi = self.bounds[a // per], self.bounds[a // per + 1]
+        part = values[lo:hi] if self.order is None else values[self.order[lo:hi]]
+        out = torch.zeros((b - a, *values.shape[1:]), dtype=torch.float32, device=values.device)
+        return out.index_put_((self.where[lo:hi] - a,), part.float(), accumulate=True)
 
 
 class _SampledOptimizer(torch.optim.Optimizer):
-    """Shared plumbing: fetch the rows, apply ``_update`` to them, write them back."""
+    """Shared plumbing: fetch a chunk of rows as fp32, apply ``_update`` to them, write them
+    back, ``rows_per_chunk`` rows at a time. ``ROW_STATE``: state tensors ``[num_local, D]``;
+    ``SCRATCH``: fp32 ``[rows, D]`` tensors the formula of ``_update`` allocates.
 
-    def __init__(self, head: PartialFC, defaults: dict) -> None:
+    ``max_update_bytes``: budget of the fp32 temporaries of one chunk (``temporaries()``
+    ``[rows, D]`` tensors: weight, gradient, state and scratch, all copies in the worst case).
+    """
+
+    ROW_STATE = 0
+    SCRATCH = 0
+
+    def __init__(self, head: PartialFC, defaults: dict, max_update_bytes: int) -> None:
         if not isinstance(head, PartialFC):
             raise TypeError(f"{type(self).__name__}: expected a PartialFC head, got {head!r}")
         if not defaults["lr"] >= 0:
@@ -57,8 +109,16 @@ class _SampledOptimizer(torch.optim.Optimizer):
         if not defaults["weight_decay"] >= 0:
             raise ValueError(f"{type(self).__name__}: weight_decay={defaults['weight_decay']} "
                              "must be >= 0")
+        if max_update_bytes < 1:
+            raise ValueError(f"{type(self).__name__}: max_update_bytes={max_update_bytes} "
+                             "must be >= 1")
         super().__init__([head.weight], defaults)
-        self._head = head
+        self._head, self.max_update_bytes = head, int(max_update_bytes)
+
+    @classmethod
+    def temporaries(cls) -> int:
+        """fp32 ``[rows, D]`` tensors of a chunk alive at once when each one is a copy."""
+        return 2 + cls.ROW_STATE + cls.SCRATCH
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -74,22 +134,39 @@ class _SampledOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
-                if rows is None:
-                    self._update(p, _dense(p.grad), state, group)
-                    continue
-                sub = {k: v[rows] for k, v in state.items()}
-                w = p[rows]
-                self._update(w, _rows_of(p.grad, rows), sub, group)
-                p[rows] = w
-                for k, v in sub.items():
-                    state[k][rows] = v
+                for key, value in state.items():  # e.g. restored from another state dtype
+                    if value.shape == p.shape and value.dtype != p.dtype:
+                        state[key] = value.to(p.dtype)
+                per = rows_per_chunk(self.max_update_bytes, p[0].numel(), self.temporaries())
+                total = p.shape[0] if rows is None else len(rows)
+                grad = _GradRows(p.grad, rows, per)
+                for a in range(0, total, per):
+                    b = min(a + per, total)
+                    sel = slice(a, b) if rows is None else rows[a:b]
+                    self._update_rows(p, state, grad.chunk(a, b, sel, per), group, sel)
         return loss
+
+    def _update_rows(self, p: Tensor, state: dict, g: Tensor, group: dict,
+                     sel: slice | Tensor) -> None:
+        """``_update`` on rows ``sel`` in fp32. A slice of an fp32 tensor is updated in place
+        (a view); gathered rows and narrower dtypes are copies, written back rounded once."""
+        tensors = {"": p, **state}
+        work = {key: t[sel].float() for key, t in tensors.items()}
+        w = work.pop("")
+        self._update(w, g.float(), work, group)
+        work[""] = w
+        for key, t in tensors.items():
+            if isinstance(sel, Tensor):
+                t.index_copy_(0, sel, work[key].to(t.dtype))
+            elif t.dtype != torch.float32:
+                t[sel] = work[key]
 
     def _init_state(self, p: Tensor, state: dict) -> None:
         raise NotImplementedError
 
     def _update(self, w: Tensor, g: Tensor, state: dict, group: dict) -> None:
-        """Update rows ``w`` in place from gradient ``g`` and row-sliced ``state``."""
+        """Update fp32 rows ``w`` in place from fp32 gradient ``g`` and row-sliced fp32
+        ``state`` (updated in place too)."""
         raise NotImplementedError
 
 
@@ -97,11 +174,14 @@ class SampledSGD(_SampledOptimizer):
     """SGD with momentum and (coupled, L2) weight decay on the sampled rows only:
     ``d = g + wd * w; buf = momentum * buf + d; w -= lr * buf`` (``torch.optim.SGD``)."""
 
+    ROW_STATE, SCRATCH = 1, 1  # momentum; d
+
     def __init__(self, head: PartialFC, lr: float, momentum: float = 0.9,
-                 weight_decay: float = 5e-4) -> None:
+                 weight_decay: float = 5e-4, max_update_bytes: int = 64 << 20) -> None:
         if not 0 <= momentum < 1:
             raise ValueError(f"SampledSGD: momentum={momentum} must be in [0, 1)")
-        super().__init__(head, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        super().__init__(head, dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+                         max_update_bytes)
 
     def _init_state(self, p: Tensor, state: dict) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -118,14 +198,17 @@ class SampledAdamW(_SampledOptimizer):
     per-row step count for the bias corrections; equals ``torch.optim.AdamW`` when every row
     is sampled every step."""
 
+    ROW_STATE, SCRATCH = 2, 2  # the moments; m * step_size and sqrt(v)
+
     def __init__(self, head: PartialFC, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.01,
+                 max_update_bytes: int = 64 << 20) -> None:
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"SampledAdamW: betas={betas} must be in [0, 1)")
         if not eps > 0:
             raise ValueError(f"SampledAdamW: eps={eps} must be > 0")
         super().__init__(head, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                    weight_decay=weight_decay))
+                                    weight_decay=weight_decay), max_update_bytes)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, then the per-row ``step`` counts move to the weight's device as fp32
@@ -150,4 +233,4 @@ class SampledAdamW(_SampledOptimizer):
         t = t.double()  # bias corrections in float64, as torch computes them (Python floats)
         step_size = (group["lr"] / (1 - beta1**t)).to(w.dtype)  # [rows, 1]: per-row
         bias2_sqrt = (1 - beta2**t).sqrt().to(w.dtype)
-        w.addcdiv_(m * step_size, (v.sqrt() / bias2_sqrt).add_(group["eps"]), value=-1)
+        w.addcdiv_(m * step_size, v.sqrt().div_(bias2_sqrt).add_(group["eps"]), value=-1)

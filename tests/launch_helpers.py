@@ -68,13 +68,8 @@ def build_engine(cfg, total_steps: int = 10, device: str = "cpu"):
 
     torch.manual_seed(0)
     backbone = tiny_backbone()
-    head = PartialFC(
-        EMBEDDING,
-        NUM_CLASSES,
-        build_margin(cfg.margin_kwargs()),
-        sample_rate=cfg.head.sample_rate,
-        seed=cfg.seed,
-    )
+    head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed,
+                     **cfg.head.partial_fc_kwargs())
     return Engine(cfg, backbone, head, torch.device(device), total_steps=total_steps,
                   warmup_steps=0)
 

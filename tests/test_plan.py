@@ -1,7 +1,8 @@
 """launch.plan / partial_fc.memory against what real CPU runs allocate: head weight, optimizer
-state and gradient bytes exactly (sum of nbytes of the tensors), the head's working memory
-within 0.8-1.25x of the profiler's peak, backbone state and activations exactly; the CLI's
-JSON, its largest-fitting class count and its one-line errors."""
+state and gradient bytes exactly (sum of nbytes of the tensors; fp32 and bf16 state), the
+head's working memory within 0.8-1.25x of the profiler's peak, the optimizer step's
+temporaries bounded by its budget, backbone state and activations exactly; the CLI's JSON,
+its largest-fitting class count and its one-line errors."""
 
 from __future__ import annotations
 
@@ -18,11 +19,19 @@ from partial_fc.memory import (
     Collective,
     backbone_state_bytes,
     head_memory,
+    head_update_bytes,
     largest_fitting,
     tensor_bytes,
 )
 
-OPTIMIZERS = {"sgd": lambda h: SampledSGD(h, lr=0.1), "adamw": lambda h: SampledAdamW(h, lr=0.01)}
+OPTIMIZERS = {"sgd": SampledSGD, "adamw": SampledAdamW}
+LR = {"sgd": 0.1, "adamw": 0.01}
+UPDATE = 64 << 20  # the optimizers' default max_update_bytes
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _optimizer(name, head, max_update_bytes=UPDATE):
+    return OPTIMIZERS[name](head, lr=LR[name], max_update_bytes=max_update_bytes)
 
 
 def _head(classes, dim, rate, margin=None, **kw):
@@ -36,18 +45,19 @@ def _state_bytes(opt) -> int:
                if isinstance(t, torch.Tensor))
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("rate", [1.0, 0.3])
-def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate):
+def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate, state_dtype):
     classes, dim, n = 3000, 24, 40
-    head = _head(classes, dim, rate)
-    opt = OPTIMIZERS[optimizer](head)
+    head = _head(classes, dim, rate, state_dtype=DTYPES[state_dtype])
+    opt = _optimizer(optimizer, head)
     emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
     head(emb, labels).backward()
     grad = tensor_bytes(head.weight.grad)
     opt.step()
     want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes,
-                       optimizer=optimizer)
+                       max_update_bytes=UPDATE, optimizer=optimizer, state_dtype=state_dtype)
     assert tensor_bytes(head.weight) == want.weight
     assert _state_bytes(opt) == want.optimizer_state
     assert grad == want.gradient
@@ -68,25 +78,30 @@ def _profiled_peak(fn) -> int:
 
 
 @pytest.mark.parametrize(
-    ("classes", "dim", "n", "rate", "margin", "tile"),
+    ("classes", "dim", "n", "rate", "margin", "tile", "state_dtype"),
     [
-        (5000, 64, 32, 0.2, None, 32 << 20),  # sampled rows dominate
-        (5000, 64, 32, 1.0, None, 32 << 20),
-        (2000, 32, 512, 1.0, None, 32 << 20),  # tiles dominate
-        (2000, 32, 512, 0.3, None, 32 << 20),
-        (2000, 32, 512, 1.0, None, 64 << 10),  # 32-column chunks
-        (20000, 64, 256, 0.5, None, 256 << 10),
-        (20000, 64, 64, 0.1, None, 32 << 20),  # the optimizer's row update dominates
-        (3000, 16, 256, 1.0, dict(type="arcface", m=0.5, adacos="dynamic"), 32 << 20),
+        (5000, 64, 32, 0.2, None, 32 << 20, "fp32"),  # sampled rows dominate
+        (5000, 64, 32, 1.0, None, 32 << 20, "fp32"),
+        (2000, 32, 512, 1.0, None, 32 << 20, "fp32"),  # tiles dominate
+        (2000, 32, 512, 0.3, None, 32 << 20, "fp32"),
+        (2000, 32, 512, 1.0, None, 64 << 10, "fp32"),  # 32-column chunks
+        (20000, 64, 256, 0.5, None, 256 << 10, "fp32"),
+        (20000, 64, 64, 0.1, None, 32 << 20, "fp32"),  # the optimizer's row update dominates
+        (3000, 16, 256, 1.0, dict(type="arcface", m=0.5, adacos="dynamic"), 32 << 20, "fp32"),
+        (5000, 64, 32, 0.2, None, 32 << 20, "bf16"),
+        (5000, 64, 32, 1.0, None, 32 << 20, "bf16"),  # the update's fp32 copies dominate
+        (2000, 32, 512, 1.0, None, 64 << 10, "bf16"),
+        (20000, 64, 256, 0.5, None, 256 << 10, "bf16"),
     ],
 )
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_working_memory_within_factor_of_measured_peak(classes, dim, n, rate, margin, tile,
-                                                       optimizer):
+                                                       state_dtype, optimizer):
     """One engine-style step after a warm-up (state exists; the gradient is allocated in
     backward and freed by zero_grad): its peak is the gradient plus the working memory."""
-    head = _head(classes, dim, rate, margin, max_tile_bytes=tile)
-    opt = OPTIMIZERS[optimizer](head)
+    head = _head(classes, dim, rate, margin, max_tile_bytes=tile,
+                 state_dtype=DTYPES[state_dtype])
+    opt = _optimizer(optimizer, head)
     emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
 
     def step():
@@ -96,8 +111,34 @@ def test_working_memory_within_factor_of_measured_peak(classes, dim, n, rate, ma
 
     step()
     measured = _profiled_peak(step)
-    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=tile, optimizer=optimizer)
+    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=tile, max_update_bytes=UPDATE,
+                       optimizer=optimizer, state_dtype=state_dtype)
     assert 0.8 <= measured / (want.gradient + want.working) <= 1.25
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rate", [1.0, 0.3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_optimizer_step_temporaries_match_the_model_and_stay_within_budget(optimizer, rate,
+                                                                           state_dtype):
+    """The step alone (after a forward and backward): its peak is ``head_update_bytes``
+    (0.95-1.05x), and with a budget of a few rows' temporaries it stays within the budget
+    (plus AdamW's per-row bias corrections, a few bytes a row): bounded whatever S is."""
+    classes, dim, n = 20000, 64, 64
+    for budget in (UPDATE, 40 * dim * 4 * OPTIMIZERS[optimizer].temporaries()):  # 40 rows
+        head = _head(classes, dim, rate, state_dtype=DTYPES[state_dtype])
+        opt = _optimizer(optimizer, head, budget)
+        emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
+        for _ in range(2):  # the first step creates the state
+            head(emb.clone().requires_grad_(), labels).backward()
+            rows = head.num_local if rate == 1.0 else len(head.sampled_index)
+            measured = _profiled_peak(opt.step)
+            opt.zero_grad(set_to_none=True)
+        want = head_update_bytes(head.num_local, rows, dim, max_update_bytes=budget,
+                                 state_dtype=state_dtype, optimizer=optimizer)
+        assert 0.95 <= measured / want <= 1.05, (budget, measured, want)
+        if budget < UPDATE:
+            assert measured <= 1.05 * budget
 
 
 def test_backbone_state_bytes_match_a_real_ddp_style_step():
@@ -236,6 +277,7 @@ def test_head_memory_on_cuda_within_factor(rate):
     torch.cuda.reset_peak_memory_stats()
     step()
     measured = torch.cuda.max_memory_allocated() - before
-    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes)
+    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes,
+                       max_update_bytes=UPDATE)
     assert _state_bytes(opt) == want.optimizer_state
     assert 0.8 <= measured / (want.gradient + want.working) <= 1.25

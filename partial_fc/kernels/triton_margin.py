@@ -22,14 +22,15 @@ Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and 
 (bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots
 unless ``torch.get_float32_matmul_precision()`` allows TF32, as for ``torch.mm``; IEEE fp32 runs
 on CUDA cores, ~15x slower than bf16 on an H100, so the fast path is bf16 ``e`` or ``w``);
-accumulation, ``exp`` and all outputs are fp32. In backward ``dL/dcos inv_norm`` is rounded to
-that operand dtype before its two matmuls, as autocast's matmul backward rounds its incoming
-gradient (fp16: values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents, as in
-autocast). Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their dtype
-and then widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as raw
-uint16 bits, and its fp32 -> bf16 cast truncates, so bf16 rounding is done there with integer
-ops (``_operand``). The widening is exact and a product of two 16-bit floats is exact in fp32,
-so only the summation order differs from a tensor-core MMA.
+accumulation, ``exp`` and all outputs are fp32, except ``grad_w`` of a 16-bit ``w`` (in
+``w.dtype``, rounded once). In backward ``dL/dcos inv_norm`` is rounded to that operand dtype
+before its two matmuls, as autocast's matmul backward rounds its incoming gradient (fp16:
+values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents, as in autocast).
+Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their dtype and then
+widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as raw uint16
+bits, and its fp32 -> bf16 cast truncates, so bf16 rounding (operands, a bf16 ``grad_w``) is
+done there with integer ops (``_operand``). The widening is exact and a product of two 16-bit
+floats is exact in fp32, so only the summation order differs from a tensor-core MMA.
 """
 
 from __future__ import annotations
@@ -166,10 +167,11 @@ def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_b
                  stride_os, stride_om, stride_wm, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_K: tl.constexpr,
                  OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PRECISION: tl.constexpr, PROJECT: tl.constexpr):
+                 PRECISION: tl.constexpr, PROJECT: tl.constexpr, ROUND_OUT: tl.constexpr):
     """Program (M tile, NC tile, K split): ``OUT[split] = A[:, ks] @ B[ks, :]`` in fp32, minus
     ``W_SCALE[:, None] * W`` when ``PROJECT`` (the rank-1 part of the ``1 / ||w||`` chain
-    rule, applied in the epilogue)."""
+    rule, applied in the epilogue); ``ROUND_OUT``: ``OUT`` is 16-bit (the gradient of a bf16
+    ``w``, whose dtype is then ``OP``), the fp32 result is rounded to nearest once."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_NC + tl.arange(0, BLOCK_NC)
     split = tl.program_id(2)
@@ -191,6 +193,8 @@ def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_b
     if PROJECT:
         w = tl.load(W + rm[:, None] * stride_wm + rn[None, :], mask=mask, other=0.0)
         acc -= tl.load(W_SCALE + rm, mask=m_ok, other=0.0)[:, None] * w.to(tl.float32)
+    if ROUND_OUT:
+        acc = _operand(acc, OP, DOT, SOFT_BF16)
     tl.store(OUT + split * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
 
 
@@ -333,8 +337,9 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         chunk: ignored (the kernels use their own buffer budget).
 
     Returns:
-        ``grad_e [N, D]`` fp32 ``sum_k G_ik inv_k w_k``; ``grad_w [S, D]`` fp32, the gradient
-        w.r.t. the unnormalised rows: ``inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
+        ``grad_e [N, D]`` fp32 ``sum_k G_ik inv_k w_k``; ``grad_w [S, D]`` in ``w.dtype``
+        (fp32 accumulation, a bf16 ``w``'s gradient rounded once in the epilogue), the
+        gradient w.r.t. the unnormalised rows: ``inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
         ``g_k = sum_i G_ik e_i``.
     """
     del chunk
@@ -349,7 +354,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     radial = torch.empty(row_blocks, width_max, dtype=torch.float32, device=e.device)
     out_tiles = triton.cdiv(n, t.gemm) * triton.cdiv(d, t.gemm)
     grad_e = torch.zeros(n, d, dtype=torch.float32, device=e.device)
-    grad_w = torch.empty(s_cols, d, dtype=torch.float32, device=e.device)
+    grad_w = torch.empty(s_cols, d, dtype=w.dtype, device=e.device)
     gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, num_warps=t.num_warps,
                 num_stages=t.num_stages, **consts)
     for col0 in range(0, s_cols, width_max):
@@ -364,11 +369,13 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         part = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
         _gemm_kernel[(triton.cdiv(n, t.gemm), triton.cdiv(d, t.gemm), splits)](
             g, w_c, part, w_c, inv_norm, n, d, width, g.stride(0), 1, w_c.stride(0), 1,
-            part.stride(0), part.stride(1), 0, per * t.depth, PROJECT=False, **gemm)
+            part.stride(0), part.stride(1), 0, per * t.depth, PROJECT=False,
+            ROUND_OUT=False, **gemm)
         grad_e += part.sum(dim=0)
         project = inv_norm[col0:col0 + width].square() * r.sum(dim=0)
         out = grad_w[col0:col0 + width]
         _gemm_kernel[(triton.cdiv(width, t.gemm), triton.cdiv(d, t.gemm), 1)](
             g, e, out, w_c, project, width, d, n, 1, g.stride(0), e.stride(0), 1,
-            0, out.stride(0), w_c.stride(0), n, PROJECT=True, **gemm)
+            0, out.stride(0), w_c.stride(0), n, PROJECT=True,
+            ROUND_OUT=w.dtype != torch.float32, **gemm)
     return grad_e, grad_w
