@@ -157,6 +157,96 @@ def test_init_rows_depend_only_on_seed_and_global_class():
     assert torch.equal(head.weight.detach(), full)
 
 
+def test_bf16_init_is_the_fp32_init_rounded_on_any_number_of_ranks():
+    num_classes = BLOCK + 37
+    full = init_rows_(torch.empty(num_classes, 3), 0, seed=5).bfloat16()
+    head = PartialFC(3, num_classes, build_margin(MARGINS["cosface"]), seed=5,
+                     state_dtype=torch.bfloat16)
+    assert head.weight.dtype == torch.bfloat16 and torch.equal(head.weight.detach(), full)
+    for world in (2, 3):  # what the head of each rank calls for its block
+        parts = [split_evenly(num_classes, world, r) for r in range(world)]
+        rows = [init_rows_(torch.empty(stop - start, 3, dtype=torch.bfloat16), start, seed=5)
+                for start, stop in parts]
+        assert torch.equal(torch.cat(rows), full), world
+    with pytest.raises(ValueError, match="state_dtype=torch.float16 must be one of"):
+        _head(MARGINS["cosface"], state_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+@pytest.mark.parametrize("name", ["arcface", "adacos_dynamic"])
+def test_bf16_state_equals_the_fp32_head_on_the_rounded_rows_under_bf16_autocast(name, rate):
+    """A bf16 head multiplies bf16-rounded embeddings and rows with fp32 accumulation, as an
+    fp32 head holding the same (bf16-valued) rows does under bf16 autocast: the same loss,
+    stats and embedding gradient bit for bit, and the bf16 weight gradient is the fp32 one
+    rounded once (to nearest). Both on the torch path, 3 class chunks."""
+    g = torch.Generator().manual_seed(5)
+    emb, labels = torch.randn(9, 16, generator=g), torch.randint(0, 50, (9,), generator=g)
+    kw = dict(num_classes=50, dim=16, sample_rate=rate, kernel="torch", seed=2,
+              max_tile_bytes=4 * 9 * 20)
+    narrow = _head(MARGINS[name], state_dtype=torch.bfloat16, **kw)
+    wide = _head(MARGINS[name], **kw)
+    assert narrow.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        wide.weight.copy_(narrow.weight)
+    for step in range(2):  # the second step: dynamic AdaCos has moved its scale
+        x_n, x_w = emb.clone().requires_grad_(), emb.clone().requires_grad_()
+        loss_n = narrow(x_n, labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_w = wide(x_w, labels)
+        loss_n.backward()
+        loss_w.backward()
+        assert loss_n.item() == loss_w.item() and narrow.stats == wide.stats, step
+        assert torch.equal(x_n.grad, x_w.grad), step
+        grad_n, grad_w = narrow.weight.grad, wide.weight.grad
+        assert grad_n.dtype == torch.bfloat16 and grad_n.is_sparse == (rate < 1)
+        assert torch.equal(grad_n.to_dense(), grad_w.to_dense().bfloat16()), step
+        narrow.weight.grad = wide.weight.grad = None
+
+
+def test_bf16_state_without_autocast_is_within_the_rounding_bound():
+    """Against the fp32 head on the same rows in plain fp32, the bf16 head's only difference
+    is the embeddings rounded to bf16 (relative ``u = 2**-8`` per element, so ``||de|| <= u``
+    and each cosine ``e . w_hat`` moves by at most ``u``): every logit moves by at most
+    ``s u`` (CosFace's ``psi(c) = c - m`` has slope 1), so the log-sum-exp and the target
+    logit do too, and the loss by at most ``2 s u`` (plus fp32 summation noise, ~1e-6)."""
+    g = torch.Generator().manual_seed(6)
+    emb, labels = torch.randn(9, 16, generator=g), torch.randint(0, 50, (9,), generator=g)
+    narrow = _head(MARGINS["cosface"], num_classes=50, dim=16, state_dtype=torch.bfloat16)
+    wide = _head(MARGINS["cosface"], num_classes=50, dim=16)
+    with torch.no_grad():
+        wide.weight.copy_(narrow.weight)
+    gap = abs(narrow(emb, labels).item() - wide(emb, labels).item())
+    assert 0 < gap <= 2 * 30.0 * 2.0**-8 + 1e-5  # s = 30
+
+
+def test_pop_sampled_rows_is_the_union_of_the_forwards_since_the_last_pop():
+    head = _head(MARGINS["cosface"], num_classes=200, sample_rate=0.1)
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 200, (6,), generator=g))
+               for _ in range(3)]
+    assert head.pop_sampled_rows().numel() == 0  # no forward since the last pop
+    head(*batches[0])
+    assert head.pop_sampled_rows() is head.sampled_index  # one forward: its index, no copy
+    used = []
+    for e, y in batches:  # gradient accumulation: three forwards, then one step
+        head(e, y)
+        used.append(head.sampled_index)
+    with torch.no_grad():
+        head(*batches[0])  # no gradient, so no row to update
+    assert not torch.equal(used[0], used[1])
+    assert torch.equal(head.pop_sampled_rows(), torch.unique(torch.cat(used)))
+    assert head.pop_sampled_rows().numel() == 0
+    head.eval()
+    head(*batches[0])  # eval with grad: every row
+    head.train()
+    head(*batches[1])
+    assert head.pop_sampled_rows() is None
+    small = _head(MARGINS["cosface"], num_classes=10, sample_rate=0.5)
+    for e, y in batches * 3:  # 5 of 10 rows each time: together all of them
+        small(e, y % 10)
+    assert small.pop_sampled_rows() is None
+
+
 def test_bf16_autocast_keeps_the_softmax_in_fp32():
     head = _head(MARGINS["arcface"], num_classes=50, dim=16)
     emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))

@@ -167,3 +167,96 @@ def test_row_sparse_gradient_of_two_forwards_updates_their_union_once():
     others = torch.ones(head.num_local, dtype=torch.bool).index_fill_(0, rows, False)
     assert torch.equal(opt.state[head.weight]["momentum_buffer"][others],
                        torch.zeros_like(before[others]))
+
+
+def _sgd(head, **kw):
+    return SampledSGD(head, lr=0.3, momentum=0.9, weight_decay=5e-4, **kw)
+
+
+def _adamw(head, **kw):
+    return SampledAdamW(head, lr=0.01, betas=(0.8, 0.99), weight_decay=0.05, **kw)
+
+
+def _rows_budget(cls, rows: int, dim: int = 8) -> int:
+    """``max_update_bytes`` that makes ``rows`` rows a chunk."""
+    return rows * cls.temporaries() * dim * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rate", [1.0, 0.25])
+@pytest.mark.parametrize("make", [_sgd, _adamw])
+def test_chunked_update_is_bit_identical_at_any_chunk_size(make, rate, dtype):
+    """1 row, 3 and 7 rows (neither divides the 10 sampled or 40 rows), all at once: the same
+    weights and state after three steps, the last one after two forwards (duplicate rows in
+    the sparse gradient) and a forward without backward (rows without a stored gradient)."""
+    cls = SampledSGD if make is _sgd else SampledAdamW
+    runs = []
+    for rows in (1, 3, 7, 40):
+        head = PartialFC(8, 40, build_margin(dict(type="cosface", s=16.0, m=0.2)),
+                         sample_rate=rate, seed=3, state_dtype=dtype)
+        opt = make(head, max_update_bytes=_rows_budget(cls, rows))
+        for step in range(3):
+            head(*_batch(step)).backward()
+            if step == 2:
+                head(*_batch(7)).backward()
+                head(*_batch(8))
+            opt.step()
+            opt.zero_grad()
+        runs.append((head.weight.detach(), opt.state[head.weight]))
+    weight, state = runs[-1]
+    assert weight.dtype == dtype and all(v.dtype == dtype for k, v in state.items()
+                                         if k != "step")
+    for got, got_state in runs[:-1]:
+        assert torch.equal(got, weight)
+        assert all(torch.equal(got_state[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.25])
+@pytest.mark.parametrize("make", [_sgd, _adamw])
+def test_bf16_update_is_the_fp32_update_rounded_once(make, rate):
+    """Each step, an fp32 twin starts from the bf16 head's weights, state and gradient
+    (widened, exact) and takes the fp32 optimizer's step: the bf16 head then holds exactly
+    the twin's weights and state rounded to bf16 (AdamW's fp32 step counts: equal). Chunks
+    of 3 rows, so gathered and sliced chunks both write back."""
+    cls = SampledSGD if make is _sgd else SampledAdamW
+    margin = dict(type="cosface", s=16.0, m=0.2)
+    head = PartialFC(8, 40, build_margin(margin), sample_rate=rate, seed=3,
+                     state_dtype=torch.bfloat16)
+    twin = PartialFC(8, 40, build_margin(margin), sample_rate=rate, seed=3)
+    opt = make(head, max_update_bytes=_rows_budget(cls, 3))
+    ref = make(twin, max_update_bytes=_rows_budget(cls, 3))
+    for step in range(4):
+        emb, labels = _batch(step)
+        head(emb, labels).backward()
+        twin(emb, labels)  # the same sampled rows, recorded for its step
+        with torch.no_grad():
+            twin.weight.copy_(head.weight)
+        twin.weight.grad = head.weight.grad.float()
+        if step:
+            ref.state[twin.weight] = {k: v.to(torch.float32, copy=True)
+                                      for k, v in opt.state[head.weight].items()}
+        opt.step()
+        ref.step()
+        assert torch.equal(head.weight.detach(), twin.weight.detach().bfloat16()), step
+        for key, value in opt.state[head.weight].items():
+            want = ref.state[twin.weight][key]
+            assert torch.equal(value, want if key == "step" else want.bfloat16()), (step, key)
+        opt.zero_grad()
+        ref.zero_grad()
+
+
+def test_state_follows_the_weight_dtype():
+    """State restored from a run with another state dtype (launch.state writes the saved
+    tensors into the optimizer as they are) is cast to the weight's dtype at the next step."""
+    head = PartialFC(8, 40, build_margin(dict(type="cosface", s=16.0, m=0.2)), seed=3,
+                     state_dtype=torch.bfloat16)
+    opt = _sgd(head)
+    opt.state[head.weight]["momentum_buffer"] = torch.full((40, 8), 0.1)  # fp32
+    head(*_batch(0)).backward()
+    opt.step()
+    assert opt.state[head.weight]["momentum_buffer"].dtype == torch.bfloat16
+
+
+def test_update_budget_is_checked():
+    with pytest.raises(ValueError, match="max_update_bytes=0 must be >= 1"):
+        SampledSGD(_head(), lr=0.1, max_update_bytes=0)
