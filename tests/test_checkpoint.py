@@ -1,10 +1,11 @@
 """launch.checkpoint: save on 2 ranks, resume on 1 and 3 with identical state and next step.
 
-Two set-ups in one spawned group each: DeepSpeed ZeRO-1 + SGD (backbone optimizer state
-partitioned, read back through DeepSpeed's fragment API) and DDP + AdamW (per-row head
-``step`` counts). After the load, head rows, head optimizer state, head buffers and the
+Three set-ups in one spawned group each: DeepSpeed ZeRO-1 + SGD (backbone optimizer state
+partitioned, read back through DeepSpeed's fragment API), DDP + AdamW (per-row head
+``step`` counts) and DDP + SGD with bf16 head weight and momentum (``head.state_dtype``).
+After the load, head rows, head optimizer state (in their saved dtype), head buffers and the
 backbone equal what was saved; one more step on the same global batch then equals the
-2-rank run's own next step.
+2-rank run's own next step (bf16 rows and momentum: within one bf16 rounding).
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import build_engine, full_rows, local_micro_batches, make_config, snapshot
+from launch_helpers import (
+    build_engine,
+    full_rows,
+    local_micro_batches,
+    make_config,
+    same_snapshots,
+    snapshot,
+)
 from spawn import run_ranks
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 SETUPS = {
     "zero1_sgd": ["engine.type=deepspeed", "engine.zero_stage=1", "optim.name=sgd"],
     "ddp_adamw": ["engine.type=ddp", "optim.name=adamw", "optim.lr=0.01"],
+    "ddp_sgd_bf16": ["engine.type=ddp", "optim.name=sgd", "head.state_dtype=bf16"],
 }
 
 
@@ -64,9 +73,19 @@ def _resume(rank: int, world: int, paths: dict) -> dict:
 
 def _assert_same(snaps: list[dict], ref: list[dict], what: str, exact: bool) -> None:
     close = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6))
-    assert close(full_rows(snaps), full_rows(ref)), what
+
+    def close_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Saved dtype kept; after a step on another rank count bf16 rows may round the other
+        way (the fp32 update differs by ~1e-6): within one bf16 unit, 2**-7 relative."""
+        if a.dtype != b.dtype:
+            return False
+        if exact or a.dtype == torch.float32:
+            return close(a, b)
+        return torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+
+    assert close_rows(full_rows(snaps), full_rows(ref)), what
     for key in ref[0]["head_opt"]:
-        assert close(full_rows(snaps, key), full_rows(ref, key)), (what, key)
+        assert close_rows(full_rows(snaps, key), full_rows(ref, key)), (what, key)
     for snap in snaps:
         for key, value in ref[0]["head_state"].items():
             assert torch.equal(snap["head_state"][key], value), (what, key)
@@ -78,6 +97,8 @@ def _assert_same(snaps: list[dict], ref: list[dict], what: str, exact: bool) -> 
 def test_resume_on_fewer_and_more_ranks(tmp_path):
     saved = run_ranks(_save, 2, args=(str(tmp_path),), timeout=240)
     paths = {name: saved[0][name]["path"] for name in SETUPS}
+    bf16 = saved[0]["ddp_sgd_bf16"]["saved"]
+    assert bf16["rows"].dtype == bf16["head_opt"]["momentum_buffer"].dtype == torch.bfloat16
     for name, path in paths.items():
         assert (Path(path).parent / "latest").read_text().strip() == Path(path).name
         plain = torch.load(Path(path) / "backbone.pt", weights_only=True)
@@ -147,6 +168,41 @@ def test_save_contents_rng_and_atomicity(tmp_path, one_rank_group, monkeypatch):
     found = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert found == ["latest", "step-00000001", "step-00000003"], found
     assert checkpoint.find_resume(tmp_path, "auto") == third
+
+
+def test_bf16_head_state_is_saved_as_bf16_and_fp32_checkpoints_resume_in_bf16(
+        tmp_path, one_rank_group):
+    """bf16 rows and momentum are stored as bf16 (half the bytes) and load back bit for bit;
+    an fp32 checkpoint resumed with head.state_dtype=bf16 gets its rows rounded on load and
+    its momentum at the next step (the optimizer keeps state in the weight's dtype)."""
+    import torch.distributed.checkpoint as dcp
+
+    from launch import checkpoint
+
+    def engine(dtype: str, batch: int):
+        cfg = make_config("engine.type=ddp", "train.batch_size=4", f"head.state_dtype={dtype}")
+        out = build_engine(cfg)
+        out.step(0, local_micro_batches(batch, 4, 0, 1, 1))
+        return out
+
+    narrow = engine("bf16", 0)
+    path = checkpoint.save(tmp_path / "bf16", 1, narrow, {"loader": None}, keep=1)
+    meta = dcp.FileSystemReader(path / "state").read_metadata().state_dict_metadata
+    for key in ("head.weight/rows.0.11", "head_opt.momentum_buffer/rows.0.11"):
+        assert meta[key].properties.dtype == torch.bfloat16, key
+    other = engine("bf16", 5)  # another step: another state until the load
+    assert not same_snapshots(snapshot(other), snapshot(narrow))
+    checkpoint.load(path, other)
+    assert same_snapshots(snapshot(other), snapshot(narrow))
+
+    wide = engine("fp32", 0)
+    path = checkpoint.save(tmp_path / "fp32", 1, wide, {"loader": None}, keep=1)
+    resumed = engine("bf16", 5)
+    checkpoint.load(path, resumed)
+    assert torch.equal(resumed.head.weight.detach(), wide.head.weight.detach().bfloat16())
+    resumed.step(1, local_micro_batches(1, 4, 0, 1, 1))
+    state = resumed.head_optimizer.state[resumed.head.weight]
+    assert state["momentum_buffer"].dtype == torch.bfloat16
 
 
 @pytest.mark.cuda

@@ -242,6 +242,21 @@ def test_compiled_kernels_match_float64_at_medium_sizes(case, poisoned):
     _check_grads(*MEDIUM[case], grads=chunked.class_tile_grads)
 
 
+@pytest.mark.parametrize("grads", [tm.class_tile_grads, chunked.class_tile_grads],
+                         ids=["triton", "torch"])
+def test_bf16_weight_gradient_is_the_fp32_one_rounded_once(grads):
+    """A bf16 ``w`` (the head's ``state_dtype=bf16``) gets its gradient in bf16: the fp32
+    result for the same bf16 operands (``w`` widened, exact) rounded to nearest once, and the
+    same ``grad_e``; the interpreter's truncating cast must not show (``_operand``)."""
+    e, w, inv, tgt = _inputs(40, 150, 32, torch.bfloat16, torch.bfloat16, "mixed")
+    _, _, cos, keep = _reference(e, w, inv, tgt, 64.0)
+    lse, coef, tgrad = _backward_inputs(40, 150, tgt, torch.logsumexp(64.0 * cos, dim=1))
+    grad_e, grad_w = grads(e, w, inv, tgt, 64.0, lse, coef, tgrad, chunk=7)
+    want_e, want_w = grads(e, w.float(), inv, tgt, 64.0, lse, coef, tgrad, chunk=7)
+    assert grad_w.dtype == torch.bfloat16 and want_w.dtype == torch.float32
+    assert torch.equal(grad_e, want_e) and torch.equal(grad_w, want_w.bfloat16())
+
+
 def test_kernels_compose_into_autograds_margin_softmax_gradients():
     """Used as the head uses them (one rank, CosFace ``psi(c) = c - m``, arXiv:1801.09414
     Eq. 4), the two functions give autograd's gradients of the mean cross-entropy w.r.t. the
