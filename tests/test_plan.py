@@ -231,6 +231,20 @@ def test_cli_impossible_inputs_are_one_line(capsys, argv, message):
     assert message in err and "\n" not in err
 
 
+def test_cli_reads_the_head_state_dtype_and_update_budget_from_a_recipe(tmp_path, capsys):
+    """head.state_dtype and head.max_update_mib come from --config (no base: the schema's
+    defaults); the flags override them. bf16 halves the head's weight and momentum."""
+    recipe = tmp_path / "bf16.yaml"
+    recipe.write_text("data: {num_classes: 100000}\nhead: {sample_rate: 0.1, state_dtype: bf16, "
+                      "max_update_mib: 8}\n")
+    r = _json(capsys, "--config", str(recipe), "--gpus", "2")
+    assert (r["inputs"]["state_dtype"], r["inputs"]["max_update_mib"]) == ("bf16", 8)
+    wide = _json(capsys, "--config", str(recipe), "--gpus", "2", "--state-dtype", "fp32")
+    assert wide["inputs"]["state_dtype"] == "fp32"
+    for key in ("weight_bytes_per_gpu", "head_state_bytes_per_gpu"):
+        assert 2 * r[key] == wide[key]
+
+
 def test_scaling_mode_models_one_row_per_gpu_count(capsys):
     assert plan.main(["--config", "configs/ms1mv3_r50.yaml", "--scaling", "8,64", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
