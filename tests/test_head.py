@@ -303,6 +303,45 @@ def test_cuda_matches_cpu_and_bf16_autocast_is_fp32_softmax():
     assert sampled.sampled_index.is_cuda and len(sampled.sampled_index) == 50
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_state_on_cuda_matches_the_cpu_torch_path():
+    """The bf16 head on CUDA (the Triton kernels when installed, which round ``grad_w`` in
+    their epilogue) against the CPU torch path on the same bf16 rows: the same operands and
+    fp32 sums, so the loss within 1e-4; the kernels also round ``dL/dcos inv`` to bf16 before
+    the backward matmuls (autocast's convention; the torch path keeps it fp32), so both
+    gradients within 2**-5 of their largest entry (test_triton_margin's 16-bit bound, ~3e-2;
+    the interpreter gives 0.2-0.6 %). Sampled (r = 0.3; CUDA draws other rows than the CPU):
+    a bf16 row-sparse gradient, and an SGD step keeps the state in bf16 and leaves unsampled
+    rows alone."""
+    from partial_fc import SampledSGD
+
+    g = torch.Generator().manual_seed(1)
+    emb, labels = torch.randn(64, 32, generator=g), torch.randint(0, 500, (64,), generator=g)
+    bf16 = dict(state_dtype=torch.bfloat16)
+    cpu = PartialFC(32, 500, build_margin(MARGINS["arcface"]), kernel="torch", **bf16)
+    gpu = PartialFC(32, 500, build_margin(MARGINS["arcface"]), **bf16).to("cuda")
+    x_cpu, x_gpu = emb.clone().requires_grad_(), emb.to("cuda").requires_grad_()
+    cpu(x_cpu, labels).backward()
+    gpu(x_gpu, labels.to("cuda")).backward()
+    assert gpu.stats["loss"] == pytest.approx(cpu.stats["loss"], rel=1e-4)
+    assert gpu.weight.grad.dtype == torch.bfloat16
+    for got, want in ((x_gpu.grad, x_cpu.grad), (gpu.weight.grad, cpu.weight.grad)):
+        got, want = got.float().cpu(), want.float()
+        assert float((got - want).abs().max()) <= 2**-5 * float(want.abs().max())
+    sampled = PartialFC(32, 500, build_margin(MARGINS["arcface"]), sample_rate=0.3,
+                        **bf16).to("cuda")
+    before = sampled.weight.detach().clone()
+    sampled(x_gpu, labels.to("cuda")).backward()
+    assert sampled.weight.grad.is_sparse and sampled.weight.grad.dtype == torch.bfloat16
+    opt = SampledSGD(sampled, lr=0.1)
+    opt.step()
+    assert opt.state[sampled.weight]["momentum_buffer"].dtype == torch.bfloat16
+    others = torch.ones(500, dtype=torch.bool, device="cuda")
+    others[sampled.sampled_index] = False
+    assert torch.equal(sampled.weight[others], before[others])
+
+
 def test_angle_sample_measures_targets_and_only_non_targets():
     head = _head(MARGINS["cosface"], num_classes=10, dim=4)
     labels = torch.tensor([3, 7, 3, 0, 9])
