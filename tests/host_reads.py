@@ -73,7 +73,8 @@ class HostReads(TorchFunctionMode):
 
     ``where`` is the innermost frame of this repository's code (``partial_fc/``, ``launch/``,
     ...) that led to the read, so a read inside torch or DeepSpeed is charged to the call
-    that asked for it. ``len(self)`` is the count; ``table()`` lists them by place."""
+    that asked for it. ``len(self)`` is the count; ``places()`` counts them by file and
+    function, ``table()`` lists them by line."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,6 +112,12 @@ class HostReads(TorchFunctionMode):
 
     def __len__(self) -> int:
         return len(self.reads)
+
+    def places(self) -> Counter:
+        """``{"file function": count}``: where the reads come from, without line numbers (a
+        budget that survives edits elsewhere in the file)."""
+        return Counter(where.split(":")[0] + " " + where.rsplit(" ", 1)[1]
+                       for _, where in self.reads)
 
     def table(self) -> str:
         """One line per (read, place) with its count, most frequent first."""
