@@ -230,17 +230,14 @@ class Engine:
         divergence. A label out of range raises the head's ``ValueError`` on every rank,
         before any update.
 
-        Host reads (each makes the CPU wait for the device, tests/test_engine_syncs.py counts
-        them): with DDP at ``sample_rate == 1``, exactly one, after the backbone's backward
-        and clipping: the agreed flags (finite, labels in range; one all-reduce) that decide
-        whether the optimizers step, a decision the host makes because ``torch.optim`` steps
-        are host calls. The head gets every rank's batch size from the config
-        (``train.batch_size``; the loader yields equal batches) instead of exchanging them,
-        and its label check joins the flags. At ``r < 1`` the head's sampler reads its number
-        of positives (the sample's size depends on the labels) and ``partial_fc.optim``
-        learns the sampled rows. DeepSpeed reads its own overflow flag in ``step()``; the
-        flags here are multiplied into the surrogate as a device-side NaN and read after it,
-        when the queue is drained already.
+        Host reads (each makes the CPU wait for the device; tests/test_engine_syncs.py holds
+        the budget): DDP at ``sample_rate == 1``, one: the agreed flags (finite; labels in
+        range, the head's deferred check) of one all-reduce, read after the backbone's
+        backward to decide whether the optimizers step (a host call). The head gets the
+        batch sizes from ``train.batch_size`` (the loader's batches are equal), not from an
+        exchange. ``r < 1`` adds the sampler's (its size depends on the labels) and the
+        sampled rows of ``partial_fc.optim``. DeepSpeed reads its overflow flag in
+        ``step()``; the flags here NaN the surrogate on the device and are read after it.
         """
         lr = self.set_lr(step)
         k = len(micro_batches)

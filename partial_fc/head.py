@@ -384,7 +384,7 @@ class PartialFC(nn.Module):
         self.stats = DeviceScalars({
             "loss": loss.detach(), "theta_med": glob["theta_med"], "log_b_avg": log_b_avg,
             "cos_target_mean": glob["target_cos"].double().mean(),
-            "scale": torch.as_tensor(s, dtype=torch.float64, device=loss.device),
+            "scale": s,  # a fixed scale's float stays one (a tensor of it is a host copy)
             "nontarget_cos_sum": glob["nontarget_cos_sum"], "negatives": glob["negatives"],
         }, functools.partial(_host_stats, glob["target_cos"].numel()))
 
