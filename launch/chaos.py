@@ -155,8 +155,8 @@ def _nan_once(rank: int, call: int) -> None:
 
     forward, calls = PartialFC.forward, [0]
 
-    def poisoned(self, embeddings, labels):
-        loss = forward(self, embeddings, labels)
+    def poisoned(self, embeddings, labels, **kwargs):
+        loss = forward(self, embeddings, labels, **kwargs)
         if self.training and dist.get_rank() == rank:
             calls[0] += 1
             if calls[0] == call:

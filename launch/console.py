@@ -1,9 +1,11 @@
 """What a person sees of a run: stdlib ``logging`` on rank 0, a bar on a terminal, plain
 lines in a batch log, and the same messages in ``RUN/train.log``.
 
-On a TTY (and ``log.progress=true``) a tqdm bar shows the step, ETA, img/s, loss and s;
-messages are written above it. Otherwise (a batch system's log file, or
-``log.progress=false``) every ``log.every`` steps one plain line says where the run is::
+On a TTY (and ``log.progress=true``) a tqdm bar shows the step, ETA, img/s, and the loss
+and s of the last metrics record (every ``log.every`` steps: reading them every step would
+make the trainer wait for the GPU); messages are written above it. Otherwise (a batch
+system's log file, or ``log.progress=false``) every ``log.every`` steps one plain line says
+where the run is::
 
     step 120/800 (15%) epoch 2 loss 4.1234 lr 0.09500 s 30.00 theta_med 1.063 img/s 412
     ETA 0:03:12 mem 812 MiB
@@ -73,6 +75,7 @@ class Console:
             self.log.addHandler(file)
         self.use_bar = progress and sys.stderr.isatty()
         self.bar: tqdm | None = None
+        self._shown = "loss=- s=-"  # the bar's numbers from the last metrics record
 
     def start(self, step: int, total: int) -> None:
         if self.use_bar:
@@ -80,15 +83,17 @@ class Console:
                             file=sys.stderr)
             self._console.bar = self.bar
 
-    def progress(self, step: int, loss: float, scale: float | None, img_s: float) -> None:
+    def progress(self, step: int, img_s: float) -> None:
         """Every step: move the bar (no-op without one)."""
         if self.bar is not None:
-            s = f"{scale:.2f}" if scale is not None else "-"
-            self.bar.set_postfix_str(f"loss={loss:.3f} s={s} img/s={img_s:.0f}", refresh=False)
+            self.bar.set_postfix_str(f"{self._shown} img/s={img_s:.0f}", refresh=False)
             self.bar.update(step - self.bar.n)
 
     def metrics(self, record: dict, total: int, epoch: int | None, eta_s: float | None) -> None:
-        """A metrics record: one plain line when there is no bar, and always in train.log."""
+        """A metrics record: the bar's loss and s, one plain line when there is no bar, and
+        always in train.log."""
+        self._shown = (f"loss={_number(record.get('loss'), '.3f')} "
+                       f"s={_number(record.get('scale'), '.2f')}")
         line = plain_line(record, total, epoch, eta_s)
         self.log.info(line, extra={"file_only": self.bar is not None})
 

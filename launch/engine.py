@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from launch.config import Config, OptimConfig, ScheduleConfig
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
+from partial_fc.readout import DeviceScalars
 
 
 def lr_factor(schedule: ScheduleConfig, warmup_steps: int, total_steps: int) -> Callable:
@@ -210,28 +211,42 @@ class Engine:
         step: int,
         micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         angles: bool = False,
-    ) -> dict:
+    ) -> DeviceScalars:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
         Returns ``{"loss", "lr", "grad_norm", "skipped", "overflow"}`` (loss = mean over
         micro-batches of the global-batch loss, identical on all ranks); with
         ``angles=True`` also ``"angles"`` from ``PartialFC.angle_sample`` on the last
-        micro-batch (collective).
+        micro-batch (collective). ``loss`` and ``grad_norm`` stay on the device until one of
+        them is read (``partial_fc.readout.DeviceScalars``): the trainer reads them every
+        ``log.every`` steps, so a step does not wait for its own numbers.
 
         ``skipped`` is True, on every rank alike, when the step was dropped because the loss,
         an embedding gradient, the head gradient or the backbone gradient norm was not finite
-        (:meth:`_agree_finite`, DeepSpeed's own overflow check): then neither the backbone nor
+        (:meth:`_agree`, DeepSpeed's own overflow check): then neither the backbone nor
         the head is updated, both optimizers' states and every buffer (BatchNorm statistics,
         the AdaCos scale) are as before the step, and the gradients are cleared.
         ``overflow`` is True when the skip was DeepSpeed's fp16 loss scaler's alone
         (:meth:`_loss_scale_overflow`): the same skip of both optimizers, but not a sign of
-        divergence.
+        divergence. A label out of range raises the head's ``ValueError`` on every rank,
+        before any update.
+
+        Host reads (each makes the CPU wait for the device; tests/test_engine_syncs.py holds
+        the budget): DDP at ``sample_rate == 1``, one: the agreed flags (finite; labels in
+        range, the head's deferred check) of one all-reduce, read after the backbone's
+        backward to decide whether the optimizers step (a host call). The head gets the
+        batch sizes from ``train.batch_size`` (the loader's batches are equal), not from an
+        exchange. ``r < 1`` adds the sampler's (its size depends on the labels) and the
+        sampled rows of ``partial_fc.optim``. DeepSpeed reads its overflow flag in
+        ``step()``; the flags here NaN the surrogate on the device and are read after it.
         """
         lr = self.set_lr(step)
         k = len(micro_batches)
         buffers = self._buffers()
+        sizes = [self.cfg.train.batch_size] * self.world_size
         finite = torch.ones((), dtype=torch.bool, device=self.device)
-        skip, dropped, loss_sum = False, False, 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        flags, dropped = None, False
         for i, (images, labels) in enumerate(micro_batches):
             boundary = i == k - 1
             x = normalize_images(images.to(self.device, non_blocking=True))
@@ -241,31 +256,37 @@ class Engine:
                 with self._autocast():
                     emb = self.model(x)
                 e = emb.detach().float().requires_grad_()
-                loss = self.head(e, y)
+                loss = self.head(e, y, sizes=sizes, defer_label_check=True)
                 (loss / k).backward()
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
+                loss_sum += loss.detach()  # fp64: the sum Python floats gave
                 if boundary:
                     grad = self.head.weight.grad
                     if grad is not None:
                         finite &= torch.isfinite(grad.sum())
-                    skip = not self._agree_finite(finite)
                 surrogate = (emb.float() * (e.grad * self.world_size)).sum()
                 if angles and boundary:
                     sample = self.head.angle_sample(e.detach(), y)
                 if self.deepspeed:
-                    dropped = self._deepspeed_backward(surrogate, boundary, skip, step)
+                    if boundary:  # a bad step's NaN makes DeepSpeed drop it (no host read)
+                        flags = self._agree(finite)
+                        surrogate = surrogate * torch.where(flags.min() > 0, 1.0, math.nan)
+                    dropped = self._deepspeed_backward(surrogate, boundary, step)
                 else:
                     surrogate.backward()
-            loss_sum += loss.item()
-        overflow = self._loss_scale_overflow(dropped, skip)
-        skip = skip or dropped
         if self.deepspeed:
             norm = self.model.get_global_grad_norm()
-            grad_norm = float(norm) if norm is not None else float("nan")
+            grad_norm = norm if norm is not None else math.nan
         else:
             grad_norm = self._clip()
             # DDP's gradients are all-reduced, so every rank computes the same norm.
-            skip = skip or not math.isfinite(grad_norm)
+            flags = self._agree(finite & torch.isfinite(grad_norm))
+        all_finite, labels_ok = flags.tolist()  # the step's one host read
+        if not labels_ok:
+            self.head.raise_label_error()
+        overflow = self._loss_scale_overflow(dropped, not all_finite)
+        skip = not all_finite or dropped
+        if not self.deepspeed:
             if not skip:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -279,7 +300,7 @@ class Engine:
                "overflow": overflow}
         if angles:
             out["angles"] = sample
-        return out
+        return DeviceScalars(out)
 
     def _loss_scale_overflow(self, dropped: bool, bad: bool) -> bool:
         """Whether DeepSpeed dropped this step for its fp16 loss scaler only.
@@ -295,27 +316,27 @@ class Engine:
         """
         return dropped and not bad and self.cfg.engine.precision == "fp16"
 
-    def _agree_finite(self, finite: torch.Tensor) -> bool:
-        """Whether ``finite`` holds on every rank: one all-reduce (MIN) of a 0/1 flag."""
-        flag = finite.to(torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag)
+    def _agree(self, finite: torch.Tensor) -> torch.Tensor:
+        """``[finite, labels in range]`` as int32 0/1 on the device, 1 only where it holds on
+        every rank: one all-reduce (MIN), no host read. The label flag is the head's deferred
+        check of this step's forwards (the same on all ranks: gathered labels)."""
+        flags = torch.stack([finite, self.head.pop_label_check()]).to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        return flags
 
-    def _deepspeed_backward(self, surrogate: torch.Tensor, boundary: bool, skip: bool,
-                            step: int) -> bool:
+    def _deepspeed_backward(self, surrogate: torch.Tensor, boundary: bool, step: int) -> bool:
         """DeepSpeed's backward + step for one micro-batch; True when the update was dropped.
 
         DeepSpeed has no public "skip this step" call, but its ZeRO, bf16 and fp16 optimizers
         drop a step whose reduced gradients are not finite (``check_grad_overflow``; the
         gradient reduction makes that decision the same on every rank) and say so through
-        ``was_step_applied()``. A step this engine already decided to skip (``skip``) gets a
-        NaN gradient, so DeepSpeed drops it by that same path. Without ZeRO in fp32 DeepSpeed
+        ``was_step_applied()``. A step this engine's flags call bad arrives with a NaN
+        surrogate (multiplied in on the device by the caller), so DeepSpeed drops it by that
+        same path. Without ZeRO in fp32 DeepSpeed
         steps the plain torch optimizer with no such check: there the (all-reduced, so
         identical) gradients are checked here, and a dropped step is stepped on zeroed
         gradients and then undone (parameters and optimizer state put back).
         """
-        if skip:
-            surrogate = surrogate * float("nan")
         self.model.backward(surrogate, scale_wrt_gas=False)
         if not boundary:
             self.model.step()
@@ -384,10 +405,11 @@ class Engine:
             return torch.autocast(self.device.type, dtype=self.input_dtype)
         return contextlib.nullcontext()
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
+        """The backbone's gradient norm, a 0-d fp32 tensor (no host read), after clipping the
+        gradients to ``train.clip_grad_norm`` when it is set."""
         params = [p for p in self.backbone.parameters() if p.grad is not None]
         clip = self.cfg.train.clip_grad_norm
         if clip is None:
-            norms = torch.stack([p.grad.detach().float().norm() for p in params])
-            return float(norms.norm())
-        return float(torch.nn.utils.clip_grad_norm_(params, clip))
+            return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
+        return torch.nn.utils.clip_grad_norm_(params, clip)

@@ -6,9 +6,10 @@ Every rank constructs a :class:`RunLogger`; on ranks other than 0 every method i
 so call sites need no ``if rank == 0``. W&B runs offline by default (``log.wandb``); the
 ``WANDB_MODE`` environment variable, when set, wins (tests set ``disabled``). TensorBoard
 with ``log.tensorboard=true``. Scale dynamics (s, theta_med, B_avg, mean target/non-target
-cos) are logged every ``log.every`` steps; target/non-target angle histograms every
-``log.hist_every``. A resumed run truncates both line files to the checkpoint's step, so no
-step appears twice, and continues the same W&B run.
+cos) are logged every ``log.every`` steps, the only steps that read the loss and the
+statistics from the device; target/non-target angle histograms every ``log.hist_every``. A
+resumed run truncates both line files to the checkpoint's step, so no step appears twice,
+and continues the same W&B run.
 """
 
 from __future__ import annotations
@@ -118,14 +119,18 @@ class RunLogger:
     ) -> None:
         """After optimisation step ``step`` (1-based count of steps done) of ``epoch``
         (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
-        ``padded_samples``), given on the steps that are :meth:`due`."""
+        ``padded_samples``), given on the steps that are :meth:`due`.
+
+        ``stats`` and ``head_stats`` are read only on the steps that are :meth:`due`: the
+        engine and the head keep their numbers on the device
+        (``partial_fc.readout.DeviceScalars``) and a read makes the host wait for the GPU."""
         if not self.active:
             return
         now = time.perf_counter()
         done, elapsed = step - self._start, max(now - self._t0, 1e-9)
-        self.console.progress(step, stats["loss"], head_stats.get("scale"),
-                              self.global_batch * done / elapsed)
+        rate = self.global_batch * done / elapsed
         if not self.due(step):
+            self.console.progress(step, rate)
             return
         img_s = self.global_batch * (step - self._last_step) / max(now - self._last_t, 1e-9)
         self._last_t, self._last_step = now, step
@@ -149,6 +154,7 @@ class RunLogger:
         self.write(record)
         eta = (self.total - step) * elapsed / done if done else None
         self.console.metrics(record, self.total, epoch, eta)
+        self.console.progress(step, rate)  # after the record: the bar shows its numbers
 
     def wants_histograms(self, step: int) -> bool:
         """Whether optimisation step ``step`` (1-based) samples angle histograms. From the

@@ -221,7 +221,9 @@ def loop(run: Run, signals: StopSignals) -> str | None:
 
 
 def one_step(run: Run, micro_batches: list) -> None:
-    """One optimisation step, its metrics, and the non-finite-step bookkeeping."""
+    """One optimisation step, its metrics, and the non-finite-step bookkeeping. The step's
+    loss and statistics stay on the device (the engine's one host read is its skip decision)
+    and are read by ``log.step`` on the steps that write a metrics record."""
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)

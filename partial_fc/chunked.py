@@ -46,10 +46,15 @@ def _cos_chunk(e_f: Tensor, w: Tensor, op: torch.dtype, inv_norm: Tensor, a: int
     return (e_f @ w_f.t()).mul_(inv_norm[a:b]), w_f
 
 
-def _targets_in(target_col: Tensor, a: int, b: int) -> tuple[Tensor, Tensor]:
-    """Rows whose target lies in columns ``a:b``, and its column inside the chunk."""
-    rows = ((target_col >= a) & (target_col < b)).nonzero().squeeze(1)
-    return rows, target_col[rows] - a
+def _put_targets(x: Tensor, target_col: Tensor, a: int, values: Tensor | float) -> None:
+    """``x[i, target_col_i - a] = values_i`` for the rows whose target lies in this chunk
+    (columns ``a : a + x.shape[1]``), in place; the other rows keep their values. One gather
+    and one scatter of a column per row: selecting the rows instead would give a shape that
+    depends on the labels, which on CUDA makes the host wait for the device."""
+    col = target_col - a
+    hit = (col >= 0) & (col < x.shape[1])
+    col = col.clamp(0, x.shape[1] - 1)[:, None]
+    x.scatter_(1, col, torch.where(hit, values, x.gather(1, col)[:, 0])[:, None])
 
 
 def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
@@ -84,11 +89,10 @@ def _stats(e, w, inv_norm, target_col, s, chunk):
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
         cos, _ = _cos_chunk(e_f, w, op, inv_norm, a, b)
-        rows, at = _targets_in(target_col, a, b)
-        cos[rows, at] = 0.0
+        _put_targets(cos, target_col, a, 0.0)
         cos_sum += cos.sum(dim=1)
         z = cos.mul_(s)
-        z[rows, at] = -torch.inf
+        _put_targets(z, target_col, a, -torch.inf)
         new_max = torch.maximum(row_max, z.amax(dim=1))
         safe = torch.where(torch.isinf(new_max), 0.0, new_max)  # rows with no column yet
         row_sum.mul_(torch.exp(row_max - safe)).add_(z.sub_(safe[:, None]).exp_().sum(dim=1))
@@ -107,9 +111,8 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
         cos, w_f = _cos_chunk(e_f, w, op, inv_norm, a, b)
-        rows, at = _targets_in(target_col, a, b)
         g = (cos * s).sub_(lse).exp_().mul_(coef)
-        g[rows, at] = target_grad[rows].float()
+        _put_targets(g, target_col, a, target_grad.float())
         r = cos.mul_(g).sum(dim=0)  # [b - a]: w_hat_k . g_k (cos is not needed any more)
         del cos
         inv = inv_norm[a:b]

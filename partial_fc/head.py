@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from partial_fc import distributed as dist_ops
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.kernels import triton_available
 from partial_fc.margins import Margin
+from partial_fc.readout import DeviceScalars
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.scale import AdaCosScale, log_mean_exp, median_angle
 from partial_fc.softmax import Shard, margin_softmax_loss
@@ -73,12 +75,15 @@ class PartialFC(nn.Module):
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
+    A training loop that must not wait for the device passes ``sizes`` and
+    ``defer_label_check`` (see ``forward``).
 
     State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
     classes ``class_start ..``); ``step`` (int64, replicated: training-mode forwards so far, seeds
     the sampler and SphereFace's lambda); ``margin.scale.s`` (fp32, replicated; AdaCos only).
 
-    After each forward ``stats`` holds floats identical on all ranks: ``scale``, ``theta_med``
+    After each forward ``stats`` maps to floats identical on all ranks (kept on the device and
+    read at the first access, ``partial_fc.readout``): ``scale``, ``theta_med``
     (median target angle, rad), ``b_avg`` (AdaCos ``B_avg``: with the previous scale when a
     dynamic AdaCos step updated ``s``, else with the current one; estimated from sampled
     negatives), ``loss``, ``cos_target_mean``, ``cos_nontarget_mean`` (over sampled classes).
@@ -140,7 +145,10 @@ class PartialFC(nn.Module):
         self.margin = margin
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
-        self.stats: dict[str, float] = {}
+        self.stats: Mapping[str, float] = {}
+        self._step_host: tuple[Tensor, int, int] | None = None  # (buffer, version, value)
+        self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
+        self._checked: list[Tensor] = []  # those of the last pop_label_check()
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
         # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
         self._pending_rows: Tensor | None = None
@@ -183,7 +191,7 @@ class PartialFC(nn.Module):
         targets = local_targets(y, self.class_start, self.num_local)
         owned = (targets >= 0).nonzero().squeeze(1)
         gen = torch.Generator(device=device).manual_seed(
-            derive_seed(self.seed, int(self.step), self.rank))
+            derive_seed(self.seed, self._step_value(), self.rank))
         pick_i = torch.randint(len(y), (per_rank,), generator=gen, device=device)
         pick_k = torch.randint(self.num_local, (per_rank,), generator=gen, device=device)
         keep = pick_k != targets[pick_i]
@@ -196,17 +204,29 @@ class PartialFC(nn.Module):
             out[name] = torch.rad2deg(torch.acos(dist_ops.all_gather(cos, group)))
         return out
 
-    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+    def forward(self, embeddings: Tensor, labels: Tensor, sizes: Sequence[int] | None = None,
+                defer_label_check: bool = False) -> Tensor:
+        """The loss of the global batch (see the class docstring); collective.
+
+        ``sizes``: every rank's ``n_local`` in rank order, when the caller knows them (the
+        trainer's equal per-rank batches): the inputs are then checked against them on this
+        rank alone and the metadata all-gather, which the host must read, is skipped. A rank
+        whose inputs do not match raises alone (the others wait in the next collective until
+        the process group's timeout), so pass ``sizes`` only where a mismatch is a bug.
+        ``defer_label_check``: instead of reading the host to check the label range here,
+        keep the gathered labels for :meth:`pop_label_check`, which the caller must call.
+        With both, a training-mode forward at ``sample_rate == 1`` reads nothing from the
+        device; at ``r < 1`` the sampler reads its number of positives (the sample's size)."""
         group = self.process_group
-        sizes = self._check_inputs(embeddings, labels)
+        sizes = self._check_inputs(embeddings, labels, sizes)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
         e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)  # [N, D]
         y = dist_ops.all_gather(labels, group, sizes)  # [N]
-        bad = (y < 0) | (y >= self.num_classes)
-        if bool(bad.any()):  # every rank sees the same gathered labels: all raise together
-            raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
-                             f"[0, {self.num_classes}) (num_classes={self.num_classes})")
-        step = int(self.step)
+        if defer_label_check:
+            self._deferred.append(y)
+        else:
+            self._check_labels(y)
+        step = self._step_value()
         if self.training and self.sample_rate < 1.0:
             index, targets = sample_classes(y, self.class_start, self.num_local,
                                             self.sample_rate, self.seed, step, self.rank)
@@ -226,14 +246,51 @@ class PartialFC(nn.Module):
             functools.partial(self.margin.psi, step=step), s, group)
         if self.training:
             self.step += 1
+            self._step_host = (self.step, self.step._version, step + 1)
         self._set_stats(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
         return loss
 
+    def pop_label_check(self) -> Tensor:
+        """Whether every label of the forwards run with ``defer_label_check=True`` since the
+        last call lies in ``[0, num_classes)``: a 0-d bool on the device, the same on all
+        ranks (the labels are the gathered ones), read by nobody here, so the caller can fold
+        it into a flag it reads anyway. When it is False, :meth:`raise_label_error` raises
+        the error an immediate check would have raised."""
+        self._checked, self._deferred = self._deferred, []
+        ok = torch.ones((), dtype=torch.bool, device=self.weight.device)
+        for y in self._checked:
+            ok = ok & ((y >= 0) & (y < self.num_classes)).all()
+        return ok
+
+    def raise_label_error(self) -> None:
+        """Raise the out-of-range error for the labels of the last :meth:`pop_label_check`,
+        if one is out of range (reads the host)."""
+        for y in self._checked:
+            self._check_labels(y)
+
     # ------------------------------------------------------------------ helpers
 
-    def _check_inputs(self, embeddings: Tensor, labels: Tensor) -> list[int]:
-        """Validate shapes on every rank at once (one small all-gather), so a bad rank makes
-        all ranks raise instead of leaving the others blocked in a collective."""
+    def _check_labels(self, y: Tensor) -> None:
+        bad = (y < 0) | (y >= self.num_classes)
+        if bool(bad.any()):  # every rank sees the same gathered labels: all raise together
+            raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
+                             f"[0, {self.num_classes}) (num_classes={self.num_classes})")
+
+    def _step_value(self) -> int:
+        """``self.step`` as an int, read from the device only when the buffer was changed
+        from outside since this module last advanced it (``load_state_dict``, the engine's
+        restore after a skipped step, ``.to()``): those bump its version counter or replace
+        it, which the host copy notices without a read."""
+        known = self._step_host
+        if known is None or known[0] is not self.step or known[1] != self.step._version:
+            known = self._step_host = (self.step, self.step._version, int(self.step))
+        return known[2]
+
+    def _check_inputs(self, embeddings: Tensor, labels: Tensor,
+                      sizes: Sequence[int] | None) -> list[int]:
+        """Every rank's batch size, after validating shapes. Without ``sizes``: on every rank
+        at once (one small all-gather, read by the host), so a bad rank makes all ranks raise
+        instead of leaving the others blocked in a collective; with them: locally, no read."""
         world = dist_ops.get_world_size(self.process_group)
         if world != self.world_size:
             raise RuntimeError(f"PartialFC: built for world size {self.world_size}, "
@@ -243,19 +300,28 @@ class PartialFC(nn.Module):
               and labels.shape[0] == embeddings.shape[0] and not labels.is_floating_point()
               and not labels.is_complex() and labels.dtype != torch.bool)
         n = embeddings.shape[0] if embeddings.dim() else 0
-        meta = dist_ops.gather_ints([n, int(ok)], embeddings.device,
-                              self.process_group)
-        if not bool(meta[:, 1].all()):
-            culprit = int((meta[:, 1] == 0).nonzero()[0, 0])
-            raise ValueError(
-                f"PartialFC: rank {culprit} passed bad inputs; expected embeddings float "
-                f"[n, {self.embedding_size}] and labels int64 [n], this rank got embeddings "
-                f"{tuple(embeddings.shape)} {embeddings.dtype}, labels {tuple(labels.shape)} "
-                f"{labels.dtype}")
-        sizes = meta[:, 0].tolist()
+        if sizes is not None:
+            sizes = [int(k) for k in sizes]
+            if len(sizes) != world or min(sizes) < 0:
+                raise ValueError(f"PartialFC: sizes={sizes} must be {world} batch sizes >= 0")
+            if not ok or n != sizes[self.rank]:
+                raise ValueError(self._bad_inputs(f"rank {self.rank}", sizes[self.rank],
+                                                  embeddings, labels))
+        else:
+            meta = dist_ops.gather_ints([n, int(ok)], embeddings.device, self.process_group)
+            if not bool(meta[:, 1].all()):
+                culprit = int((meta[:, 1] == 0).nonzero()[0, 0])
+                raise ValueError(self._bad_inputs(f"rank {culprit}", "n", embeddings, labels))
+            sizes = meta[:, 0].tolist()
         if sum(sizes) == 0:
             raise ValueError("PartialFC: the global batch is empty")
         return sizes
+
+    def _bad_inputs(self, who: str, n: int | str, embeddings: Tensor, labels: Tensor) -> str:
+        return (f"PartialFC: {who} passed bad inputs; expected embeddings float "
+                f"[{n}, {self.embedding_size}] and labels int64 [{n}], this rank got embeddings "
+                f"{tuple(embeddings.shape)} {embeddings.dtype}, labels {tuple(labels.shape)} "
+                f"{labels.dtype}")
 
     def _record_rows(self, index: Tensor | None) -> None:
         """Add this forward's rows (``index``: sorted, unique; None = all) to the pending set
@@ -305,44 +371,53 @@ class PartialFC(nn.Module):
         """One all-reduce (fp64) of: each sample's target cos, each sample's partial
         ``sum_{k != y} exp(s_prev (cos_k - 1))`` (dynamic AdaCos only, from the tile statistics
         at ``s_prev``), the number of sampled classes and the sum of non-target cosines.
-        Updates a dynamic AdaCos scale."""
+        Updates a dynamic AdaCos scale. Everything stays on the device: the total of sampled
+        classes (``S``, known to the host only at ``r == 1``) enters ``neg_ratio =
+        (C - 1) / (S - 1)`` as a tensor, NaN when ``S == 1`` (no negative at all), and a
+        dynamic scale keeps its value then."""
         n, sampled = shard.e.shape[0], shard.w.shape[0]
-        rows = shard.rows
         scale = self.margin.scale
         dynamic = isinstance(scale, AdaCosScale) and scale.dynamic and self.training
         packed = torch.zeros(2 * n + 2, dtype=torch.float64, device=row_max.device)
-        packed[rows] = shard.cos_t.double()
+        packed[:n] = shard.cos_t.double()  # 0 on rows whose target another rank owns
         if dynamic:  # exp(row_max - s_prev) <= ~1 (cos <= 1): no overflow whatever s is
             packed[n: 2 * n] = (row_sum * torch.exp(row_max - s_prev)).double()
         packed[2 * n] = sampled
         packed[2 * n + 1] = cos_sum.double().sum()
         packed = dist_ops.all_reduce(packed, self.process_group)
-        target_cos, total = packed[:n].float(), int(packed[2 * n])
-        neg_ratio = (self.num_classes - 1) / (total - 1) if total > 1 else math.nan
+        target_cos, total = packed[:n].float(), packed[2 * n]
+        neg_ratio = torch.where(total > 1, (self.num_classes - 1) / (total - 1), math.nan)
         theta_med = median_angle(target_cos)
         out = {"target_cos": target_cos, "theta_med": theta_med, "neg_ratio": neg_ratio,
-               "nontarget_cos_sum": float(packed[2 * n + 1]), "negatives": total - 1,
+               "nontarget_cos_sum": packed[2 * n + 1], "negatives": total - 1,
                "log_b_avg": None}
-        if dynamic and total > 1:  # B estimated from the sampled negatives, rescaled
+        if dynamic:  # B estimated from the sampled negatives, rescaled
             log_b = scale.value().double() + torch.log(packed[n: 2 * n] * neg_ratio)
             out["log_b_avg"] = log_mean_exp(log_b)
-            scale.update(out["log_b_avg"].float(), theta_med)
+            scale.update(out["log_b_avg"].float(), theta_med, valid=total > 1)
         return out
 
     def _set_stats(self, loss: Tensor, glob: dict, b_sums: Tensor, shift: Tensor,
                    s: Tensor | float) -> None:
-        """``stats`` from replicated tensors only (so identical on all ranks), one host sync."""
+        """``stats`` from replicated tensors only (so identical on all ranks), read by the
+        host only when a value is asked for (``partial_fc.readout``)."""
         log_b_avg = glob["log_b_avg"]
         if log_b_avg is None:  # B at the current s, from the softmax's non-target sums
             log_b_avg = log_mean_exp(torch.log(b_sums.double()) + shift.double())
-        n = glob["target_cos"].numel()
-        neg = glob["negatives"]
-        scale = torch.as_tensor(s, dtype=torch.float64, device=loss.device)
-        vals = torch.stack([loss.detach().double(), glob["theta_med"].double(),
-                            log_b_avg.double(), glob["target_cos"].double().mean(), scale])
-        vals = vals.tolist()
-        self.stats = {
-            "scale": vals[4], "theta_med": vals[1], "b_avg": math.exp(min(vals[2], 709.0)),
-            "loss": vals[0], "cos_target_mean": vals[3],
-            "cos_nontarget_mean": glob["nontarget_cos_sum"] / (n * neg) if neg else math.nan,
-        }
+        self.stats = DeviceScalars({
+            "loss": loss.detach(), "theta_med": glob["theta_med"], "log_b_avg": log_b_avg,
+            "cos_target_mean": glob["target_cos"].double().mean(),
+            "scale": s,  # a fixed scale's float stays one (a tensor of it is a host copy)
+            "nontarget_cos_sum": glob["nontarget_cos_sum"], "negatives": glob["negatives"],
+        }, functools.partial(_host_stats, glob["target_cos"].numel()))
+
+
+def _host_stats(n: int, raw: dict[str, float]) -> dict[str, float]:
+    """The ``stats`` floats from the values read off the device (``n`` = global batch)."""
+    neg = raw["negatives"]
+    return {
+        "scale": raw["scale"], "theta_med": raw["theta_med"],
+        "b_avg": math.exp(min(raw["log_b_avg"], 709.0)), "loss": raw["loss"],
+        "cos_target_mean": raw["cos_target_mean"],
+        "cos_nontarget_mean": raw["nontarget_cos_sum"] / (n * neg) if neg else math.nan,
+    }

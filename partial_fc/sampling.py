@@ -69,9 +69,8 @@ def sample_classes(
         keep[positives] = False
         negatives = keep.nonzero().squeeze(1)
     index = torch.sort(torch.cat([positives, negatives])).values
-    owned = targets >= 0
-    remapped = torch.searchsorted(index, targets[owned])
-    return index, targets.masked_scatter(owned, remapped)
+    remapped = torch.searchsorted(index, targets)  # all rows: no label-sized selection
+    return index, torch.where(targets >= 0, remapped, targets)
 
 
 def _distinct_rows(count: int, num_local: int, excluded: Tensor, gen: torch.Generator) -> Tensor:

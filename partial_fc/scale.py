@@ -98,14 +98,17 @@ class AdaCosScale(nn.Module):
         return self.s
 
     @torch.no_grad()
-    def update(self, log_b_avg: Tensor, theta_med: Tensor) -> None:
+    def update(self, log_b_avg: Tensor, theta_med: Tensor, valid: Tensor | None = None) -> None:
         """Replace ``s`` by ``dynamic_adacos_scale`` of this step's global statistics.
 
         Call before computing the step's logits: AdaCos uses ``s_t`` for step ``t`` itself
         (``B_avg`` having been measured with ``s_{t-1}``). No-op unless dynamic and training.
+        ``valid`` (0-d bool): where False, ``s`` stays (the statistics had no negative class);
+        a tensor, so the decision needs no host read.
         """
         if self.dynamic and self.training:
-            self.s.copy_(dynamic_adacos_scale(log_b_avg.float(), theta_med.float()))
+            new = dynamic_adacos_scale(log_b_avg.float(), theta_med.float())
+            self.s.copy_(new if valid is None else torch.where(valid, new, self.s))
 
     def extra_repr(self) -> str:
         return f"dynamic={self.dynamic}"

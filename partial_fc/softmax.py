@@ -29,17 +29,20 @@ class Shard:
     """This rank's part of one step, computed without gradient by the head: the operand
     embeddings ``e`` ``[N, D]``, the weight rows ``w`` ``[S, D]`` (the parameter's rows
     ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
-    ``[N]`` (column or ``-1``), the owned target rows ``rows`` and their cosines ``cos_t``,
-    the tile functions ``tiles`` and their column budget ``chunk``."""
+    ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
+    holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), the tile
+    functions ``tiles`` and their column budget ``chunk``. Every row is computed and the
+    others masked, rather than the owned rows selected: a selection's size depends on the
+    labels, and on CUDA learning it makes the host wait for the device."""
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
                  targets: Tensor, tiles: ModuleType, chunk: int) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
         self.targets, self.tiles, self.chunk = targets, tiles, chunk
-        self.rows = (targets >= 0).nonzero().squeeze(1)
-        cols = targets[self.rows]
-        self.cos_t = ((e[self.rows].float() * w[cols].float()).sum(dim=1)
-                      * inv_norm[cols])  # [n_owned]
+        self.owned = targets >= 0
+        cols = targets.clamp_min(0)
+        cos_t = (e.float() * w[cols].float()).sum(dim=1) * inv_norm[cols]
+        self.cos_t = torch.where(self.owned, cos_t, 0.0)
 
     def stats(self, s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
         """``(row_max, row_sum, cos_sum)`` over this shard's non-target columns at scale ``s``."""
@@ -95,13 +98,12 @@ class _MarginSoftmaxLoss(Function):
     @staticmethod
     def forward(ctx, group, psi, s, shard, row_max, row_sum, e, weight):
         n = shard.e.shape[0]
-        rows = shard.rows
-        t_logit = psi(shard.cos_t) * s
-        local_max = row_max.clone()
-        local_max[rows] = torch.maximum(local_max[rows], t_logit)
+        owned = shard.owned
+        t_logit = psi(shard.cos_t) * s  # [N]; used on the owned rows only
+        local_max = torch.where(owned, torch.maximum(row_max, t_logit), row_max)
         shift = pd.all_reduce_max(local_max, group)  # [N]
         partial = torch.stack([row_sum * torch.exp(row_max - shift),
-                               torch.zeros_like(shift).index_put((rows,), t_logit - shift[rows])])
+                               torch.where(owned, t_logit - shift, 0.0)])
         sum_exp, target = pd.all_reduce(partial, group)  # [N] each, replicated
         log_total = torch.log(sum_exp + torch.exp(target))
         loss = (log_total - target).mean()
@@ -120,9 +122,8 @@ class _MarginSoftmaxLoss(Function):
             c = shard.cos_t.detach().requires_grad_()
             (slope,) = torch.autograd.grad(ctx.psi(c).sum(), c)
         coef = (grad_loss.float() * ctx.s / ctx.n).expand(ctx.n)
-        rows = shard.rows
-        target_grad = torch.zeros_like(lse).index_put(
-            (rows,), (torch.exp(log_p_target[rows]) - 1.0) * slope * coef[rows])
+        target_grad = torch.where(shard.owned, (torch.exp(log_p_target) - 1.0) * slope * coef,
+                                  0.0)
         grad_e, grad_w = shard.tiles.class_tile_grads(
             shard.e, shard.w, shard.inv_norm, shard.targets, ctx.s, lse, coef.contiguous(),
             target_grad, shard.chunk)

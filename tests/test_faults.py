@@ -42,9 +42,9 @@ def _poison_once(engine, rank_to_poison: int | None = None):
 
     forward = engine.head.forward
 
-    def poisoned(e, y):
+    def poisoned(e, y, **kwargs):
         engine.head.forward = forward
-        loss = forward(e, y)
+        loss = forward(e, y, **kwargs)
         if rank_to_poison is None or dist.get_rank() == rank_to_poison:
             return loss * float("nan")
         return loss

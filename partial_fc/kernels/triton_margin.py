@@ -282,7 +282,9 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
     consts = dict(OP=_TL_DTYPES[op], DOT=tl.float32 if widen else _TL_DTYPES[op],
                   SOFT_BF16=widen and op == torch.bfloat16,
                   PRECISION="ieee" if op == torch.float32 and _fp32_is_exact() else "tf32")
-    scale = torch.as_tensor(s, dtype=torch.float32, device=e.device).detach().reshape(1)
+    # A float becomes a device fill: as_tensor would copy it from the host and wait for it.
+    scale = (s.detach().to(e.device, torch.float32).reshape(1) if isinstance(s, Tensor)
+             else torch.full((1,), s, dtype=torch.float32, device=e.device))
     return [t.contiguous() for t in tensors], scale, op, consts
 
 
