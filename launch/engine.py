@@ -236,8 +236,8 @@ class Engine:
         range, the head's deferred check) of one all-reduce, read after the backbone's
         backward to decide whether the optimizers step (a host call). The head gets the
         batch sizes from ``train.batch_size`` (the loader's batches are equal), not from an
-        exchange. ``r < 1`` adds the sampler's (its size depends on the labels) and the
-        sampled rows of ``partial_fc.optim``. DeepSpeed reads its overflow flag in
+        exchange. ``r < 1`` adds the sampler's (its size depends on the labels); the head
+        optimizer reads none after one forward. DeepSpeed reads its overflow flag in
         ``step()``; the flags here NaN the surrogate on the device and are read after it.
         """
         lr = self.set_lr(step)

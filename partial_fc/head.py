@@ -153,6 +153,9 @@ class PartialFC(nn.Module):
         # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
         self._pending_rows: Tensor | None = None
         self._pending_all = False
+        self._pending_forwards = 0
+        # How many forwards the rows of the last pop_sampled_rows() came from (see there).
+        self.popped_forwards = 0
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
@@ -163,9 +166,13 @@ class PartialFC(nn.Module):
         """Sorted local rows used by the forwards (with grad enabled) since the last call, for
         the ``partial_fc.optim`` optimizers. ``None`` means all rows (always so when
         ``sample_rate == 1``, and when the forwards used every row); an empty tensor means no
-        forward happened. After one forward this is the sampler's own index (no copy)."""
+        forward happened. After one forward this is the sampler's own index (no copy), and
+        ``popped_forwards == 1`` tells the optimizer that a sparse gradient holding as many
+        rows holds exactly these, in this order (one backward of one forward), which it then
+        need not check on the host."""
         rows, every = self._pending_rows, self._pending_all
-        self._pending_rows, self._pending_all = None, False
+        self.popped_forwards = self._pending_forwards
+        self._pending_rows, self._pending_all, self._pending_forwards = None, False, 0
         if self.sample_rate == 1.0 or every or (rows is not None and len(rows) == self.num_local):
             return None
         if rows is None:
@@ -330,6 +337,7 @@ class PartialFC(nn.Module):
         self.sampled_index = index
         if self.sample_rate == 1.0 or not torch.is_grad_enabled() or self._pending_all:
             return
+        self._pending_forwards += 1
         if index is None:
             self._pending_rows, self._pending_all = None, True
         elif self._pending_rows is None:

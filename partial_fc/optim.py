@@ -62,11 +62,13 @@ class _GradRows:
     summed here in fp32 (in their order), and a forward without backward adds rows with no
     stored gradient, which read as 0."""
 
-    def __init__(self, grad: Tensor, rows: Tensor | None, per: int) -> None:
+    def __init__(self, grad: Tensor, rows: Tensor | None, per: int, one_forward: bool) -> None:
         self.grad, self.where, self.order = grad, None, None
         if not grad.is_sparse:
             return
         index, total = grad._indices()[0], grad.shape[0] if rows is None else len(rows)
+        if one_forward and len(index) == total:  # exactly ``rows``: no host read to check
+            return
         if not bool((index[1:] > index[:-1]).all()):  # duplicates: the forwards' rows in turn
             self.order = torch.argsort(index, stable=True)
             index = index[self.order]
@@ -139,7 +141,7 @@ class _SampledOptimizer(torch.optim.Optimizer):
                         state[key] = value.to(p.dtype)
                 per = rows_per_chunk(self.max_update_bytes, p[0].numel(), self.temporaries())
                 total = p.shape[0] if rows is None else len(rows)
-                grad = _GradRows(p.grad, rows, per)
+                grad = _GradRows(p.grad, rows, per, self._head.popped_forwards == 1)
                 for a in range(0, total, per):
                     b = min(a + per, total)
                     sel = slice(a, b) if rows is None else rows[a:b]

@@ -62,7 +62,8 @@ def _caller() -> str:
     """``file:line function`` of the innermost frame in this repository outside tests/."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = Path(frame.filename).resolve()
-        if path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "tests"):
+        if (path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "tests")
+                and "site-packages" not in path.parts):  # a venv inside the checkout
             return f"{path.relative_to(ROOT)}:{frame.lineno} {frame.name}"
     frame = traceback.extract_stack()[-3]
     return f"{frame.filename}:{frame.lineno} {frame.name}"
