@@ -3,6 +3,8 @@
     python bench/train.py                                   # CUDA: iresnet50 bf16 batch 128
     python bench/train.py --device cpu                      # CPU: iresnet_tiny fp32 batch 8
     python bench/train.py --runs 1000:1.0,1000000:0.1 --steps 100 --warmup 20
+    python bench/train.py --synthetic-data 1000 --workers 10   # batches from the real loader
+    python bench/train.py --data DIR --compile              # a converted folder; torch.compile
 
 One process, a 1-rank process group (``launch.distributed.init_distributed``, no torchrun).
 
@@ -10,11 +12,22 @@ One process, a 1-rank process group (``launch.distributed.init_distributed``, no
   format: channels_last on CUDA), on random input: forward, ``mean(emb^2)`` backward, the
   backbone's optimizer (``launch.engine.make_optimizer``);
 - each ``classes:rate`` of ``--runs``: the full step, ``launch.engine.Engine.step`` with a
-  ``partial_fc.PartialFC`` head of that many classes and sample rate, on synthetic uint8
-  batches (pinned on CUDA) that cycle on the host.
+  ``partial_fc.PartialFC`` head of that many classes and sample rate.
+
+Batches: with ``--data DIR`` (or ``--synthetic-data K``, which first writes a K-class
+synthetic webdataset folder to a temp dir with ``data_pipeline.write_synthetic_dataset``) they
+come from ``data_pipeline.make_loader`` built as ``launch.train`` builds it (``--workers``
+decoding processes, pinned memory on CUDA, flip), so ``data`` is the real wait for the next
+batch. The head keeps the ``--runs`` class count and gets the data's labels: the step costs
+what it costs on data of that many classes (all rows in the softmax at r=1, r*C sampled rows
+otherwise). Without either, 4 synthetic uint8 batches (pinned on CUDA) cycle in memory: the
+pure-compute view, where ``data`` is ~0 by construction. ``--compile`` sets
+``engine.compile`` and compiles the ceiling's backbone too (the first ``--warmup`` steps
+absorb the compile time; give enough of them).
 
 Per step: ``data`` (host time to fetch the next batch), then the engine's step cut by hooks
-into ``input`` (host-to-device copy and normalisation), ``bb fwd``, ``head fwd`` (its
+on the replicated module (DDP/DeepSpeed, which run eagerly even with ``--compile``) and the
+head into ``input`` (host-to-device copy and normalisation), ``bb fwd``, ``head fwd`` (its
 collectives included), ``head bwd``, ``bb bwd`` (DDP's gradient all-reduce and clipping
 included), ``optim`` (both optimizers) and ``other``. Times come from CUDA events on CUDA and
 ``time.perf_counter`` on CPU (synchronous there). One rank has no communication to speak of;
@@ -28,12 +41,16 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import math
 import statistics
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
+from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from launch import plan
 from launch.config import Config
 from launch.distributed import init_distributed, resolve_device, shutdown
@@ -72,25 +89,37 @@ class Marks:
 
 
 def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.device) -> Config:
+    data = {"num_classes": classes}
+    if args.workers is not None:
+        data["num_workers"] = args.workers
     return Config.model_validate({
         "device": device.type,
-        "data": {"num_classes": classes},
+        "data": data,
         "backbone": {"name": args.backbone},
         "head": {"sample_rate": rate, "kernel": args.kernel},
         "train": {"batch_size": args.batch},
-        "engine": {"type": args.engine, "precision": args.precision},
+        "engine": {"type": args.engine, "precision": args.precision, "compile": args.compile},
     })
 
 
-def _batches(args: argparse.Namespace, classes: int, device: torch.device):
-    """Endless synthetic (uint8 images, labels) batches, 4 distinct ones cycled on the host."""
-    gen = torch.Generator().manual_seed(0)
+def _batches(args: argparse.Namespace, cfg: Config, device: torch.device):
+    """Endless (uint8 images, labels) batches: from the loader over ``args.data_dir`` (epoch
+    after epoch, as ``launch.train`` iterates it), or 4 synthetic ones cycled on the host."""
     pin = device.type == "cuda"
+    if args.data_dir is not None:
+        loader = make_loader(args.data_dir, batch_size=args.batch, seed=cfg.seed,
+                             num_workers=cfg.data.num_workers, flip=cfg.data.flip,
+                             pin_memory=pin)
+        for epoch in itertools.count():
+            loader.set_epoch(epoch)
+            yield from loader
+    gen = torch.Generator().manual_seed(0)
     made = [(torch.randint(0, 256, (args.batch, 3, 112, 112), dtype=torch.uint8, generator=gen),
-             torch.randint(0, classes, (args.batch,), generator=gen)) for _ in range(4)]
+             torch.randint(0, cfg.data.num_classes, (args.batch,), generator=gen))
+            for _ in range(4)]
     if pin:
         made = [(x.pin_memory(), y.pin_memory()) for x, y in made]
-    return itertools.cycle(made)
+    yield from itertools.cycle(made)
 
 
 def _collect(rows: list[dict[str, float]], warmup: int) -> dict[str, tuple[float, float]]:
@@ -116,6 +145,8 @@ def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     model = build_backbone(args.backbone).to(device, memory_format=fmt)
     opt = make_optimizer(cfg.optim, model.parameters())
+    if args.compile:
+        model = torch.compile(model)
     x = torch.randn(args.batch, 3, 112, 112, device=device).to(memory_format=fmt)
     cast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     marks, rows = Marks(device), []
@@ -143,27 +174,30 @@ def run_step(args: argparse.Namespace, device: torch.device, classes: int, rate:
     engine = Engine(cfg, build_backbone(args.backbone), head, device,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)
-    engine.backbone.register_forward_pre_hook(lambda *_: marks("input"))
-    engine.backbone.register_forward_hook(lambda *_: marks("bb fwd"))
+    engine.model.register_forward_pre_hook(lambda *_: marks("input"))
+    engine.model.register_forward_hook(lambda *_: marks("bb fwd"))
     engine.head.register_forward_hook(lambda *_: marks("head fwd"))
     # Fires when the backbone's output gradient is ready: the start of its backward. torch
     # warns that the images need no gradient, which is what the step intends.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    engine.backbone.register_full_backward_pre_hook(lambda *_: marks("head bwd"))
+    engine.model.register_full_backward_pre_hook(lambda *_: marks("head bwd"))
     engine.optimizer.register_step_pre_hook(lambda *_: marks("bb bwd"))
     engine.head_optimizer.register_step_post_hook(lambda *_: marks("optim"))
-    batches, rows = _batches(args, classes, device), []
+    batches, rows = _batches(args, cfg, device), []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        batch = next(batches)
-        data_ms = (time.perf_counter() - t0) * 1e3
-        marks("start")
-        engine.step(step, [batch])
-        marks("other")
-        seg = marks.segments()
-        rows.append({"data": data_ms, **seg, "step": data_ms + sum(seg.values())})
+    try:
+        for step in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            data_ms = (time.perf_counter() - t0) * 1e3
+            marks("start")
+            engine.step(step, [batch])
+            marks("other")
+            seg = marks.segments()
+            rows.append({"data": data_ms, **seg, "step": data_ms + sum(seg.values())})
+    finally:
+        batches.close()  # ends the loader's workers
     return _with_peak(_collect(rows, args.warmup), device)
 
 
@@ -213,6 +247,40 @@ def _runs(text: str) -> list[tuple[int, float]]:
         raise argparse.ArgumentTypeError(f"--runs={text!r}: expected classes:rate,...") from None
 
 
+def _data_dir(args: argparse.Namespace, tmp: str) -> Path | None:
+    """The folder the loader reads (``--synthetic-data`` writes it into ``tmp`` first, enough
+    images for every step in one epoch), or None for the in-memory batches."""
+    if args.synthetic_data is not None:
+        need = (args.warmup + args.steps + 1) * args.batch
+        start = time.perf_counter()
+        write_synthetic_dataset(tmp, args.synthetic_data,
+                                images_per_class=math.ceil(need / args.synthetic_data))
+        print(f"wrote a {args.synthetic_data}-class synthetic set into {tmp} in "
+              f"{time.perf_counter() - start:.0f} s")
+        return Path(tmp)
+    return None if args.data is None else Path(args.data)
+
+
+def _describe_batches(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                      device: torch.device) -> None:
+    """Say which batches the trainer rows get; refuse a run with fewer classes than the data."""
+    if args.data_dir is None:
+        print("batches: 4 synthetic in-memory batches, cycled (pure compute: data ~0 by "
+              "construction; --data or --synthetic-data for the real loader)")
+        return
+    manifest = read_manifest(args.data_dir)
+    for classes, _ in args.runs:
+        if classes < manifest.num_classes:
+            parser.error(f"--runs: {classes} classes, fewer than the "
+                         f"{manifest.num_classes} of {args.data_dir / 'manifest.json'}")
+    workers = _config(args, manifest.num_classes, 1.0, device).data.num_workers
+    print(f"batches: data_pipeline.make_loader over {args.data_dir} ({manifest.num_samples:,} "
+          f"images, {manifest.num_classes:,} classes), workers {workers}, pinned memory "
+          f"{'on' if device.type == 'cuda' else 'off'}; each head keeps its --runs class count "
+          f"and gets the data's labels in [0, {manifest.num_classes:,}): the step costs what it "
+          "costs on data of the head's class count (all rows at r=1, r*C sampled otherwise)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -224,6 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp",
                    help="the trainer's backbone engine (deepspeed: ZeRO-1, the schema's default "
                    "stage); the ceiling is always plain torch")
+    p.add_argument("--compile", action="store_true", help="engine.compile=true, and the "
+                   "ceiling's backbone torch.compile'd too")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--data", metavar="DIR", help="batches from the loader over this "
+                        "converted folder (shards + manifest.json)")
+    source.add_argument("--synthetic-data", type=int, metavar="K", help="batches from the "
+                        "loader over a K-class synthetic folder written to a temp dir first")
+    p.add_argument("--workers", type=int, help="loader workers (data.num_workers; default: the "
+                   "schema's)")
     p.add_argument("--steps", type=int, help="timed steps (default 50 CUDA, 5 CPU)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 10 CUDA, 2 CPU)")
     p.add_argument("--kernel", choices=["auto", "torch", "triton"], default="auto",
@@ -241,14 +318,17 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, value)
     env = init_distributed(args.device)
     try:
-        print(f"device {env.device}, {args.backbone}, {args.engine} {args.precision}, "
-              f"batch {args.batch}, "
-              f"{args.steps} steps after {args.warmup}, torch {torch.__version__}")
-        results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
-        for classes, rate in args.runs:
-            results.append((f"trainer {classes:,} r={rate}", classes, rate,
-                            run_step(args, env.device, classes, rate)))
-        print_table(args, results)
+        with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+            args.data_dir = _data_dir(args, tmp)
+            print(f"device {env.device}, {args.backbone}, {args.engine} {args.precision}"
+                  f"{' compiled' if args.compile else ''}, batch {args.batch}, "
+                  f"{args.steps} steps after {args.warmup}, torch {torch.__version__}")
+            _describe_batches(args, p, env.device)
+            results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
+            for classes, rate in args.runs:
+                results.append((f"trainer {classes:,} r={rate}", classes, rate,
+                                run_step(args, env.device, classes, rate)))
+            print_table(args, results)
     finally:
         shutdown()
 

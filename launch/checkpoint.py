@@ -18,12 +18,13 @@ and rewrites ``latest`` (temp file + fsync + ``os.replace``). When ``<tag>`` alr
 checkpoint. A failed save (disk full: reported as ENOSPC) removes its ``.tmp-*`` on every
 rank's word; the newest ``checkpoint.keep`` folders and ``latest``'s target are kept.
 
-Reading (:func:`find_resume`, rank 0, then broadcast): ``latest``'s target, or when it is
-missing, empty, dangling or fails verification, the newest ``step-*`` that verifies, with a
-warning. Verification (``launch.integrity``) hashes every file against ``meta.json`` *before*
-anything is unpickled; DCP's ``.metadata`` (a pickle) is then read with an allow-list
-unpickler and the tensors with ``weights_only=True``, so a planted file can neither run code
-nor load silently.
+Reading (:func:`find_verified`; in training :func:`find_resume`, rank 0, then broadcast;
+``launch.evaluate`` and ``launch.export`` through ``launch.inference``): ``latest``'s target,
+or when it is missing, empty, dangling or fails verification, the newest ``step-*`` that
+verifies, with a warning. Verification (``launch.integrity``) hashes every file against
+``meta.json`` *before* anything is unpickled; DCP's ``.metadata`` (a pickle) is then read
+with an allow-list unpickler and the tensors with ``weights_only=True``, so a planted file can
+neither run code nor load silently.
 
 Head rows: each rank saves its block ``[start, stop)`` as a plain tensor named
 ``<key>/rows.<start>.<stop>``; a run on any number of ranks loads the blocks that overlap
@@ -255,8 +256,25 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
 
 
 def _choose(run_dir: Path, resume: str) -> Path | None:
-    folder = Path(run_dir) if resume == "auto" else Path(resume)
-    if (folder / META).is_file():  # a checkpoint folder named explicitly: no fallback
+    found = find_verified(Path(run_dir) if resume == "auto" else Path(resume),
+                          remedy="; start over with checkpoint.resume=none or another name")
+    if found is None and resume != "auto":
+        raise CheckpointError(f"checkpoint.resume={resume!r}: no checkpoint there")
+    return found
+
+
+def find_verified(folder: Path, remedy: str = "") -> Path | None:
+    """The checkpoint ``folder`` names, verified (this process alone; not collective).
+
+    A checkpoint folder (it holds meta.json) must verify itself: no fallback. A run folder
+    gives ``latest``'s target or, when that one is missing or fails verification, the
+    newest ``step-*`` that verifies, with a warning line for each refused one; None when it
+    holds no checkpoint. Used by training's resume and by ``launch.inference``. Raises
+    :class:`CheckpointError` (its message ends with ``remedy``) when checkpoints exist but
+    none verifies.
+    """
+    folder = Path(folder)
+    if (folder / META).is_file():
         verify(folder)
         return folder
     root = folder / "checkpoints"
@@ -269,13 +287,10 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
             continue
         if i > 0 or path.name != _latest_name(root):
             print_main(f"warning: {root / LATEST} does not name a usable checkpoint; "
-                       f"resuming from {path.name}, the newest complete one")
+                       f"using {path.name}, the newest complete one")
         return path
     if candidates:
-        raise CheckpointError(f"{root}: no checkpoint verifies (see the warnings above); "
-                              "start over with checkpoint.resume=none or another name")
-    if resume != "auto":
-        raise CheckpointError(f"checkpoint.resume={resume!r}: no checkpoint there")
+        raise CheckpointError(f"{root}: no checkpoint verifies (see the warnings above){remedy}")
     return None
 
 

@@ -219,6 +219,11 @@ class EngineConfig(_Section):
         "step (inputs are a fixed size); the chosen algorithms, so the last bits, may differ "
         "between invocations"
     )
+    compile: bool = Field(
+        False, description="torch.compile (inductor) the backbone that trains, inside DDP or "
+        "DeepSpeed; evaluation and checkpoints use the plain module. Costs compile time at the "
+        "first steps (again at each new input shape) and needs a C++ compiler on CPU"
+    )
 
 
 class CheckpointConfig(_Section):

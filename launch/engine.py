@@ -144,14 +144,15 @@ class Engine:
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         self.deepspeed = cfg.engine.type == "deepspeed"
         self.input_dtype = torch.float32
+        trained = self._compiled() if cfg.engine.compile else self.backbone
         if self.deepspeed:
-            self.model = self._init_deepspeed()
+            self.model = self._init_deepspeed(trained)
             self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
                 cfg.engine.precision, torch.float32
             )
         else:
             ids = [device.index] if device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.backbone, device_ids=ids)
+            self.model = DistributedDataParallel(trained, device_ids=ids)
         self.set_lr(0)
 
     def _cuda_settings(self) -> torch.memory_format:
@@ -166,7 +167,17 @@ class Engine:
         torch.backends.cudnn.benchmark = self.cfg.engine.cudnn_benchmark
         return torch.channels_last if self.cfg.engine.channels_last else torch.contiguous_format
 
-    def _init_deepspeed(self) -> nn.Module:
+    def _compiled(self) -> nn.Module:
+        """``torch.compile`` of the backbone (``engine.compile``), a wrapper sharing its
+        parameters and buffers, for DDP or DeepSpeed to run. Compiling the module *inside* the
+        wrapper is what PyTorch's docs advise for DDP; dynamo still splits the graph at DDP's
+        bucket boundaries (DDPOptimizer), so the gradient all-reduce overlaps the backward.
+        DeepSpeed's own ``engine.compile()`` would compile ``self.backbone`` in place
+        (``nn.Module.compile``), so evaluation would run (and recompile) it too; this way
+        ``self.backbone`` stays eager, and its state_dict keys carry no ``_orig_mod.``."""
+        return torch.compile(self.backbone)
+
+    def _init_deepspeed(self, module: nn.Module) -> nn.Module:
         deepspeed = import_deepspeed(self.device)
         from deepspeed import ops as deepspeed_ops
 
@@ -181,7 +192,7 @@ class Engine:
             # without it its collectives go through the gloo group (config: engine.cpu_shm_comm).
             deepspeed_ops.__compatible_ops__["deepspeed_shm_comm"] = False
         model, _, _, _ = deepspeed.initialize(
-            model=self.backbone,
+            model=module,
             optimizer=self.optimizer,
             config=deepspeed_config(self.cfg, self.world_size),
             dist_init_required=False,

@@ -27,7 +27,7 @@ from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
 from data_pipeline.verification_bin import read_bin
 from launch.console import plain_help
-from launch.inference import add_checkpoint_argument, load_backbone
+from launch.inference import add_checkpoint_argument, load_backbone_or_exit
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
 from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
-    backbone, _ = load_backbone(args.checkpoint)
+    backbone = load_backbone_or_exit(args.checkpoint)
     backbone.to(device)
     results = evaluate_bins(backbone, args.bin, args.batch_size, device)
     if args.ijb is not None:

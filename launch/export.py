@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from launch.console import plain_help
-from launch.inference import add_checkpoint_argument, load_backbone
+from launch.inference import add_checkpoint_argument, load_backbone_or_exit
 
 
 def export_onnx(backbone: nn.Module, out: str | os.PathLike, opset: int | None = None) -> Path:
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-cosine", type=float, default=0.9999,
                    help="fail if ONNX Runtime and PyTorch disagree more than this")
     args = p.parse_args(argv)
-    backbone, _ = load_backbone(args.checkpoint)
+    backbone = load_backbone_or_exit(args.checkpoint)
     export_onnx(backbone, args.out, args.opset)
     cosine = check_onnx(backbone, args.out)
     print(f"wrote {args.out} ({type(backbone).__name__}, {args.out.stat().st_size / 2**20:.1f} "

@@ -6,8 +6,12 @@ Run-folder layout written by ``launch.train``::
     RUN/checkpoints/latest                  text file: the newest <tag>
     RUN/checkpoints/<tag>/backbone.pt       plain backbone state_dict (weights_only-safe)
 
-Accepted paths: ``RUN`` (uses ``latest``), ``RUN/checkpoints/<tag>`` or
-``RUN/checkpoints/<tag>/backbone.pt``; the config is found at ``RUN/config.yaml``.
+Accepted paths: ``RUN``, ``RUN/checkpoints/<tag>`` or ``RUN/checkpoints/<tag>/backbone.pt``;
+the config is found at ``RUN/config.yaml``. The checkpoint is resolved and verified as
+training's resume does it (``launch.checkpoint.find_verified``: SHA-256 of every file against
+its ``meta.json`` before ``backbone.pt`` is unpickled): for ``RUN``, ``latest``'s target or, when
+that one fails verification, the newest intact one, with a warning; a checkpoint named
+explicitly is refused when it does not verify.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import yaml
 from torch import nn
 
-from launch.checkpoint import CheckpointError
+from launch.checkpoint import CheckpointError, find_verified
 from partial_fc.backbones import build_backbone
 
 
@@ -32,21 +36,20 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
-    """``path`` -> ``(RUN/config.yaml, .../backbone.pt)``, both existing."""
+    """``path`` -> ``(RUN/config.yaml, .../backbone.pt)``, both existing, the checkpoint
+    verified. Raises :class:`CheckpointError` (one line) when there is none, or none intact."""
     path = Path(path)
-    if path.is_dir() and (path / "config.yaml").is_file():  # RUN
-        latest = path / "checkpoints" / "latest"
-        if not latest.is_file():
-            raise CheckpointError(f"{latest}: missing; the run has no checkpoint yet")
-        tag = latest.read_text().strip()
-        weights = path / "checkpoints" / tag / "backbone.pt"
-    elif path.is_dir():  # RUN/checkpoints/<tag>
-        weights = path / "backbone.pt"
-    else:
-        weights = path
+    if path.is_file() and path.name != "backbone.pt":
+        raise CheckpointError(f"{path}: not a backbone.pt (expected RUN, RUN/checkpoints/<tag> "
+                              "or RUN/checkpoints/<tag>/backbone.pt)")
+    folder = find_verified(path.parent if path.is_file() else path)
+    if folder is None:
+        raise CheckpointError(f"{path}: no checkpoint there (expected RUN with a checkpoint, or "
+                              "RUN/checkpoints/<tag> holding meta.json)")
+    weights = folder / "backbone.pt"
     if not weights.is_file():
         raise CheckpointError(f"{weights}: no such backbone checkpoint")
-    config = weights.parent.parent.parent / "config.yaml"
+    config = folder.parent.parent / "config.yaml"
     if not config.is_file():
         raise CheckpointError(f"{config}: missing (expected RUN/checkpoints/<tag>/backbone.pt)")
     return config, weights
@@ -87,3 +90,12 @@ def load_backbone(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
         why = " ".join(str(exc).strip().splitlines()[:2])
         raise CheckpointError(f"{weights}: does not fit backbone {name!r}: {why}") from exc
     return model.eval(), cfg
+
+
+def load_backbone_or_exit(path: str | os.PathLike) -> nn.Module:
+    """:func:`load_backbone` for a program's ``--checkpoint``: a :class:`CheckpointError`
+    ends the program with its one line (``error: ...``, exit status 1), not a traceback."""
+    try:
+        return load_backbone(path)[0]
+    except CheckpointError as err:
+        raise SystemExit(f"error: {err}") from None

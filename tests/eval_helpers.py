@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,21 +13,28 @@ from PIL import Image
 from torch import nn
 
 from data_pipeline.verification_bin import write_bin
+from launch.integrity import META, sha256
 from partial_fc.backbones import build_backbone
 
 
-def make_run(root: Path, embedding_size: int = 16, tag: str = "step_00000010") -> Path:
-    """A run folder in the trainer's layout holding a trained-looking iresnet_tiny."""
-    torch.manual_seed(0)
+def make_run(root: Path, embedding_size: int = 16, tag: str = "step-00000010",
+             seed: int = 0) -> Path:
+    """A run folder in the trainer's layout holding a trained-looking iresnet_tiny: its
+    ``backbone.pt`` and a ``meta.json`` listing its SHA-256 (what ``launch.integrity`` checks).
+    Called again with another ``tag`` (and ``seed``), it adds a checkpoint that ``latest``
+    then names."""
+    torch.manual_seed(seed)
     model = build_backbone("iresnet_tiny", embedding_size=embedding_size)
     with torch.no_grad():  # non-trivial running statistics, so eval mode is really exercised
         model.train()(torch.rand(8, 3, 112, 112) * 2 - 1)
-    run = root / "run"
-    (run / "checkpoints" / tag).mkdir(parents=True)
+    run, folder = root / "run", root / "run" / "checkpoints" / tag
+    folder.mkdir(parents=True)
     cfg = {"name": "t", "backbone": {"name": "iresnet_tiny", "embedding_size": embedding_size,
                                      "dropout": 0.0}}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    torch.save(model.state_dict(), run / "checkpoints" / tag / "backbone.pt")
+    torch.save(model.state_dict(), folder / "backbone.pt")
+    meta = {"files": {"backbone.pt": sha256(folder / "backbone.pt")}}
+    (folder / META).write_text(json.dumps(meta))
     (run / "checkpoints" / "latest").write_text(tag + "\n")
     return run
 

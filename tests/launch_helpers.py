@@ -62,12 +62,14 @@ def local_micro_batches(step: int, size: int, rank: int, world: int, k: int) -> 
     return out
 
 
-def build_engine(cfg, total_steps: int = 10, device: str = "cpu"):
+def build_engine(cfg, total_steps: int = 10, device: str = "cpu", backbone: str | None = None):
+    """An Engine on ``cfg`` with :func:`tiny_backbone`, or the registered ``backbone``."""
     from launch.engine import Engine
     from partial_fc import PartialFC, build_margin
+    from partial_fc.backbones import build_backbone
 
     torch.manual_seed(0)
-    backbone = tiny_backbone()
+    backbone = tiny_backbone() if backbone is None else build_backbone(backbone, EMBEDDING)
     head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed,
                      **cfg.head.partial_fc_kwargs())
     return Engine(cfg, backbone, head, torch.device(device), total_steps=total_steps,

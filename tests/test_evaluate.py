@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -84,8 +85,8 @@ def test_load_backbone_paths_and_errors(tmp_path):
     ref, cfg = load_backbone(run)
     assert cfg["backbone"]["name"] == "iresnet_tiny" and not ref.training
     x = torch.rand(2, 3, 112, 112) * 2 - 1
-    for path in (run / "checkpoints" / "step_00000010",
-                 run / "checkpoints" / "step_00000010" / "backbone.pt"):
+    for path in (run / "checkpoints" / "step-00000010",
+                 run / "checkpoints" / "step-00000010" / "backbone.pt"):
         torch.testing.assert_close(load_backbone(path)[0](x), ref(x))
     (run / "config.yaml").write_text(yaml.safe_dump({"name": "t"}))
     with pytest.raises(CheckpointError, match="config.yaml: no 'backbone' section"):
@@ -97,8 +98,48 @@ def test_load_backbone_paths_and_errors(tmp_path):
     (run / "config.yaml").write_text(yaml.safe_dump({"backbone": {"name": "iresnet_tiny"}}))
     with pytest.raises(CheckpointError, match="config.yaml: missing key backbone.embedding_size"):
         load_backbone(run)
-    (run / "checkpoints" / "latest").unlink()
-    with pytest.raises(CheckpointError, match="latest: missing"):
+    with pytest.raises(CheckpointError, match="meta.json: not a backbone.pt"):
+        load_backbone(run / "checkpoints" / "step-00000010" / "meta.json")
+    shutil.rmtree(run / "checkpoints" / "step-00000010")
+    with pytest.raises(CheckpointError, match="run: no checkpoint there"):
+        load_backbone(run)
+
+
+def _corrupt(file):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_falls_back_or_is_refused_in_one_line(tmp_path, capsys):
+    """The trainer's resume rules (``launch.checkpoint.find_verified``): a corrupt newest
+    checkpoint of a RUN is reported and the newest intact one loaded; one named explicitly
+    is refused; none intact is refused. Each refusal is one line, also through the CLI."""
+    run = make_run(tmp_path)  # step-10
+    make_run(tmp_path, tag="step-00000020", seed=1)  # newer, other weights; latest names it
+    x = torch.rand(2, 3, 112, 112) * 2 - 1
+    older = load_backbone(run / "checkpoints" / "step-00000010")[0](x)
+    newer = load_backbone(run)[0](x)
+    assert not torch.allclose(older, newer)  # the two checkpoints are told apart
+    assert capsys.readouterr().err == ""  # latest verifies: nothing to report
+    new = run / "checkpoints" / "step-00000020"
+    _corrupt(new / "backbone.pt")
+    torch.testing.assert_close(load_backbone(run)[0](x), older)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"warning: {new / 'backbone.pt'}: SHA-256 differs"), err
+    assert "using step-00000010" in err[1] and len(err) == 2, err
+    for explicit in (new, new / "backbone.pt"):
+        with pytest.raises(CheckpointError, match="backbone.pt: SHA-256 differs") as caught:
+            load_backbone(explicit)
+        assert "\n" not in str(caught.value)
+    make_color_bin(tmp_path / "v.bin", num_pairs=4)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(new), "--bin", str(tmp_path / "v.bin"), "--device", "cpu"])
+    assert caught.value.code == f"error: {new / 'backbone.pt'}: SHA-256 differs from meta.json: " \
+                                "corrupted or replaced"
+    _corrupt(run / "checkpoints" / "step-00000010" / "backbone.pt")
+    with pytest.raises(CheckpointError, match=r"checkpoints: no checkpoint verifies \(see the "
+                       r"warnings above\)$"):
         load_backbone(run)
 
 

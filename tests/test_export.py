@@ -37,3 +37,15 @@ def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys):
         assert got.shape == (batch, 16)
         cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         assert cos.min() >= 0.9999
+
+
+def test_export_refuses_a_corrupt_checkpoint_in_one_line(tmp_path):
+    run = make_run(tmp_path)
+    weights = run / "checkpoints" / "step-00000010" / "backbone.pt"
+    weights.write_bytes(weights.read_bytes()[:-1])  # truncated
+    for path in (run, weights.parent):
+        with pytest.raises(SystemExit) as caught:
+            main(["--checkpoint", str(path), "--out", str(tmp_path / "model.onnx")])
+        assert str(caught.value.code).startswith("error: ") and "\n" not in caught.value.code
+        assert ("no checkpoint verifies" if path == run else "SHA-256 differs") in caught.value.code
+    assert not (tmp_path / "model.onnx").exists()

@@ -255,7 +255,7 @@ def test_bit_flip_in_a_distcp_file_is_detected(tmp_path, one_rank_group, capsys)
         checkpoint.verify(new)
     assert checkpoint.find_resume(tmp_path, "auto") == old
     err = capsys.readouterr().err
-    assert f"warning: {data}: SHA-256 differs" in err and "resuming from step-00000001" in err
+    assert f"warning: {data}: SHA-256 differs" in err and "using step-00000001" in err
     with pytest.raises(checkpoint.CheckpointError, match="SHA-256 differs"):
         checkpoint.find_resume(new, str(new))  # named explicitly: no fallback
 
@@ -283,7 +283,7 @@ def test_dangling_empty_or_corrupt_latest_falls_back(tmp_path, one_rank_group, c
     _, (_, new) = _saved_engine(tmp_path)
     (tmp_path / "checkpoints" / "latest").write_bytes(latest.encode("latin-1"))
     assert checkpoint.find_resume(tmp_path, "auto") == new
-    assert "resuming from step-00000002, the newest complete one" in capsys.readouterr().err
+    assert "using step-00000002, the newest complete one" in capsys.readouterr().err
 
 
 def test_kill_inside_the_replacement_window_leaves_a_complete_target(tmp_path, one_rank_group,
