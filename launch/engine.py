@@ -168,13 +168,11 @@ class Engine:
         return torch.channels_last if self.cfg.engine.channels_last else torch.contiguous_format
 
     def _compiled(self) -> nn.Module:
-        """``torch.compile`` of the backbone (``engine.compile``), a wrapper sharing its
-        parameters and buffers, for DDP or DeepSpeed to run. Compiling the module *inside* the
-        wrapper is what PyTorch's docs advise for DDP; dynamo still splits the graph at DDP's
-        bucket boundaries (DDPOptimizer), so the gradient all-reduce overlaps the backward.
-        DeepSpeed's own ``engine.compile()`` would compile ``self.backbone`` in place
-        (``nn.Module.compile``), so evaluation would run (and recompile) it too; this way
-        ``self.backbone`` stays eager, and its state_dict keys carry no ``_orig_mod.``."""
+        """``torch.compile`` of the backbone, sharing its parameters, for DDP/DeepSpeed to run
+        (``engine.compile``). Inside DDP, as PyTorch's docs advise: dynamo still splits the
+        graph at DDP's buckets (DDPOptimizer), so the all-reduce overlaps the backward.
+        DeepSpeed's ``engine.compile()`` would compile ``self.backbone`` in place, evaluation
+        included; this keeps it eager, its state_dict keys free of ``_orig_mod.``."""
         return torch.compile(self.backbone)
 
     def _init_deepspeed(self, module: nn.Module) -> nn.Module:
