@@ -220,11 +220,15 @@ class Engine:
         step: int,
         micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         angles: bool = False,
+        stop_request: int = 0,
     ) -> DeviceScalars:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
-        Returns ``{"loss", "lr", "grad_norm", "skipped", "overflow"}`` (loss = mean over
-        micro-batches of the global-batch loss, identical on all ranks); with
+        Returns ``{"loss", "lr", "grad_norm", "skipped", "overflow", "stop_request"}`` (loss =
+        mean over micro-batches of the global-batch loss, identical on all ranks;
+        ``stop_request`` the largest ``stop_request`` any rank passed, e.g. the number of a
+        signal asking the run to stop, agreed in the same all-reduce as the step's flags so
+        that every rank stops after the same step at no extra host read); with
         ``angles=True`` also ``"angles"`` from ``PartialFC.angle_sample`` on the last
         micro-batch (collective). ``loss`` and ``grad_norm`` stay on the device until one of
         them is read (``partial_fc.readout.DeviceScalars``): the trainer reads them every
@@ -278,8 +282,8 @@ class Engine:
                     sample = self.head.angle_sample(e.detach(), y)
                 if self.deepspeed:
                     if boundary:  # a bad step's NaN makes DeepSpeed drop it (no host read)
-                        flags = self._agree(finite)
-                        surrogate = surrogate * torch.where(flags.min() > 0, 1.0, math.nan)
+                        flags = self._agree(finite, stop_request)
+                        surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
                     dropped = self._deepspeed_backward(surrogate, boundary, step)
                 else:
                     surrogate.backward()
@@ -289,8 +293,8 @@ class Engine:
         else:
             grad_norm = self._clip()
             # DDP's gradients are all-reduced, so every rank computes the same norm.
-            flags = self._agree(finite & torch.isfinite(grad_norm))
-        all_finite, labels_ok = flags.tolist()  # the step's one host read
+            flags = self._agree(finite & torch.isfinite(grad_norm), stop_request)
+        all_finite, labels_ok, minus_stop = flags.tolist()  # the step's one host read
         if not labels_ok:
             self.head.raise_label_error()
         overflow = self._loss_scale_overflow(dropped, not all_finite)
@@ -306,7 +310,7 @@ class Engine:
             self.head_optimizer.step()
         self.head_optimizer.zero_grad(set_to_none=True)
         out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm, "skipped": skip,
-               "overflow": overflow}
+               "overflow": overflow, "stop_request": -minus_stop}
         if angles:
             out["angles"] = sample
         return DeviceScalars(out)
@@ -325,11 +329,16 @@ class Engine:
         """
         return dropped and not bad and self.cfg.engine.precision == "fp16"
 
-    def _agree(self, finite: torch.Tensor) -> torch.Tensor:
-        """``[finite, labels in range]`` as int32 0/1 on the device, 1 only where it holds on
-        every rank: one all-reduce (MIN), no host read. The label flag is the head's deferred
-        check of this step's forwards (the same on all ranks: gathered labels)."""
-        flags = torch.stack([finite, self.head.pop_label_check()]).to(torch.int32)
+    def _agree(self, finite: torch.Tensor, stop_request: int) -> torch.Tensor:
+        """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
+        0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN), no host
+        read. The label flag is the head's deferred check of this step's forwards (the same
+        on all ranks: gathered labels). ``stop_request`` enters negated, so MIN agrees on
+        the largest; ``torch.full`` writes it on the device (a tensor made from a host value
+        would be a blocking copy)."""
+        request = torch.full((), -stop_request, dtype=torch.int32, device=self.device)
+        flags = torch.stack([finite.to(torch.int32), self.head.pop_label_check().to(torch.int32),
+                             request])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         return flags
 

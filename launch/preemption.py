@@ -2,10 +2,11 @@
 
 Cluster schedulers announce the end of a job with SIGTERM (SLURM: ``scancel``, a time limit
 with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user signal, and
-kill it a grace period later. The handler only records the signal; ``launch.train`` asks
-:meth:`StopSignals.agreed` after every step, which all-reduces the request so that every rank
-stops after the same step even when the signal reached only some of them, saves there and
-exits 0. DataLoader workers ignore SIGUSR1 (``data_pipeline.loader``), so a signal sent
+kill it a grace period later. The handler only records the signal; ``launch.train`` hands
+``received`` to every step, whose one agreement all-reduce (``launch.engine.Engine.step``'s
+``stop_request``) takes the largest over the ranks, so that every rank stops after the same
+step even when the signal reached only some of them (at no host read of its own), saves
+there and exits 0. DataLoader workers ignore SIGUSR1 (``data_pipeline.loader``), so a signal sent
 to every process of the job (``scancel --signal=USR1``) does not kill them first; SIGTERM
 stays fatal to them (DataLoader ends stuck workers with it), so send SIGTERM to the trainer
 processes only (torchrun forwards its own SIGTERM to exactly those) or use SIGUSR1.
@@ -14,9 +15,6 @@ processes only (torchrun forwards its own SIGTERM to exactly those) or use SIGUS
 from __future__ import annotations
 
 import signal
-
-import torch
-import torch.distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -39,9 +37,3 @@ class StopSignals:
 
     def _record(self, signum: int, frame) -> None:
         self.received = signum
-
-    def agreed(self, device: torch.device) -> str | None:
-        """Collective: the name of a signal any rank received (the highest number), or None."""
-        flag = torch.tensor([self.received], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag)).name if int(flag) else None

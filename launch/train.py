@@ -16,6 +16,7 @@ import argparse
 import itertools
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -206,28 +207,28 @@ def loop(run: Run, signals: StopSignals) -> str | None:
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
         for micro_batches in _groups(run.loader, cfg.train.grad_accum):
-            one_step(run, micro_batches)
+            stop = one_step(run, micro_batches, signals.received)
             if run.step >= run.total:
                 return None
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
                 save(run)
             if cfg.eval.bins and run.step % cfg.eval.every == 0:
                 evaluate(run)
-            stopped_by = signals.agreed(run.env.device)
-            if stopped_by is not None:
-                return stopped_by
+            if stop:  # agreed in the step: every rank stops after this same step
+                return signal.Signals(stop).name
         run.epoch += 1
     return None
 
 
-def one_step(run: Run, micro_batches: list) -> None:
+def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
     """One optimisation step, its metrics, and the non-finite-step bookkeeping. The step's
     loss and statistics stay on the device (the engine's one host read is its skip decision)
-    and are read by ``log.step`` on the steps that write a metrics record."""
+    and are read by ``log.step`` on the steps that write a metrics record. Returns the stop
+    request agreed over the ranks (``stop_request``: this rank's signal number, 0 = none)."""
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    stats = run.engine.step(run.step, micro_batches, angles=hist)
+    stats = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
     run.step += 1
     if stats["overflow"]:  # fp16 loss scale too high: skipped, not diverging
         run.skipped_steps += 1
@@ -241,7 +242,7 @@ def one_step(run: Run, micro_batches: list) -> None:
     if hist:
         log.histograms(run.step, stats["angles"])
     if not stats["skipped"] or stats["overflow"]:
-        return
+        return stats["stop_request"]
     log.info(f"step {run.step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
              f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
     if run.bad_in_a_row >= cfg.train.max_bad_steps:
@@ -251,6 +252,7 @@ def one_step(run: Run, micro_batches: list) -> None:
             f"lower optim.lr or margin.s, or resume from {run.saved or 'the start'} with "
             f"other settings"
         )
+    return stats["stop_request"]
 
 
 def data_counts(run: Run) -> dict[str, int]:

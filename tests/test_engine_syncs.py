@@ -163,17 +163,19 @@ def test_steady_state_steps_keep_their_host_read_budget():
 
 
 def test_a_training_step_that_logs_nothing_reads_once(synthetic_data, tmp_path, monkeypatch):
-    """``launch.train.one_step``: the engine's one read, except on the steps that write a
-    metrics record (there: the numbers, the loader's counters)."""
+    """``launch.train.one_step``: the engine's one read, which also agrees on a stop signal
+    (the loop reads nothing else between steps), except on the steps that write a metrics
+    record (there: the numbers, the loader's counters)."""
     import launch.train as train
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     one_step, per_step = train.one_step, []
 
-    def counted(run, micro_batches):
+    def counted(run, micro_batches, stop_request=0):
         with HostReads() as reads:
-            one_step(run, micro_batches)
+            stop = one_step(run, micro_batches, stop_request)
         per_step.append((run.step, len(reads), reads.table()))
+        return stop
 
     monkeypatch.setattr(train, "one_step", counted)
     assert train_in_process(synthetic_data, tmp_path / "run", "train.max_steps=6",

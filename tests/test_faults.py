@@ -400,16 +400,18 @@ def test_resume_refuses_another_margin_and_accepts_a_new_lr(tiny_data, tmp_path,
 
 
 def _signal_after_step(monkeypatch, step: int, sig) -> None:
-    """Deliver ``sig`` to this process when the engine finishes optimisation step ``step``."""
+    """Deliver ``sig`` to this process so that the run stops after optimisation step
+    ``step``: when step ``step - 1`` ends, before the trainer hands the signal to the next
+    step's agreement (``Engine.step``'s ``stop_request``)."""
     import signal
 
     from launch.engine import Engine
 
     original = Engine.step
 
-    def step_then_signal(self, index, micro_batches, angles=False):
-        out = original(self, index, micro_batches, angles)
-        if index + 1 == step:
+    def step_then_signal(self, index, micro_batches, **kwargs):
+        out = original(self, index, micro_batches, **kwargs)
+        if index + 2 == step:
             signal.raise_signal(sig)
         return out
 
