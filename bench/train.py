@@ -96,7 +96,7 @@ def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.d
         "device": device.type,
         "data": data,
         "backbone": {"name": args.backbone},
-        "head": {"sample_rate": rate, "kernel": args.kernel},
+        "head": {"sample_rate": rate, "kernel": args.kernel, "state_dtype": args.state_dtype},
         "train": {"batch_size": args.batch},
         "engine": {"type": args.engine, "precision": args.precision, "compile": args.compile},
     })
@@ -169,8 +169,7 @@ def run_step(args: argparse.Namespace, device: torch.device, classes: int, rate:
     cfg = _config(args, classes, rate, device)
     torch.manual_seed(0)
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
-                     sample_rate=rate, kernel=cfg.head.kernel,
-                     max_tile_bytes=cfg.head.max_tile_mib << 20)
+                     seed=cfg.seed, **cfg.head.partial_fc_kwargs())  # as launch.train builds it
     engine = Engine(cfg, build_backbone(args.backbone), head, device,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)
@@ -213,7 +212,8 @@ def _with_peak(out: dict, device: torch.device) -> dict:
 def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int) -> dict:
     flags = ["--classes", str(classes), "--sample-rate", str(rate), "--gpus", str(gpus),
              "--batch", str(args.batch), "--backbone", args.backbone,
-             "--precision", args.precision, "--engine", args.engine, "--reserve", "0"]
+             "--precision", args.precision, "--engine", args.engine, "--reserve", "0",
+             "--state-dtype", args.state_dtype]
     return plan.plan(plan.resolve_inputs(plan.build_parser().parse_args(flags)))
 
 
@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, help="untimed steps first (default 10 CUDA, 2 CPU)")
     p.add_argument("--kernel", choices=["auto", "torch", "triton"], default="auto",
                    help="the head's class-tile passes (head.kernel)")
+    p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the head's weight, gradient and optimizer state (head.state_dtype)")
     p.add_argument("--model-gpus", type=int, default=8, help="GPU count of the modelled "
                    "communication line (default 8)")
     args = p.parse_args(argv)
@@ -321,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
             args.data_dir = _data_dir(args, tmp)
             print(f"device {env.device}, {args.backbone}, {args.engine} {args.precision}"
-                  f"{' compiled' if args.compile else ''}, batch {args.batch}, "
+                  f"{' compiled' if args.compile else ''}, head state {args.state_dtype}, "
+                  f"batch {args.batch}, "
                   f"{args.steps} steps after {args.warmup}, torch {torch.__version__}")
             _describe_batches(args, p, env.device)
             results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
