@@ -132,8 +132,14 @@ def test_iresnet_layer_order():
 
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["iresnet_tiny", "iresnet18", "mobilefacenet"])
+# iresnet18 in bf16 only: its blocks are iresnet_tiny's at full width, and CPU fp16
+# convolutions at that width take over a minute.
+@pytest.mark.parametrize(("name", "dtype"), [
+    ("iresnet_tiny", torch.bfloat16), ("iresnet_tiny", torch.float16),
+    ("iresnet18", torch.bfloat16),
+    ("mobilefacenet", torch.bfloat16), ("mobilefacenet", torch.float16),
+], ids=["iresnet_tiny-bf16", "iresnet_tiny-fp16", "iresnet18-bf16", "mobilefacenet-bf16",
+        "mobilefacenet-fp16"])
 def test_parameters_cast_to_low_precision_as_deepspeed_does(name, dtype):
     """DeepSpeed's bf16/fp16 modes cast the parameters and leave BatchNorm's running
     statistics fp32. A train step must run, keep the statistics fp32, and compute what torch's
@@ -146,7 +152,7 @@ def test_parameters_cast_to_low_precision_as_deepspeed_does(name, dtype):
     low.load_state_dict(ref.state_dict())
     for p in low.parameters():
         p.data = p.data.to(dtype)
-    x = torch.rand(4, 3, 112, 112) * 2 - 1
+    x = torch.rand(2, 3, 112, 112) * 2 - 1  # BatchNorm's batch statistics need 2
     with torch.autocast("cpu", dtype=dtype):
         expected = ref(x).float()
     out = low(x.to(dtype))

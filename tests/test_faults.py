@@ -13,8 +13,9 @@
 8. BatchNorm copies agree, corrupt samples counted once, bad labels named, duplicate YAML
    keys, batches the data cannot fill and unwritable output refused before any group.
 
-The in-process tests run on a 1-rank group; ``test_chaos_case_holds`` runs every row of
-``make chaos`` (launch/chaos.py) end to end, under torchrun where a case needs 2 ranks.
+The in-process tests run on a 1-rank group; ``test_chaos_case_holds`` runs the rows of
+``make chaos`` (launch/chaos.py) that no test here reproduces end to end under torchrun;
+``UNIT_TWINS`` names the test that covers each other row (``make chaos`` runs them all).
 """
 
 from __future__ import annotations
@@ -558,17 +559,46 @@ def chaos_data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 
 
-def _case_names():
+# `make chaos` runs every case of launch/chaos_cases.py. The suite runs end to end only the
+# cases no test above reproduces (two ranks told apart by a signal, a stopped rank): each
+# other case's fault has its own, faster test here, named below (a renamed test fails this
+# import, a new case must be placed in one list or the other).
+UNIT_TWINS = {
+    "optim.lr=1e30 (diverges)": test_diverging_run_stops_after_max_bad_steps,
+    "NaN loss on rank 1 at step 3 (2 ranks)": test_a_nan_on_one_rank_skips_the_step_on_every_rank,
+    "margin.s=.inf, optim.lr=1e400": test_schema_refuses_inf_nan_and_absurd_scales,
+    "pickle planted as .metadata": test_planted_metadata_pickle_never_runs,
+    "400 bytes flipped in a .distcp": test_bit_flip_in_a_distcp_file_is_detected,
+    "kill -9 inside a checkpoint replacement":
+        test_kill_inside_the_replacement_window_leaves_a_complete_target,
+    "dangling latest, truncated meta.json, stale .tmp":
+        test_dangling_empty_or_corrupt_latest_falls_back,
+    "disk full at the 2nd checkpoint": test_stale_tmp_removed_and_disk_full_named,
+    "resume with another margin": test_resume_refuses_another_margin_and_accepts_a_new_lr,
+    "label 25 >= num_classes 20": test_label_out_of_range_names_shard_and_key,
+    "corrupt JPEG, 2 epochs": test_a_corrupt_sample_is_counted_once_over_epochs,
+    "duplicate YAML key": test_duplicate_yaml_keys_are_refused,
+    "batch_size=100000, output under a file":
+        test_batch_too_large_and_unwritable_output_fail_before_any_group,
+    "BatchNorm statistics (2 ranks)":
+        test_batchnorm_statistics_are_averaged_and_stable_across_resaves,
+}
+END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
+              "kill -STOP rank 1 (2 ranks, 10 s collective timeout)"]
+
+
+def test_every_chaos_case_is_covered_once():
     from launch.chaos_cases import CASES
 
-    return [case.name for case in CASES]
+    names = [case.name for case in CASES]
+    assert sorted(names) == sorted([*UNIT_TWINS, *END_TO_END])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _case_names())
+@pytest.mark.parametrize("name", END_TO_END)
 def test_chaos_case_holds(name, chaos_data, tmp_path):
-    """``make chaos``'s rows, one test each: launch.train in subprocesses (torchrun for the
-    2-rank cases) with the fault injected; the row's own check decides."""
+    """``make chaos``'s rows without a unit twin: launch.train under torchrun with the fault
+    injected; the row's own check decides."""
     from launch.chaos_cases import CASES, run_case
 
     (case,) = [c for c in CASES if c.name == name]
