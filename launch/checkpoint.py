@@ -22,7 +22,8 @@ Reading (:func:`find_verified`; in training :func:`find_resume`, rank 0, then br
 ``launch.evaluate`` and ``launch.export`` through ``launch.inference``): ``latest``'s target,
 or when it is missing, empty, dangling or fails verification, the newest ``step-*`` that
 verifies, with a warning. Verification (``launch.integrity``) hashes every file against
-``meta.json`` *before* anything is unpickled; DCP's ``.metadata`` (a pickle) is then read
+``meta.json`` *before* anything is unpickled (``launch.inference`` hashes only the
+``backbone.pt`` it reads); DCP's ``.metadata`` (a pickle) is then read
 with an allow-list unpickler and the tensors with ``weights_only=True``, so a planted file can
 neither run code nor load silently.
 
@@ -39,7 +40,7 @@ import errno
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -263,8 +264,10 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
     return found
 
 
-def find_verified(folder: Path, remedy: str = "") -> Path | None:
-    """The checkpoint ``folder`` names, verified (this process alone; not collective).
+def find_verified(folder: Path, remedy: str = "", only: Collection[str] | None = None
+                  ) -> Path | None:
+    """The checkpoint ``folder`` names, verified (this process alone; not collective);
+    ``only``: hash just these files (``launch.integrity.verify``), for a reader of a part.
 
     A checkpoint folder (it holds meta.json) must verify itself: no fallback. A run folder
     gives ``latest``'s target or, when that one is missing or fails verification, the
@@ -275,13 +278,13 @@ def find_verified(folder: Path, remedy: str = "") -> Path | None:
     """
     folder = Path(folder)
     if (folder / META).is_file():
-        verify(folder)
+        verify(folder, only)
         return folder
     root = folder / "checkpoints"
     candidates = _candidates(root)
     for i, path in enumerate(candidates):
         try:
-            verify(path)
+            verify(path, only)
         except CheckpointError as err:
             print_main(f"warning: {err}; trying an older checkpoint")
             continue

@@ -8,10 +8,11 @@ Run-folder layout written by ``launch.train``::
 
 Accepted paths: ``RUN``, ``RUN/checkpoints/<tag>`` or ``RUN/checkpoints/<tag>/backbone.pt``;
 the config is found at ``RUN/config.yaml``. The checkpoint is resolved and verified as
-training's resume does it (``launch.checkpoint.find_verified``: SHA-256 of every file against
-its ``meta.json`` before ``backbone.pt`` is unpickled): for ``RUN``, ``latest``'s target or, when
-that one fails verification, the newest intact one, with a warning; a checkpoint named
-explicitly is refused when it does not verify.
+training's resume does it (``launch.checkpoint.find_verified``: every file listed in its
+``meta.json``, and ``backbone.pt``, the one file read here, matching its SHA-256 before it is
+unpickled; the head's rows and optimizer state are not hashed): for ``RUN``, ``latest``'s
+target or, when that one fails verification, the newest intact one, with a warning; a
+checkpoint named explicitly is refused when it does not verify.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
     if path.is_file() and path.name != "backbone.pt":
         raise CheckpointError(f"{path}: not a backbone.pt (expected RUN, RUN/checkpoints/<tag> "
                               "or RUN/checkpoints/<tag>/backbone.pt)")
-    folder = find_verified(path.parent if path.is_file() else path)
+    folder = find_verified(path.parent if path.is_file() else path, only=("backbone.pt",))
     if folder is None:
         raise CheckpointError(f"{path}: no checkpoint there (expected RUN with a checkpoint, or "
                               "RUN/checkpoints/<tag> holding meta.json)")

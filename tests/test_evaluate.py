@@ -19,8 +19,10 @@ from torch import nn
 
 from data_pipeline.codec import decode_image
 from data_pipeline.verification_bin import read_bin, write_bin
+from launch.checkpoint import find_verified
 from launch.evaluate import embed_images, evaluate_bins, main
 from launch.inference import CheckpointError, load_backbone
+from launch.integrity import META, sha256
 from partial_fc.eval.verification import evaluate_pairs
 
 
@@ -141,6 +143,28 @@ def test_corrupt_checkpoint_falls_back_or_is_refused_in_one_line(tmp_path, capsy
     with pytest.raises(CheckpointError, match=r"checkpoints: no checkpoint verifies \(see the "
                        r"warnings above\)$"):
         load_backbone(run)
+
+
+def test_evaluation_hashes_only_the_backbone_it_reads(tmp_path, capsys):
+    """A checkpoint's head rows are listed in meta.json but evaluation never opens them: a
+    corrupt row file leaves the newest checkpoint usable here (training's resume, which
+    reads it, still refuses the folder); a file missing from the listing is still refused."""
+    run = make_run(tmp_path)
+    folder = run / "checkpoints" / "step-00000010"
+    (folder / "head").mkdir()
+    (folder / "head" / "rows.0.4").write_bytes(b"rows of the head")
+    meta = json.loads((folder / META).read_text())
+    meta["files"]["head/rows.0.4"] = sha256(folder / "head" / "rows.0.4")
+    (folder / META).write_text(json.dumps(meta))
+    _corrupt(folder / "head" / "rows.0.4")
+    x = torch.rand(2, 3, 112, 112) * 2 - 1
+    assert load_backbone(run)[0](x).shape == (2, 16)
+    assert capsys.readouterr().err == ""  # no warning, no fallback
+    with pytest.raises(CheckpointError, match=r"rows.0.4: SHA-256 differs"):
+        find_verified(folder)
+    (folder / "head" / "stray.pt").write_bytes(b"planted")
+    with pytest.raises(CheckpointError, match=r"stray.pt: not listed in meta.json"):
+        load_backbone(folder)
 
 
 def test_cli_prints_table_and_json(tmp_path, capsys):
