@@ -270,11 +270,14 @@ class Engine:
         }
 
     def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        """Put back :meth:`_buffers`' copies; the head re-reads its ``step`` (the host copy
+        it keeps to seed the sampler would otherwise be one ahead)."""
         modules = {"backbone": self.backbone, "head": self.head}
         with torch.no_grad():
             for name, module in modules.items():
                 for key, value in module.named_buffers():
                     value.copy_(saved[f"{name}.{key}"])
+        self.head.resync_step()
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""

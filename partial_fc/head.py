@@ -78,7 +78,9 @@ class PartialFC(nn.Module):
 
     State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
     classes ``class_start ..``); ``step`` (int64, replicated: training-mode forwards so far, seeds
-    the sampler and SphereFace's lambda); ``margin.scale.s`` (fp32, replicated; AdaCos only).
+    the sampler and SphereFace's lambda; the host keeps a copy: write it through
+    ``load_state_dict``, or call ``resync_step()`` after writing it in place);
+    ``margin.scale.s`` (fp32, replicated; AdaCos only).
 
     After each forward ``stats`` maps to floats identical on all ranks (kept on the device and
     read at the first access, ``partial_fc.readout``): ``scale``, ``theta_med``
@@ -144,7 +146,8 @@ class PartialFC(nn.Module):
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.stats: Mapping[str, float] = {}
-        self._step_host: tuple[Tensor, int, int] | None = None  # (buffer, version, value)
+        self._step_host: int | None = None  # int(self.step); None: read it at the next use
+        self.register_load_state_dict_post_hook(_loaded)
         self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
         self._checked: list[Tensor] = []  # those of the last pop_label_check()
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
@@ -252,9 +255,17 @@ class PartialFC(nn.Module):
             functools.partial(self.margin.psi, step=step), s, group)
         if self.training:
             self.step += 1
-            self._step_host = (self.step, self.step._version, step + 1)
+            self._step_host = step + 1
         self.stats = stats_readout(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
         return loss
+
+    def resync_step(self) -> None:
+        """Forget the host's copy of ``step`` (it seeds the sampler and SphereFace's lambda),
+        so that the next forward reads the buffer once from the device. Call it after writing
+        ``step`` in place other than through ``load_state_dict``, which calls it itself (a
+        post hook): e.g. the engine's restore of every buffer after a skipped step. Moving
+        the module (``.to()``) keeps the value, and so the copy."""
+        self._step_host = None
 
     def pop_label_check(self) -> Tensor:
         """Whether every label of the forwards run with ``defer_label_check=True`` since the
@@ -283,14 +294,12 @@ class PartialFC(nn.Module):
                              f"[0, {self.num_classes}) (num_classes={self.num_classes})")
 
     def _step_value(self) -> int:
-        """``self.step`` as an int, read from the device only when the buffer was changed
-        from outside since this module last advanced it (``load_state_dict``, the engine's
-        restore after a skipped step, ``.to()``): those bump its version counter or replace
-        it, which the host copy notices without a read."""
-        known = self._step_host
-        if known is None or known[0] is not self.step or known[1] != self.step._version:
-            known = self._step_host = (self.step, self.step._version, int(self.step))
-        return known[2]
+        """``self.step`` as an int: the host's copy, which a training forward advances with
+        the buffer, read from the device only after :meth:`resync_step` (first use,
+        ``load_state_dict``, an outside in-place write)."""
+        if self._step_host is None:
+            self._step_host = int(self.step)
+        return self._step_host
 
     def _check_inputs(self, embeddings: Tensor, labels: Tensor,
                       sizes: Sequence[int] | None) -> list[int]:
@@ -371,3 +380,9 @@ class PartialFC(nn.Module):
             return chunked
         from partial_fc.kernels import triton_margin  # optional dependency, CUDA only
         return triton_margin
+
+
+def _loaded(head: PartialFC, _incompatible_keys) -> None:
+    """``load_state_dict`` post hook (also when a parent module loads): ``step`` may have
+    changed, so the host's copy of it is stale."""
+    head.resync_step()
