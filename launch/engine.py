@@ -16,6 +16,10 @@ Gradient accumulation over ``k`` micro-batches averages the k global-batch gradi
 is exact only when each forward is independent of the others (``launch.config`` refuses
 class sampling, dynamic AdaCos and SphereFace's per-forward lambda with ``k > 1``).
 BatchNorm statistics are per rank and per micro-batch, as in any data-parallel run.
+
+What only DeepSpeed needs (its config and import, ``deepspeed.initialize``, its backward +
+step and the overflow checks that decide whether it applied the update) is in
+``launch.deepspeed_backbone``; this module keeps what both engines share.
 """
 
 from __future__ import annotations
