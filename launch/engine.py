@@ -16,16 +16,16 @@ Gradient accumulation over ``k`` micro-batches averages the k global-batch gradi
 is exact only when each forward is independent of the others (``launch.config`` refuses
 class sampling, dynamic AdaCos and SphereFace's per-forward lambda with ``k > 1``).
 BatchNorm statistics are per rank and per micro-batch, as in any data-parallel run.
+
+What only DeepSpeed needs (its config and import, ``deepspeed.initialize``, its backward +
+step and the overflow checks that decide whether it applied the update) is in
+``launch.deepspeed_backbone``; this module keeps what both engines share.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import logging
 import math
-import os
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from launch.config import Config, OptimConfig, ScheduleConfig
+from launch.deepspeed_backbone import DeepSpeedBackbone, loss_scale_overflow
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
@@ -73,50 +74,6 @@ def make_head_optimizer(optim: OptimConfig, head: nn.Module,
     return cls(head, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
 
 
-def deepspeed_config(cfg: Config, world_size: int) -> dict:
-    """The DeepSpeed JSON for the backbone. The optimizer is passed as a torch object."""
-    micro, accum = cfg.train.batch_size, cfg.train.grad_accum
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "train_batch_size": micro * accum * world_size,
-        "zero_optimization": {"stage": cfg.engine.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": cfg.train.clip_grad_norm or 0.0,
-        # check_grad_overflow: drop a step with non-finite gradients (Engine.step's guard).
-        "bf16": {"enabled": cfg.engine.precision == "bf16", "check_grad_overflow": True},
-        "fp16": {"enabled": cfg.engine.precision == "fp16"},
-        "steps_per_print": 2**31 - 1,
-    }
-
-
-def import_deepspeed(device: torch.device):
-    """DeepSpeed, with its accelerator on ``device``'s type (cpu or cuda).
-
-    DeepSpeed picks one accelerator per process, CUDA whenever a GPU is visible: a
-    ``device=cpu`` run (the gloo tests) on a GPU machine would get its backbone moved to the
-    GPU while the head and the data stay on the CPU. ``DS_ACCELERATOR`` before the first
-    import is DeepSpeed's documented switch; ``set_accelerator`` corrects a process that
-    imported it earlier for another device.
-    """
-    want = "cpu" if device.type == "cpu" else "cuda"
-    os.environ["DS_ACCELERATOR"] = want
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != want:
-        if want == "cpu":
-            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
-        else:
-            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
-        set_accelerator(Accelerator())
-    return deepspeed
-
-
-class LossScaleFloor(RuntimeError):
-    """fp16: the gradients overflow even at DeepSpeed's smallest loss scale (all ranks alike)."""
-
-
 class Engine:
     """Backbone wrapper + both optimizers + the LR schedule; ``step`` does one update.
 
@@ -145,11 +102,12 @@ class Engine:
         self.deepspeed = cfg.engine.type == "deepspeed"
         self.input_dtype = torch.float32
         trained = self._compiled() if cfg.engine.compile else self.backbone
+        self._ds_backbone: DeepSpeedBackbone | None = None
         if self.deepspeed:
-            self.model = self._init_deepspeed(trained)
-            self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-                cfg.engine.precision, torch.float32
-            )
+            self._ds_backbone = DeepSpeedBackbone(cfg, trained, self.backbone, self.optimizer,
+                                                  device, self.world_size)
+            self.model = self._ds_backbone.model
+            self.input_dtype = self._ds_backbone.input_dtype
         else:
             ids = [device.index] if device.type == "cuda" else None
             self.model = DistributedDataParallel(trained, device_ids=ids)
@@ -174,28 +132,6 @@ class Engine:
         DeepSpeed's ``engine.compile()`` would compile ``self.backbone`` in place, evaluation
         included; this keeps it eager, its state_dict keys free of ``_orig_mod.``."""
         return torch.compile(self.backbone)
-
-    def _init_deepspeed(self, module: nn.Module) -> nn.Module:
-        deepspeed = import_deepspeed(self.device)
-        from deepspeed import ops as deepspeed_ops
-
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        # DeepSpeed 0.19's ZeRO calls torch's deprecated all_gather_into_tensor every step;
-        # the FutureWarning is theirs to fix and would flood the log on every rank.
-        warnings.filterwarnings(
-            "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
-        )
-        if self.device.type == "cpu" and not self.cfg.engine.cpu_shm_comm:
-            # DeepSpeed JIT-builds a shared-memory all-reduce for CPU on first use (30-50 s);
-            # without it its collectives go through the gloo group (config: engine.cpu_shm_comm).
-            deepspeed_ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        model, _, _, _ = deepspeed.initialize(
-            model=module,
-            optimizer=self.optimizer,
-            config=deepspeed_config(self.cfg, self.world_size),
-            dist_init_required=False,
-        )
-        return model
 
     def set_lr(self, step: int) -> float:
         """Set both optimizers' learning rate for optimisation step ``step`` (0-based)."""
@@ -236,13 +172,13 @@ class Engine:
 
         ``skipped`` is True, on every rank alike, when the step was dropped because the loss,
         an embedding gradient, the head gradient or the backbone gradient norm was not finite
-        (:meth:`_agree`, DeepSpeed's own overflow check): then neither the backbone nor
-        the head is updated, both optimizers' states and every buffer (BatchNorm statistics,
-        the AdaCos scale) are as before the step, and the gradients are cleared.
-        ``overflow`` is True when the skip was DeepSpeed's fp16 loss scaler's alone
-        (:meth:`_loss_scale_overflow`): the same skip of both optimizers, but not a sign of
-        divergence. A label out of range raises the head's ``ValueError`` on every rank,
-        before any update.
+        (:meth:`_agree`, DeepSpeed's own overflow check: ``launch.deepspeed_backbone``): then
+        neither the backbone nor the head is updated, both optimizers' states and every buffer
+        (BatchNorm statistics, the AdaCos scale) are as before the step, and the gradients
+        are cleared. ``overflow`` is True when the skip was DeepSpeed's fp16 loss scaler's
+        alone (``launch.deepspeed_backbone.loss_scale_overflow``): the same skip of both
+        optimizers, but not a sign of divergence. A label out of range raises the head's
+        ``ValueError`` on every rank, before any update.
 
         Host reads (each makes the CPU wait for the device; tests/test_engine_syncs.py holds
         the budget): DDP at ``sample_rate == 1``, one: the agreed flags (finite; labels in
@@ -284,12 +220,11 @@ class Engine:
                     if boundary:  # a bad step's NaN makes DeepSpeed drop it (no host read)
                         flags = self._agree(finite, stop_request)
                         surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
-                    dropped = self._deepspeed_backward(surrogate, boundary, step)
+                    dropped = self._ds_backbone.backward(surrogate, boundary, step)
                 else:
                     surrogate.backward()
         if self.deepspeed:
-            norm = self.model.get_global_grad_norm()
-            grad_norm = norm if norm is not None else math.nan
+            grad_norm = self._ds_backbone.grad_norm()
         else:
             grad_norm = self._clip()
             # DDP's gradients are all-reduced, so every rank computes the same norm.
@@ -297,7 +232,7 @@ class Engine:
         all_finite, labels_ok, minus_stop = flags.tolist()  # the step's one host read
         if not labels_ok:
             self.head.raise_label_error()
-        overflow = self._loss_scale_overflow(dropped, not all_finite)
+        overflow = loss_scale_overflow(dropped, not all_finite, self.cfg.engine.precision)
         skip = not all_finite or dropped
         if not self.deepspeed:
             if not skip:
@@ -315,20 +250,6 @@ class Engine:
             out["angles"] = sample
         return DeviceScalars(out)
 
-    def _loss_scale_overflow(self, dropped: bool, bad: bool) -> bool:
-        """Whether DeepSpeed dropped this step for its fp16 loss scaler only.
-
-        ``dropped``: DeepSpeed did not apply the update (``was_step_applied``); ``bad``: this
-        engine's own all-reduced check found a non-finite loss or embedding/head gradient.
-        In fp16 a drop with finite loss and head gradients means the *scaled* backbone
-        gradients overflowed: the scaler halves its scale and goes on. That is the normal
-        start of an fp16 run (the scale begins at 2^16), counted as ``skipped_steps`` and
-        not towards ``train.max_bad_steps``; a backbone that really diverges drives the
-        scale to its minimum, where DeepSpeed stops the run itself. In bf16/fp32 there is
-        no scale, so a drop is a non-finite gradient (a bad step).
-        """
-        return dropped and not bad and self.cfg.engine.precision == "fp16"
-
     def _agree(self, finite: torch.Tensor, stop_request: int) -> torch.Tensor:
         """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
         0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN), no host
@@ -342,64 +263,6 @@ class Engine:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         return flags
 
-    def _deepspeed_backward(self, surrogate: torch.Tensor, boundary: bool, step: int) -> bool:
-        """DeepSpeed's backward + step for one micro-batch; True when the update was dropped.
-
-        DeepSpeed has no public "skip this step" call, but its ZeRO, bf16 and fp16 optimizers
-        drop a step whose reduced gradients are not finite (``check_grad_overflow``; the
-        gradient reduction makes that decision the same on every rank) and say so through
-        ``was_step_applied()``. A step this engine's flags call bad arrives with a NaN
-        surrogate (multiplied in on the device by the caller), so DeepSpeed drops it by that
-        same path. Without ZeRO in fp32 DeepSpeed
-        steps the plain torch optimizer with no such check: there the (all-reduced, so
-        identical) gradients are checked here, and a dropped step is stepped on zeroed
-        gradients and then undone (parameters and optimizer state put back).
-        """
-        self.model.backward(surrogate, scale_wrt_gas=False)
-        if not boundary:
-            self.model.step()
-            return False
-        if self._deepspeed_checks_overflow():
-            self._scaled_step(step)
-            return not self.model.was_step_applied()
-        grads = [p.grad for p in self.backbone.parameters() if p.grad is not None]
-        if bool(torch.isfinite(torch.stack([g.float().norm() for g in grads]).sum())):
-            self.model.step()
-            return False
-        params = [p.detach().clone() for p in self.backbone.parameters()]
-        state = copy.deepcopy(self.optimizer.state_dict())
-        for g in grads:
-            g.zero_()
-        self.model.step()  # keeps DeepSpeed's step counters in line
-        self.optimizer.load_state_dict(state)
-        with torch.no_grad():
-            for p, saved in zip(self.backbone.parameters(), params, strict=True):
-                p.copy_(saved)
-        return True
-
-    def _scaled_step(self, step: int) -> None:
-        """DeepSpeed's step, its fp16 loss scaler's dead end as :class:`LossScaleFloor`.
-
-        The scaler halves its scale on each overflow and, once at its minimum (1), raises a
-        bare ``Exception`` (deepspeed/runtime/fp16/loss_scaler.py; the message is the only
-        way to tell it from a bug). Every rank reaches it on the same step.
-        """
-        try:
-            self.model.step()
-        except Exception as err:
-            if "loss scale already at minimum" not in str(err):
-                raise
-            raise LossScaleFloor(
-                f"step {step + 1}: fp16 gradients overflow even at DeepSpeed's minimum loss "
-                "scale: the backbone diverges; lower optim.lr, or train with "
-                "engine.precision=bf16"
-            ) from None
-
-    def _deepspeed_checks_overflow(self) -> bool:
-        """Whether DeepSpeed's optimizer checks the gradients for inf/NaN before a step."""
-        model = self.model
-        return model.zero_optimization() or model.bfloat16_enabled() or model.fp16_enabled()
-
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Copies of the backbone's and the head's buffers (BatchNorm statistics, the
         AdaCos scale, the head's step): a forward updates them, a skipped step puts them back."""
@@ -411,11 +274,14 @@ class Engine:
         }
 
     def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        """Put back :meth:`_buffers`' copies; the head re-reads its ``step`` (the host copy
+        it keeps to seed the sampler would otherwise be one ahead)."""
         modules = {"backbone": self.backbone, "head": self.head}
         with torch.no_grad():
             for name, module in modules.items():
                 for key, value in module.named_buffers():
                     value.copy_(saved[f"{name}.{key}"])
+        self.head.resync_step()
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""

@@ -343,7 +343,7 @@ def report_failure(err: Exception, rank: int) -> int:
     if isinstance(err, ConfigError):
         print_main(f"config error: {err}")
         return 2
-    from launch.engine import LossScaleFloor
+    from launch.deepspeed_backbone import LossScaleFloor
 
     if isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError):
         print_main(f"error: {err}")

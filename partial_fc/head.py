@@ -8,8 +8,8 @@ gradient convention)::
     inv = 1 / ||W_s|| [S_r]; class_tile_stats (partial_fc.chunked or the Triton kernels), no grad:
       per row over non-target columns: max and sum-exp of s * cos, sum of cos (chunked over
       classes: never an [N, S_r] buffer), target cosines from the gathered target rows
-    no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (dynamic AdaCos: the tile
-      statistics at s_{t-1} for B_avg, then again at s_t)
+    no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (partial_fc.batch_stats;
+      dynamic AdaCos: the tile statistics at s_{t-1} for B_avg, then again at s_t)
     partial_fc.softmax (one autograd Function): target logits s * psi(cos_target);
       max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
       loss = mean_i [ log(sum_k exp(z_ik - m_i)) - (z_iy - m_i) ]   identical on all ranks
@@ -26,7 +26,6 @@ compensating data-parallel gradient averaging of the backbone is the engine's jo
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -35,12 +34,11 @@ from torch import Tensor, nn
 
 from partial_fc import chunked
 from partial_fc import distributed as dist_ops
+from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.kernels import triton_available
 from partial_fc.margins import Margin
-from partial_fc.readout import DeviceScalars
 from partial_fc.sampling import local_targets, sample_classes
-from partial_fc.scale import AdaCosScale, log_mean_exp, median_angle
 from partial_fc.softmax import Shard, margin_softmax_loss
 
 __all__ = ["KERNELS", "PartialFC"]
@@ -80,7 +78,9 @@ class PartialFC(nn.Module):
 
     State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
     classes ``class_start ..``); ``step`` (int64, replicated: training-mode forwards so far, seeds
-    the sampler and SphereFace's lambda); ``margin.scale.s`` (fp32, replicated; AdaCos only).
+    the sampler and SphereFace's lambda; the host keeps a copy: write it through
+    ``load_state_dict``, or call ``resync_step()`` after writing it in place);
+    ``margin.scale.s`` (fp32, replicated; AdaCos only).
 
     After each forward ``stats`` maps to floats identical on all ranks (kept on the device and
     read at the first access, ``partial_fc.readout``): ``scale``, ``theta_med``
@@ -146,7 +146,8 @@ class PartialFC(nn.Module):
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.stats: Mapping[str, float] = {}
-        self._step_host: tuple[Tensor, int, int] | None = None  # (buffer, version, value)
+        self._step_host: int | None = None  # int(self.step); None: read it at the next use
+        self.register_load_state_dict_post_hook(_loaded)
         self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
         self._checked: list[Tensor] = []  # those of the last pop_label_check()
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
@@ -243,7 +244,8 @@ class PartialFC(nn.Module):
         shard = self._shard(e, index, targets)
         scale = self.margin.scale
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
-        glob = self._global_stats(shard, row_max, row_sum, cos_sum, scale.value())
+        glob = global_stats(shard, row_max, row_sum, cos_sum, scale.value(), scale,
+                            self.num_classes, self.training, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
         if glob["log_b_avg"] is not None:  # the scale moved: the statistics at s_t
@@ -253,9 +255,17 @@ class PartialFC(nn.Module):
             functools.partial(self.margin.psi, step=step), s, group)
         if self.training:
             self.step += 1
-            self._step_host = (self.step, self.step._version, step + 1)
-        self._set_stats(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
+            self._step_host = step + 1
+        self.stats = stats_readout(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
         return loss
+
+    def resync_step(self) -> None:
+        """Forget the host's copy of ``step`` (it seeds the sampler and SphereFace's lambda),
+        so that the next forward reads the buffer once from the device. Call it after writing
+        ``step`` in place other than through ``load_state_dict``, which calls it itself (a
+        post hook): e.g. the engine's restore of every buffer after a skipped step. Moving
+        the module (``.to()``) keeps the value, and so the copy."""
+        self._step_host = None
 
     def pop_label_check(self) -> Tensor:
         """Whether every label of the forwards run with ``defer_label_check=True`` since the
@@ -284,14 +294,12 @@ class PartialFC(nn.Module):
                              f"[0, {self.num_classes}) (num_classes={self.num_classes})")
 
     def _step_value(self) -> int:
-        """``self.step`` as an int, read from the device only when the buffer was changed
-        from outside since this module last advanced it (``load_state_dict``, the engine's
-        restore after a skipped step, ``.to()``): those bump its version counter or replace
-        it, which the host copy notices without a read."""
-        known = self._step_host
-        if known is None or known[0] is not self.step or known[1] != self.step._version:
-            known = self._step_host = (self.step, self.step._version, int(self.step))
-        return known[2]
+        """``self.step`` as an int: the host's copy, which a training forward advances with
+        the buffer, read from the device only after :meth:`resync_step` (first use,
+        ``load_state_dict``, an outside in-place write)."""
+        if self._step_host is None:
+            self._step_host = int(self.step)
+        return self._step_host
 
     def _check_inputs(self, embeddings: Tensor, labels: Tensor,
                       sizes: Sequence[int] | None) -> list[int]:
@@ -373,59 +381,8 @@ class PartialFC(nn.Module):
         from partial_fc.kernels import triton_margin  # optional dependency, CUDA only
         return triton_margin
 
-    @torch.no_grad()
-    def _global_stats(self, shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor,
-                      s_prev: Tensor | float) -> dict:
-        """One all-reduce (fp64) of: each sample's target cos, each sample's partial
-        ``sum_{k != y} exp(s_prev (cos_k - 1))`` (dynamic AdaCos only, from the tile statistics
-        at ``s_prev``), the number of sampled classes and the sum of non-target cosines.
-        Updates a dynamic AdaCos scale. Everything stays on the device: the total of sampled
-        classes (``S``, known to the host only at ``r == 1``) enters ``neg_ratio =
-        (C - 1) / (S - 1)`` as a tensor, NaN when ``S == 1`` (no negative at all), and a
-        dynamic scale keeps its value then."""
-        n, sampled = shard.e.shape[0], shard.w.shape[0]
-        scale = self.margin.scale
-        dynamic = isinstance(scale, AdaCosScale) and scale.dynamic and self.training
-        packed = torch.zeros(2 * n + 2, dtype=torch.float64, device=row_max.device)
-        packed[:n] = shard.cos_t.double()  # 0 on rows whose target another rank owns
-        if dynamic:  # exp(row_max - s_prev) <= ~1 (cos <= 1): no overflow whatever s is
-            packed[n: 2 * n] = (row_sum * torch.exp(row_max - s_prev)).double()
-        packed[2 * n] = sampled
-        packed[2 * n + 1] = cos_sum.double().sum()
-        packed = dist_ops.all_reduce(packed, self.process_group)
-        target_cos, total = packed[:n].float(), packed[2 * n]
-        neg_ratio = torch.where(total > 1, (self.num_classes - 1) / (total - 1), math.nan)
-        theta_med = median_angle(target_cos)
-        out = {"target_cos": target_cos, "theta_med": theta_med, "neg_ratio": neg_ratio,
-               "nontarget_cos_sum": packed[2 * n + 1], "negatives": total - 1,
-               "log_b_avg": None}
-        if dynamic:  # B estimated from the sampled negatives, rescaled
-            log_b = scale.value().double() + torch.log(packed[n: 2 * n] * neg_ratio)
-            out["log_b_avg"] = log_mean_exp(log_b)
-            scale.update(out["log_b_avg"].float(), theta_med, valid=total > 1)
-        return out
 
-    def _set_stats(self, loss: Tensor, glob: dict, b_sums: Tensor, shift: Tensor,
-                   s: Tensor | float) -> None:
-        """``stats`` from replicated tensors only (so identical on all ranks), read by the
-        host only when a value is asked for (``partial_fc.readout``)."""
-        log_b_avg = glob["log_b_avg"]
-        if log_b_avg is None:  # B at the current s, from the softmax's non-target sums
-            log_b_avg = log_mean_exp(torch.log(b_sums.double()) + shift.double())
-        self.stats = DeviceScalars({
-            "loss": loss.detach(), "theta_med": glob["theta_med"], "log_b_avg": log_b_avg,
-            "cos_target_mean": glob["target_cos"].double().mean(),
-            "scale": s,  # a fixed scale's float stays one (a tensor of it is a host copy)
-            "nontarget_cos_sum": glob["nontarget_cos_sum"], "negatives": glob["negatives"],
-        }, functools.partial(_host_stats, glob["target_cos"].numel()))
-
-
-def _host_stats(n: int, raw: dict[str, float]) -> dict[str, float]:
-    """The ``stats`` floats from the values read off the device (``n`` = global batch)."""
-    neg = raw["negatives"]
-    return {
-        "scale": raw["scale"], "theta_med": raw["theta_med"],
-        "b_avg": math.exp(min(raw["log_b_avg"], 709.0)), "loss": raw["loss"],
-        "cos_target_mean": raw["cos_target_mean"],
-        "cos_nontarget_mean": raw["nontarget_cos_sum"] / (n * neg) if neg else math.nan,
-    }
+def _loaded(head: PartialFC, _incompatible_keys) -> None:
+    """``load_state_dict`` post hook (also when a parent module loads): ``step`` may have
+    changed, so the host's copy of it is stale."""
+    head.resync_step()

@@ -26,6 +26,9 @@ this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn label
   ``S = C_local`` an fp32 weight and state are updated in place (scratch only).
 
 tests/test_plan.py measures the gradient plus the working memory within 0.8-1.25x.
+:func:`tensor_bytes` counts a sparse gradient through ``_indices()/_values()``, PyTorch's
+documented accessors for an uncoalesced COO tensor (the head's accumulated ``weight.grad``
+is one), because the public ``indices()/values()`` would need a ``coalesce()`` copy.
 
 Backbone with ``Psi`` parameters (ZeRO, arXiv:1910.02054 Sec. 3.1 and 5.1): DDP keeps fp32
 parameters, fp32 gradients and fp32 optimizer state (``K = 4`` bytes SGD momentum, 8 Adam)

@@ -17,7 +17,11 @@ Adam). All rows of this rank's shard.
 
 At ``sample_rate < 1`` the head's ``weight.grad`` is a row-sparse COO tensor (only the
 sampled rows are stored, never a dense ``[num_local, D]`` gradient); the optimizers read it
-through ``coalesce().indices()/values()``.
+through ``_indices()/_values()``, which PyTorch's sparse documentation names as the way to
+read an uncoalesced COO tensor: autograd's accumulation into ``.grad`` drops the coalesced
+flag the head's backward sets (even after one backward), so the public ``indices()/values()``
+would need ``coalesce()``, an ``[S, D]`` copy, and handing the rows to the optimizer beside
+``weight.grad`` would bypass autograd's accumulation and anything done to ``.grad``.
 
 Precision: the update runs in fp32 on fp32 copies of the rows, their gradient and state, and
 each tensor is rounded once when written back (round to nearest even). For a bf16 weight

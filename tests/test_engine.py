@@ -248,7 +248,7 @@ def test_deepspeed_accelerator_follows_the_run_device(monkeypatch):
     from deepspeed.accelerator import get_accelerator, set_accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    from launch.engine import import_deepspeed
+    from launch.deepspeed_backbone import import_deepspeed
 
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     before = get_accelerator()

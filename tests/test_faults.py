@@ -53,11 +53,15 @@ def _poison_once(engine, rank_to_poison: int | None = None):
     engine.head.forward = poisoned
 
 
-def test_bad_step_is_skipped_and_changes_nothing(one_rank_group):
+@pytest.mark.parametrize("margin", [
+    ("margin.type=adacos", "margin.adacos=dynamic"),  # its scale is a buffer
+    # the head's step is a buffer; its host copy seeds the sampler and SphereFace's lambda
+    ("margin.type=sphereface", "margin.m=4", "head.sample_rate=0.5"),
+])
+def test_bad_step_is_skipped_and_changes_nothing(one_rank_group, margin):
     """A NaN step leaves every weight, optimizer state and buffer as it was, and the run
-    continues exactly as if that batch had not been there (AdaCos: its scale is a buffer)."""
-    overrides = ("optim.name=adamw", "optim.lr=0.01", "margin.type=adacos", "margin.adacos=dynamic",
-                 "train.batch_size=4")
+    continues exactly as if that batch had not been there."""
+    overrides = ("optim.name=adamw", "optim.lr=0.01", *margin, "train.batch_size=4")
     skipping, plain = build_engine(make_config(*overrides)), build_engine(make_config(*overrides))
     for engine in (skipping, plain):
         engine.step(0, local_micro_batches(0, 4, 0, 1, 1))

@@ -103,6 +103,31 @@ def test_state_dict_keys_and_adacos_resume():
     assert fresh.stats == head.stats
 
 
+def test_the_next_forward_uses_a_loaded_step():
+    """The host's copy of ``step`` (SphereFace's lambda anneals with it) is dropped by
+    ``load_state_dict``, also when a parent module loads, and by ``resync_step`` after an
+    in-place write: the next forward computes with the written step, not the copy."""
+    emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    labels = torch.arange(6)
+    ahead, loaded, nested, written, stale = (_head(MARGINS["sphereface"]) for _ in range(5))
+    for _ in range(5):
+        ahead(emb, labels)
+    for head in (loaded, nested, written, stale):
+        head(emb, labels)  # the host's copy: step 1
+    state = ahead.state_dict()
+    loaded.load_state_dict(state)
+    torch.nn.ModuleDict({"head": nested}).load_state_dict(
+        {f"head.{key}": value for key, value in state.items()})
+    with torch.no_grad():
+        written.step.fill_(5)
+    written.resync_step()
+    want = ahead(emb, labels)
+    assert not torch.equal(stale(emb, labels), want)  # step 1's lambda gives another loss
+    for head in (loaded, nested, written):
+        assert torch.equal(head(emb, labels), want)
+        assert int(head.step) == 6
+
+
 def test_eval_freezes_scale_step_and_sampling():
     head = _head(MARGINS["adacos_dynamic"], num_classes=100, sample_rate=0.1)
     emb, labels = torch.randn(8, 4), torch.arange(8)

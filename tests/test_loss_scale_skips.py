@@ -105,17 +105,17 @@ def _real_overflow(rank: int, world: int) -> list[tuple[bool, bool, bool]]:
     ZeRO-1 with the loss scale starting at 2^32 (x any gradient overflows fp16's 6.5e4)."""
     import torch.distributed as dist
 
-    import launch.engine as engine_module
+    import launch.deepspeed_backbone as ds_module
 
     os.environ.setdefault("LOCAL_RANK", "0")
-    make_ds = engine_module.deepspeed_config
+    make_ds = ds_module.deepspeed_config
 
     def huge_initial_scale(cfg, world_size):
         out = make_ds(cfg, world_size)
         out["fp16"].update(initial_scale_power=32)
         return out
 
-    engine_module.deepspeed_config = huge_initial_scale
+    ds_module.deepspeed_config = huge_initial_scale
     dist.destroy_process_group()  # the spawned gloo group: this one runs on NCCL
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -141,7 +141,7 @@ def test_real_fp16_overflow_skips_backbone_and_head():
 
 
 def test_minimum_loss_scale_is_one_line_not_a_traceback(capsys, monkeypatch):
-    from launch.engine import LossScaleFloor
+    from launch.deepspeed_backbone import LossScaleFloor
     from launch.train import report_failure
 
     monkeypatch.delenv("RANK", raising=False)
