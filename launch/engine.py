@@ -4,9 +4,10 @@ The sharded head is deliberately **outside** DDP/DeepSpeed: its rows are never a
 (docs/design.md, invariant 2) and it has its own row-sampling optimizer
 (``partial_fc.optim.SampledSGD/SampledAdamW``). A step splits the backward in two:
 
-1. ``e = emb.detach().float()``; ``loss = head(e, labels)``; ``loss.backward()`` gives the
-   head rows their exact gradient and ``e.grad = dL_global/de_local`` (the head's contract,
-   in fp32, untouched by any engine loss scaling);
+1. ``e = emb.detach().float()``; ``loss = head(e, labels)`` (in a bf16 run under bf16
+   autocast: bf16 matmul operands, fp32 softmax); ``loss.backward()`` gives the head rows
+   their exact gradient and ``e.grad = dL_global/de_local`` (the head's contract, in fp32,
+   untouched by any engine loss scaling);
 2. the backbone backward runs on the surrogate ``sum(emb * P * e.grad)``: its parameter
    gradient on this rank is ``P * dL_global/dtheta|local``; DDP/DeepSpeed average over the
    P ranks, leaving ``sum_r dL_global/dtheta|r`` — the single-process gradient of the
@@ -146,6 +147,17 @@ class Engine:
             return contextlib.nullcontext()
         return self.model.no_sync()
 
+    def _head_operands(self):
+        """A bf16 run gives the head bf16 matmul operands (fp32 accumulation; its softmax,
+        loss and statistics stay fp32: ``PartialFC`` under autocast), as insightface's
+        autocast head does; fp32 operands would cost the Triton kernels IEEE fp32 dots, about
+        15x the bf16 time on an H100. An fp16 run keeps fp32 operands: the head's backward is
+        not loss-scaled, and fp16 flushes ``dL/dcos`` entries below 2^-24 to zero (``s p / N``
+        of a non-target at a million classes is about that)."""
+        if self.cfg.engine.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _autocast(self):
         if not self.deepspeed and self.cfg.engine.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -205,7 +217,8 @@ class Engine:
                 with self._autocast():
                     emb = self.model(x)
                 e = emb.detach().float().requires_grad_()
-                loss = self.head(e, y, sizes=sizes, defer_label_check=True)
+                with self._head_operands():
+                    loss = self.head(e, y, sizes=sizes, defer_label_check=True)
                 (loss / k).backward()
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
                 loss_sum += loss.detach()  # fp64: the sum Python floats gave

@@ -198,6 +198,25 @@ def test_bf16_head_state_tracks_the_fp32_run(one_rank_group, overrides):
     assert bf16[-10:].mean() < 0.05 * bf16[0]  # it learns (12.6-12.9 -> 0.03-0.12)
 
 
+@pytest.mark.parametrize(("precision", "operands"), [("bf16", torch.bfloat16),
+                                                     ("fp32", None)])
+def test_the_head_gets_bf16_operands_in_a_bf16_run(one_rank_group, precision, operands):
+    """A bf16 run calls the head under bf16 autocast (bf16 matmul operands; the head keeps its
+    softmax in fp32, tests/test_head.py), an fp32 run without: what the Triton kernels' speed
+    on a GPU depends on. The embeddings it receives are fp32 either way."""
+    engine = build_engine(make_config(f"engine.precision={precision}", "train.batch_size=12"))
+    seen, forward = [], engine.head.forward
+
+    def spy(e, *args, **kwargs):
+        autocast = torch.is_autocast_enabled("cpu")
+        seen.append((e.dtype, torch.get_autocast_dtype("cpu") if autocast else None))
+        return forward(e, *args, **kwargs)
+
+    engine.head.forward = spy
+    engine.step(0, local_micro_batches(0, 12, 0, 1, 1))
+    assert seen == [(torch.float32, operands)]
+
+
 def _compiled_and_eager(rank: int, world: int, root: str) -> dict:
     """Two steps with ``engine.compile`` off and on (same init and batches), then each engine
     resumes from the other's checkpoint and takes a third step."""
