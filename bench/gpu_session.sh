@@ -8,7 +8,7 @@
 #
 #   tests  make test-gpu (the cuda-marked tests and tests/test_gpu_runs.py), then the
 #          ms1mv3-r50 recipe started on one GPU (NPROC_PER_NODE=1) on the synthetic stream
-#   bench  bench/kernels.py, bench/head.py (C_local 1M r=1 and r=0.1, 4M r=0.1) and
+#   bench  bench/kernels.py, bench/head.py (C_local 1M r=1 and r=0.1, 4M r=0.1, bf16 state) and
 #          bench/train.py (iresnet50 bf16 batch 128: 1k and 1M classes, bf16 head state,
 #          30M classes r=0.1, DeepSpeed ZeRO-1 against DDP, torch.compile)
 #   demo   make demo-scale: the 1M-class scale-dynamics runs and their report's figures
@@ -50,10 +50,9 @@ checkpoint.every=100"
     ;;
 bench)
     step kernels 90 python3 bench/kernels.py --classes 1000000 100000
-    step head 200 bash -c "python3 bench/head.py --device cuda -P 1 -N 1024 --amp bf16 \
--C 1000000 -r 1.0 --steps 20 && python3 bench/head.py --device cuda -P 1 -N 1024 --amp bf16 \
--C 1000000 -r 0.1 --steps 20 && python3 bench/head.py --device cuda -P 1 -N 1024 --amp bf16 \
--C 4000000 -r 0.1 --steps 20"
+    head="python3 bench/head.py --device cuda -P 1 -N 1024 --amp bf16 --steps 20"
+    step head 240 bash -c "$head -C 1000000 -r 1.0 && $head -C 1000000 -r 0.1 \
+&& $head -C 4000000 -r 0.1 && $head -C 1000000 -r 1.0 --state-dtype bf16"
     step train 270 bash -c "python3 bench/train.py --runs 1000:1.0,1000000:1.0,1000000:0.1 \
 && python3 bench/train.py --state-dtype bf16 --runs 1000000:1.0,1000000:0.1,30000000:0.1 \
 && python3 bench/train.py --engine deepspeed --runs 1000:1.0,1000000:0.1 \

@@ -52,6 +52,7 @@ from partial_fc.margins import MARGIN_TYPES
 from partial_fc.sampling import local_targets, sample_size
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _free_port() -> int:
@@ -192,7 +193,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     margin = build_margin(dict(type=args.margin, s=args.scale))
     tile = {} if args.max_tile_mib is None else {"max_tile_bytes": args.max_tile_mib << 20}
     ours = PartialFC(args.dim, args.classes, margin, sample_rate=args.sample_rate,
-                     kernel=args.kernel, **tile).to(device)
+                     kernel=args.kernel, state_dtype=STATE_DTYPES[args.state_dtype],
+                     **tile).to(device)
     heads = {"ours": ours, "textbook": _Textbook(ours).to(device)}
     gen = torch.Generator(device=device).manual_seed(rank)
     batches = [(torch.randn(args.batch, args.dim, device=device, generator=gen),
@@ -258,6 +260,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=64.0)
     parser.add_argument("--amp", choices=("none", "bf16"), default="none")
     parser.add_argument("--kernel", choices=KERNELS, default="auto", help="PartialFC's backend")
+    parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="fp32",
+                        help="PartialFC's weight dtype (the textbook head gets the same rows)")
     parser.add_argument("--max-tile-mib", type=int, default=None,
                         help="PartialFC's max_tile_bytes in MiB (default: PartialFC's)")
     args = parser.parse_args()
@@ -271,7 +275,8 @@ def main() -> None:
     gib = 2**30
     print(f"C={args.classes} D={args.dim} N/rank={args.batch} P={args.ranks} "
           f"r={args.sample_rate} device={args.device} amp={args.amp} margin={args.margin} "
-          f"kernel={args.kernel} max_tile_mib={args.max_tile_mib or 'default'} "
+          f"kernel={args.kernel} state={args.state_dtype} "
+          f"max_tile_mib={args.max_tile_mib or 'default'} "
           f"steps={args.steps} (slowest rank per step; extra peak over ranks and steps)")
     print(f"{'':<9} {'fwd+bwd ms, median [min, max]':>30} {'extra peak MiB [min, max]':>28} "
           f"{'classes/GB':>11}")
