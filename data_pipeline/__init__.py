@@ -13,4 +13,5 @@ from data_pipeline.synthetic_stream import SyntheticStream
 from data_pipeline.writer import write_dataset
 
 __all__ = ["CorruptImageError", "DataError", "Loader", "Manifest", "ShardError", "ShardInfo",
-           "SyntheticStream", "make_loader", "read_manifest", "write_dataset", "write_synthetic_dataset"]
+           "SyntheticStream", "make_loader", "read_manifest", "write_dataset",
+           "write_synthetic_dataset"]

@@ -615,7 +615,8 @@ def _data_errors(cfg: Config) -> list[tuple[str, str]]:
         if have is None:
             setattr(data, key, want)
         elif have != want:
-            out.append((f"data.{key}", f"data.{key}={have}: manifest.json in {data_dir} says {want}"))
+            out.append((f"data.{key}",
+                        f"data.{key}={have}: manifest.json in {data_dir} says {want}"))
     return out
 
 
