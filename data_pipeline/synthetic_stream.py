@@ -7,9 +7,10 @@ noise of sigma 10), drawn with torch ops for a whole batch at once, so a 1M-clas
 "does my cluster train at this scale?" check) needs no data folder and no decoding. It is not
 byte-identical to the JPEG shards (no JPEG; the canvas is not rounded to uint8 before the crop).
 
-Every random number is a counter-based hash (:func:`mix32`) of (seed, label, image index) or,
-for the order and the flip, of (seed, epoch, position): every rank, every resume and every
-device count sees the same images, and nothing depends on a generator's state.
+Every random number is a counter-based hash (:func:`mix32`) of (seed, label, image index),
+of (seed, epoch) for the order and of (seed, epoch, sample) for the flip: every rank, every
+resume and every device count sees the same images, and nothing depends on a generator's
+state.
 
 Order: epoch e is the sequence ``perm_e(0..T-1)`` of the ``T = classes * images_per_class``
 sample indices (``index = label * images_per_class + image``), ``perm_e`` a seeded Feistel
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.errors import DataError
+from data_pipeline.loader import EpochBatches
 
 SIZE = 112
 CANVAS = 128
@@ -156,7 +158,7 @@ def _normal(labels: torch.Tensor, images: torch.Tensor, seed: int) -> torch.Tens
     return ((total.to(torch.float32) - 510.0) * (1.0 / _BYTES4_STD)).view(-1, 3, SIZE, SIZE)
 
 
-class SyntheticStream:
+class SyntheticStream(EpochBatches):
     """``classes * images_per_class`` synthetic samples per epoch as loader batches (see the
     module docstring): an iterable over (images uint8 ``[B, 3, 112, 112]``, labels int64
     ``[B]``[, keys ``"label/image"``]) on ``device``.
@@ -192,15 +194,6 @@ class SyntheticStream:
         self.num_skipped = 0  # nothing is ever corrupt or padded; the trainer reads both
         self.num_padded = 0
         self._rows = _bicubic_rows(self.device)
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (identical on every rank)."""
-        return self._len
-
-    @property
-    def batches_done(self) -> int:
-        """Batches of the current epoch already handed out (len(self) = epoch complete)."""
-        return self._batches
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; a new one starts at its first batch, the current one keeps its
