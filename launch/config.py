@@ -692,7 +692,8 @@ def load_config(
     """Load ``path`` (with its ``base:`` chain), apply ``key=value`` overrides, validate.
 
     ``resolve=True`` (what ``launch.train`` does, before any process group) also reads
-    ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples``, checks the
+    ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples`` (with
+    ``data.source=synthetic``: no file; ``num_samples`` from the synthetic settings), checks the
     device, resume folder and eval files. Theory checks (known C) become :class:`ConfigWarning`.
     Raises :class:`ConfigError` listing every problem found.
     """

@@ -206,6 +206,16 @@ def test_train_on_the_synthetic_stream_loss_falls(tmp_path, capsys):
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
 
 
+def test_make_demo_scale_passes_its_variables():
+    out = subprocess.run(["make", "-n", "demo-scale", "PY=python3", "CLASSES=7", "STEPS=9",
+                          "BATCH=5", "BACKBONE=iresnet18", "DEVICE=cpu", "DEMO_PNG=/p",
+                          "ARGS=--jobs 2 optim.lr=0.2"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    cmd = " ".join(out.stdout.replace("\\\n", " ").split())
+    assert cmd == ("python3 bench/scale_demo.py --png /p --classes 7 --steps 9 --batch 5 "
+                   "--backbone iresnet18 --device cpu --jobs 2 optim.lr=0.2"), cmd
+
+
 @pytest.mark.slow
 def test_make_demo_scale_at_a_toy_size(tmp_path):
     """`make demo-scale` end to end on CPU: four short runs, then the report's PNGs."""
@@ -223,3 +233,15 @@ def test_make_demo_scale_at_a_toy_size(tmp_path):
     for run in ("arcface_r0.1", "adacos_fixed_r0.1", "adacos_dynamic_r0.1", "adacos_dynamic_r1"):
         config = (tmp_path / "runs" / run / "config.yaml").read_text()
         assert "source: synthetic" in config and "num_classes: 50" in config
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_stream_equals_the_cpu_stream():
+    """Generated on the GPU: the same labels, the same images up to one grey level (the
+    canvas matmuls may round differently there, e.g. TF32)."""
+    kwargs = {"batch_size": 16, "rank": 1, "world_size": 2, "seed": 5}
+    cpu, gpu = SyntheticStream(50, 4, **kwargs), SyntheticStream(50, 4, device="cuda", **kwargs)
+    for (xc, yc), (xg, yg) in zip(_epoch(cpu), _epoch(gpu), strict=True):
+        assert xg.is_cuda and yg.is_cuda and torch.equal(yc, yg.cpu())
+        assert (xc.int() - xg.cpu().int()).abs().max() <= 1
