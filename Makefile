@@ -25,7 +25,7 @@ SMOKE_NPROC   ?= 2
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
 
-.PHONY: setup train train-orl bench-orl test test-fast lint chaos convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl demo-scale test test-fast lint chaos convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3 TORCHRUN="python3 -m torch.distributed.run"`: no venv is built there.
@@ -82,6 +82,18 @@ train-orl: $(ORL_DATA)/manifest.json $(ORL_BIN)
 
 bench-orl: setup
 	OMP_NUM_THREADS=1 $(PY) bench/orl_margins.py --seeds 0 1 2
+
+# Issue 13's synthetic-scale demonstration (bench/scale_demo.py on configs/scale_demo.yaml): ArcFace,
+# AdaCos fixed and AdaCos dynamic at r=0.1, AdaCos dynamic at r=1, on 1M synthetic identities
+# generated on the device (no data folder), then the report's PNGs in DEMO_PNG. The recipe's sizes
+# suit one H100 (~12-15 min, see its comment); CLASSES, IMAGES, STEPS, BATCH, BACKBONE, DEVICE,
+# NPROC, JOBS override them. On the lent GPU machine (its own torch): bench/gpu_session.sh demo.
+DEMO_PNG ?= docs/synthetic_scale_demo_1m
+demo-scale: setup
+	$(PY) bench/scale_demo.py --png $(DEMO_PNG) $(if $(CLASSES),--classes $(CLASSES)) \
+	  $(if $(IMAGES),--images $(IMAGES)) $(if $(STEPS),--steps $(STEPS)) $(if $(BATCH),--batch $(BATCH)) \
+	  $(if $(BACKBONE),--backbone $(BACKBONE)) $(if $(DEVICE),--device $(DEVICE)) \
+	  $(if $(NPROC),--nproc $(NPROC)) $(if $(JOBS),--jobs $(JOBS)) $(ARGS)
 
 # `make report RUN="runs/a runs/b"`: one HTML page (RUN's first folder/report.html), runs overlaid.
 RUN ?= runs/smoke

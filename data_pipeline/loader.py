@@ -82,7 +82,25 @@ class _EpochStream(IterableDataset):
         return iter(pipeline)
 
 
-class Loader:
+class EpochBatches:
+    """What the trainer reads of a batch source besides iterating it (the shard loader
+    here, ``synthetic_stream.SyntheticStream``): ``len``, batches per epoch, the same on every
+    rank, and the position in the current epoch. Subclasses set ``_len`` and ``_batches``."""
+
+    _len: int
+    _batches: int
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (identical on every rank)."""
+        return self._len
+
+    @property
+    def batches_done(self) -> int:
+        """Batches of the current epoch already handed out (len(self) = epoch complete)."""
+        return self._batches
+
+
+class Loader(EpochBatches):
     """The training loader for a converted data folder: an iterable over (images uint8
     [B,3,112,112], labels int64 [B][, keys list[str]]); see the module docstring for the
     guarantees. Public name: `make_loader`.
@@ -128,15 +146,6 @@ class Loader:
         self._positions = [0] * max(1, num_workers)
         self.num_skipped = 0
         self.num_padded = 0
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (identical on every rank)."""
-        return self._len
-
-    @property
-    def batches_done(self) -> int:
-        """Batches of the current epoch already handed out (len(self) = epoch complete)."""
-        return self._batches
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to iterate; changing it restarts at the epoch's first batch (and

@@ -59,18 +59,30 @@ def _section(model: type[_Section], description: str) -> Any:
 
 
 class DataConfig(_Section):
+    source: Literal["shards", "synthetic"] = Field(
+        "shards", description="shards: the webdataset folder data.dir; synthetic: learnable "
+        "synthetic images generated in batches on the training device "
+        "(data_pipeline.synthetic_stream; no folder, data.num_classes required)"
+    )
     dir: str = Field(
         "data/synthetic", description="folder of webdataset shards and their manifest.json "
-        "(python -m launch.convert writes one)"
+        "(python -m launch.convert writes one); shards only"
     )
     num_classes: PosInt | None = Field(
-        None, description="identities; filled from manifest.json (if set, must match it)"
+        None, description="identities; shards: filled from manifest.json (if set, must match "
+        "it); synthetic: required, the identities generated"
     )
     num_samples: PosInt | None = Field(
-        None, description="images; filled from manifest.json (if set, must match it)"
+        None, description="images per epoch; filled from manifest.json or, synthetic, as "
+        "num_classes x synthetic_images_per_class (if set, must match)"
+    )
+    synthetic_images_per_class: PosInt = Field(
+        4, description="synthetic only: images per identity, each a pure function of (seed, "
+        "identity, image)"
     )
     num_workers: NonNegInt = Field(
-        2, description="loader worker processes per rank decoding shards; 0 = in the main process"
+        2, description="loader worker processes per rank decoding shards; 0 = in the main "
+        "process (synthetic: unused, batches are generated on the device)"
     )
     flip: bool = Field(True, description="random horizontal flip of training images")
 
@@ -545,27 +557,7 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     """Checks against the data and the machine; fills ``data.num_classes/num_samples``."""
     import torch
 
-    out = _sink_errors(cfg)
-    data_dir = Path(cfg.data.dir)
-    if not (data_dir / "manifest.json").is_file():
-        out.append(("data.dir", f"data.dir={cfg.data.dir!r}: no manifest.json there"))
-    else:
-        from data_pipeline import read_manifest
-        from data_pipeline.errors import DataError
-
-        try:
-            man = read_manifest(data_dir)
-        except DataError as err:  # a malformed manifest is one more line of the report
-            out.append(("data.dir", f"data.dir={cfg.data.dir!r}: {err}"))
-            man = None
-        for key in ("num_classes", "num_samples") if man is not None else ():
-            have, want = getattr(cfg.data, key), getattr(man, key)
-            if have is None:
-                setattr(cfg.data, key, want)
-            elif have != want:
-                out.append(
-                    (f"data.{key}", f"data.{key}={have}: manifest.json in {data_dir} says {want}")
-                )
+    out = _sink_errors(cfg) + _data_errors(cfg)
     out += _batch_errors(cfg)
     out += _output_errors(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -583,6 +575,48 @@ def _resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
             out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file"))
+    return out
+
+
+def _data_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Fill ``data.num_classes/num_samples`` from the manifest (shards) or the synthetic
+    settings, and report what contradicts them."""
+    data, out = cfg.data, []
+    if data.source == "synthetic":
+        if data.num_classes is None:
+            return [("data.num_classes", "data.num_classes: required with data.source="
+                     "synthetic (the identities to generate, e.g. data.num_classes=1000000)")]
+        if data.num_classes >= 1 << 31:
+            out.append(("data.num_classes", f"data.num_classes={data.num_classes}: "
+                        "data.source=synthetic generates fewer than 2^31 identities"))
+        want = data.num_classes * data.synthetic_images_per_class
+        if data.num_samples is None:
+            data.num_samples = want
+        elif data.num_samples != want:
+            out.append(("data.num_samples", f"data.num_samples={data.num_samples}: data.source="
+                        f"synthetic makes num_classes x synthetic_images_per_class = {want}"))
+        return out
+    if "synthetic_images_per_class" in data.model_fields_set:
+        out.append(("data.synthetic_images_per_class", "data.synthetic_images_per_class="
+                    f"{data.synthetic_images_per_class}: only read with data.source=synthetic "
+                    "(data.source='shards')"))
+    data_dir = Path(data.dir)
+    if not (data_dir / "manifest.json").is_file():
+        return [*out, ("data.dir", f"data.dir={data.dir!r}: no manifest.json there")]
+    from data_pipeline import read_manifest
+    from data_pipeline.errors import DataError
+
+    try:
+        man = read_manifest(data_dir)
+    except DataError as err:  # a malformed manifest is one more line of the report
+        return [*out, ("data.dir", f"data.dir={data.dir!r}: {err}")]
+    for key in ("num_classes", "num_samples"):
+        have, want = getattr(data, key), getattr(man, key)
+        if have is None:
+            setattr(data, key, want)
+        elif have != want:
+            out.append((f"data.{key}",
+                        f"data.{key}={have}: manifest.json in {data_dir} says {want}"))
     return out
 
 
@@ -630,8 +664,9 @@ def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
     if n is None or batches_per_rank(n, world, batch) >= k:
         return []
     key = "train.batch_size" if batches_per_rank(n, world, batch) == 0 else "train.grad_accum"
+    where = "the synthetic data" if cfg.data.source == "synthetic" else cfg.data.dir
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
-                  f"{n} samples in {cfg.data.dir} cannot fill one step (at most "
+                  f"{n} samples in {where} cannot fill one step (at most "
                   f"{n // world} samples per rank)")]
 
 
@@ -657,7 +692,8 @@ def load_config(
     """Load ``path`` (with its ``base:`` chain), apply ``key=value`` overrides, validate.
 
     ``resolve=True`` (what ``launch.train`` does, before any process group) also reads
-    ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples``, checks the
+    ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples`` (with
+    ``data.source=synthetic``: no file; ``num_samples`` from the synthetic settings), checks the
     device, resume folder and eval files. Theory checks (known C) become :class:`ConfigWarning`.
     Raises :class:`ConfigError` listing every problem found.
     """

@@ -46,6 +46,7 @@ from launch.preemption import StopSignals
 
 if TYPE_CHECKING:
     from data_pipeline.loader import Loader
+    from data_pipeline.synthetic_stream import SyntheticStream
     from launch.engine import Engine
 
 
@@ -108,7 +109,7 @@ class Run:
     cfg: Config
     env: DistEnv
     engine: Engine
-    loader: Loader
+    loader: Loader | SyntheticStream
     log: RunLogger
     total: int  # optimisation steps of the whole run
     steps_per_epoch: int
@@ -138,7 +139,6 @@ def train(cfg: Config, env: DistEnv) -> dict:
 
 def build(cfg: Config, env: DistEnv) -> Run:
     """Backbone, head, loader, engine and logger, identically seeded on every rank."""
-    from data_pipeline import make_loader
     from launch.engine import Engine
     from partial_fc import PartialFC, build_margin
     from partial_fc.backbones import build_backbone
@@ -149,16 +149,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
                      build_margin(cfg.margin_kwargs()), seed=cfg.seed,
                      **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
-    loader = make_loader(
-        cfg.data.dir,
-        batch_size=cfg.train.batch_size,
-        rank=env.rank,
-        world_size=env.world_size,
-        seed=cfg.seed,
-        num_workers=cfg.data.num_workers,
-        flip=cfg.data.flip,
-        pin_memory=env.device.type == "cuda",
-    )
+    loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
     if steps_per_epoch == 0:
         raise ConfigError(f"train.grad_accum={k}: more than the {len(loader)} batches per epoch")
@@ -169,6 +160,20 @@ def build(cfg: Config, env: DistEnv) -> Run:
     engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
+
+
+def build_loader(cfg: Config, env: DistEnv) -> Loader | SyntheticStream:
+    """This rank's batches: the shard loader on ``data.dir``, or (``data.source=synthetic``)
+    batches generated on the rank's device; both seeded by ``seed``."""
+    from data_pipeline import SyntheticStream, make_loader
+
+    common = {"batch_size": cfg.train.batch_size, "rank": env.rank,
+              "world_size": env.world_size, "seed": cfg.seed, "flip": cfg.data.flip}
+    if cfg.data.source == "synthetic":
+        return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
+                               device=env.device, **common)
+    return make_loader(cfg.data.dir, num_workers=cfg.data.num_workers,
+                       pin_memory=env.device.type == "cuda", **common)
 
 
 def resume(run: Run) -> None:
