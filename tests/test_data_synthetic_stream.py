@@ -207,7 +207,9 @@ def test_train_on_the_synthetic_stream_loss_falls(tmp_path, capsys):
 
 
 def test_make_demo_scale_passes_its_variables():
-    out = subprocess.run(["make", "-n", "demo-scale", "SETUP=", "PY=python3", "CLASSES=7", "STEPS=9",
+    # --no-print-directory: under `make test` MAKELEVEL makes make announce its directory.
+    out = subprocess.run(["make", "-n", "--no-print-directory", "demo-scale", "SETUP=",
+                          "PY=python3", "CLASSES=7", "STEPS=9",
                           "BATCH=5", "BACKBONE=iresnet18", "DEVICE=cpu", "DEMO_PNG=/p",
                           "ARGS=--jobs 2 optim.lr=0.2"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
