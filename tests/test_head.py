@@ -9,7 +9,7 @@ import torch
 
 from partial_fc import PartialFC, build_margin
 from partial_fc.distributed import split_evenly
-from partial_fc.init import BLOCK, init_rows_
+from partial_fc.init import BLOCK, derive_seed, init_rows_
 
 MARGINS = {
     "normface": dict(type="normface", s=30.0),
@@ -180,6 +180,18 @@ def test_init_rows_depend_only_on_seed_and_global_class():
     assert full.std().item() == pytest.approx(0.01, rel=0.05)
     head = PartialFC(3, num_classes, build_margin(MARGINS["cosface"]), seed=5)
     assert torch.equal(head.weight.detach(), full)
+    # The blocks are drawn in parallel threads, each from its own generator: the block of
+    # row k, not the thread count or the order the threads finish in, fixes it.
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(init_rows_(torch.empty(num_classes, 3), 0, seed=5), full), n
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.randn(BLOCK, 3, generator=torch.Generator().manual_seed(
+        derive_seed(5, 1))) * 0.01  # the definition: block b from its own seeded generator
+    assert torch.equal(full[BLOCK: 2 * BLOCK], expected)
 
 
 def test_bf16_init_is_the_fp32_init_rounded_on_any_number_of_ranks():
