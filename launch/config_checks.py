@@ -148,8 +148,11 @@ def _data_errors(cfg: Config) -> list[tuple[str, str]]:
         if data.num_samples is None:
             data.num_samples = want
         elif data.num_samples != want:
+            per_class = max(1, round(data.num_samples / data.num_classes))
             out.append(("data.num_samples", f"data.num_samples={data.num_samples}: data.source="
-                        f"synthetic makes num_classes x synthetic_images_per_class = {want}"))
+                        f"synthetic makes num_classes x synthetic_images_per_class = {want}; "
+                        "a recipe's count: add data.num_samples=null (and e.g. "
+                        f"data.synthetic_images_per_class={per_class})"))
         return out
     if "synthetic_images_per_class" in data.model_fields_set:
         out.append(("data.synthetic_images_per_class", "data.synthetic_images_per_class="
