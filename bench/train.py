@@ -169,7 +169,8 @@ def run_step(args: argparse.Namespace, device: torch.device, classes: int, rate:
     cfg = _config(args, classes, rate, device)
     torch.manual_seed(0)
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
-                     seed=cfg.seed, **cfg.head.partial_fc_kwargs())  # as launch.train builds it
+                     seed=cfg.seed, device=device,
+                     **cfg.head.partial_fc_kwargs())  # as launch.train builds it
     engine = Engine(cfg, build_backbone(args.backbone), head, device,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)

@@ -146,7 +146,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
     backbone = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
-                     build_margin(cfg.margin_kwargs()), seed=cfg.seed,
+                     build_margin(cfg.margin_kwargs()), seed=cfg.seed, device=env.device,
                      **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)

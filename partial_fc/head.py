@@ -70,6 +70,10 @@ class PartialFC(nn.Module):
             with fp32 accumulation; inverse norms, softmax statistics and the loss stay fp32;
             the gradient is rounded once from fp32; the optimizers update in fp32 and round
             once per step (round to nearest even).
+        device: where ``weight`` is created (default: the CPU; ``.to()`` moves it later).
+            Give the training device at large class counts: the rows are drawn block by
+            block on the CPU and copied there, so no whole shard passes through host memory
+            (8 ranks of 12.5M fp32 rows each would hold 205 GB of a node's RAM at once).
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
@@ -107,6 +111,7 @@ class PartialFC(nn.Module):
         kernel: str = "auto",
         max_tile_bytes: int = 32 << 20,
         state_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -140,8 +145,8 @@ class PartialFC(nn.Module):
         self.class_start, stop = dist_ops.split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
         self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
-            torch.empty(self.num_local, embedding_size, dtype=state_dtype), self.class_start,
-            seed))
+            torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),
+            self.class_start, seed))
         self.margin = margin
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))

@@ -31,8 +31,9 @@ def derive_seed(*keys: int) -> int:
 
 @torch.no_grad()
 def init_rows_(weight: Tensor, class_start: int, seed: int, std: float = 0.01) -> Tensor:
-    """Fill ``weight`` (``[num_local, D]``, rows ``class_start ..``) in place with
-    ``N(0, std^2)`` rows that depend only on ``(seed, global class index)``; returns it.
+    """Fill ``weight`` (``[num_local, D]``, rows ``class_start ..``, on any device) in place
+    with ``N(0, std^2)`` rows that depend only on ``(seed, global class index)``; returns it.
+    The rows are drawn on the CPU, one block at a time, and copied into ``weight``.
 
     ``std = 0.01`` is insightface's choice; the head normalises rows, so only the norm's
     interplay with the learning rate and weight decay depends on it. The blocks are drawn in

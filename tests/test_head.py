@@ -194,6 +194,13 @@ def test_init_rows_depend_only_on_seed_and_global_class():
     assert torch.equal(full[BLOCK: 2 * BLOCK], expected)
 
 
+def test_the_weight_is_created_on_the_device_it_is_given():
+    """What launch.train passes (the run's device); the meta device stands in for a GPU here
+    (a CUDA test checks the values): the shard is never built on the CPU first."""
+    head = PartialFC(3, BLOCK + 37, build_margin(MARGINS["cosface"]), device="meta")
+    assert head.weight.device.type == "meta" and head.weight.shape == (BLOCK + 37, 3)
+
+
 def test_bf16_init_is_the_fp32_init_rounded_on_any_number_of_ranks():
     num_classes = BLOCK + 37
     full = init_rows_(torch.empty(num_classes, 3), 0, seed=5).bfloat16()
@@ -338,6 +345,20 @@ def test_cuda_matches_cpu_and_bf16_autocast_is_fp32_softmax():
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(x_gpu.grad).all()
     assert sampled.sampled_index.is_cuda and len(sampled.sampled_index) == 50
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_created_on_the_device_equals_the_cpu_init(dtype):
+    """``device=`` draws the rows on the CPU block by block and copies each into the device
+    weight: the same values as a CPU-built head moved there, with no whole shard on the host."""
+    kwargs = dict(seed=5, state_dtype=dtype)
+    on_gpu = PartialFC(3, 2 * BLOCK + 37, build_margin(MARGINS["cosface"]), device="cuda",
+                       **kwargs)
+    on_cpu = PartialFC(3, 2 * BLOCK + 37, build_margin(MARGINS["cosface"]), **kwargs)
+    assert on_gpu.weight.is_cuda and on_gpu.weight.dtype == dtype
+    assert torch.equal(on_gpu.weight.detach().cpu(), on_cpu.weight.detach())
 
 
 @pytest.mark.cuda
