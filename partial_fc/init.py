@@ -38,20 +38,25 @@ def init_rows_(weight: Tensor, class_start: int, seed: int, std: float = 0.01) -
     ``std = 0.01`` is insightface's choice; the head normalises rows, so only the norm's
     interplay with the learning rate and weight decay depends on it. The blocks are drawn in
     ``torch.get_num_threads()`` threads (each its own generator, so the values do not depend
-    on the thread count): one CPU generator draws about 85M values/s, and a 30M-class shard
-    (15G values at D = 512) would otherwise take three minutes before the first step.
+    on the thread count): one CPU generator draws about 100M values/s, and a 30M-class shard
+    (15G values at D = 512) would otherwise take two to three minutes before the first step.
     """
     num_local, dim = weight.shape
     end = class_start + num_local
-    blocks = range(class_start // BLOCK, (end - 1) // BLOCK + 1 if num_local else 0)
+    blocks = list(range(class_start // BLOCK, (end - 1) // BLOCK + 1 if num_local else 0))
 
-    def fill(block: int) -> None:
+    def draw(block: int) -> Tensor:
         gen = torch.Generator().manual_seed(derive_seed(seed, block))
-        rows = torch.randn(BLOCK, dim, generator=gen, dtype=torch.float32).mul_(std)
-        lo, hi = max(class_start, block * BLOCK), min(end, (block + 1) * BLOCK)
-        weight[lo - class_start: hi - class_start] = rows[lo - block * BLOCK: hi - block * BLOCK]
+        return torch.randn(BLOCK, dim, generator=gen, dtype=torch.float32).mul_(std)
 
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        for _ in pool.map(fill, blocks):  # re-raises a worker's exception here
-            pass
+    # Draws in the threads; copies into ``weight`` (perhaps on a GPU) from this thread alone,
+    # a window of blocks at a time, so at most 4 blocks per thread wait in host memory.
+    workers = max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(workers) as pool:
+        for first in range(0, len(blocks), 4 * workers):
+            window = blocks[first: first + 4 * workers]
+            for block, rows in zip(window, pool.map(draw, window), strict=True):
+                lo, hi = max(class_start, block * BLOCK), min(end, (block + 1) * BLOCK)
+                weight[lo - class_start: hi - class_start] = rows[lo - block * BLOCK:
+                                                                  hi - block * BLOCK]
     return weight
