@@ -99,10 +99,10 @@ def train_all(args: argparse.Namespace, names: list[str]) -> None:
     while waiting or running:
         while waiting and len(running) < args.jobs:
             name = waiting.pop(0)
+            cmd = command(args, name)
             log = open(args.work / f"{name}.out", "w")  # noqa: SIM115 - closed below
-            print(f"start {name}: {' '.join(command(args, name)[1:])}", flush=True)
-            proc = subprocess.Popen(command(args, name), cwd=ROOT, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
+            print(f"start {name}: {' '.join(cmd[1:])}", flush=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((name, proc, log, time.monotonic()))
         time.sleep(0.5)
         for item in [r for r in running if r[1].poll() is not None]:

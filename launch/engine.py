@@ -100,11 +100,9 @@ class Engine:
         self.head_optimizer = make_head_optimizer(cfg.optim, head, cfg.head.max_update_mib << 20)
         self.optimizer = make_optimizer(cfg.optim, self.backbone.parameters())
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
-        self.deepspeed = cfg.engine.type == "deepspeed"
-        self.input_dtype = torch.float32
         trained = self._compiled() if cfg.engine.compile else self.backbone
         self._ds_backbone: DeepSpeedBackbone | None = None
-        if self.deepspeed:
+        if cfg.engine.type == "deepspeed":
             self._ds_backbone = DeepSpeedBackbone(cfg, trained, self.backbone, self.optimizer,
                                                   device, self.world_size)
             self.model = self._ds_backbone.model
@@ -112,7 +110,13 @@ class Engine:
         else:
             ids = [device.index] if device.type == "cuda" else None
             self.model = DistributedDataParallel(trained, device_ids=ids)
+            self.input_dtype = torch.float32
         self.set_lr(0)
+
+    @property
+    def deepspeed(self) -> bool:
+        """Whether DeepSpeed runs the backbone (``engine.type``), else DDP."""
+        return self._ds_backbone is not None
 
     def _cuda_settings(self) -> torch.memory_format:
         """cuDNN autotuning and the backbone's memory format: channels_last on CUDA (NHWC

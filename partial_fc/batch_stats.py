@@ -28,13 +28,14 @@ __all__ = ["global_stats", "stats_readout"]
 
 @torch.no_grad()
 def global_stats(shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor,
-                 s_prev: Tensor | float, scale: torch.nn.Module, num_classes: int,
-                 training: bool, process_group: dist_ops.ProcessGroup) -> dict:
+                 scale: torch.nn.Module, num_classes: int, training: bool,
+                 process_group: dist_ops.ProcessGroup) -> dict:
     """One all-reduce (fp64) of: each sample's target cos, each sample's partial
     ``sum_{k != y} exp(s_prev (cos_k - 1))`` (dynamic AdaCos only, from the tile statistics
     at ``s_prev``), the number of sampled classes and the sum of non-target cosines.
-    ``row_max, row_sum, cos_sum`` ``[N]`` are ``shard.stats(s_prev)``; ``scale`` is the
-    margin's scale, updated here when it is a dynamic AdaCos scale and ``training``.
+    ``scale`` is the margin's scale, ``s_prev = scale.value()`` on entry, updated here when it
+    is a dynamic AdaCos scale and ``training``; ``row_max, row_sum, cos_sum`` ``[N]`` are
+    ``shard.stats(s_prev)``.
     Everything stays on the device: the total of sampled classes (``S``, known to the host
     only at ``r == 1``) enters ``neg_ratio = (C - 1) / (S - 1)`` as a tensor, NaN when
     ``S == 1`` (no negative at all), and a dynamic scale keeps its value then.
@@ -43,6 +44,7 @@ def global_stats(shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor
     ``nontarget_cos_sum``, ``negatives`` (``S - 1``) and ``log_b_avg`` (``ln B_avg`` at
     ``s_prev`` when the scale was updated, else None): replicated 0-d tensors."""
     n, sampled = shard.e.shape[0], shard.w.shape[0]
+    s_prev = scale.value()
     dynamic = isinstance(scale, AdaCosScale) and scale.dynamic and training
     packed = torch.zeros(2 * n + 2, dtype=torch.float64, device=row_max.device)
     packed[:n] = shard.cos_t.double()  # 0 on rows whose target another rank owns
@@ -58,7 +60,7 @@ def global_stats(shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor
            "nontarget_cos_sum": packed[2 * n + 1], "negatives": total - 1,
            "log_b_avg": None}
     if dynamic:  # B estimated from the sampled negatives, rescaled
-        log_b = scale.value().double() + torch.log(packed[n: 2 * n] * neg_ratio)
+        log_b = s_prev.double() + torch.log(packed[n: 2 * n] * neg_ratio)
         out["log_b_avg"] = log_mean_exp(log_b)
         scale.update(out["log_b_avg"].float(), theta_med, valid=total > 1)
     return out

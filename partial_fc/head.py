@@ -249,8 +249,8 @@ class PartialFC(nn.Module):
         shard = self._shard(e, index, targets)
         scale = self.margin.scale
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
-        glob = global_stats(shard, row_max, row_sum, cos_sum, scale.value(), scale,
-                            self.num_classes, self.training, group)
+        glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
+                            self.training, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
         if glob["log_b_avg"] is not None:  # the scale moved: the statistics at s_t
@@ -281,7 +281,7 @@ class PartialFC(nn.Module):
         self._checked, self._deferred = self._deferred, []
         ok = torch.ones((), dtype=torch.bool, device=self.weight.device)
         for y in self._checked:
-            ok = ok & ((y >= 0) & (y < self.num_classes)).all()
+            ok = ok & ~self._out_of_range(y).any()
         return ok
 
     def raise_label_error(self) -> None:
@@ -292,8 +292,11 @@ class PartialFC(nn.Module):
 
     # ------------------------------------------------------------------ helpers
 
+    def _out_of_range(self, y: Tensor) -> Tensor:
+        return (y < 0) | (y >= self.num_classes)
+
     def _check_labels(self, y: Tensor) -> None:
-        bad = (y < 0) | (y >= self.num_classes)
+        bad = self._out_of_range(y)
         if bool(bad.any()):  # every rank sees the same gathered labels: all raise together
             raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
                              f"[0, {self.num_classes}) (num_classes={self.num_classes})")
