@@ -43,18 +43,18 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -n 2 -q -m "not slow"
 
-# On a GPU machine: the CUDA-marked tests, including short training runs (tests/test_gpu_runs.py).
+# On a GPU machine: the CUDA-marked tests, including short training runs (tests/e2e/test_gpu_runs.py).
 # No setup prerequisite: the lent GPU machine brings its own torch (make test-gpu PY=python3,
 # see docs/gpu.md). Here every one of them is skipped with a reason.
 test-gpu:
 	$(PY) -m pytest -q -rs -m cuda
 
 lint: setup
-	$(PY) -m ruff check partial_fc data_pipeline launch tests bench
+	$(PY) -m ruff check partial_fc data_pipeline trainer launch tools tests bench
 
-# Fault injection end to end on CPU (launch/chaos.py): one table, every row must hold (~2-3 min).
+# Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold (~2-3 min).
 chaos: setup
-	OMP_NUM_THREADS=1 $(PY) -m launch.chaos
+	OMP_NUM_THREADS=1 $(PY) -m tools.chaos
 
 $(SMOKE_DATA)/manifest.json: | setup
 	$(PY) -c "from data_pipeline import write_synthetic_dataset as w; \

@@ -6,7 +6,7 @@
 # this machine first: `../shared/gpu/wheels.sh` (fills .gpu/), then one device `run` per stage,
 # each with `carry: [".gpu"]` and the command `bash bench/gpu_session.sh STAGE`:
 #
-#   tests  make test-gpu (the cuda-marked tests and tests/test_gpu_runs.py), then the
+#   tests  make test-gpu (the cuda-marked tests and tests/e2e/test_gpu_runs.py), then the
 #          ms1mv3-r50 recipe started on one GPU (NPROC_PER_NODE=1) on the synthetic stream
 #   head   bench/kernels.py; bench/head.py at C_local 1M r=1 (fp32 and bf16 state), r=0.1, 4M r=0.1
 #   train  bench/train.py, iresnet50 bf16 batch 128: 1k and 1M classes, bf16 head state,

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA device: the kernels are compiled Triton (on CPU "
-                 "only triton's interpreter runs them, for tests/test_triton_margin.py)")
+                 "only triton's interpreter runs them, for tests/partial_fc/test_triton_margin.py)")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for s_cols in args.classes:
         _case(args.batch, s_cols, args.dim, DTYPES[args.dtype], args)

@@ -38,11 +38,11 @@ from data_pipeline.codec import decode_image, prepare_jpeg, resolve_decoder
 from data_pipeline.orl import find_orl_root, write_orl_shards
 from data_pipeline.orl_pairs import orl_pairs, write_orl_verification_bin
 from launch import train
-from launch.config import ConfigWarning, load_config
-from launch.evaluate import embed_images, evaluate_bins
-from launch.inference import load_backbone
 from partial_fc.backbones import build_backbone
 from partial_fc.eval.verification import evaluate_pairs
+from trainer.checkpoint.backbone import load_backbone
+from trainer.config import ConfigWarning, load_config
+from trainer.evaluation import embed_images, evaluate_bins
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "orl.yaml"
 TRAIN_IDS = range(1, 31)

@@ -6,12 +6,12 @@
     python bench/train.py --synthetic-data 1000 --workers 10   # batches from the real loader
     python bench/train.py --data DIR --compile              # a converted folder; torch.compile
 
-One process, a 1-rank process group (``launch.distributed.init_distributed``, no torchrun).
+One process, a 1-rank process group (``trainer.dist.init_distributed``, no torchrun).
 
 - ``ceiling``: the backbone alone, as the engine runs it (same batch, precision and memory
   format: channels_last on CUDA), on random input: forward, ``mean(emb^2)`` backward, the
-  backbone's optimizer (``launch.engine.make_optimizer``);
-- each ``classes:rate`` of ``--runs``: the full step, ``launch.engine.Engine.step`` with a
+  backbone's optimizer (``trainer.engine.make_optimizer``);
+- each ``classes:rate`` of ``--runs``: the full step, ``trainer.engine.Engine.step`` with a
   ``partial_fc.PartialFC`` head of that many classes and sample rate.
 
 Batches: with ``--data DIR`` (or ``--synthetic-data K``, which first writes a K-class
@@ -51,12 +51,13 @@ from pathlib import Path
 import torch
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
-from launch import plan
-from launch.config import Config
-from launch.distributed import init_distributed, resolve_device, shutdown
-from launch.engine import Engine, make_optimizer
+from launch import plan as plan_cli  # the flags a user gives `launch.plan`
 from partial_fc import PartialFC, build_margin
 from partial_fc.backbones import build_backbone
+from trainer import plan
+from trainer.config import Config
+from trainer.dist import init_distributed, resolve_device, shutdown
+from trainer.engine import Engine, make_optimizer
 
 PHASES = ("data", "input", "bb fwd", "head fwd", "head bwd", "bb bwd", "optim", "other")
 
@@ -215,7 +216,7 @@ def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int) -> 
              "--batch", str(args.batch), "--backbone", args.backbone,
              "--precision", args.precision, "--engine", args.engine, "--reserve", "0",
              "--state-dtype", args.state_dtype]
-    return plan.plan(plan.resolve_inputs(plan.build_parser().parse_args(flags)))
+    return plan.plan(plan_cli.resolve_inputs(plan_cli.build_parser().parse_args(flags)))
 
 
 def _cell(stat: tuple[float, float] | None) -> str:

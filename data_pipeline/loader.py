@@ -283,7 +283,7 @@ class Loader(EpochBatches):
 
 def _ignore_sigusr1(worker: int) -> None:
     """A worker outlives a SIGUSR1 sent to the whole job (``scancel --signal=USR1``): the
-    trainer stops at the next step boundary (``launch.preemption``) and ends its workers.
+    trainer stops at the next step boundary (``trainer.preemption``) and ends its workers.
     SIGTERM keeps its default: it is how DataLoader ends a worker that does not quit."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 

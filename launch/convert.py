@@ -21,7 +21,7 @@ from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.manifest import read_manifest
 from data_pipeline.verify import verify_dataset
 from data_pipeline.writer import DEFAULT_SAMPLES_PER_SHARD, write_dataset
-from launch.console import plain_help
+from launch.cli import plain_help
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,128 +5,24 @@ Command line (one process)::
     python -m launch.evaluate --checkpoint RUN --bin lfw.bin cfp_fp.bin agedb_30.bin
     python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
 
-In training, ``launch.train`` calls :func:`evaluate_bins` on every rank.
+The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import nn
-from tqdm import tqdm
 
-from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.ijb import TARGETS, iter_aligned_faces, read_ijb_meta
-from data_pipeline.verification_bin import read_bin
-from launch.console import plain_help
-from launch.inference import add_checkpoint_argument, load_backbone_or_exit
-from partial_fc.backbones import normalize_images
-from partial_fc.distributed import all_gather, get_rank, get_world_size
-from partial_fc.eval.ijb import IJB_FARS, evaluate_ijb
-from partial_fc.eval.verification import FARS, evaluate_pairs, resolves
-
-
-@contextlib.contextmanager
-def _eval_mode(backbone: nn.Module):
-    """``backbone`` in eval mode for the block; its train/eval mode is restored after."""
-    was_training = backbone.training
-    backbone.eval()
-    try:
-        yield
-    finally:
-        backbone.train(was_training)
-
-
-@torch.no_grad()
-def embed_images(backbone: nn.Module, images: np.ndarray | torch.Tensor, batch_size: int,
-                 device: torch.device | str) -> torch.Tensor:
-    """uint8 ``[N, 3, 112, 112]`` -> float32 ``[N, D]`` on ``device``, unit rows.
-
-    Each embedding is ``f(x) + f(flip(x))`` (horizontal flip), L2-normalised: the
-    convention insightface's numbers use. The backbone must already be in eval
-    mode, on ``device``; inputs are cast to its parameter dtype.
-    """
-    dtype = next(backbone.parameters()).dtype
-    out = []
-    for start in range(0, len(images), batch_size):
-        x = torch.as_tensor(images[start:start + batch_size]).to(device)
-        x = normalize_images(x).to(dtype)
-        emb = backbone(x).float() + backbone(torch.flip(x, dims=[3])).float()
-        out.append(nn.functional.normalize(emb, dim=1))
-    return torch.cat(out)
-
-
-def embed_shared(backbone: nn.Module, encoded: Sequence[bytes], batch_size: int,
-                 device: torch.device | str, process_group=None) -> torch.Tensor:
-    """Embed encoded images, each rank its contiguous share; every rank returns all ``[N, D]``.
-
-    Called by every rank of ``process_group`` (None: WORLD, or one process when
-    torch.distributed is not initialised). Shares are padded to equal length by
-    repeating the last image, so every rank runs the same batches and the gather is even;
-    the padding is dropped.
-    """
-    rank, world = get_rank(process_group), get_world_size(process_group)
-    n = len(encoded)
-    chunk = math.ceil(n / world)
-    share = [encoded[min(i, n - 1)] for i in range(rank * chunk, (rank + 1) * chunk)]
-    decoder = resolve_decoder("auto")
-    images = np.stack([decode_image(b, 112, decoder).transpose(2, 0, 1) for b in share])
-    local = embed_images(backbone, images, batch_size, device)
-    return all_gather(local, process_group, sizes=[chunk] * world)[:n]
-
-
-def evaluate_bins(
-    backbone: nn.Module, bin_paths: Sequence[str | Path], batch_size: int,
-    device: torch.device | str, process_group=None,
-) -> dict[str, dict[str, float | int]]:
-    """Verification metrics of ``backbone`` on insightface ``.bin`` sets.
-
-    Called by every rank of ``process_group``; each rank embeds its share of the
-    images and all ranks return the same dict ``{bin stem: evaluate_pairs(...)}``
-    (keys: accuracy, accuracy_std, best_threshold, auc, tar@far=..., and the integers
-    num_pairs and impostor_pairs).
-    Pass the bare backbone (not a DDP/DeepSpeed wrapper); its train/eval mode is
-    restored on return.
-    """
-    names = [Path(p).stem for p in bin_paths]
-    if len(set(names)) != len(names):
-        raise ValueError(f"verification sets need distinct file names, got {list(bin_paths)}")
-    results = {}
-    with _eval_mode(backbone):
-        for name, path in zip(names, bin_paths, strict=True):
-            encoded, issame = read_bin(path)
-            # A face appears in several pairs (ORL's 1,800 entries hold 100 images): embed
-            # each distinct image once and index.
-            unique = {image: i for i, image in enumerate(dict.fromkeys(encoded))}
-            emb = embed_shared(backbone, list(unique), batch_size, device, process_group)
-            emb = emb.cpu()[torch.tensor([unique[image] for image in encoded])].numpy()
-            results[name] = evaluate_pairs(emb[0::2], emb[1::2], issame)
-    return results
-
-
-def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_size: int,
-                     device: torch.device | str, progress: bool = False) -> dict[str, float | int]:
-    """IJB-B/C 1:1 TAR@FAR (``partial_fc.eval.ijb``) of ``backbone`` on ``root`` (one process).
-
-    Faces are aligned from the 5 landmarks, embedded with flip TTA (:func:`embed_images`),
-    weighted by detector score and pooled into templates.
-    """
-    meta = read_ijb_meta(root, target)
-    batches = iter_aligned_faces(meta, batch_size)
-    total = math.ceil(len(meta.names) / batch_size)
-    with _eval_mode(backbone):
-        feats = [embed_images(backbone, b, batch_size, device).cpu()
-                 for b in tqdm(batches, total=total, desc=target, disable=not progress)]
-    return evaluate_ijb(torch.cat(feats).numpy(), meta.templates, meta.medias,
-                        meta.face_scores, meta.t1, meta.t2, meta.labels)
+from data_pipeline.ijb import TARGETS
+from launch.cli import add_checkpoint_argument, load_backbone_or_exit, plain_help
+from partial_fc.eval.ijb import IJB_FARS
+from partial_fc.eval.verification import FARS, resolves
+from trainer.evaluation import evaluate_bins, evaluate_ijb_dir
 
 
 def format_table(results: dict[str, dict[str, float | int]]) -> str:

@@ -23,8 +23,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from launch.console import plain_help
-from launch.inference import add_checkpoint_argument, load_backbone_or_exit
+from launch.cli import add_checkpoint_argument, load_backbone_or_exit, plain_help
 
 
 def export_onnx(backbone: nn.Module, out: str | os.PathLike, opset: int | None = None) -> Path:

@@ -5,7 +5,7 @@ Reads only the run folder (``config.yaml``, ``metrics.jsonl``, ``histograms.json
 needs no W&B and works on a run that is still going (a partial last line is skipped). The
 page is self-contained: figures are PNGs embedded as base64. ``--png DIR`` also writes them
 as files (``DIR/<figure>.png``, at ``--dpi``). The figures and what to read in them:
-:mod:`launch.report_figures`.
+:mod:`trainer.telemetry.figures`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
-from launch import run_files
-from launch.report_figures import FIGURES, RunData
+from trainer.telemetry import run_files
+from trainer.telemetry.figures import FIGURES, RunData
 
 
 class ReportError(ValueError):

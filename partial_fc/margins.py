@@ -28,7 +28,7 @@ __all__ = [
 MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"]
 MARGIN_TYPES: tuple[str, ...] = get_args(MarginType)
 AdaCosMode = Literal["fixed", "dynamic"]
-# The keys build_margin reads. launch.config.MarginConfig declares each one for the user (with
+# The keys build_margin reads. trainer.config.MarginConfig declares each one for the user (with
 # its default and description, plus the validation-only p_w); a test holds the two equal.
 MARGIN_KEYS = frozenset(
     {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin"}
@@ -168,7 +168,7 @@ _DEFAULT_M = {"sphereface": 4, "cosface": 0.35, "arcface": 0.5}
 
 # ----------------------------------------------------------------------------- the rules
 # Every rule a margin's parameters obey lives here, once: the constructors, build_margin and
-# launch.config (which reports them before any process starts) all call these. Each error is
+# trainer.config (which reports them before any process starts) all call these. Each error is
 # (dotted config key, one line naming key, value and the valid range).
 
 

@@ -13,14 +13,15 @@ from PIL import Image
 from torch import nn
 
 from data_pipeline.verification_bin import write_bin
-from launch.integrity import META, sha256
 from partial_fc.backbones import build_backbone
+from trainer.checkpoint.integrity import META, sha256
 
 
 def make_run(root: Path, embedding_size: int = 16, tag: str = "step-00000010",
              seed: int = 0) -> Path:
     """A run folder in the trainer's layout holding a trained-looking iresnet_tiny: its
-    ``backbone.pt`` and a ``meta.json`` listing its SHA-256 (what ``launch.integrity`` checks).
+    ``backbone.pt`` and a ``meta.json`` listing its SHA-256 (what
+    ``trainer.checkpoint.integrity`` checks).
     Called again with another ``tag`` (and ``seed``), it adds a checkpoint that ``latest``
     then names."""
     torch.manual_seed(seed)

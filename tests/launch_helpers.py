@@ -12,7 +12,7 @@ NUM_CLASSES, EMBEDDING = 11, 16  # 11 classes: uneven over 2 and 3 ranks
 
 
 def make_config(*overrides: str):
-    from launch.config import load_config
+    from trainer.config import load_config
 
     base = [
         f"data.num_classes={NUM_CLASSES}",
@@ -64,9 +64,9 @@ def local_micro_batches(step: int, size: int, rank: int, world: int, k: int) -> 
 
 def build_engine(cfg, total_steps: int = 10, device: str = "cpu", backbone: str | None = None):
     """An Engine on ``cfg`` with :func:`tiny_backbone`, or the registered ``backbone``."""
-    from launch.engine import Engine
     from partial_fc import PartialFC, build_margin
     from partial_fc.backbones import build_backbone
+    from trainer.engine import Engine
 
     torch.manual_seed(0)
     backbone = tiny_backbone() if backbone is None else build_backbone(backbone, EMBEDDING)

@@ -1,0 +1,35 @@
+"""What the programs in ``launch/`` share on the command line: help text from module
+docstrings and the ``--checkpoint`` option of ``evaluate`` and ``export``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from torch import nn
+
+from trainer.checkpoint.backbone import CheckpointError, load_backbone
+
+
+def plain_help(doc: str) -> str:
+    """A module docstring as ``--help`` text: reST roles and literals (``:func:`x```,
+    double backticks, ``::``) become the plain words they mark up."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    text = re.sub(r"``([^`]+)``|`([^`]+)`", lambda m: m.group(1) or m.group(2), text)
+    return re.sub(r"::$", ":", text, flags=re.M).strip()
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--checkpoint`` option of ``launch.evaluate`` and ``launch.export``."""
+    parser.add_argument("--checkpoint", required=True,
+                        help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
+
+
+def load_backbone_or_exit(path: str | os.PathLike) -> nn.Module:
+    """:func:`load_backbone` for a program's ``--checkpoint``: a :class:`CheckpointError`
+    ends the program with its one line (``error: ...``, exit status 1), not a traceback."""
+    try:
+        return load_backbone(path)[0]
+    except CheckpointError as err:
+        raise SystemExit(f"error: {err}") from None

@@ -1,0 +1,19 @@
+"""Every program's ``--help`` exits 0 and reads as plain text (no reST roles or literals)."""
+
+import importlib
+
+import pytest
+
+PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
+            "tools.chaos.__main__", "launch.plan", "launch.report"]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_help_is_plain_text(program, capsys):
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(program).main(["--help"])
+    text = capsys.readouterr().out
+    command = program.removesuffix(".__main__")
+    assert done.value.code == 0 and text.startswith(f"usage: python -m {command}")
+    for markup in ("``", ":func:", ":class:", "::"):
+        assert markup not in text, f"{program} --help shows reST {markup!r}"

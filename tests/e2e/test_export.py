@@ -1,0 +1,51 @@
+"""launch.export: ONNX Runtime reproduces the PyTorch embeddings with a dynamic batch axis."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from eval_helpers import (
+    make_run,
+)
+
+from launch.export import main
+from trainer.checkpoint.backbone import load_backbone
+
+
+@pytest.mark.slow
+def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys):
+    run = make_run(tmp_path)
+    out = tmp_path / "model.onnx"
+    assert main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    assert "min cosine" in capsys.readouterr().out
+    assert list(tmp_path.glob("model.onnx*")) == [out]  # one self-contained file
+
+    graph = onnx.load(str(out)).graph
+    batch_dim = graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch_dim.dim_param and not batch_dim.HasField("dim_value")  # symbolic batch
+
+    model, _ = load_backbone(run)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch in (1, 3, 7):
+        x = torch.rand(batch, 3, 112, 112, generator=torch.Generator().manual_seed(batch)) * 2 - 1
+        got = session.run(None, {"images": x.numpy()})[0]
+        with torch.no_grad():
+            want = model(x).numpy()
+        assert got.shape == (batch, 16)
+        cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert cos.min() >= 0.9999
+
+
+def test_export_refuses_a_corrupt_checkpoint_in_one_line(tmp_path):
+    run = make_run(tmp_path)
+    weights = run / "checkpoints" / "step-00000010" / "backbone.pt"
+    weights.write_bytes(weights.read_bytes()[:-1])  # truncated
+    for path in (run, weights.parent):
+        with pytest.raises(SystemExit) as caught:
+            main(["--checkpoint", str(path), "--out", str(tmp_path / "model.onnx")])
+        assert str(caught.value.code).startswith("error: ") and "\n" not in caught.value.code
+        assert ("no checkpoint verifies" if path == run else "SHA-256 differs") in caught.value.code
+    assert not (tmp_path / "model.onnx").exists()

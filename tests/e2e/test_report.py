@@ -1,0 +1,150 @@
+"""launch.report: figures from real (short) training runs, checked as matplotlib objects."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+
+import numpy as np
+import pytest
+from eval_helpers import make_color_bin
+from launch_helpers import train_in_process
+from matplotlib.collections import QuadMesh
+
+from launch import report
+from partial_fc.scale import fixed_adacos_scale
+from trainer.telemetry.figures import FIGURES
+
+STEPS = 12
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(synthetic_data, tmp_path_factory):
+    """Two smoke runs of STEPS steps: ArcFace with a verification set, dynamic AdaCos without."""
+    import os
+
+    os.environ["WANDB_MODE"] = "disabled"
+    root = tmp_path_factory.mktemp("runs")
+    pairs = root / "colours.bin"
+    make_color_bin(pairs, num_pairs=20)
+    common = (f"train.max_steps={STEPS}", "log.every=2", "log.hist_every=4")
+    arc = root / "arcface"
+    assert train_in_process(synthetic_data, arc, *common, "margin.type=arcface", "margin.s=16",
+                            "margin.m=0.2", f"eval.bins=[{pairs}]", "eval.every=6") == 0
+    ada = root / "adacos"
+    assert train_in_process(synthetic_data, ada, *common, "margin.type=adacos",
+                            "margin.adacos=dynamic") == 0
+    return arc, ada
+
+
+def _plot_axes(fig):
+    return [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+
+
+def _drawn(ax) -> bool:
+    """Whether ``ax`` shows data: a line with a finite point, or a non-empty mesh."""
+    lines = any(np.isfinite(np.asarray(line.get_ydata(), float)).any() for line in ax.lines)
+    meshes = any(isinstance(c, QuadMesh) and c.get_array().size for c in ax.collections)
+    return lines or meshes
+
+
+def _check_figure(slug, fig):
+    assert _plot_axes(fig), slug
+    for ax in _plot_axes(fig):
+        if not ax.axison:  # a run's absent panel
+            continue
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title(), (slug, ax)
+        assert _drawn(ax), (slug, ax.get_title())
+    for cbar in (ax for ax in fig.axes if ax.get_label() == "<colorbar>"):
+        assert cbar.get_ylabel(), slug
+
+
+def test_every_figure_from_a_run_with_evaluation(runs):
+    arc, _ = runs
+    (run,) = report.load_runs([arc])
+    figures = report.build_figures([run])
+    assert list(figures) == list(FIGURES)  # all of them, in order
+    for slug, fig in figures.items():
+        _check_figure(slug, fig)
+    ax = _plot_axes(figures["verification"])[0]
+    assert ax.get_title() == "verification: colours"
+    assert ax.lines[0].get_xdata().tolist() == [6, STEPS]
+    meshes = [c for a in _plot_axes(figures["angles"]) for c in a.collections
+              if isinstance(c, QuadMesh)]
+    assert len(meshes) == 2
+    assert meshes[0].get_array().shape == (180, STEPS // 4)  # degrees x sampled steps
+
+
+def test_runs_overlay_with_reference_lines(runs):
+    arc, ada = runs
+    loaded = report.load_runs([arc, ada])
+    figures = report.build_figures(loaded)
+    assert "verification" in figures  # one run has evaluations: enough
+    for slug, fig in figures.items():
+        _check_figure(slug, fig)
+    loss = _plot_axes(figures["loss"])[0]
+    assert [line.get_label() for line in loss.lines] == ["arcface", "adacos"]
+    assert loss.get_legend() is not None
+    assert [line.get_xdata().tolist() for line in loss.lines] == [list(range(2, STEPS + 1, 2))] * 2
+    scale = _plot_axes(figures["scale"])[0]
+    reference = [line for line in scale.lines if line.get_label().startswith("√2·ln(C−1)")]
+    assert len(reference) == 1  # both runs have C = 20
+    assert reference[0].get_ydata()[0] == pytest.approx(fixed_adacos_scale(20))
+    adacos_s = scale.lines[1].get_ydata()
+    assert adacos_s[0] != pytest.approx(adacos_s[-1])  # the dynamic scale moved
+    theta = _plot_axes(figures["theta_med"])[0]
+    assert any(line.get_ydata()[0] == pytest.approx(np.pi / 4) for line in theta.lines)
+    assert len(_plot_axes(figures["angles"])) == 4  # 2 runs x (target, non-target)
+
+
+def test_html_is_self_contained_and_pngs_are_written(runs, tmp_path, capsys):
+    arc, ada = runs
+    out, pngs = tmp_path / "r" / "report.html", tmp_path / "png"
+    assert report.main([str(arc), str(ada), "--out", str(out), "--png", str(pngs)]) == 0
+    page = out.read_text()
+    images = re.findall(r'<figure id="(\w+)"><img alt="\w+" src="data:image/png;base64,([^"]+)"',
+                        page)
+    assert [slug for slug, _ in images] == list(FIGURES)
+    assert all(base64.b64decode(data).startswith(PNG) for _, data in images)
+    assert "src=\"http" not in page and "<script" not in page
+    assert sorted(p.stem for p in pngs.iterdir()) == sorted(FIGURES)
+    assert "9 figures of 2 run(s)" in capsys.readouterr().err
+
+
+def test_run_still_going_and_folders_that_are_not_runs(runs, tmp_path, capsys):
+    _, ada = runs
+    going = tmp_path / "going"
+    shutil.copytree(ada, going, ignore=shutil.ignore_patterns("checkpoints"))
+    with (going / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 13, "loss": 1.')  # the trainer is mid-line
+    with (going / "histograms.jsonl").open("a") as f:
+        f.write('{"step": 16, "range_deg": [0, 1')
+    (run,) = report.load_runs([going])
+    assert run.train[-1]["step"] == STEPS and run.hist.steps[-1] == STEPS
+    assert "verification" not in report.build_figures([run])  # no evaluations: left out
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main([str(ada), str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"report: {empty}: not a run folder (no config.yaml or metrics.jsonl; give "
+                   f"the `output` folder of launch.train, e.g. runs/<name>)\n")
+    assert report.main([str(tmp_path / "absent")]) == 2
+    assert capsys.readouterr().err == f"report: {tmp_path / 'absent'}: no such folder\n"
+    (going / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    assert report.main([str(going)]) == 2
+    assert "metrics.jsonl:2: not a JSON object" in capsys.readouterr().err
+
+
+def test_scale_axis_turns_logarithmic_when_scales_differ_tenfold():
+    from trainer.telemetry.figures import RunData
+
+    def run(label, s):
+        rows = [{"step": i, "loss": 1.0, "scale": s} for i in (1, 2)]
+        return RunData(label, {"data": {"num_classes": 100}}, rows, [], None)
+
+    build = FIGURES["scale"][0]
+    assert build([run("a", 64.0), run("b", 6.5)]).axes[0].get_yscale() == "log"
+    assert build([run("a", 30.0), run("b", 16.0)]).axes[0].get_yscale() == "linear"

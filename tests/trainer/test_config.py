@@ -1,0 +1,255 @@
+"""trainer.config: every shipped recipe validates; bad configs fail with the expected one-liner."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from partial_fc.margins import normface_scale_bound
+from trainer.config import (
+    ConfigError,
+    ConfigWarning,
+    dump_config,
+    load_config,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_validates(path):
+    cfg = load_config(path, resolve=False)
+    assert load_config(path, ["optim.lr=0.05"], resolve=False).optim.lr == 0.05
+    if path.name != "base.yaml":  # each recipe's runs go to their own folder, named after it
+        assert cfg.name == path.stem and cfg.run_dir == Path("runs") / path.stem
+
+
+def test_recipes_hold_only_differences_from_base():
+    """A recipe key equal to what it inherits would be a silent duplicate of a default."""
+    from trainer.config import Config
+
+    defaults = Config().model_dump(mode="json")
+    for path in CONFIGS:
+        tree = yaml.safe_load(path.read_text())
+        parent = path.parent / tree.pop("base") if "base" in tree else None
+        inherited = (
+            load_config(parent, resolve=False).model_dump(mode="json") if parent else defaults
+        )
+        for section, values in tree.items():
+            items = values.items() if isinstance(values, dict) else [(None, values)]
+            for key, value in items:
+                have = inherited[section] if key is None else inherited[section][key]
+                assert have != value, f"{path.name}: {section}.{key}={value!r} repeats its base"
+
+
+def test_recipe_values():
+    wf = load_config(CONFIGS[0].parent / "webface42m_r100.yaml", resolve=False)
+    assert wf.head.sample_rate == 0.2 and wf.backbone.name == "iresnet100"
+    ada = load_config(CONFIGS[0].parent / "ms1mv3_r50_adacos.yaml", resolve=False)
+    assert (ada.margin.type, ada.margin.adacos, ada.data.num_classes) == (
+        "adacos",
+        "dynamic",
+        93431,
+    )
+    smoke = load_config(CONFIGS[0].parent / "smoke.yaml", resolve=False)
+    assert smoke.device == "cpu" and smoke.backbone.name == "iresnet_tiny"
+
+
+def _write(tmp_path, name, tree):
+    path = tmp_path / name
+    path.write_text(tree if isinstance(tree, str) else yaml.safe_dump(tree))
+    return path
+
+
+# (file contents, overrides, fragments every one of which the error must contain)
+BAD = [
+    (
+        {"margin": {"tpye": "cosface"}},
+        [],
+        ["cfg.yaml: margin.tpye: unknown key", "valid keys: type"],
+    ),
+    ({"bogus": 1}, [], ["cfg.yaml: bogus: unknown key", "valid keys: name, output"]),
+    ({"optim": {"lr": "fast"}}, [], ["cfg.yaml: optim.lr='fast'", "valid number"]),
+    ({"optim": {"lr": -0.1}}, [], ["optim.lr=-0.1", "greater than 0"]),
+    ({"train": {"batch_size": 1.5}}, [], ["train.batch_size=1.5", "valid integer"]),
+    ({"train": {"batch_size": "8"}}, [], ["train.batch_size='8'", "valid integer"]),
+    ({"log": {"progress": 1}}, [], ["log.progress=1", "valid boolean"]),
+    ({}, ["margin.type=foo"], ["command line: margin.type='foo'", "'cosface'", "'adacos'"]),
+    ({}, ["engine.zero_stage=3"], ["engine.zero_stage=3", "0, 1 or 2"]),
+    ({}, ["head.sample_rate=0"], ["head.sample_rate=0", "greater than 0"]),
+    ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5", "less than or equal to 1"]),
+    ({}, ["optim.betas=[0.9]"], ["optim.betas=[0.9]", "at least 2"]),
+    ({}, ["lr=0.1"], ["command line: lr: unknown key"]),
+    ({}, ["margin.s"], ["command line: 'margin.s': overrides are dotted.key=value"]),
+    ({}, ["train=3"], ["command line: train=3", "dictionary"]),
+    ({}, ["backbone.name=resnet9"], ["backbone.name='resnet9': unknown", "iresnet50"]),
+    (
+        {"margin": {"type": "sphereface"}},
+        [],
+        ["cfg.yaml: margin.m=0.5: SphereFace needs an integer m >= 1"],
+    ),
+    ({}, ["margin.m=3.2"], ["margin.m=3.2: ArcFace needs 0 <= m < pi"]),
+    ({"margin": {"type": "adacos"}}, [], ["margin.adacos=None", "fixed|dynamic"]),
+    (
+        {"head": {"sample_rate": 0.1}},
+        ["train.grad_accum=2"],
+        ["command line: train.grad_accum=2: not exact", "sample_rate=0.1"],
+    ),
+    (
+        {"margin": {"type": "adacos", "adacos": "dynamic"}, "train": {"grad_accum": 4}},
+        [],
+        ["cfg.yaml: train.grad_accum=4: not exact", "dynamic AdaCos"],
+    ),
+    ({}, ["engine.precision=fp16"], ["engine.precision='fp16': needs engine.type=deepspeed"]),
+    (  # a rule of partial_fc.margins, reported by the config check
+        {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
+        [],
+        ["cfg.yaml: margin.m2=0.5: easy_margin needs m1*pi/2 + m2 <= pi (m1=2.0)"],
+    ),
+    ("a: [1, 2\nb: 3\n", [], ["cfg.yaml: invalid YAML"]),
+    ("- 1\n- 2\n", [], ["cfg.yaml: top level must be a mapping"]),
+    ({"base": "missing.yaml"}, [], ["cfg.yaml: base='missing.yaml': no such file"]),
+    ({"base": "cfg.yaml"}, [], ["base: cycle"]),
+]
+
+
+@pytest.mark.parametrize("tree,overrides,fragments", BAD)
+def test_bad_config(tmp_path, tree, overrides, fragments):
+    path = _write(tmp_path, "cfg.yaml", tree)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides, resolve=False)
+    message = str(err.value)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_all_errors_reported_together_and_attributed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, "base.yaml", {"optim": {"lr": "x"}})
+    path = _write(tmp_path, "cfg.yaml", {"base": "base.yaml", "train": {"epochs": 0}})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["margin.typo=1", "log.every=-1"], resolve=False)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 4, lines
+    assert any(line.startswith("base.yaml: optim.lr='x'") for line in lines), lines
+    assert any(line.startswith("cfg.yaml: train.epochs=0") for line in lines), lines
+    assert any(line.startswith("command line: margin.typo: unknown key") for line in lines)
+    assert any(line.startswith("command line: log.every=-1") for line in lines), lines
+
+
+def test_inheritance_and_overrides(tmp_path):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    _write(tmp_path, "base.yaml", {"margin": {"type": "cosface", "m": 0.3}, "optim": {"lr": 0.2}})
+    _write(sub, "mid.yaml", {"base": "../base.yaml", "margin": {"m": 0.35}})
+    path = _write(sub, "top.yaml", {"base": "mid.yaml", "eval": {"bins": ["a.bin"]}})
+    cfg = load_config(path, ["optim.lr=1e-3", "eval.bins=[b.bin, c.bin]"], resolve=False)
+    assert (cfg.margin.type, cfg.margin.m, cfg.margin.s) == ("cosface", 0.35, 64.0)
+    assert cfg.optim.lr == 1e-3 and cfg.eval.bins == ["b.bin", "c.bin"]
+    again = _write(tmp_path, "dumped.yaml", dump_config(cfg))
+    assert load_config(again, resolve=False) == cfg
+
+
+def test_theory_warnings(tmp_path):
+    c = 100_000
+    bound = normface_scale_bound(c, 0.9)
+    assert bound == pytest.approx((c - 1) / c * __import__("math").log((c - 1) * 9))
+    path = _write(tmp_path, "cfg.yaml", {"data": {"num_classes": c}})
+    with pytest.warns(ConfigWarning, match=r"margin.s=10.0 is below .* bound 13.71"):
+        load_config(path, ["margin.s=10.0"], resolve=False)
+    with pytest.warns(ConfigWarning, match=r"CosFace range \[0, C/\(C-1\)\]"):
+        load_config(path, ["margin.type=cosface", "margin.m=1.5"], resolve=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(
+            path, ["margin.type=adacos", "margin.adacos=fixed", "margin.s=1.0"], resolve=False
+        )
+        load_config(path, ["margin.s=14.0"], resolve=False)
+
+
+def _manifest(folder, num_classes: int, num_samples: int):
+    from data_pipeline.manifest import Manifest, ShardInfo, write_manifest
+
+    folder.mkdir()
+    shards = (ShardInfo("a.tar", num_samples, 1),)
+    write_manifest(folder, Manifest(num_classes, num_samples, shards))
+    return folder
+
+
+def test_manifest_fills_checks_and_feeds_theory_checks(tmp_path):
+    data = _manifest(tmp_path / "data", num_classes=1000, num_samples=5000)
+    path = _write(tmp_path, "cfg.yaml", {"data": {"dir": str(data)}, "device": "cpu"})
+    with pytest.warns(ConfigWarning, match=r"margin.s=5.0 is below .* for C=1000"):
+        cfg = load_config(path, ["margin.s=5.0"])  # C known only from manifest.json
+    assert (cfg.data.num_classes, cfg.data.num_samples) == (1000, 5000)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["data.num_classes=999", "data.num_samples=4999", "eval.bins=[x.bin]"])
+    lines = str(err.value).splitlines()
+    assert f"command line: data.num_classes=999: manifest.json in {data} says 1000" in lines
+    assert f"command line: data.num_samples=4999: manifest.json in {data} says 5000" in lines
+    assert "command line: eval.bins[0]='x.bin': no such file" in lines  # all errors together
+
+
+def test_malformed_manifest_is_a_config_error_among_others(tmp_path):
+    data = _manifest(tmp_path / "data", num_classes=10, num_samples=20)
+    (data / "manifest.json").write_text("{")
+    path = _write(tmp_path, "cfg.yaml", {"data": {"dir": str(data)}, "device": "cpu"})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["checkpoint.resume=nowhere"])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"{path}: data.dir='{data}': ") and "malformed manifest" in lines[0]
+    assert lines[1] == "command line: checkpoint.resume='nowhere': no such folder"
+
+
+
+def test_help_lists_every_key_with_its_description(capsys):
+    """``launch.train --help`` is generated from the schema: every key has a description and
+    appears with its type and default."""
+    from pydantic import BaseModel
+
+    from launch.train import parse_args
+    from trainer.config import Config
+
+    keys = {}
+    for name, field in Config.model_fields.items():
+        assert field.description, f"{name}: Field(description=...) missing"
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            for key, sub in section.model_fields.items():
+                assert sub.description, f"{name}.{key}: Field(description=...) missing"
+                keys[f"{name}.{key}"] = sub.description
+        else:
+            keys[name] = field.description
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    shown = {ln.split(":")[0].strip(): i for i, ln in enumerate(lines) if ln.startswith("  ")
+             and not ln.startswith("   ") and ": " in ln}
+    missing = sorted(set(keys) - set(shown))
+    assert not missing, f"not in --help: {missing}"
+    for key, description in keys.items():  # the description follows its key line
+        following = " ".join(ln.strip() for ln in lines[shown[key] + 1 : shown[key] + 6])
+        assert following.startswith(" ".join(description.split())[:40]), key
+    assert lines[shown["margin.type"]].endswith("arcface|combined|adacos = arcface")
+    assert lines[shown["train.max_steps"]] == "  train.max_steps: int (> 0) | null = null"
+    assert lines[shown["optim.betas"]].endswith("(length 2) = [0.9, 0.999]")
+
+
+def test_margin_schema_holds_exactly_build_margins_keys():
+    """MarginConfig declares the keys partial_fc.margins reads (plus p_w), no more, no less;
+    its types are the ones margins.py lists."""
+    from pydantic import ValidationError
+
+    from partial_fc.margins import MARGIN_KEYS, MARGIN_TYPES
+    from trainer.config import MarginConfig
+
+    assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}
+    for kind in MARGIN_TYPES:  # each listed type is accepted (a refusal raises) ...
+        MarginConfig(type=kind)
+    with pytest.raises(ValidationError, match="'combined' or 'adacos'"):  # ... and no other
+        MarginConfig(type="curricularface")

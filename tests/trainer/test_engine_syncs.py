@@ -1,0 +1,245 @@
+"""Host reads of a training step (tests/host_reads.py counts them on CPU).
+
+A read of a device value by the host (``.item()``, ``bool(t)``, ``nonzero``, ...) makes the
+CPU wait for the GPU's queue to drain; the budget of a steady-state step is held here so
+that a new ``.item()`` on the training path fails a CPU test:
+
+- ``PartialFC.forward`` + backward at ``r = 1`` with ``sizes`` and ``defer_label_check``: 0;
+- ``Engine.step``, DDP, ``r = 1`` (with or without gradient accumulation): exactly 1, the
+  agreed finite/labels flags that decide whether the optimizers step;
+- DDP at ``r < 1``: the one above (``partial_fc.optim`` learns the sampled rows without a
+  read: after one forward they are the sampler's index, and the sparse gradient holds exactly
+  those), and the sampler's, whose sample size depends on the labels (``partial_fc.sampling``: the
+  positives' selection and ``unique``, 2 per rejection-sampling round; each right after the
+  previous one, when the device's queue is already drained, so they cost little);
+- DeepSpeed ZeRO-1 at ``r = 1``: the engine's 1, plus what DeepSpeed's own overflow check
+  reads inside ``model.step()`` (2 with DeepSpeed 0.19);
+- ``launch.train.one_step``: the engine's 1 on a step that writes no metrics record.
+
+The first step is warm-up (the head reads its step counter once). The cuda-marked tests check
+the same with ``torch.cuda.set_sync_debug_mode`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from host_reads import HostReads
+from launch_helpers import build_engine, local_micro_batches, make_config, train_in_process
+from spawn import run_ranks
+
+from partial_fc import PartialFC, build_margin
+
+GLOBAL_BATCH = 8
+ENGINE = "trainer/engine/engine.py step"
+DEEPSPEED_STEP = "trainer/engine/deepspeed_backend.py _scaled_step"
+MARGINS = {"arcface": dict(type="arcface", s=64.0, m=0.5),
+           "adacos_dynamic": dict(type="adacos", adacos="dynamic"),
+           "sphereface": dict(type="sphereface", m=4, s=30.0)}
+
+
+def _inputs(n=6, dim=8, classes=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, dim, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_head_step_at_rate_1_with_known_sizes_reads_nothing(name):
+    head = PartialFC(8, 20, build_margin(MARGINS[name]), seed=0)
+    eager = copy.deepcopy(head)
+    emb, labels = _inputs()
+    for module in (head, eager):  # warm-up: the first forward reads the step counter
+        module(emb, labels).backward()
+    x = emb.clone().requires_grad_()
+    with HostReads() as reads:
+        head(x, labels, sizes=[6], defer_label_check=True).backward()
+        ok = head.pop_label_check()
+    assert len(reads) == 0, reads.table()
+    x_ref = emb.clone().requires_grad_()
+    eager(x_ref, labels).backward()
+    with HostReads() as reads:
+        stats = dict(head.stats)
+    assert len(reads) == 1, reads.table()  # every statistic in one transfer
+    assert bool(ok) and stats == dict(eager.stats)  # the same floats as the eager path
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(head.weight.grad, eager.weight.grad)
+
+
+def test_deferred_label_check_raises_the_eager_error_on_request():
+    head = PartialFC(8, 20, build_margin(MARGINS["arcface"]))
+    emb, labels = _inputs()
+    bad = labels.clone()
+    bad[3] = 20
+    with pytest.raises(ValueError) as eager:
+        head(emb, bad)
+    head(emb, labels, defer_label_check=True)
+    head(emb, bad, defer_label_check=True)  # no raise here: the caller decides when to read
+    assert not bool(head.pop_label_check())
+    with pytest.raises(ValueError) as deferred:
+        head.raise_label_error()
+    assert str(deferred.value) == str(eager.value) == \
+        "PartialFC: label 20 out of range [0, 20) (num_classes=20)"
+    head(emb, labels, defer_label_check=True)  # a new window: only this forward's labels
+    assert bool(head.pop_label_check())
+    head.raise_label_error()
+
+
+def test_known_sizes_are_checked_against_the_inputs():
+    head = PartialFC(8, 20, build_margin(MARGINS["arcface"]))
+    emb, labels = _inputs()
+    with pytest.raises(ValueError, match=r"rank 0 passed bad inputs; expected embeddings float "
+                                         r"\[5, 8\]"):
+        head(emb, labels, sizes=[5])
+    with pytest.raises(ValueError, match=r"sizes=\[6, 6\] must be 1 batch sizes"):
+        head(emb, labels, sizes=[6, 6])
+
+
+def test_step_counter_copy_follows_a_loaded_state():
+    """The host copy of ``step`` (it seeds the sampler) notices ``load_state_dict``: a head
+    that loads another's state samples the same rows at its next forward."""
+    ahead, behind = (PartialFC(8, 200, build_margin(MARGINS["arcface"]), sample_rate=0.1)
+                     for _ in range(2))
+    emb, labels = _inputs(classes=200)
+    for _ in range(3):
+        ahead(emb, labels)
+    behind(emb, labels)
+    behind.load_state_dict(ahead.state_dict())
+    assert torch.equal(behind(emb, labels), ahead(emb, labels))
+    assert torch.equal(behind.sampled_index, ahead.sampled_index)
+    assert int(behind.step) == 4
+
+
+SPECS = {  # name: overrides
+    "ddp": ["engine.type=ddp"],
+    "ddp_accum": ["engine.type=ddp", "train.grad_accum=2", "train.clip_grad_norm=null"],
+    "ddp_sampled": ["engine.type=ddp", "head.sample_rate=0.5"],
+    "zero1": ["engine.type=deepspeed", "engine.zero_stage=1"],
+}
+
+
+def _count_steps(rank: int, world: int, specs: dict) -> dict:
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; torchrun sets it
+    out = {}
+    for name, overrides in specs.items():
+        cfg = make_config(*overrides, f"train.batch_size={GLOBAL_BATCH // world // 2}"
+                          if "train.grad_accum=2" in overrides
+                          else f"train.batch_size={GLOBAL_BATCH // world}")
+        k = cfg.train.grad_accum
+        engine = build_engine(cfg)
+        engine.step(0, local_micro_batches(0, GLOBAL_BATCH, rank, world, k))  # warm-up
+        counts = []
+        for step in (1, 2):
+            with HostReads() as reads:
+                stats = engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, k))
+            counts.append((reads.places(), reads.table()))
+        with HostReads() as later:
+            read = {"loss": stats["loss"], "grad_norm": stats["grad_norm"],
+                    **dict(engine.head.stats)}
+        out[name] = {"counts": counts, "later": len(later), "read": read,
+                     "skipped": stats["skipped"]}
+    return out
+
+
+def test_steady_state_steps_keep_their_host_read_budget():
+    results = run_ranks(_count_steps, world_size=2, args=(SPECS,))
+    for rank, result in enumerate(results):
+        for name, r in result.items():
+            assert not r["skipped"], (rank, name)
+            assert r["later"] == 2, (rank, name)  # engine numbers, head numbers: 1 each
+            assert r["read"] == results[0][name]["read"], (rank, name)  # replicated
+            for places, table in r["counts"]:
+                where = f"rank {rank} {name}:\n{table}"
+                if name in ("ddp", "ddp_accum"):
+                    assert places == {ENGINE: 1}, where
+                elif name == "ddp_sampled":  # the sampler's reads size its sample
+                    rest = Counter({k: v for k, v in places.items() if "sampling.py" not in k})
+                    assert rest == {ENGINE: 1}, where  # the optimizer's rows: no read
+                else:  # DeepSpeed: its overflow check reads inside model.step()
+                    assert places[ENGINE] == 1, where
+                    assert set(places) <= {ENGINE, DEEPSPEED_STEP}, where
+
+
+def test_a_training_step_that_logs_nothing_reads_once(synthetic_data, tmp_path, monkeypatch):
+    """``launch.train.one_step``: the engine's one read, which also agrees on a stop signal
+    (the loop reads nothing else between steps), except on the steps that write a metrics
+    record (there: the numbers, the loader's counters)."""
+    import trainer.loop as train
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    one_step, per_step = train.one_step, []
+
+    def counted(run, micro_batches, stop_request=0):
+        with HostReads() as reads:
+            stop = one_step(run, micro_batches, stop_request)
+        per_step.append((run.step, len(reads), reads.table()))
+        return stop
+
+    monkeypatch.setattr(train, "one_step", counted)
+    assert train_in_process(synthetic_data, tmp_path / "run", "train.max_steps=6",
+                            "log.every=3", "log.hist_every=0") == 0
+    assert [s for s, _, _ in per_step] == [1, 2, 3, 4, 5, 6]
+    for step, n, table in per_step[1:]:
+        if step % 3:
+            assert n == 1, f"step {step}:\n{table}"
+        else:
+            assert n > 1, f"step {step}:\n{table}"
+
+
+def _cuda_engine():
+    import torch.distributed as dist
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return build_engine(make_config("train.batch_size=8", "engine.precision=bf16"),
+                        device="cuda:0")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_head_step_on_cuda_never_synchronises():
+    head = PartialFC(128, 100_000, build_margin(MARGINS["arcface"])).cuda()
+    emb, labels = torch.randn(256, 128, device="cuda"), torch.randint(0, 100_000, (256,),
+                                                                      device="cuda")
+    head(emb, labels).backward()  # warm-up (and Triton's compilation)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = emb.clone().requires_grad_()
+        head(x, labels, sizes=[256], defer_label_check=True).backward()
+        head.pop_label_check()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_step_on_cuda_synchronises_once():
+    """The steady-state DDP step (bf16, pinned batches) synchronises once: the engine's
+    agreed flags. ``warn`` rather than ``error``: that one read is intended."""
+    import torch.distributed as dist
+
+    engine = _cuda_engine()
+    try:
+        batches = [[(x.pin_memory(), y.pin_memory())]
+                   for x, y in (local_micro_batches(s, 8, 0, 1, 1)[0] for s in range(3))]
+        engine.step(0, batches[0])
+        engine.step(1, batches[1])
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step(2, batches[2])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
+        assert syncs[0].filename.endswith(os.path.join("launch", "engine.py"))
+    finally:
+        dist.destroy_process_group()

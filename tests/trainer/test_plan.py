@@ -1,0 +1,299 @@
+"""launch.plan / partial_fc.memory against what real CPU runs allocate: head weight, optimizer
+state and gradient bytes exactly (sum of nbytes of the tensors; fp32 and bf16 state), the
+head's working memory within 0.8-1.25x of the profiler's peak, the optimizer step's
+temporaries bounded by its budget, backbone state and activations exactly; the CLI's JSON,
+its largest-fitting class count and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from launch import plan as plan_cli
+from partial_fc import PartialFC, SampledAdamW, SampledSGD, build_margin
+from partial_fc.backbones import build_backbone
+from partial_fc.memory import (
+    Collective,
+    backbone_state_bytes,
+    head_memory,
+    head_update_bytes,
+    largest_fitting,
+    tensor_bytes,
+)
+from trainer import plan
+
+OPTIMIZERS = {"sgd": SampledSGD, "adamw": SampledAdamW}
+LR = {"sgd": 0.1, "adamw": 0.01}
+UPDATE = 64 << 20  # the optimizers' default max_update_bytes
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _optimizer(name, head, max_update_bytes=UPDATE):
+    return OPTIMIZERS[name](head, lr=LR[name], max_update_bytes=max_update_bytes)
+
+
+def _head(classes, dim, rate, margin=None, **kw):
+    torch.manual_seed(0)
+    return PartialFC(dim, classes, build_margin(margin or dict(type="arcface", s=64.0, m=0.5)),
+                     sample_rate=rate, **kw)
+
+
+def _state_bytes(opt) -> int:
+    return sum(tensor_bytes(t) for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("rate", [1.0, 0.3])
+def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate, state_dtype):
+    classes, dim, n = 3000, 24, 40
+    head = _head(classes, dim, rate, state_dtype=DTYPES[state_dtype])
+    opt = _optimizer(optimizer, head)
+    emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
+    head(emb, labels).backward()
+    grad = tensor_bytes(head.weight.grad)
+    opt.step()
+    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes,
+                       max_update_bytes=UPDATE, optimizer=optimizer, state_dtype=state_dtype)
+    assert tensor_bytes(head.weight) == want.weight
+    assert _state_bytes(opt) == want.optimizer_state
+    assert grad == want.gradient
+
+
+def _profiled_peak(fn) -> int:
+    """Peak of live bytes allocated inside ``fn`` (torch.profiler's CPU memory events in time
+    order; blocks alive before ``fn`` starts are not counted)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("classes", "dim", "n", "rate", "margin", "tile", "state_dtype"),
+    [
+        (5000, 64, 32, 0.2, None, 32 << 20, "fp32"),  # sampled rows dominate
+        (5000, 64, 32, 1.0, None, 32 << 20, "fp32"),
+        (2000, 32, 512, 1.0, None, 32 << 20, "fp32"),  # tiles dominate
+        (2000, 32, 512, 0.3, None, 32 << 20, "fp32"),
+        (2000, 32, 512, 1.0, None, 64 << 10, "fp32"),  # 32-column chunks
+        (20000, 64, 256, 0.5, None, 256 << 10, "fp32"),
+        (20000, 64, 64, 0.1, None, 32 << 20, "fp32"),  # the optimizer's row update dominates
+        (3000, 16, 256, 1.0, dict(type="arcface", m=0.5, adacos="dynamic"), 32 << 20, "fp32"),
+        (5000, 64, 32, 0.2, None, 32 << 20, "bf16"),
+        (5000, 64, 32, 1.0, None, 32 << 20, "bf16"),  # the update's fp32 copies dominate
+        (2000, 32, 512, 1.0, None, 64 << 10, "bf16"),
+        (20000, 64, 256, 0.5, None, 256 << 10, "bf16"),
+    ],
+)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_working_memory_within_factor_of_measured_peak(classes, dim, n, rate, margin, tile,
+                                                       state_dtype, optimizer):
+    """One engine-style step after a warm-up (state exists; the gradient is allocated in
+    backward and freed by zero_grad): its peak is the gradient plus the working memory."""
+    head = _head(classes, dim, rate, margin, max_tile_bytes=tile,
+                 state_dtype=DTYPES[state_dtype])
+    opt = _optimizer(optimizer, head)
+    emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
+
+    def step():
+        head(emb.clone().requires_grad_(), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    measured = _profiled_peak(step)
+    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=tile, max_update_bytes=UPDATE,
+                       optimizer=optimizer, state_dtype=state_dtype)
+    assert 0.8 <= measured / (want.gradient + want.working) <= 1.25
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rate", [1.0, 0.3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_optimizer_step_temporaries_match_the_model_and_stay_within_budget(optimizer, rate,
+                                                                           state_dtype):
+    """The step alone (after a forward and backward): its peak is ``head_update_bytes``
+    (0.95-1.05x), and with a budget of a few rows' temporaries it stays within the budget
+    (plus AdamW's per-row bias corrections, a few bytes a row): bounded whatever S is."""
+    classes, dim, n = 20000, 64, 64
+    for budget in (UPDATE, 40 * dim * 4 * OPTIMIZERS[optimizer].temporaries()):  # 40 rows
+        head = _head(classes, dim, rate, state_dtype=DTYPES[state_dtype])
+        opt = _optimizer(optimizer, head, budget)
+        emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
+        for _ in range(2):  # the first step creates the state
+            head(emb.clone().requires_grad_(), labels).backward()
+            rows = head.num_local if rate == 1.0 else len(head.sampled_index)
+            measured = _profiled_peak(opt.step)
+            opt.zero_grad(set_to_none=True)
+        want = head_update_bytes(head.num_local, rows, dim, max_update_bytes=budget,
+                                 state_dtype=state_dtype, optimizer=optimizer)
+        assert 0.95 <= measured / want <= 1.05, (budget, measured, want)
+        if budget < UPDATE:
+            assert measured <= 1.05 * budget
+
+
+def test_backbone_state_bytes_match_a_real_ddp_style_step():
+    model = build_backbone("iresnet_tiny", embedding_size=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 112, 112)).sum().backward()
+    opt.step()
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    want = backbone_state_bytes(params, 4, trainable=trainable, engine="ddp", optimizer="sgd")
+    assert plan.backbone_params("iresnet_tiny", 32) == (params, trainable)  # meta device
+    assert want["parameters"] == sum(tensor_bytes(p) for p in model.parameters())
+    assert want["gradients"] == sum(tensor_bytes(p.grad) for p in model.parameters()
+                                    if p.grad is not None)
+    assert want["optimizer_state"] == _state_bytes(opt)
+
+
+def test_zero_stages_shard_state_then_gradients():
+    full = backbone_state_bytes(1000, 8, engine="deepspeed", precision="bf16", zero_stage=0)
+    one = backbone_state_bytes(1000, 8, engine="deepspeed", precision="bf16", zero_stage=1)
+    two = backbone_state_bytes(1000, 8, engine="deepspeed", precision="bf16", zero_stage=2)
+    assert full == {"parameters": 2000, "gradients": 2000, "optimizer_state": 8000}
+    assert one == {"parameters": 2000, "gradients": 2000, "optimizer_state": 1000}
+    assert two == {"parameters": 2000, "gradients": 250, "optimizer_state": 1000}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_table_matches_a_fresh_measurement(precision):
+    assert plan.measure_activations.__wrapped__("iresnet_tiny", precision) == \
+        plan.ACTIVATIONS[("iresnet_tiny", precision)]
+
+
+def test_ring_traffic():
+    assert Collective("x", "all_reduce", 800).traffic(4) == 1200  # 2 (P-1)/P
+    assert Collective("x", "all_gather", 800).traffic(4) == 600
+    assert Collective("x", "all_reduce", 800).traffic(1) == 0
+
+
+def test_largest_fitting_is_the_boundary():
+    assert largest_fitting(lambda c: 3 * c, 100, 1) == 33
+    assert largest_fitting(lambda c: 3 * c, 2, 1) == 0
+
+
+def _json(capsys, *argv) -> dict:
+    assert plan_cli.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_max_classes_fits_and_one_more_does_not(capsys):
+    args = ["--gpus", "2", "--sample-rate", "0.1", "--backbone", "iresnet_tiny",
+            "--gpu-memory", "3", "--reserve", "0.5"]
+    r = _json(capsys, "--classes", "1000", *args)
+    for key in ("weight_bytes_per_gpu", "head_state_bytes_per_gpu", "peak_bytes_per_gpu",
+                "fits", "max_classes"):
+        assert key in r
+    top = r["max_classes"]
+    assert _json(capsys, "--classes", str(top), *args)["fits"]
+    over = _json(capsys, "--classes", str(top + 2), *args)  # +2: one more row per GPU
+    assert not over["fits"] and over["peak_bytes_per_gpu"] > over["gpu_memory_bytes"]
+
+
+def test_cli_nodes_times_gpus_per_node(capsys):
+    r = _json(capsys, "--classes", "1000", "--nodes", "3", "--gpus-per-node", "4")
+    assert r["inputs"]["gpus"] == 12 and r["link"] == "inter-node"
+
+
+def test_cli_reads_a_recipe_whose_data_does_not_exist(capsys):
+    r = _json(capsys, "--config", "configs/webface42m_r100.yaml", "--gpus", "64")
+    assert r["inputs"]["classes"] == 2059906 and r["inputs"]["sample_rate"] == 0.2
+    assert r["inputs"]["backbone"] == "iresnet100"
+    assert r["classes_per_gpu"] == -(-2059906 // 64)
+    r = _json(capsys, "--config", "configs/webface42m_r100.yaml", "--classes", "500", "--gpus", "2")
+    assert r["inputs"]["classes"] == 500
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--classes", "4", "--gpus", "8"], "--classes=4: fewer classes than --gpus=8"),
+        (["--classes", "100", "--sample-rate", "0"], "--sample-rate=0.0: must be in (0, 1]"),
+        (["--classes", "100", "--backbone", "vgg"], "--backbone='vgg': unknown"),
+        (["--config", "configs/base.yaml"], "--classes: required"),
+        (["--classes", "100", "--precision", "fp16"], "--precision=fp16: needs --engine"),
+        (["--classes", "100", "--gpus", "8", "--nodes", "2"], "--gpus=8: not --nodes=2 x"),
+    ],
+)
+def test_cli_impossible_inputs_are_one_line(capsys, argv, message):
+    assert plan_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_cli_reads_the_head_state_dtype_and_update_budget_from_a_recipe(tmp_path, capsys):
+    """head.state_dtype and head.max_update_mib come from --config (no base: the schema's
+    defaults); the flags override them. bf16 halves the head's weight and momentum."""
+    recipe = tmp_path / "bf16.yaml"
+    recipe.write_text("data: {num_classes: 100000}\nhead: {sample_rate: 0.1, state_dtype: bf16, "
+                      "max_update_mib: 8}\n")
+    r = _json(capsys, "--config", str(recipe), "--gpus", "2")
+    assert (r["inputs"]["state_dtype"], r["inputs"]["max_update_mib"]) == ("bf16", 8)
+    wide = _json(capsys, "--config", str(recipe), "--gpus", "2", "--state-dtype", "fp32")
+    assert wide["inputs"]["state_dtype"] == "fp32"
+    for key in ("weight_bytes_per_gpu", "head_state_bytes_per_gpu"):
+        assert 2 * r[key] == wide[key]
+
+
+def test_scaling_mode_models_one_row_per_gpu_count(capsys):
+    argv = ["--config", "configs/ms1mv3_r50.yaml", "--scaling", "8,64", "--json"]
+    assert plan_cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["inputs"]["gpus"] for r in rows] == [8, 64]
+    assert [r["link"] for r in rows] == ["intra-node", "inter-node"]
+    for r in rows:
+        m = r["step"]
+        parts = m["backbone_s"] + m["head_s"] + m["head_comm_s"] + m["grad_sync_exposed_s"]
+        assert m["step_s"] == pytest.approx(parts)
+        assert m["efficiency"] == pytest.approx(m["backbone_s"] / m["step_s"])
+    assert rows[1]["step"]["efficiency"] < rows[0]["step"]["efficiency"]  # slower link, bigger N
+
+
+def test_defaults_come_from_the_schema(capsys):
+    from trainer.config import Config
+
+    r = _json(capsys, "--classes", "1000")["inputs"]
+    cfg = Config()
+    assert (r["precision"], r["engine"], r["zero_stage"], r["batch"], r["backbone"]) == (
+        cfg.engine.precision, cfg.engine.type, cfg.engine.zero_stage, cfg.train.batch_size,
+        cfg.backbone.name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rate", [1.0, 0.1])
+def test_head_memory_on_cuda_within_factor(rate):
+    """The same check with CUDA's allocator: peak allocated during a step, minus what was
+    allocated before it, against the gradient plus the working memory; state exact."""
+    classes, dim, n = 200_000, 128, 1024
+    head = _head(classes, dim, rate, kernel="torch").cuda()  # the modelled path
+    opt = SampledSGD(head, lr=0.1)
+    emb = torch.randn(n, dim, device="cuda")
+    labels = torch.randint(0, classes, (n,), device="cuda")
+
+    def step():
+        head(emb.clone().requires_grad_(), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # state and cuBLAS workspaces
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    measured = torch.cuda.max_memory_allocated() - before
+    want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes,
+                       max_update_bytes=UPDATE)
+    assert _state_bytes(opt) == want.optimizer_state
+    assert 0.8 <= measured / (want.gradient + want.working) <= 1.25

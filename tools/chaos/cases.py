@@ -1,0 +1,327 @@
+"""The cases ``python -m tools.chaos`` runs: each breaks one thing and checks the outcome.
+
+A case is a name, what should happen, and a check ``(data, workdir) -> (observed, holds)``
+that runs ``launch.train`` through :func:`tools.chaos.harness.train` (subprocesses: one process, or
+2 ranks under torchrun) and reads its exit code, its output and its run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.chaos.harness import (
+    ROOT,
+    SMOKE,
+    STEPS,
+    Result,
+    train,
+    wait_for_step,
+    worker_pids,
+    write_data,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    expected: str
+    check: Callable[[Path, Path], tuple[str, bool]]  # (data, workdir) -> (observed, holds)
+
+
+def _finite_checkpoints(run: Path) -> bool:
+    import torch
+
+    for folder in (run / "checkpoints").glob("step-*"):
+        state = torch.load(folder / "backbone.pt", weights_only=True)
+        if not all(bool(v.isfinite().all()) for v in state.values() if v.is_floating_point()):
+            return False
+    return True
+
+
+def diverging_lr(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", "optim.lr=1e30", "train.max_bad_steps=3")
+    errors = r.errors()
+    nulls = sum(1 for rec in r.records() if "loss" in rec and rec["loss"] is None)
+    holds = (r.rc == 1 and len(errors) == 1 and "3 steps in a row" in errors[0]
+             and nulls == 3 and _finite_checkpoints(r.run))
+    return f"rc {r.rc}, {len(errors)} error line(s), {nulls} null losses, checkpoints finite: " \
+           f"{_finite_checkpoints(r.run)}", holds
+
+
+def nan_on_one_rank(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", ranks=2, inject=["nan-rank1-step3"])
+    last = (r.records() or [{}])[-1]
+    skipped = r.out.count("skipped on every rank")
+    holds = r.rc == 0 and last.get("bad_steps") == 1 and last.get("step") == STEPS
+    return f"rc {r.rc}, bad_steps {last.get('bad_steps')}, {skipped} skip line(s), " \
+           f"reached step {last.get('step')}", holds and skipped == 1
+
+
+def absurd_scale(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", "margin.s=.inf", "optim.lr=1e400")
+    lines = [line for line in r.out.splitlines()
+             if "margin.s=inf" in line or "optim.lr=inf" in line]
+    started = (work / "run").exists()
+    return f"rc {r.rc}, {len(lines)} line(s) naming the keys, run folder made: {started}", \
+        r.rc == 2 and len(lines) == 2 and not started
+
+
+def _two_checkpoints(data: Path, work: Path) -> Result:
+    return train(data, work / "run", "train.max_steps=4")
+
+
+def planted_pickle(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    marker = work / "pwned"
+    (work / "run" / "checkpoints" / "step-00000004" / "state" / ".metadata").write_bytes(
+        pickle.dumps(_Planted(str(marker))))
+    r = train(data, first.run)
+    fell_back = "resumed from" in r.out and "step-00000002" in r.out
+    named = ".metadata: SHA-256 differs" in r.out
+    ran = marker.exists()
+    return f"rc {r.rc}, warning names .metadata: {named}, resumed from step 2: {fell_back}, " \
+           f"payload ran: {ran}", r.rc == 0 and named and fell_back and not ran
+
+
+class _Planted:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def bit_flip(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    (part,) = (first.run / "checkpoints" / "step-00000004" / "state").glob("*.distcp")
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 400] = bytes(b ^ 0x55 for b in raw[len(raw) // 2 :][:400])
+    part.write_bytes(bytes(raw))
+    r = train(data, first.run)
+    named = f"{part.name}: SHA-256 differs" in r.out
+    fell_back = "resumed from" in r.out and "step-00000002" in r.out
+    return f"rc {r.rc}, warning names {part.name}: {named}, resumed from step 2: {fell_back}", \
+        r.rc == 0 and named and fell_back
+
+
+def kill_in_replace(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    # A fresh run in the same folder re-saves step 2 over the old one and dies in between.
+    killed = train(data, first.run, "checkpoint.resume=none", "train.max_steps=4",
+                   inject=["kill-in-replace"])
+    target = killed.latest()
+    r = train(data, first.run, "train.max_steps=4")
+    return f"killed rc {killed.rc}, latest -> {target}, restart rc {r.rc}, resumed: " \
+           f"{'resumed from' in r.out}", killed.rc == -9 and r.rc == 0 and "resumed from" in r.out
+
+
+def broken_latest(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    root = first.run / "checkpoints"
+    (root / "latest").write_text("step-00000099\n")
+    meta = root / "step-00000004" / "meta.json"
+    meta.write_text(meta.read_text()[:50])
+    stale = root / ".tmp-step-00000006"
+    stale.mkdir()
+    r = train(data, first.run)
+    warned = "does not name a usable checkpoint" in r.out and "meta.json: unreadable" in r.out
+    resumed = "resumed from" in r.out and "step-00000002" in r.out
+    return f"rc {r.rc}, warnings: {warned}, resumed from step 2: {resumed}, stale .tmp " \
+           f"removed: {not stale.exists()}", r.rc == 0 and warned and resumed and not stale.exists()
+
+
+def disk_full(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", inject=["disk-full-at-2"])
+    errors = r.errors()
+    named = len(errors) == 1 and "(ENOSPC)" in errors[0]
+    leftovers = sorted(p.name for p in (r.run / "checkpoints").iterdir())
+    holds = r.rc == 1 and named and leftovers == ["latest", "step-00000002"]
+    return f"rc {r.rc}, ENOSPC named in one line: {named}, left: {', '.join(leftovers)}", holds
+
+
+def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
+    whole = train(data, work / "whole", "checkpoint.every=0", ranks=2)
+
+    def terminate_rank1(proc: subprocess.Popen) -> None:
+        wait_for_step(work / "split", 2, proc)
+        pids = worker_pids(proc)
+        if 1 in pids:
+            os.kill(pids[1], 15)
+
+    split = train(data, work / "split", "checkpoint.every=0", ranks=2, until=terminate_rank1)
+    stopped = split.latest()
+    told = "stopped by SIGTERM after step" in split.out and "to resume" in split.out
+    resumed = train(data, work / "split", "checkpoint.every=0", ranks=2)
+    same = _same_backbone(whole.run, resumed.run, STEPS)
+    holds = split.rc == 0 and told and stopped not in (None, f"step-{STEPS:08d}") \
+        and resumed.rc == 0 and same
+    return f"rc {split.rc}, saved {stopped}, said where to resume: {told}; resumed rc " \
+           f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
+
+
+def _kill_quietly(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+
+
+def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
+    stopped: list[int] = []
+
+    def stop_rank1(proc: subprocess.Popen) -> None:
+        wait_for_step(work / "run", 2, proc)
+        pids = worker_pids(proc)
+        if 1 in pids:
+            os.kill(pids[1], 19)  # SIGSTOP: alive, silent, holding its peers in a collective
+            stopped.append(pids[1])
+            # Rank 0 reports after the 10 s timeout; then end the stopped rank rather than
+            # wait out torchrun's 30 s SIGTERM grace (a stopped process defers SIGTERM).
+            threading.Timer(25, _kill_quietly, args=(pids[1],)).start()
+
+    start = time.monotonic()
+    r = train(data, work / "run", "train.max_steps=50", "dist.timeout_s=10", ranks=2,
+              until=stop_rank1)
+    took = time.monotonic() - start
+    for pid in stopped:
+        _kill_quietly(pid)
+    lines = [line for line in r.out.splitlines() if line.startswith("error on rank 0: step")]
+    named = len(lines) == 1 and "a collective failed after 1" in lines[0] \
+        and "timeout (dist.timeout_s=10)" in lines[0]
+    return f"rc {r.rc} after {took:.0f} s, {lines[0][:110] if lines else r.out[-300:]}", \
+        bool(stopped) and r.rc != 0 and named
+
+
+def _same_backbone(a: Path, b: Path, step: int) -> bool:
+    import torch
+
+    tag = f"step-{step:08d}"
+    files = [p / "checkpoints" / tag / "backbone.pt" for p in (a, b)]
+    if not all(f.is_file() for f in files):
+        return False
+    x, y = (torch.load(f, weights_only=True) for f in files)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x if "running" not in k)
+
+
+def config_drift(data: Path, work: Path) -> tuple[str, bool]:
+    first = _two_checkpoints(data, work)
+    r = train(data, first.run, "margin.type=arcface", "margin.m=0.5")
+    errors = r.errors()
+    holds = r.rc == 2 and len(errors) == 1 and "margin.type 'cosface' -> 'arcface'" in errors[0]
+    return f"rc {r.rc}, {len(errors)} line(s): {errors[0][:90] if errors else r.out[-200:]}", holds
+
+
+def bad_label(data: Path, work: Path) -> tuple[str, bool]:
+    bad = write_data(work / "data", labels={i: 25 for i in range(0, 160, 10)})
+    r = train(bad, work / "run", "data.num_workers=1")
+    errors = r.errors()
+    named = len(errors) == 1 and "shard-" in errors[0] and "has label 25" in errors[0]
+    return f"rc {r.rc}, {len(errors)} line(s): {errors[0][:100] if errors else '-'}", \
+        r.rc == 1 and named and "Traceback" not in r.out
+
+
+def corrupt_image_two_epochs(data: Path, work: Path) -> tuple[str, bool]:
+    bad = write_data(work / "data", corrupt=(7,))
+    r = train(bad, work / "run", "train.max_steps=null", "train.epochs=2")
+    last = (r.records() or [{}])[-1]
+    return f"rc {r.rc}, skipped_samples after 2 epochs: {last.get('skipped_samples')}", \
+        r.rc == 0 and last.get("skipped_samples") == 1
+
+
+def duplicate_yaml_key(data: Path, work: Path) -> tuple[str, bool]:
+    recipe = work / "dup.yaml"
+    recipe.write_text(f"base: {SMOKE}\nmargin:\n  s: 30.0\n  s: 64.0\n")
+    cmd = [sys.executable, "-m", "launch.train", "--config", str(recipe), f"data.dir={data}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    named = "duplicate key 's' (first set at line 3)" in out.stderr
+    return f"rc {out.returncode}, names the key and both lines: {named}", \
+        out.returncode == 2 and named
+
+
+def early_checks(data: Path, work: Path) -> tuple[str, bool]:
+    blocker = work / "a-file"
+    blocker.write_text("")
+    r = train(data, blocker / "run", "train.batch_size=100000")
+    lines = [line for line in r.out.splitlines() if "train.batch_size=100000" in line
+             or "is not a folder" in line]
+    return f"rc {r.rc}, {len(lines)} of 2 problems named before any process group", \
+        r.rc == 2 and len(lines) == 2 and "Traceback" not in r.out
+
+
+def batchnorm_copies_agree(data: Path, work: Path) -> tuple[str, bool]:
+    r = train(data, work / "run", "train.max_steps=2", ranks=2)
+    folder = r.run / "checkpoints" / "step-00000002"
+    exported, stored = backbone_pt_and_dcp(folder)
+    keys = [k for k in exported if "running" in k]
+    worst = max(float((exported[k] - stored[k]).abs().max()) for k in keys) if keys else None
+    return f"rc {r.rc}, {len(keys)} BatchNorm buffers, largest backbone.pt vs DCP " \
+           f"difference {worst}", r.rc == 0 and bool(keys) and worst == 0.0
+
+
+def backbone_pt_and_dcp(folder: Path) -> tuple[dict, dict]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.integrity import SafeReader
+
+    exported = torch.load(folder / "backbone.pt", weights_only=True)
+    reader = SafeReader(folder / "state")
+    metadata = reader.read_metadata().state_dict_metadata
+    template = {f"backbone.{k}": torch.zeros(metadata[f"backbone.{k}"].size,
+                                             dtype=metadata[f"backbone.{k}"].properties.dtype)
+                for k in exported}
+    dcp.load(template, storage_reader=reader, no_dist=True)
+    return exported, {k[len("backbone."):]: v for k, v in template.items()}
+
+
+CASES = [
+    Case("optim.lr=1e30 (diverges)", "rc 1, one line after train.max_bad_steps; no NaN "
+         "in metrics or checkpoints", diverging_lr),
+    Case("NaN loss on rank 1 at step 3 (2 ranks)", "step skipped on both ranks, bad_steps 1, "
+         "run completes", nan_on_one_rank),
+    Case("margin.s=.inf, optim.lr=1e400", "rc 2 before any process group, keys named",
+         absurd_scale),
+    Case("pickle planted as .metadata", "refused before unpickling, resumes the previous "
+         "checkpoint, payload never runs", planted_pickle),
+    Case("400 bytes flipped in a .distcp", "detected, named, previous checkpoint resumed",
+         bit_flip),
+    Case("kill -9 inside a checkpoint replacement", "restart finds a complete checkpoint",
+         kill_in_replace),
+    Case("dangling latest, truncated meta.json, stale .tmp", "warned, newest complete resumed, "
+         ".tmp removed", broken_latest),
+    Case("disk full at the 2nd checkpoint", "rc 1, ENOSPC named, no .tmp left, previous "
+         "checkpoint kept", disk_full),
+    Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
+         "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
+    Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
+         "naming the timeout and the step", stopped_rank),
+    Case("resume with another margin", "rc 2, one line naming the difference", config_drift),
+    Case("label 25 >= num_classes 20", "rc 1, one line naming shard and key", bad_label),
+    Case("corrupt JPEG, 2 epochs", "skipped_samples 1, not 2", corrupt_image_two_epochs),
+    Case("duplicate YAML key", "rc 2, key and lines named", duplicate_yaml_key),
+    Case("batch_size=100000, output under a file", "rc 2 before any process group",
+         early_checks),
+    Case("BatchNorm statistics (2 ranks)", "backbone.pt equals the DCP copy",
+         batchnorm_copies_agree),
+]
+
+
+def run_case(case: Case, data: Path, work: Path) -> tuple[str, bool]:
+    """Run one case in its own folder under ``work``; a crash of the check is a failed row."""
+    folder = work / re.sub(r"[^A-Za-z0-9]+", "-", case.name).strip("-")  # one per case
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return case.check(data, folder)
+    except Exception as exc:  # noqa: BLE001 - reported as an observation
+        return f"check crashed: {type(exc).__name__}: {exc}", False
+
+

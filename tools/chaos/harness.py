@@ -1,0 +1,209 @@
+"""The fault-injection harness behind ``python -m tools.chaos`` (``make chaos``).
+
+Each case runs ``launch.train`` (the smoke config, iresnet_tiny, a small synthetic set; 1
+process or 2 ranks under torchrun), breaks something the way it breaks in production — a
+diverging learning rate, a NaN on one rank, a planted pickle, a flipped bit, a kill inside
+a checkpoint replacement, a signal to one rank, a full disk, bad data, a bad config — and
+checks what the run did. One table comes out (case | expected | observed | holds); the exit
+code is 0 only when every row holds. The cases are in ``tools/chaos/cases.py``;
+``tests/test_faults.py`` runs the same ones.
+
+Faults that need a hand inside the process (a NaN on one rank at one step, a kill at one
+line of the checkpoint code, a disk that fills up) go through ``python -m tools.chaos
+inject FAULT -- <train arguments>``, which patches that one spot and then runs
+``launch.train.main``; production code carries no test hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+STEPS = 6
+BASE_ARGS = ["engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.every=1",
+             "log.progress=false", f"train.max_steps={STEPS}", "checkpoint.every=2",
+             "checkpoint.keep=5"]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def write_data(folder: Path, corrupt: tuple[int, ...] = (), labels: dict[int, int] | None = None,
+               num_classes: int = 20, per_class: int = 8) -> Path:
+    """A synthetic set (``num_classes`` x ``per_class`` images), then sample ``i`` of the
+    shards' order made undecodable for ``i`` in ``corrupt`` and relabelled per ``labels``."""
+    from data_pipeline import write_synthetic_dataset
+    from data_pipeline.manifest import read_manifest, write_manifest
+    from data_pipeline.stages import tar_samples
+    from data_pipeline.writer import Sample, write_shard
+
+    write_synthetic_dataset(folder, num_classes=num_classes, images_per_class=per_class, seed=0)
+    if not corrupt and not labels:
+        return folder
+    manifest = read_manifest(folder)
+    infos, index = [], 0
+    for info in manifest.shards:
+        samples = []
+        for raw in tar_samples(folder / info.name):
+            jpg, label = raw["jpg"], int(raw["cls"])
+            if index in corrupt:
+                jpg = jpg[:3] + b"garbage" * 20
+            label = (labels or {}).get(index, label)
+            samples.append(Sample(raw["__key__"], jpg, label, raw.get("src", b"").decode()))
+            index += 1
+        infos.append(write_shard(folder / info.name, samples))
+    write_manifest(folder, manifest.__class__(manifest.num_classes, manifest.num_samples,
+                                              tuple(infos), manifest.source))
+    return folder
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str  # stdout and stderr together
+    run: Path
+
+    def records(self) -> list[dict]:
+        path = self.run / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def latest(self) -> str | None:
+        path = self.run / "checkpoints" / "latest"
+        return path.read_text().strip() if path.is_file() else None
+
+    def errors(self) -> list[str]:
+        starts = ("error", "config error")
+        return [line for line in self.out.splitlines() if line.startswith(starts)]
+
+
+def train(data: Path, run: Path, *args: str, ranks: int = 1, inject: list[str] | None = None,
+          timeout: float = 240, until: Callable[[subprocess.Popen], None] | None = None) -> Result:
+    """``launch.train`` on the smoke config with :data:`BASE_ARGS` and ``args``: in one
+    process, or ``ranks`` under torchrun; ``inject`` = ``[FAULT, ...]`` patches first.
+    ``until(proc)`` runs while the training runs (e.g. to send a signal)."""
+    module = ["-m", "tools.chaos", "inject", *inject, "--"] if inject else ["-m", "launch.train"]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
+               "--nproc_per_node", str(ranks), *module]
+    else:
+        cmd = [sys.executable, *module]
+    cmd += ["--config", str(SMOKE), f"data.dir={data}", f"output={run}", *BASE_ARGS, *args]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if until is not None:
+        until(proc)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        out += f"\n(chaos: killed after {timeout} s)"
+    return Result(proc.returncode, out, run)
+
+
+def worker_pids(torchrun: subprocess.Popen) -> dict[int, int]:
+    """``{rank: pid}`` of torchrun's training processes (read from /proc)."""
+    found = {}
+    for child in Path(f"/proc/{torchrun.pid}/task").glob("*/children"):
+        for pid in child.read_text().split():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks = [e[5:] for e in environ if e.startswith(b"RANK=")]
+            if ranks:
+                found[int(ranks[0])] = int(pid)
+    return found
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
+    """Block until metrics.jsonl records ``step`` (or the process ends, or ``limit`` s)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.is_file() and any(json.loads(line).get("step", 0) >= step
+                                  for line in path.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+
+
+# ----------------------------------------------------------------------------- injection
+
+
+def _nan_once(rank: int, call: int) -> None:
+    """The head's ``call``-th forward (1-based) on ``rank`` returns a NaN loss, once."""
+    import torch.distributed as dist
+
+    from partial_fc import PartialFC
+
+    forward, calls = PartialFC.forward, [0]
+
+    def poisoned(self, embeddings, labels, **kwargs):
+        loss = forward(self, embeddings, labels, **kwargs)
+        if self.training and dist.get_rank() == rank:
+            calls[0] += 1
+            if calls[0] == call:
+                return loss * float("nan")
+        return loss
+
+    PartialFC.forward = poisoned
+
+
+def _kill_in_replace() -> None:
+    """SIGKILL this process right after a checkpoint replacement removed the old folder."""
+    from trainer import checkpoint
+    rmtree = shutil.rmtree
+
+    def rmtree_then_die(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        if Path(path).name.startswith("step-"):
+            os.kill(os.getpid(), 9)
+
+    checkpoint.shutil.rmtree = rmtree_then_die
+
+
+def _disk_full(at: int) -> None:
+    """From the ``at``-th checkpoint on, every ``torch.save`` fails with ENOSPC (full disk)."""
+    import errno
+
+    import torch
+
+    from trainer import checkpoint
+    torch_save, checkpoint_save, calls = torch.save, checkpoint.save, [0]
+
+    def no_space(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    def save_on_a_full_disk(*args, **kwargs):
+        calls[0] += 1
+        torch.save = no_space if calls[0] >= at else torch_save
+        return checkpoint_save(*args, **kwargs)
+
+    checkpoint.save = save_on_a_full_disk
+
+
+FAULTS = {
+    "nan-rank1-step3": lambda: _nan_once(rank=1, call=3),
+    "kill-in-replace": _kill_in_replace,
+    "disk-full-at-2": lambda: _disk_full(at=2),
+}
+
+
+def table(rows: list[tuple[str, str, str, bool]]) -> str:
+    """Markdown: case | expected | observed | holds."""
+    lines = ["| case | expected | observed | holds |", "| --- | --- | --- | --- |"]
+    lines += [f"| {c} | {e} | {o} | {'yes' if h else 'NO'} |" for c, e, o, h in rows]
+    return "\n".join(lines)

@@ -1,0 +1,16 @@
+"""Checkpoints: the folder layout and resume logic (``layout``), what each engine's state is
+(``state``), SHA-256 integrity (``integrity``), and reading a backbone back (``backbone``)."""
+
+from trainer.checkpoint.integrity import CheckpointError, read_meta, verify
+from trainer.checkpoint.layout import (
+    LATEST,
+    find_resume,
+    find_verified,
+    load,
+    remove_stale,
+    save,
+    tag_for,
+)
+
+__all__ = ["LATEST", "CheckpointError", "find_resume", "find_verified", "load", "read_meta",
+           "remove_stale", "save", "tag_for", "verify"]

@@ -1,0 +1,375 @@
+"""Checkpoint storage: torch.distributed.checkpoint (DCP) folders, verified, replaced safely.
+
+Layout (the contract others read)::
+
+    RUN/checkpoints/<tag>/state/          DCP: each rank's block of head rows, rank-deduped
+                                          replicated tensors (the plan: trainer.checkpoint.state)
+    RUN/checkpoints/<tag>/backbone.pt     plain full fp32 backbone state_dict (rank 0)
+    RUN/checkpoints/<tag>/rng-<rank>.pt   that rank's torch RNG state (CPU, and CUDA on GPU)
+    RUN/checkpoints/<tag>/meta.json       step, world size, loader positions, row keys, and
+                                          ``files``: the SHA-256 of every other file; written
+                                          last, so its presence marks a complete checkpoint
+    RUN/checkpoints/latest                the name of the newest complete folder
+
+Writing: everything goes into ``checkpoints/.tmp-<tag>``, then rank 0 renames it to ``<tag>``
+and rewrites ``latest`` (temp file + fsync + ``os.replace``). When ``<tag>`` already exists
+(the same step saved again after a resume), ``latest`` first names the complete
+``.tmp-<tag>``, so at every instant ``latest`` or the fallback below finds a complete
+checkpoint. A failed save (disk full: reported as ENOSPC) removes its ``.tmp-*`` on every
+rank's word; the newest ``checkpoint.keep`` folders and ``latest``'s target are kept.
+
+Reading (:func:`find_verified`; in training :func:`find_resume`, rank 0, then broadcast;
+``launch.evaluate`` and ``launch.export`` through ``trainer.checkpoint.backbone``): ``latest``'s
+target, or when it is missing, empty, dangling or fails verification, the newest ``step-*`` that
+verifies, with a warning. Verification (``trainer.checkpoint.integrity``) hashes every file
+against ``meta.json`` *before* anything is unpickled (``trainer.checkpoint.backbone`` hashes
+only the ``backbone.pt`` it reads); DCP's ``.metadata`` (a pickle) is then read with an allow-
+list unpickler and the tensors with ``weights_only=True``, so a planted file can neither run
+code nor load silently.
+
+Head rows: each rank saves its block ``[start, stop)`` as a plain tensor named
+``<key>/rows.<start>.<stop>``; a run on any number of ranks loads the blocks that overlap
+its own rows and slices them (the head's remainder-balanced partition is not DTensor's
+``torch.chunk`` split, and no private ShardedTensor API is needed). Multi-node runs need RUN
+on a file system every node sees.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import shutil
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from data_pipeline.manifest import atomic_write_bytes, fsync_dir
+from trainer.checkpoint import state
+from trainer.checkpoint.integrity import (
+    META,
+    CheckpointError,
+    SafeReader,
+    read_meta,
+    sha256,
+    verify,
+)
+from trainer.telemetry.logger import print_main
+
+LATEST = "latest"
+_BLOCK = re.compile(r"^(?P<key>.+)/rows\.(?P<start>\d+)\.(?P<stop>\d+)$")
+
+
+def tag_for(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
+    """Write checkpoint ``step`` of ``engine`` (collective); returns its folder.
+
+    ``meta`` must be JSON-able; ``meta["loader"]`` (this rank's loader position) is gathered
+    into a per-rank list. Raises :class:`CheckpointError` on every rank when the state is
+    not finite (nothing is written or pruned) or when any rank fails to write.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(run_dir) / "checkpoints"
+    tag = tag_for(step)
+    tmp, final = root / f".tmp-{tag}", root / tag
+    full = state.collect(engine)
+    _refuse_non_finite(full, step, engine.device)
+    rows = sorted(k for k, v in full.items() if isinstance(v, state.Rows))
+    loaders: list = [None] * world
+    dist.all_gather_object(loaders, meta.get("loader"))
+
+    def prepare() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    _on_every_rank(prepare if rank == 0 else None, f"saving step {step}", tmp)
+    flat = {}
+    for key, value in full.items():
+        if isinstance(value, state.Rows):
+            stop = value.offset + value.local.shape[0]
+            flat[f"{key}/rows.{value.offset}.{stop}"] = value.local.detach().cpu()
+        else:
+            flat[key] = value.detach().cpu()
+    hashes: dict[str, str] = {}
+
+    def write() -> None:
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp / "state"))
+        torch.save(_rng_state(engine.device), tmp / f"rng-{rank}.pt")
+        mine = [f"rng-{rank}.pt", *(f"state/{p.name}" for p in (tmp / "state").glob(f"__{rank}_*"))]
+        if rank == 0:
+            torch.save(_plain_backbone(full), tmp / "backbone.pt")
+            mine += ["backbone.pt", "state/.metadata"]
+        hashes.update({name: sha256(tmp / name) for name in mine})
+
+    _on_every_rank(write, f"saving step {step}", tmp)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, hashes)
+    info = {**meta, "loader": loaders, "step": step, "world_size": world, "rows": rows,
+            "files": dict(sorted(kv for part in gathered for kv in part.items()))}
+
+    def publish() -> None:
+        atomic_write_bytes(tmp / META, json.dumps(info, indent=1).encode())
+        _replace(root, tmp, final)
+        _prune(root, keep)
+
+    _on_every_rank(publish if rank == 0 else None, f"saving step {step}", tmp)
+    return final
+
+
+def _on_every_rank(action: Callable[[], None] | None, what: str, tmp: Path) -> None:
+    """Run ``action`` here (None: nothing), then agree: if it failed on any rank, every
+    rank raises the same :class:`CheckpointError` and rank 0 removes ``tmp`` (collective)."""
+    error = None
+    if action is not None:
+        try:
+            action()
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            error = _describe(exc)  # reported by every rank: none is left waiting
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rank, message = failed[0]
+        raise CheckpointError(f"{what} into {tmp.parent} failed on rank {rank}: {message}")
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a failed write; disk full is named as such, also inside DCP's wrapper."""
+    causes = [exc]
+    if isinstance(exc, CheckpointException):
+        causes += [failure for failure, _ in exc.failures.values()]
+    for cause in causes:
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                return f"no space left on the device (ENOSPC): {cause.filename or cause}"
+            cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, CheckpointException):
+        first = next(iter(exc.failures.values()))[0]
+        return f"{type(first).__name__}: {first}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _refuse_non_finite(full: dict, step: int, device: torch.device) -> None:
+    """Raise on every rank, before anything is written or pruned, if any rank's state holds
+    inf/NaN: a checkpoint must never replace good ones with a diverged model (collective)."""
+    bad = [
+        key
+        for key, value in full.items()
+        if (t := value.local if isinstance(value, state.Rows) else value).is_floating_point()
+        and not bool(torch.isfinite(t).all())
+    ]
+    flag = torch.tensor([len(bad)], device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(flag)
+    if int(flag):
+        where = f"{bad[0]} and {len(bad) - 1} more" if bad else "another rank's state"
+        raise CheckpointError(f"not saving step {step}: non-finite values in {where}")
+
+
+def _replace(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final`` and point ``latest`` at it (rank 0).
+
+    An existing ``final`` (the same step saved again) is removed only after ``latest``
+    names ``tmp``; between the rename and the last write ``latest`` dangles for an instant,
+    which :func:`find_resume` answers with the newest complete ``step-*``: ``final``.
+    """
+    if final.exists():
+        _point_latest(root, tmp.name)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(root)
+    _point_latest(root, final.name)
+
+
+def _point_latest(root: Path, name: str) -> None:
+    atomic_write_bytes(root / LATEST, (name + "\n").encode())
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints and ``latest``'s target; drop the rest
+    and every ``.tmp-*`` (rank 0, after a save completed: no other save is writing)."""
+    current = _latest_name(root)
+    tags = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in [*tags[:-keep], *root.glob(".tmp-*")]:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(run_dir: Path) -> None:
+    """Remove ``.tmp-*`` folders that interrupted saves left (rank 0, before training);
+    ``latest``'s target is kept even when it is one (a kill inside :func:`_replace`)."""
+    root = Path(run_dir) / "checkpoints"
+    current = _latest_name(root)
+    for tmp in root.glob(".tmp-*"):
+        if tmp.name != current:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a step draws from: torch's CPU one, and the device's on CUDA (dropout)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def _plain_backbone(full: dict) -> dict[str, torch.Tensor]:
+    """The backbone state_dict, with DeepSpeed's fp32 master weights where it keeps them."""
+    out = {}
+    for key, value in full.items():
+        if key.startswith("backbone."):
+            name = key[len("backbone.") :]
+            master = full.get(f"backbone_fp32.{name}")
+            out[name] = (master if master is not None else value).detach().cpu().clone()
+    return out
+
+
+# ----------------------------------------------------------------------------- find, verify
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """``checkpoint.resume`` -> the verified folder to resume from (collective when a
+    process group is up: rank 0 reads and hashes, every rank gets its answer).
+
+    ``none``: start fresh; ``auto``: ``run_dir``'s newest checkpoint that verifies, if any;
+    otherwise a checkpoint folder (must verify) or another run's folder (as ``auto``).
+    Raises :class:`CheckpointError` when checkpoints exist but none verifies.
+    """
+    if resume == "none":
+        return None
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _choose(run_dir, resume)
+    answer: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = _choose(run_dir, resume)
+        except CheckpointError as err:
+            answer[1] = str(err)
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise CheckpointError(answer[1])
+    return answer[0]
+
+
+def _choose(run_dir: Path, resume: str) -> Path | None:
+    found = find_verified(Path(run_dir) if resume == "auto" else Path(resume),
+                          remedy="; start over with checkpoint.resume=none or another name")
+    if found is None and resume != "auto":
+        raise CheckpointError(f"checkpoint.resume={resume!r}: no checkpoint there")
+    return found
+
+
+def find_verified(folder: Path, remedy: str = "", only: Collection[str] | None = None
+                  ) -> Path | None:
+    """The checkpoint ``folder`` names, verified (this process alone; not collective);
+    ``only``: hash just these files (``trainer.checkpoint.integrity.verify``), for a reader
+    of a part.
+
+    A checkpoint folder (it holds meta.json) must verify itself: no fallback. A run folder
+    gives ``latest``'s target or, when that one is missing or fails verification, the
+    newest ``step-*`` that verifies, with a warning line for each refused one; None when it
+    holds no checkpoint. Used by training's resume and by ``trainer.checkpoint.backbone``. Raises
+    :class:`CheckpointError` (its message ends with ``remedy``) when checkpoints exist but
+    none verifies.
+    """
+    folder = Path(folder)
+    if (folder / META).is_file():
+        verify(folder, only)
+        return folder
+    root = folder / "checkpoints"
+    candidates = _candidates(root)
+    for i, path in enumerate(candidates):
+        try:
+            verify(path, only)
+        except CheckpointError as err:
+            print_main(f"warning: {err}; trying an older checkpoint")
+            continue
+        if i > 0 or path.name != _latest_name(root):
+            print_main(f"warning: {root / LATEST} does not name a usable checkpoint; "
+                       f"using {path.name}, the newest complete one")
+        return path
+    if candidates:
+        raise CheckpointError(f"{root}: no checkpoint verifies (see the warnings above){remedy}")
+    return None
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if name and "/" not in name and name not in (".", "..") else None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """``latest``'s target, then every ``step-*`` newest first, each holding a meta.json."""
+    named = _latest_name(root)
+    ordered = [root / named] if named else []
+    ordered += sorted((p for p in root.glob("step-*") if p.name != named), reverse=True)
+    return [p for p in ordered if (p / META).is_file()]
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load(path: Path, engine) -> dict:
+    """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective).
+
+    ``path`` should come from :func:`find_resume` (verified). Returns the meta dict, with
+    ``meta["loader"]`` narrowed to this rank's loader state (rank 0's when the checkpoint
+    had fewer ranks; the loader converts it).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    reader = SafeReader(path / "state")
+    head = engine.head
+    lo, hi = head.class_start, head.class_start + head.num_local
+    template: dict[str, torch.Tensor] = {}
+    for key, md in reader.read_metadata().state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: entry {key!r} is not a tensor; not a partial-fc "
+                                  "checkpoint")
+        block = _BLOCK.match(key)
+        if block is None or (int(block["start"]) < hi and int(block["stop"]) > lo):
+            template[key] = torch.zeros(md.size, dtype=md.properties.dtype)
+    dcp.load(template, storage_reader=reader)
+    flat = {k: v for k, v in template.items() if _BLOCK.match(k) is None}
+    for key in meta["rows"]:
+        flat[key] = _my_rows(template, key, lo, hi)
+    state.restore(engine, flat)
+    rng = path / f"rng-{dist.get_rank()}.pt"
+    if rng.is_file():
+        saved = torch.load(rng, weights_only=True)
+        torch.set_rng_state(saved["cpu"])
+        if "cuda" in saved and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(saved["cuda"], engine.device)
+    loaders = meta["loader"]
+    rank = dist.get_rank()
+    meta["loader"] = loaders[rank] if rank < len(loaders) else loaders[0]
+    return meta
+
+
+def _my_rows(blocks: dict[str, torch.Tensor], key: str, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``key`` cut from the saved blocks that overlap them."""
+    parts = []
+    for name, tensor in blocks.items():
+        match = _BLOCK.match(name)
+        if match is not None and match["key"] == key:
+            start = int(match["start"])
+            parts.append((start, tensor[max(lo - start, 0) : max(hi - start, 0)]))
+    rows = torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
+    if rows.shape[0] != hi - lo:
+        raise CheckpointError(f"{key}: the checkpoint holds {rows.shape[0]} of rows [{lo}, {hi})")
+    return rows

@@ -1,0 +1,95 @@
+"""Training configuration: :func:`load_config`, the one entry point, and the names callers use.
+
+Loading is three jobs, each its own module: :mod:`trainer.config.files` reads the recipe
+(``base:`` chain, ``dotted.key=value`` overrides) and records which file set each key;
+:mod:`trainer.config.schema` validates it against the typed schema, the only source of
+defaults; :mod:`trainer.config.checks` runs the checks the schema cannot express. This module
+composes them so that every problem found is reported at once, in one :class:`ConfigError`,
+one line each, naming the file (or ``command line``) that set the key, the key, the value and
+the valid choices. With ``resolve=True`` the checks also read the data's ``manifest.json``
+and look at the machine (CUDA, files), so a run fails before any process group starts.
+
+The rest of ``launch`` (and bench/, tests/) imports configuration names from here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from trainer.config.checks import (
+    machine_notes,
+    resolve_errors,
+    resume_drift,
+    semantic_errors,
+    theory_warnings,
+)
+from trainer.config.files import apply_overrides, load_tree, schema_errors, shown, source_of
+from trainer.config.schema import (
+    BackboneConfig,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    ConfigWarning,
+    DataConfig,
+    DistConfig,
+    EngineConfig,
+    EvalConfig,
+    HeadConfig,
+    LogConfig,
+    MarginConfig,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    describe_keys,
+    dump_config,
+)
+
+__all__ = [
+    "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
+    "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "MarginConfig",
+    "OptimConfig", "ScheduleConfig", "TrainConfig", "describe_keys", "dump_config", "load_config",
+    "machine_notes", "resume_drift", "theory_warnings",
+]
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, resolve: bool = True
+) -> Config:
+    """Load ``path`` (with its ``base:`` chain), apply ``key=value`` overrides, validate.
+
+    ``resolve=True`` (what ``launch.train`` does, before any process group) also reads
+    ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples`` (with
+    ``data.source=synthetic``: no file; ``num_samples`` from the synthetic settings), checks the
+    device, resume folder and eval files. Theory checks (known C) become :class:`ConfigWarning`.
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    origin: dict[str, str] = {}
+    top = shown(Path(path))
+    tree = load_tree(Path(path), origin)
+    errors = apply_overrides(tree, list(overrides), origin)
+    broken: set[str] = set()
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as e:
+        errors += schema_errors(e, origin, top)
+        # Keep checking what did validate: broken top-level keys fall back to defaults and
+        # the checks below report nothing about them.
+        broken = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+        cfg = Config.model_validate({k: v for k, v in tree.items() if k not in broken})
+    found = semantic_errors(cfg)
+    if resolve:
+        found += resolve_errors(cfg)
+    errors += [
+        f"{source_of(origin, key, top)}: {msg}"
+        for key, msg in found
+        if key.split(".")[0] not in broken
+    ]
+    if errors:
+        raise ConfigError("\n".join(errors))
+    for msg in theory_warnings(cfg):
+        warnings.warn(msg, ConfigWarning, stacklevel=2)
+    return cfg
+

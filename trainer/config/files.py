@@ -1,0 +1,182 @@
+"""Reading YAML recipes: the ``base:`` chain, ``key=value`` overrides, where each key was set.
+
+A recipe names its parent with ``base: base.yaml`` (resolved relative to the recipe's own
+folder, chains allowed); mappings merge key by key, everything else (lists included)
+replaces. Command-line overrides are ``dotted.key=value`` with the value parsed as YAML
+(``margin.type=cosface optim.lr=0.05 eval.bins=[a.bin,b.bin]``). A key repeated in one file
+is refused rather than silently overwritten.
+
+Kept apart from the schema because its job is provenance: ``origin`` records the file (or
+``command line``) that set each dotted key, so that every error :func:`trainer.config.load_config`
+reports, schema errors included (:func:`schema_errors`), names the file to edit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from trainer.config.schema import Config, ConfigError
+
+CLI = "command line"
+
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    """A YAML mapping whose keys are unique: a repeated key is an error, not 'last one wins'."""
+    loader.flatten_mapping(node)
+    first: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in first:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first set at line {first[key] + 1})",
+                key_node.start_mark)
+        first[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value the way YAML would (``0.1`` float, ``[a,b]`` list)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - SafeLoader
+    except OSError as e:
+        raise ConfigError(f"{shown(path)}: cannot read config ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{shown(path)}: invalid YAML{where}: {what}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(f"{shown(path)}: top level must be a mapping, got {kind}")
+    return data
+
+
+def _merge(dst: dict, src: dict, source: str, origin: dict[str, str], prefix: str = "") -> None:
+    """Deep-merge ``src`` into ``dst``, recording in ``origin`` where each key came from."""
+    for key, value in src.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(dst.get(key, {}), dict):
+            _merge(dst.setdefault(key, {}), value, source, origin, dotted + ".")
+        else:
+            dst[key] = value
+            for k in [k for k in origin if k.startswith(dotted + ".")]:
+                del origin[k]
+            origin[dotted] = source
+
+
+def load_tree(path: Path, origin: dict[str, str], chain: tuple[Path, ...] = ()) -> dict:
+    """The merged tree of ``path`` and its ``base:`` ancestors (``chain``: the files below
+    it, to refuse a cycle); fills ``origin`` with the file that set each dotted key."""
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{shown(chain[-1])}: base: cycle through {shown(path)}")
+    data = _read_yaml(path)
+    tree: dict[str, Any] = {}
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{shown(path)}: base={base!r}: must be a file name")
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigError(f"{shown(path)}: base={base!r}: no such file {shown(base_path)}")
+        tree = load_tree(base_path, origin, (*chain, path))
+    _merge(tree, data, shown(path), origin)
+    return tree
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the working folder when it lies inside it (shorter messages)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) -> list[str]:
+    """Merge each ``dotted.key=value`` into ``tree`` (origin: ``command line``); returns one
+    error line per malformed override instead of raising, so they join the full report."""
+    errors = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            errors.append(f"{CLI}: {item!r}: overrides are dotted.key=value")
+            continue
+        try:
+            value = parse_value(text)
+        except yaml.YAMLError:
+            errors.append(f"{CLI}: {key}={text!r}: not a valid YAML value")
+            continue
+        nested: dict[str, Any] = value
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        _merge(tree, nested, CLI, origin)
+    return errors
+
+
+# ----------------------------------------------------------------------------- schema errors
+
+
+def source_of(origin: dict[str, str], dotted: str, default: str) -> str:
+    """The file that set ``dotted`` or its nearest parent (a whole section replaced), else
+    ``default`` (load_config passes the recipe it was given)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in origin:
+            return origin[".".join(parts[:i])]
+    return default
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        ann = field.annotation if field else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> list[str]:
+    """pydantic's errors as report lines, each naming the file that set the key; an unknown
+    key lists the valid keys of its section."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        dotted = ".".join(loc)
+        src = source_of(origin, dotted, top)
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            valid = ", ".join(parent.model_fields) if parent else "none"
+            lines.append(f"{src}: {dotted}: unknown key (valid keys: {valid})")
+        else:
+            value = e.get("input")
+            given = "<missing>" if e["type"] == "missing" else repr(value)
+            lines.append(f"{src}: {dotted}={given}: {e['msg']}")
+    return lines
+
+

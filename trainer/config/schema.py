@@ -1,0 +1,379 @@
+"""The config schema: every key, its type, bounds, default and description, in one place.
+
+The pydantic models below are the ONLY source of defaults; YAML files hold differences
+(:mod:`trainer.config.files` reads them). The schema alone refuses unknown keys, wrong types and
+out-of-range values; what needs several keys, the data or the machine is checked in
+:mod:`trainer.config.checks`. :func:`describe_keys` turns the schema into the key reference
+``python -m launch.train --help`` prints, so that reference cannot drift from the defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from partial_fc.margins import AdaCosMode, MarginType
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+UnitFloat = Annotated[float, Field(ge=0, lt=1)]
+MAX_SCALE = 1024.0  # margin.s: the published recipes use 30-64
+
+
+class ConfigError(ValueError):
+    """A user error in a config: one line per problem, all problems together."""
+
+
+class ConfigWarning(UserWarning):
+    """A config that runs but contradicts the theory (e.g. a scale too small to converge)."""
+
+
+class _Section(BaseModel):
+    # allow_inf_nan=False: a float key given as .inf/.nan (or 1e400) is refused, not trained on.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, validate_default=True, allow_inf_nan=False
+    )
+
+
+def _section(model: type[_Section], description: str) -> Any:
+    """A top-level key holding a whole section (its default: the section's defaults)."""
+    return Field(default_factory=model, description=description)
+
+
+class DataConfig(_Section):
+    source: Literal["shards", "synthetic"] = Field(
+        "shards", description="shards: the webdataset folder data.dir; synthetic: learnable "
+        "synthetic images generated in batches on the training device "
+        "(data_pipeline.synthetic_stream; no folder, data.num_classes required)"
+    )
+    dir: str = Field(
+        "data/synthetic", description="folder of webdataset shards and their manifest.json "
+        "(python -m launch.convert writes one); shards only"
+    )
+    num_classes: PosInt | None = Field(
+        None, description="identities; shards: filled from manifest.json (if set, must match "
+        "it); synthetic: required, the identities generated"
+    )
+    num_samples: PosInt | None = Field(
+        None, description="images per epoch; filled from manifest.json or, synthetic, as "
+        "num_classes x synthetic_images_per_class (if set, must match)"
+    )
+    synthetic_images_per_class: PosInt = Field(
+        4, description="synthetic only: images per identity, each a pure function of (seed, "
+        "identity, image)"
+    )
+    num_workers: NonNegInt = Field(
+        2, description="loader worker processes per rank decoding shards; 0 = in the main "
+        "process (synthetic: unused, batches are generated on the device)"
+    )
+    flip: bool = Field(True, description="random horizontal flip of training images")
+
+
+class BackboneConfig(_Section):
+    name: str = Field(
+        "iresnet50", description="backbone architecture (partial_fc.backbones.list_backbones())"
+    )
+    embedding_size: PosInt = Field(512, description="length of the face embedding")
+    dropout: UnitFloat = Field(0.0, description="dropout before the embedding layer, in [0, 1)")
+
+
+class MarginConfig(_Section):
+    """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob): one
+    field per ``partial_fc.margins.MARGIN_KEYS``, whose rules (``margin_errors``) the
+    config check calls."""
+
+    type: MarginType = Field(
+        "arcface", description="target-logit transform (partial_fc.margins): cos(m1*theta + m2)"
+        " - m3 and its special cases, SphereFace's cos(m*theta), or AdaCos's adaptive scale"
+    )
+    # s*cos are the logits: past ~1e3 the softmax is a hard max and fp32 loses the margin.
+    s: Annotated[float, Field(gt=0, le=MAX_SCALE)] = Field(
+        64.0, description="fixed logit scale (ignored when margin.adacos is set)"
+    )
+    m: float = Field(
+        0.5, description="the margin of sphereface (integer >= 1), cosface (>= 0, subtracted "
+        "from the cosine) or arcface (radians in [0, pi), added to the angle)"
+    )
+    m1: PosFloat = Field(1.0, description="combined: multiplies the angle (SphereFace-like)")
+    m2: float = Field(0.5, description="combined: radians added to the angle, in [0, pi)")
+    m3: float = Field(0.0, description="combined: subtracted from the cosine, >= 0")
+    adacos: AdaCosMode | None = Field(
+        None, description="AdaCos scale (arXiv:1905.00292) instead of margin.s: fixed or "
+        "dynamic; required for type=adacos, combinable with any type"
+    )
+    easy_margin: bool = Field(
+        False, description="arcface/combined: apply the margin only where cos(theta) > 0"
+    )
+    lambda_base: NonNegFloat = Field(
+        1000.0, description="sphereface annealing: the initial weight of the plain cosine; "
+        "0 disables the annealing"
+    )
+    lambda_gamma: NonNegFloat = Field(
+        0.12, description="sphereface annealing: lambda = lambda_base*(1 + gamma*step)^-power"
+    )
+    lambda_power: NonNegFloat = Field(1.0, description="sphereface annealing: decay exponent")
+    lambda_min: NonNegFloat = Field(5.0, description="sphereface annealing: floor of lambda")
+    p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
+        "checked against (a warning only; not passed to the margin)"
+    )
+
+
+class HeadConfig(_Section):
+    sample_rate: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="share of the classes (the batch's own always included) each step's "
+        "softmax is computed over (Partial FC); 1 = all"
+    )
+    kernel: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "
+        "(chunked PyTorch), auto = triton on CUDA when installed, else torch"
+    )
+    max_tile_mib: PosInt = Field(
+        32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "
+        "(memory budget; no [batch, num_local] buffer is ever allocated)"
+    )
+    # Its own budget, not max_tile_mib: it bounds other tensors ([rows, D] copies, whatever the
+    # batch), on every kernel, and trades memory against kernel launches per step.
+    max_update_mib: PosInt = Field(
+        64, description="head optimizer: MiB of fp32 temporaries per chunk of updated rows "
+        "(bounds the step's working memory whatever the number of sampled rows)"
+    )
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of the head's weight, gradient and optimizer state; bf16 "
+        "halves them (bf16 matmul operands, fp32 accumulation, softmax and update arithmetic)"
+    )
+
+    def partial_fc_kwargs(self) -> dict[str, Any]:
+        """``PartialFC``'s keyword arguments this section sets (bytes, a torch dtype)."""
+        return {"sample_rate": self.sample_rate, "kernel": self.kernel,
+                "max_tile_bytes": self.max_tile_mib << 20,
+                "state_dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[self.state_dtype]}
+
+
+class OptimConfig(_Section):
+    name: Literal["sgd", "adamw"] = Field("sgd", description="optimiser of backbone and head")
+    lr: PosFloat = Field(0.1, description="peak learning rate (after warm-up)")
+    momentum: UnitFloat = Field(0.9, description="sgd momentum")
+    weight_decay: NonNegFloat = Field(5e-4, description="weight decay (decoupled for adamw)")
+    betas: Annotated[list[UnitFloat], Field(min_length=2, max_length=2)] = Field(
+        [0.9, 0.999], description="adamw: the two moment decay rates"
+    )
+    eps: PosFloat = Field(1e-8, description="adamw: denominator epsilon")
+
+
+class ScheduleConfig(_Section):
+    type: Literal["poly", "cosine"] = Field(
+        "poly", description="learning-rate decay after warm-up, to 0 at the last step"
+    )
+    warmup_epochs: NonNegFloat = Field(
+        0.0, description="epochs of linear warm-up from 0 to optim.lr"
+    )
+    power: PosFloat = Field(2.0, description="poly only: lr * (1 - t/T)^power")
+
+
+class TrainConfig(_Section):
+    batch_size: PosInt = Field(128, description="images per rank per micro-batch")
+    epochs: PosInt = Field(20, description="passes over the data")
+    max_steps: PosInt | None = Field(
+        None, description="stop (and end the LR schedule) after this many steps; null = epochs"
+    )
+    grad_accum: PosInt = Field(
+        1, description="micro-batches per optimisation step (exact only for a full-softmax, "
+        "fixed-scale, non-SphereFace head)"
+    )
+    clip_grad_norm: PosFloat | None = Field(
+        5.0, description="clip the backbone's gradient norm to this; null disables"
+    )
+
+    # A step with a non-finite loss or gradient is skipped on every rank (trainer.engine);
+    # this many in a row end the run with an error (the model is diverging).
+    max_bad_steps: PosInt = Field(
+        10, description="consecutive non-finite (skipped) steps after which the run stops"
+    )
+
+
+class EngineConfig(_Section):
+    type: Literal["ddp", "deepspeed"] = Field(
+        "ddp", description="how the backbone is replicated: torch DDP or DeepSpeed ZeRO (the "
+        "head is always sharded by class)"
+    )
+    zero_stage: Literal[0, 1, 2] = Field(1, description="deepspeed only: ZeRO stage")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="backbone compute precision (margins and softmax stay fp32); fp16 "
+        "needs deepspeed and a GPU"
+    )
+    cpu_shm_comm: bool = Field(
+        False, description="deepspeed on CPU: use its shared-memory all-reduce (costs a ~30-50 "
+        "s JIT build) instead of the gloo group"
+    )
+    channels_last: bool = Field(True, description="CUDA only (CPU ignores it): backbone and "
+                                "input channels_last (H100 iresnet50 bf16: 1,977 -> 3,513 img/s)")
+    cudnn_benchmark: bool = Field(
+        True, description="CUDA only: cuDNN times its convolution algorithms on the first "
+        "step (inputs are a fixed size); the chosen algorithms, so the last bits, may differ "
+        "between invocations"
+    )
+    compile: bool = Field(
+        False, description="torch.compile (inductor) the backbone that trains, inside DDP or "
+        "DeepSpeed; evaluation and checkpoints use the plain module. Costs compile time at the "
+        "first steps (again at each new input shape) and needs a C++ compiler on CPU"
+    )
+
+
+class CheckpointConfig(_Section):
+    every: NonNegInt = Field(2000, description="steps between checkpoints; 0 = only at the end")
+    keep: PosInt = Field(3, description="newest checkpoints kept in RUN/checkpoints")
+    resume: str = Field(
+        "auto", description="auto (RUN/checkpoints/latest if any), none, or a checkpoint or "
+        "run folder to resume from"
+    )
+
+
+class DistConfig(_Section):
+    timeout_s: PosFloat = Field(
+        300.0, description="seconds a collective may wait for the other ranks before the run "
+        "ends with a message naming the step (a stopped or hung rank); raise it for evaluation "
+        "or checkpoints that take longer on one rank"
+    )
+
+
+class LogConfig(_Section):
+    every: PosInt = Field(10, description="steps between metric lines (RUN/metrics.jsonl, W&B)")
+    hist_every: NonNegInt = Field(
+        500, description="steps between target/non-target angle histograms (RUN/histograms.jsonl,"
+        " W&B, TensorBoard); 0 = none, and no collective samples them"
+    )
+    wandb: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="Weights & Biases mode (the WANDB_MODE variable overrides it); "
+        "offline writes RUN/wandb for a later wandb sync"
+    )
+    wandb_project: str = Field("partial-fc", description="W&B project name")
+    progress: bool = Field(
+        True, description="a progress bar when stderr is a terminal; otherwise (and with false) "
+        "one plain line every log.every steps"
+    )
+    tensorboard: bool = Field(
+        False, description="also write scalars and histograms to RUN/tb (needs the tensorboard "
+        "package: pip install 'partial-fc[tensorboard]')"
+    )
+
+
+class EvalConfig(_Section):
+    bins: list[str] = Field(
+        [], description="verification .bin files (LFW, CFP-FP, ...) evaluated during training "
+        "and at the end"
+    )
+    every: PosInt = Field(2000, description="steps between evaluations of eval.bins")
+    batch_size: PosInt = Field(256, description="images per evaluation batch")
+
+
+class Config(_Section):
+    name: str = Field("run", description="run name (W&B, logs, the default output folder)")
+    output: str | None = Field(None, description="run folder; null = runs/<name>")
+    seed: NonNegInt = Field(0, description="seed of initialisation, sampling and data order")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = cuda when available, else cpu"
+    )
+    data: DataConfig = _section(DataConfig, "the training data")
+    backbone: BackboneConfig = _section(BackboneConfig, "the embedding network")
+    margin: MarginConfig = _section(MarginConfig, "the margin-softmax loss")
+    head: HeadConfig = _section(HeadConfig, "the class-sharded classifier (Partial FC)")
+    optim: OptimConfig = _section(OptimConfig, "the optimiser")
+    schedule: ScheduleConfig = _section(ScheduleConfig, "the learning-rate schedule")
+    train: TrainConfig = _section(TrainConfig, "the training loop")
+    engine: EngineConfig = _section(EngineConfig, "backbone replication and precision")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "saving and resuming")
+    log: LogConfig = _section(LogConfig, "metrics, histograms and progress")
+    eval: EvalConfig = _section(EvalConfig, "verification during training")
+    dist: DistConfig = _section(DistConfig, "the process group")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output if self.output is not None else f"runs/{self.name}")
+
+    def margin_kwargs(self) -> dict[str, Any]:
+        """The dict for ``partial_fc.build_margin``."""
+        return self.margin.model_dump(exclude={"p_w"})
+
+
+def dump_config(cfg: Config) -> str:
+    """The fully resolved config as YAML (what ``RUN/config.yaml`` holds; loadable again)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- key reference
+
+
+def describe_keys(width: int = 92) -> str:
+    """Every config key with its type, default and description, grouped by section: the
+    reference ``python -m launch.train --help`` prints, generated from the schema."""
+    lines: list[str] = []
+    top = Config.model_fields
+    for name, field in top.items():
+        section = _section_model(field.annotation)
+        if section is None:
+            lines += _describe(name, field, width)
+    for name, field in top.items():
+        section = _section_model(field.annotation)
+        if section is not None:
+            lines += ["", f"{name}: {field.description}"]
+            for key, sub in section.model_fields.items():
+                lines += _describe(f"{name}.{key}", sub, width)
+    return "\n".join(lines)
+
+
+def _section_model(annotation: Any) -> type[_Section] | None:
+    """The section model a top-level key holds, or None for a plain key (name, seed, ...)."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, _Section) else None
+
+
+def _describe(key: str, field: Any, width: int) -> list[str]:
+    import textwrap
+
+    kind = _type_name(field.annotation) + _bounds(field.metadata)
+    head = f"  {key}: {kind} = {_yaml_value(field.get_default(call_default_factory=True))}"
+    return [head, *textwrap.wrap(field.description, width, initial_indent=" " * 6,
+                                 subsequent_indent=" " * 6)]
+
+
+def _yaml_value(value: Any) -> str:
+    """``value`` as it would be written in a recipe (``null``, ``true``, ``[0.9, 0.999]``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000)
+    return text.removesuffix("\n...\n").strip()
+
+
+def _type_name(annotation: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0]) + _bounds(args[1:])
+    if origin is Literal:
+        return "|".join(_yaml_value(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        named = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(named) + (" | null" if type(None) in args else "")
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(metadata: Any) -> str:
+    """``gt=0`` as `` > 0`` and so on (constraints sit in FieldInfo.metadata or directly)."""
+    symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    parts = []
+    for item in metadata:
+        for bound in getattr(item, "metadata", [item]):
+            for attr, symbol in symbols.items():
+                if getattr(bound, attr, None) is not None:
+                    parts.append(f"{symbol} {getattr(bound, attr)}")
+            if getattr(bound, "min_length", None) is not None:  # betas: min == max
+                parts.append(f"length {bound.min_length}")
+    return f" ({', '.join(parts)})" if parts else ""

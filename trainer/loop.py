@@ -1,0 +1,304 @@
+"""The training run: build (config -> engine, loader, logger), resume, the step loop with
+checkpoints, evaluation and stop signals, and the one report of a failure.
+
+``launch.train`` is the program around it; it validates the config before calling
+:func:`train` inside the process group. The run folder layout is in ``launch/train.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from trainer import checkpoint
+from trainer.config import (
+    Config,
+    ConfigError,
+    resume_drift,
+)
+from trainer.dist import DistEnv
+from trainer.preemption import StopSignals
+from trainer.telemetry.logger import RunLogger, print_main
+
+if TYPE_CHECKING:
+    from data_pipeline.loader import Loader
+    from data_pipeline.synthetic_stream import SyntheticStream
+    from trainer.engine import Engine
+
+
+def _groups(batches, k: int) -> Iterator[list]:
+    """Consecutive groups of ``k`` loader batches (one optimisation step each)."""
+    it = iter(batches)
+    while group := list(itertools.islice(it, k)):
+        if len(group) == k:
+            yield group
+
+
+class Diverged(RuntimeError):
+    """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective timed out or lost a peer: another rank stopped, died or fell behind."""
+
+
+def _collective_report(run: Run, err: RuntimeError) -> CollectiveFailed:
+    """The one-line report of a failed collective: the step, how long it waited, why."""
+    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0])
+    waited = time.monotonic() - run.step_started
+    return CollectiveFailed(
+        f"step {run.step + 1}: a collective failed after {waited:.0f} s ({detail}): another "
+        f"rank stopped, died or fell behind by more than the process group's timeout "
+        f"(dist.timeout_s={run.cfg.dist.timeout_s:g}); resume from {run.saved or 'the start'}"
+    )
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a process-group failure (gloo/NCCL timeout or a closed peer)."""
+    pattern = r"Timed out|timeout|Connection (closed|reset|refused)|gloo|NCCL"
+    return isinstance(err, dist.DistError) or re.search(pattern, str(err)) is not None
+
+
+@dataclass
+class Run:
+    """One run on one rank: what :func:`build` makes and the counters the loop advances."""
+
+    cfg: Config
+    env: DistEnv
+    engine: Engine
+    loader: Loader | SyntheticStream
+    log: RunLogger
+    total: int  # optimisation steps of the whole run
+    steps_per_epoch: int
+    step: int = 0  # steps done
+    epoch: int = 0
+    saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
+    bad_steps: int = 0  # skipped as non-finite, in all
+    skipped_steps: int = 0  # dropped by DeepSpeed's fp16 loss scaler (overflow), in all
+    skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
+    bad_in_a_row: int = 0
+    step_started: float = 0.0  # time.monotonic() when the current step began
+
+
+def train(cfg: Config, env: DistEnv) -> dict:
+    """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere)."""
+    run = build(cfg, env)
+    resume(run)
+    with StopSignals() as signals:
+        try:
+            stopped_by = loop(run, signals)
+        except RuntimeError as err:
+            if _is_collective_failure(err):
+                raise _collective_report(run, err) from None
+            raise
+    return finish(run, stopped_by)
+
+
+def build(cfg: Config, env: DistEnv) -> Run:
+    """Backbone, head, loader, engine and logger, identically seeded on every rank."""
+    from partial_fc import PartialFC, build_margin
+    from partial_fc.backbones import build_backbone
+    from trainer.engine import Engine
+
+    torch.manual_seed(cfg.seed)  # identical backbone init on every rank
+    backbone = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
+    head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
+                     build_margin(cfg.margin_kwargs()), seed=cfg.seed, device=env.device,
+                     **cfg.head.partial_fc_kwargs())
+    k = cfg.train.grad_accum
+    loader = build_loader(cfg, env)
+    steps_per_epoch = len(loader) // k
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train.grad_accum={k}: more than the {len(loader)} batches per epoch")
+    total = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
+    engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
+    log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
+    return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
+
+
+def build_loader(cfg: Config, env: DistEnv) -> Loader | SyntheticStream:
+    """This rank's batches: the shard loader on ``data.dir``, or (``data.source=synthetic``)
+    batches generated on the rank's device; both seeded by ``seed``."""
+    from data_pipeline import SyntheticStream, make_loader
+
+    common = {"batch_size": cfg.train.batch_size, "rank": env.rank,
+              "world_size": env.world_size, "seed": cfg.seed, "flip": cfg.data.flip}
+    if cfg.data.source == "synthetic":
+        return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
+                               device=env.device, **common)
+    return make_loader(cfg.data.dir, num_workers=cfg.data.num_workers,
+                       pin_memory=env.device.type == "cuda", **common)
+
+
+def resume(run: Run) -> None:
+    """Restore the newest verified checkpoint (``checkpoint.resume``) or seed a fresh run."""
+    cfg, env, loader = run.cfg, run.env, run.loader
+    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
+    if env.is_main:
+        checkpoint.remove_stale(cfg.run_dir)
+    if path is None:
+        torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), from the seed
+    else:
+        changed = resume_drift(checkpoint.read_meta(path).get("config"), cfg, str(path))
+        if changed:
+            run.log.info(f"resuming with changed settings: {', '.join(changed)}")
+        meta = checkpoint.load(path, run.engine)
+        run.step, run.saved = meta["step"], path
+        run.bad_steps = meta.get("bad_steps", 0)
+        run.skipped_steps = meta.get("skipped_steps", 0)
+        run.skipped_samples = meta.get("skipped_samples", 0)
+        loader.load_state_dict(meta["loader"])
+        finished = len(loader) - loader.batches_done < cfg.train.grad_accum
+        run.epoch = loader.epoch + 1 if finished else loader.epoch
+        run.log.info(f"resumed from {path} at step {run.step} "
+                     f"(saved on {meta['world_size']} ranks)")
+    run.log.info(
+        f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
+        f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
+        f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
+    )
+
+
+def loop(run: Run, signals: StopSignals) -> str | None:
+    """Train until ``run.total`` steps; returns the signal's name when one stopped it early."""
+    cfg = run.cfg
+    run.log.start(run.step)
+    while run.step < run.total:
+        run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
+        for micro_batches in _groups(run.loader, cfg.train.grad_accum):
+            stop = one_step(run, micro_batches, signals.received)
+            if run.step >= run.total:
+                return None
+            if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
+                save(run)
+            if cfg.eval.bins and run.step % cfg.eval.every == 0:
+                evaluate(run)
+            if stop:  # agreed in the step: every rank stops after this same step
+                return signal.Signals(stop).name
+        run.epoch += 1
+    return None
+
+
+def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
+    """One optimisation step, its metrics, and the non-finite-step bookkeeping. The step's
+    loss and statistics stay on the device (the engine's one host read is its skip decision)
+    and are read by ``log.step`` on the steps that write a metrics record. Returns the stop
+    request agreed over the ranks (``stop_request``: this rank's signal number, 0 = none)."""
+    cfg, log = run.cfg, run.log
+    run.step_started = time.monotonic()
+    hist = log.wants_histograms(run.step + 1)
+    stats = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
+    run.step += 1
+    if stats["overflow"]:  # fp16 loss scale too high: skipped, not diverging
+        run.skipped_steps += 1
+    elif stats["skipped"]:  # the same on every rank, so all raise together below
+        run.bad_steps += 1
+        run.bad_in_a_row += 1
+    else:
+        run.bad_in_a_row = 0
+    counts = data_counts(run) if log.due(run.step) else None
+    log.step(run.step, stats, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
+    if hist:
+        log.histograms(run.step, stats["angles"])
+    if not stats["skipped"] or stats["overflow"]:
+        return stats["stop_request"]
+    log.info(f"step {run.step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
+             f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
+    if run.bad_in_a_row >= cfg.train.max_bad_steps:
+        raise Diverged(
+            f"step {run.step}: {run.bad_in_a_row} steps in a row had a non-finite loss or "
+            f"gradient (train.max_bad_steps={cfg.train.max_bad_steps}); the run diverges: "
+            f"lower optim.lr or margin.s, or resume from {run.saved or 'the start'} with "
+            f"other settings"
+        )
+    return stats["stop_request"]
+
+
+def data_counts(run: Run) -> dict[str, int]:
+    """Collective: corrupt samples and samples repeated to pad (all ranks), and the steps
+    skipped as non-finite (``bad_steps``) or by the fp16 loss scaler (``skipped_steps``).
+    Every epoch meets the same corrupt files, so ``skipped_samples`` is the most any one
+    epoch has counted, not a sum that grows by them each epoch."""
+    from partial_fc.distributed import gather_ints
+
+    loader = run.loader
+    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
+    run.skipped_samples = max(run.skipped_samples, int(counts[0]))
+    return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
+            "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
+
+
+def save(run: Run) -> None:
+    """Checkpoint step ``run.step`` (collective)."""
+    cfg = run.cfg
+    meta = {"loader": run.loader.state_dict(), "name": cfg.name,
+            "config": cfg.model_dump(mode="json"), "bad_steps": run.bad_steps,
+            "skipped_steps": run.skipped_steps, "skipped_samples": run.skipped_samples}
+    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, meta, cfg.checkpoint.keep)
+
+
+def evaluate(run: Run) -> None:
+    """Verification accuracy on ``eval.bins`` (every rank embeds its share)."""
+    from trainer.evaluation import evaluate_bins
+
+    with run.engine.eval_context():
+        results = evaluate_bins(run.engine.backbone, run.cfg.eval.bins, run.cfg.eval.batch_size,
+                                run.env.device)
+    run.log.evaluation(run.step, results)
+
+
+def finish(run: Run, stopped_by: str | None) -> dict:
+    """The last checkpoint (unless this step's exists), the last evaluation, the summary.
+    Stopped by a signal: the checkpoint only, and where to resume."""
+    if run.saved is None or run.saved.name != checkpoint.tag_for(run.step):
+        save(run)
+    if stopped_by is not None:
+        run.log.info(f"stopped by {stopped_by} after step {run.step}: checkpoint {run.saved}; "
+                     f"run the same command again to resume (checkpoint.resume=auto)")
+    elif run.cfg.eval.bins:
+        evaluate(run)
+    return run.log.close(run.step, run.saved)
+
+
+def report_failure(err: Exception, rank: int) -> int:
+    """Print a failure after the process group started; returns the exit code.
+
+    Errors every rank raises together (config, checkpoint, divergence) are one line from
+    rank 0. Errors one rank meets alone (its data, a failed collective) are one line from
+    that rank. Anything else is a bug: its traceback, from each rank that hit it.
+    """
+    from data_pipeline.errors import DataError
+
+    if isinstance(err, ConfigError):
+        print_main(f"config error: {err}")
+        return 2
+    from trainer.engine.deepspeed_backend import LossScaleFloor
+
+    if isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError):
+        print_main(f"error: {err}")
+        return 1
+    if isinstance(err, DataError | CollectiveFailed):
+        # A DataLoader worker's error arrives with the worker's traceback in its message,
+        # ending in "data_pipeline.errors.DataError: <the message>".
+        line = str(err).strip().splitlines()[-1]
+        line = line.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
+        print(f"error on rank {rank}: {line}", file=sys.stderr, flush=True)
+        return 1
+    traceback.print_exception(err)
+    return 1
+

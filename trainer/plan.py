@@ -1,0 +1,174 @@
+"""Does a run fit, and what does each step move: the planner behind ``launch.plan``.
+
+Per-GPU memory of the sharded head and of the backbone, the bytes and time of every
+collective of one step and the largest class count that fits, all from
+``partial_fc.memory`` (the formulas, with their derivation).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+
+from partial_fc import memory
+from partial_fc.backbones import build_backbone
+
+GIB = 2**30
+
+# Activation bytes per image at 112x112 in training mode: partial_fc.memory.activation_bytes
+# at batch 4 minus batch 2, halved (CPU, torch 2.13, D=512); a backbone missing here is
+# measured when first asked for (measure_activations).
+ACTIVATIONS = {
+    ("iresnet18", "fp32"): 46_113_792, ("iresnet18", "bf16"): 23_056_896,
+    ("iresnet34", "fp32"): 61_166_592, ("iresnet34", "bf16"): 30_583_296,
+    ("iresnet50", "fp32"): 70_800_384, ("iresnet50", "bf16"): 35_400_192,
+    ("iresnet100", "fp32"): 111_744_000, ("iresnet100", "bf16"): 55_872_000,
+    ("iresnet200", "fp32"): 195_437_568, ("iresnet200", "bf16"): 97_718_784,
+    ("iresnet_tiny", "fp32"): 4_768_768, ("iresnet_tiny", "bf16"): 2_384_384,
+    ("mobilefacenet", "fp32"): 36_835_328, ("mobilefacenet", "bf16"): 18_417_664,
+}
+
+# Measured on one H100 (issue 11, torch 2.11, bf16, batch 128): iresnet50 forward + backward
+# + SGD on random input in channels_last, and the head's three matmuls at C_local = 1M,
+# N = 1024, D = 512 in bf16 (issue 10).
+R50_IMAGES_PER_S = 3513.0
+HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
+
+
+class PlanError(ValueError):
+    """An impossible input: one line naming the flag and the value."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    classes: int
+    gpus: int
+    gpus_per_node: int
+    sample_rate: float
+    dim: int
+    batch: int
+    backbone: str
+    state_dtype: str
+    gpu_memory: float
+    optimizer: str
+    precision: str
+    engine: str
+    zero_stage: int
+    max_tile_mib: int
+    max_update_mib: int
+    reserve: float
+    intra_bw: float
+    inter_bw: float
+    latency_us: float
+    row_sparse_grad: bool
+
+
+def backbone_params(name: str, dim: int) -> tuple[int, int]:
+    """``(parameters, trainable parameters)``, from building the model on the meta device
+    (no weights allocated)."""
+    with torch.device("meta"):
+        model = build_backbone(name, embedding_size=dim)
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+@functools.cache
+def backbone_flops(name: str, dim: int = 512) -> float:
+    """Forward flops per 112x112 image (torch's FlopCounterMode on the meta device)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_backbone(name, embedding_size=dim)
+        with FlopCounterMode(display=False) as counter:
+            model(torch.empty(2, 3, 112, 112))
+    return counter.get_total_flops() / 2
+
+
+def activations_per_image(name: str, precision: str) -> int:
+    """The table's entry (fp16 counts as bf16), or a measurement now (CPU-seconds)."""
+    key = (name, "fp32" if precision == "fp32" else "bf16")
+    return ACTIVATIONS[key] if key in ACTIVATIONS else measure_activations(*key)
+
+
+@functools.cache
+def measure_activations(name: str, precision: str) -> int:
+    """Activation bytes per image: saved-for-backward bytes at batch 4 minus batch 2, halved
+    (the batch-independent part, e.g. autocast's weight copies, cancels)."""
+    model = build_backbone(name)
+    a2, a4 = (memory.activation_bytes(model, b, precision) for b in (2, 4))
+    return (a4 - a2) // 2
+
+
+def plan(inp: Inputs) -> dict:
+    """Everything the CLI prints, as one JSON-ready dict (bytes, seconds)."""
+    params, trainable = backbone_params(inp.backbone, inp.dim)
+    act = activations_per_image(inp.backbone, inp.precision) * inp.batch
+    bb = memory.backbone_state_bytes(params, inp.gpus, trainable=trainable, engine=inp.engine,
+                                     precision=inp.precision, zero_stage=inp.zero_stage,
+                                     optimizer=inp.optimizer)
+    fixed = sum(bb.values()) + act + int(inp.reserve * GIB)
+    limit = int(inp.gpu_memory * GIB)
+
+    def head(classes: int) -> memory.HeadMemory:
+        return memory.head_memory(
+            classes, inp.gpus, inp.dim, inp.batch * inp.gpus, inp.sample_rate,
+            max_tile_bytes=inp.max_tile_mib << 20, max_update_bytes=inp.max_update_mib << 20,
+            state_dtype=inp.state_dtype, optimizer=inp.optimizer, precision=inp.precision,
+            row_sparse_grad=inp.row_sparse_grad)
+
+    h = head(inp.classes)
+    peak = fixed + h.total
+    multi_node = inp.gpus > inp.gpus_per_node
+    bw = (inp.inter_bw if multi_node else inp.intra_bw) * 1e9
+    colls = []
+    for c in memory.step_collectives(inp.batch, inp.gpus, inp.dim, trainable, engine=inp.engine,
+                                     precision=inp.precision, zero_stage=inp.zero_stage):
+        colls.append({"name": c.name, "kind": c.kind, "bytes": c.nbytes,
+                      "traffic_bytes_per_gpu": round(c.traffic(inp.gpus)),
+                      "seconds": memory.collective_seconds(c, inp.gpus, bw,
+                                                           inp.latency_us * 1e-6)})
+    return {
+        "inputs": asdict(inp),
+        "backbone_params": params,
+        "classes_per_gpu": h.num_local,
+        "sampled_classes_per_gpu": h.sampled,
+        "weight_bytes_per_gpu": h.weight,
+        "head_state_bytes_per_gpu": h.optimizer_state,
+        "head_grad_bytes_per_gpu": h.gradient,
+        "head_working_bytes_per_gpu": h.working,
+        "backbone_param_bytes_per_gpu": bb["parameters"],
+        "backbone_grad_bytes_per_gpu": bb["gradients"],
+        "backbone_state_bytes_per_gpu": bb["optimizer_state"],
+        "activation_bytes_per_gpu": act,
+        "reserve_bytes_per_gpu": int(inp.reserve * GIB),
+        "peak_bytes_per_gpu": peak,
+        "gpu_memory_bytes": limit,
+        "fits": peak <= limit,
+        "max_classes": memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
+        "link": "inter-node" if multi_node else "intra-node",
+        "link_bytes_per_s": bw,
+        "collectives": colls,
+        "comm_seconds": sum(c["seconds"] for c in colls),
+    }
+
+
+def step_model(result: dict, head_factor: float) -> dict:
+    """Modelled step time on H100s: the backbone's measured single-GPU step (scaled by flops
+    from iresnet50 and by batch), the head at ``head_factor`` x its matmul time, the head's
+    collectives in full, and the backbone's gradient sync minus the backward it overlaps
+    (DDP buckets; backward ~ 2/3 of the backbone step)."""
+    inp = result["inputs"]
+    per_image = backbone_flops(inp["backbone"], inp["dim"]) / backbone_flops("iresnet50")
+    t_bb = inp["batch"] * per_image / R50_IMAGES_PER_S
+    flops = memory.head_matmul_flops(inp["batch"] * inp["gpus"],
+                                     result["sampled_classes_per_gpu"], inp["dim"])
+    t_head = head_factor * flops / HEAD_MATMUL_FLOPS_PER_S
+    grads = [c["seconds"] for c in result["collectives"] if c["name"].startswith("backbone")]
+    t_head_comm = result["comm_seconds"] - sum(grads)
+    t_sync = max(0.0, sum(grads) - 2 / 3 * t_bb)
+    step = t_bb + t_head + t_head_comm + t_sync
+    return {"backbone_s": t_bb, "head_s": t_head, "head_comm_s": t_head_comm,
+            "grad_sync_exposed_s": t_sync, "step_s": step,
+            "images_per_s": inp["batch"] * inp["gpus"] / step, "efficiency": t_bb / step}

@@ -1,0 +1,246 @@
+"""The report's figures, one function each, built on :class:`matplotlib.figure.Figure` (no
+pyplot state; PNGs through the Agg canvas). Several runs overlay in one figure, one colour
+per run throughout. A figure none of the runs has data for is left out (``None``), so the
+report never shows an empty frame.
+
+AdaCos (arXiv:1905.00292) names what to look for: the fixed scale ``sqrt(2) ln(C - 1)``
+(Sec. 4.1) drawn as a reference beside ``s``; ``theta_med`` against ``pi/4``, where the
+dynamic scale stops growing (Sec. 4.2); ``B_avg`` on a log axis; the target and
+non-target angle distributions over training as heatmaps (Fig. 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+from partial_fc.scale import fixed_adacos_scale
+from trainer.telemetry.run_files import Histograms
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the report knows of one run folder."""
+
+    label: str  # legend entry
+    config: dict  # RUN/config.yaml
+    train: list[dict]  # metrics.jsonl rows of training steps (they have "loss")
+    evals: list[dict]  # metrics.jsonl rows of evaluations ("val/<set>/<metric>")
+    hist: Histograms | None  # RUN/histograms.jsonl
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of training metric ``key``; null (non-finite) becomes NaN."""
+        rows = [r for r in self.train if key in r]
+        steps = np.array([r["step"] for r in rows], dtype=np.float64)
+        values = np.array([np.nan if r[key] is None else r[key] for r in rows], dtype=np.float64)
+        return steps, values
+
+    @property
+    def num_classes(self) -> int | None:
+        return (self.config.get("data") or {}).get("num_classes")
+
+
+def _colour(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _has(runs: list[RunData], key: str) -> bool:
+    return any(np.isfinite(r.series(key)[1]).any() for r in runs)
+
+
+def _lines(ax, runs: list[RunData], key: str, **style) -> None:
+    for i, run in enumerate(runs):
+        steps, values = run.series(key)
+        if np.isfinite(values).any():
+            ax.plot(steps, values, color=_colour(i), label=run.label, **style)
+
+
+def _finish(fig: Figure, ax, ylabel: str, title: str) -> Figure:
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def _spread(runs: list[RunData], key: str) -> float:
+    """max / min of the positive values of ``key`` over all runs (1 when there are none)."""
+    values = np.concatenate([r.series(key)[1] for r in runs])
+    values = values[np.isfinite(values) & (values > 0)]
+    return float(values.max() / values.min()) if len(values) else 1.0
+
+
+def _line_figure(key: str, ylabel: str, title: str, log: bool | str = False,
+                 reference: Callable | None = None) -> Callable:
+    """A builder for one metric, one line per run; ``reference(ax, runs)`` adds guides.
+    ``log="auto"``: a log axis when the values span more than a factor 5 (s = 64 beside
+    AdaCos's s = 6.5 would flatten the latter)."""
+
+    def build(runs: list[RunData]) -> Figure | None:
+        if not _has(runs, key):
+            return None
+        fig = Figure(figsize=(7, 3.6))
+        ax = fig.add_subplot()
+        _lines(ax, runs, key)
+        if log is True:
+            ax.set_yscale("log")
+        elif log == "auto" and _spread(runs, key) > 5:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        if reference is not None:
+            reference(ax, runs)
+        return _finish(fig, ax, ylabel, title)
+
+    return build
+
+
+def _adacos_fixed(ax, runs: list[RunData]) -> None:
+    """AdaCos's fixed scale for each distinct class count, dashed."""
+    for c in sorted({r.num_classes for r in runs if r.num_classes and r.num_classes >= 3}):
+        s = fixed_adacos_scale(c)
+        ax.axhline(s, color="grey", ls="--", lw=1, label=f"√2·ln(C−1) = {s:.2f} (C={c})")
+
+
+def _quarter_pi(ax, runs: list[RunData]) -> None:
+    ax.axhline(math.pi / 4, color="grey", ls="--", lw=1, label="π/4")
+
+
+def cos_figure(runs: list[RunData]) -> Figure | None:
+    """Mean target cos (solid) and mean non-target cos (dashed)."""
+    if not (_has(runs, "cos_target_mean") or _has(runs, "cos_nontarget_mean")):
+        return None
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.add_subplot()
+    for i, run in enumerate(runs):
+        for key, ls, what in (("cos_target_mean", "-", "target"),
+                              ("cos_nontarget_mean", "--", "non-target")):
+            steps, values = run.series(key)
+            if np.isfinite(values).any():
+                ax.plot(steps, values, color=_colour(i), ls=ls, label=f"{run.label} {what}")
+    return _finish(fig, ax, "mean cos", "mean target (solid) and non-target (dashed) cos")
+
+
+def throughput_figure(runs: list[RunData]) -> Figure | None:
+    """Images per second (all ranks) and peak memory of rank 0."""
+    if not (_has(runs, "img_per_s") or _has(runs, "memory_mb")):
+        return None
+    fig = Figure(figsize=(10, 3.6))
+    for j, (key, ylabel, title) in enumerate((("img_per_s", "images / s", "throughput"),
+                                              ("memory_mb", "MiB", "peak memory (rank 0)"))):
+        ax = fig.add_subplot(1, 2, j + 1)
+        _lines(ax, runs, key)
+        _finish(fig, ax, ylabel, title)
+    return fig
+
+
+def _edges(centres: np.ndarray) -> np.ndarray:
+    """Cell edges around sorted ``centres`` (a lone centre gets a width of its own step)."""
+    if len(centres) == 1:
+        half = max(centres[0], 1.0) / 2
+        return np.array([centres[0] - half, centres[0] + half])
+    mid = (centres[1:] + centres[:-1]) / 2
+    return np.concatenate([[2 * centres[0] - mid[0]], mid, [2 * centres[-1] - mid[-1]]])
+
+
+def _angle_window(hist: Histograms) -> tuple[float, float]:
+    """The angle range (degrees, 10-degree steps) that holds all the mass of every step."""
+    total = sum(c.sum(axis=0) for c in hist.counts.values())
+    nonzero = np.nonzero(total)[0]
+    if not len(nonzero):
+        return 0.0, 180.0
+    lo, hi = hist.edges[nonzero[0]], hist.edges[nonzero[-1] + 1]
+    return max(0.0, 10 * math.floor(lo / 10)), min(180.0, 10 * math.ceil(hi / 10))
+
+
+def angles_figure(runs: list[RunData]) -> Figure | None:
+    """Per run (rows): target and non-target angle distribution per sampled step (columns:
+    steps, rows: degrees, colour: share of that step's angles), AdaCos Fig. 1 over time;
+    ``theta_med`` in degrees drawn on the target panel."""
+    with_hist = [(i, r) for i, r in enumerate(runs) if r.hist is not None]
+    if not with_hist:
+        return None
+    fig = Figure(figsize=(10, 3.2 * len(with_hist)))
+    for row, (i, run) in enumerate(with_hist):
+        hist = run.hist
+        lo, hi = _angle_window(hist)
+        for col, (name, what) in enumerate((("theta_target", "target"),
+                                            ("theta_nontarget", "non-target"))):
+            ax = fig.add_subplot(len(with_hist), 2, 2 * row + col + 1)
+            counts = hist.counts.get(name)
+            if counts is None:
+                ax.set_axis_off()
+                continue
+            share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+            mesh = ax.pcolormesh(_edges(hist.steps.astype(float)), hist.edges, share.T,
+                                 cmap="viridis", shading="flat")
+            fig.colorbar(mesh, ax=ax, label="share of angles")
+            if name == "theta_target":
+                steps, theta = run.series("theta_med")
+                ax.plot(steps, np.degrees(theta), color="white", lw=1, label="θ_med")
+                ax.legend(fontsize="small", loc="upper right")
+            ax.set_ylim(lo, hi)
+            ax.set_xlabel("step")
+            ax.set_ylabel("angle (degrees)")
+            ax.set_title(f"{run.label}: {what} angles", color=_colour(i))
+    fig.tight_layout()
+    return fig
+
+
+def _eval_sets(runs: list[RunData]) -> list[str]:
+    names = {k.split("/")[1] for r in runs for row in r.evals for k in row
+             if k.startswith("val/") and k.endswith("/accuracy")}
+    return sorted(names)
+
+
+def verification_figure(runs: list[RunData]) -> Figure | None:
+    """Verification accuracy per evaluation set (one panel each)."""
+    sets = _eval_sets(runs)
+    if not sets:
+        return None
+    fig = Figure(figsize=(min(5 * len(sets), 15), 3.6))
+    for j, name in enumerate(sets):
+        ax = fig.add_subplot(1, len(sets), j + 1)
+        key = f"val/{name}/accuracy"
+        for i, run in enumerate(runs):
+            rows = [r for r in run.evals if key in r]
+            if rows:
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], "o-",
+                        color=_colour(i), label=run.label)
+        _finish(fig, ax, "accuracy", f"verification: {name}")
+    return fig
+
+
+# slug -> (builder, caption): the report's order.
+FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
+    "loss": (_line_figure("loss", "loss", "training loss (global batch)"),
+             "Loss of the global batch, as the head computes it (margin and scale included)."),
+    "lr": (_line_figure("lr", "learning rate", "learning rate"), "Learning rate (warm-up, decay)."),
+    "scale": (_line_figure("scale", "s", "logit scale s", log="auto", reference=_adacos_fixed),
+              "Logit scale s. Dashed: AdaCos's fixed scale √2·ln(C−1) (arXiv:1905.00292 "
+              "Sec. 4.1); the dynamic scale starts there and follows B_avg and θ_med (Sec. 4.2)."),
+    "b_avg": (_line_figure("b_avg", "B_avg", "B_avg (non-target logit sum)", log=True),
+              "B_avg: the batch mean of Σ exp(s·cos) over non-target classes, at the current s."),
+    "theta_med": (_line_figure("theta_med", "θ_med (rad)", "median target angle θ_med",
+                               reference=_quarter_pi),
+                  "Median target angle θ_med (radians). AdaCos's dynamic scale is "
+                  "s = ln(B_avg) / cos(min(π/4, θ_med)): √2·ln(B_avg) while θ_med ≥ π/4, "
+                  "and smaller as θ_med falls below it (stricter supervision)."),
+    "cos": (cos_figure, "Mean cosine to the target class (solid) and to the other classes "
+                        "(dashed): the gap is what the margin buys."),
+    "angles": (angles_figure,
+               "Distribution of target and non-target angles at each sampled step "
+               "(log.hist_every; colour: share of that step's angles), cf. AdaCos Fig. 1. "
+               "White: θ_med."),
+    "throughput": (throughput_figure,
+                   "Images per second over all ranks (between metric lines) and peak memory."),
+    "verification": (verification_figure, "Verification accuracy (10-fold) per eval set."),
+}

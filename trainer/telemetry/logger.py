@@ -1,0 +1,225 @@
+"""All of the trainer's rank-0 I/O: console and RUN/train.log (:mod:`trainer.telemetry.console`),
+RUN/config.yaml, metrics.jsonl, histograms.jsonl (:mod:`trainer.telemetry.run_files`), W&B and
+TensorBoard (:mod:`trainer.telemetry.sinks`).
+
+Every rank constructs a :class:`RunLogger`; on ranks other than 0 every method is a no-op,
+so call sites need no ``if rank == 0``. W&B runs offline by default (``log.wandb``); the
+``WANDB_MODE`` environment variable, when set, wins (tests set ``disabled``). TensorBoard
+with ``log.tensorboard=true``. Scale dynamics (s, theta_med, B_avg, mean target/non-target
+cos) are logged every ``log.every`` steps, the only steps that read the loss and the
+statistics from the device; target/non-target angle histograms every ``log.hist_every``. A
+resumed run truncates both line files to the checkpoint's step, so no step appears twice,
+and continues the same W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config, dump_config
+from trainer.telemetry import run_files
+from trainer.telemetry.console import Console
+from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
+
+
+def launcher_rank() -> int:
+    """This process's global rank as torchrun exported it (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def print_main(message: str) -> None:
+    """Print to stderr on rank 0 only; usable before any process group exists."""
+    if launcher_rank() == 0:
+        print(message, file=sys.stderr)
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, max RSS on CPU (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _json_safe(record: dict) -> dict:
+    """``record`` with non-finite floats as null: ``NaN``/``Infinity`` are not JSON (a
+    skipped step's loss is NaN; readers of metrics.jsonl must not choke on it)."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+
+
+class RunLogger:
+    """Rank-0 sink for one run; ``global_batch`` = images per optimisation step, all ranks."""
+
+    def __init__(self, cfg: Config, rank: int, total_steps: int, global_batch: int):
+        self.active = rank == 0
+        self.cfg, self.total, self.global_batch = cfg, total_steps, global_batch
+        self.run_dir = cfg.run_dir
+        self.history: list[dict] = []
+        self._metrics = self._hist = None
+        self._sinks: list[Sink] = []
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = self._start = 0
+        if self.active:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(self.run_dir, rank, cfg.log.progress)
+        if not self.active:
+            return
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+
+    def info(self, message: str) -> None:
+        """A message for the console and RUN/train.log (rank 0)."""
+        self.console.info(message)
+
+    def start(self, step: int) -> None:
+        """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
+        after it from metrics.jsonl and histograms.jsonl, open both for appending, open the
+        W&B run / TensorBoard writer, start timing."""
+        self._t0 = self._last_t = time.perf_counter()
+        self._last_step = self._start = step
+        if not self.active:
+            return
+        for name in (run_files.METRICS, run_files.HISTOGRAMS):
+            dropped = run_files.truncate_after(self.run_dir / name, step)
+            if dropped:
+                self.info(f"{name}: dropped {dropped} row(s) after step {step} (redone now)")
+        cfg = self.cfg
+        mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
+        if mode != "disabled":
+            self._sinks.append(WandbSink(self.run_dir, mode, cfg.log.wandb_project, cfg.name,
+                                         cfg.model_dump(mode="json")))
+        if cfg.log.tensorboard:
+            self._sinks.append(TensorBoardSink(self.run_dir, dump_config(cfg), step))
+        # Closed in close().
+        self._metrics = open(self.run_dir / run_files.METRICS, "a")  # noqa: SIM115
+        if self.cfg.log.hist_every:
+            self._hist = open(self.run_dir / run_files.HISTOGRAMS, "a")  # noqa: SIM115
+        self.console.start(step, self.total)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` writes a metrics record (every ``log.every`` and the last)."""
+        return step % self.cfg.log.every == 0 or step == self.total
+
+    def step(
+        self,
+        step: int,
+        stats: dict,
+        head_stats: dict,
+        data: dict | None,
+        device: torch.device,
+        epoch: int | None = None,
+    ) -> None:
+        """After optimisation step ``step`` (1-based count of steps done) of ``epoch``
+        (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
+        ``padded_samples``), given on the steps that are :meth:`due`.
+
+        ``stats`` and ``head_stats`` are read only on the steps that are :meth:`due`: the
+        engine and the head keep their numbers on the device
+        (``partial_fc.readout.DeviceScalars``) and a read makes the host wait for the GPU."""
+        if not self.active:
+            return
+        now = time.perf_counter()
+        done, elapsed = step - self._start, max(now - self._t0, 1e-9)
+        rate = self.global_batch * done / elapsed
+        if not self.due(step):
+            self.console.progress(step, rate)
+            return
+        img_s = self.global_batch * (step - self._last_step) / max(now - self._last_t, 1e-9)
+        self._last_t, self._last_step = now, step
+        record = {
+            "step": step,
+            "loss": stats["loss"],
+            "lr": stats["lr"],
+            "grad_norm": stats["grad_norm"],
+            "scale": head_stats.get("scale"),
+            "theta_med": head_stats.get("theta_med"),
+            "b_avg": head_stats.get("b_avg"),
+            "cos_target_mean": head_stats.get("cos_target_mean"),
+            "cos_nontarget_mean": head_stats.get("cos_nontarget_mean"),
+            "img_per_s": img_s,
+            "memory_mb": memory_mb(device),
+            **(data or {}),
+            "time_s": now - self._t0,
+        }
+        if epoch is not None:
+            record["epoch"] = epoch
+        self.write(record)
+        eta = (self.total - step) * elapsed / done if done else None
+        self.console.metrics(record, self.total, epoch, eta)
+        self.console.progress(step, rate)  # after the record: the bar shows its numbers
+
+    def wants_histograms(self, step: int) -> bool:
+        """Whether optimisation step ``step`` (1-based) samples angle histograms. From the
+        config alone, so every rank agrees (the sample is a collective); never when
+        ``log.hist_every=0``."""
+        every = self.cfg.log.hist_every
+        return every > 0 and step % every == 0
+
+    def histograms(self, step: int, angles: dict[str, torch.Tensor]) -> None:
+        """Angle distributions (degrees), e.g. ``{"theta_target": ..., "theta_nontarget": ...}``:
+        counts per degree into histograms.jsonl, and to W&B / TensorBoard."""
+        if not self.active:
+            return
+        values = {k: v.detach().float().cpu().numpy() for k, v in angles.items()}
+        self._hist.write(json.dumps(run_files.histogram_row(step, values)) + "\n")
+        self._hist.flush()
+        for sink in self._sinks:
+            sink.histograms(step, values)
+
+    def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
+        """Verification results of ``launch.evaluate.evaluate_bins``."""
+        flat = {
+            f"val/{name}/{k}": v
+            for name, r in results.items()
+            for k, v in r.items()
+            if isinstance(v, int | float)
+        }
+        self.write({"step": step, **flat})
+        self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" for name, r in results.items()))
+
+    def write(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.history.append(record)
+        self._metrics.write(json.dumps(_json_safe(record)) + "\n")
+        self._metrics.flush()
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
+        for sink in self._sinks:
+            sink.scalars(record["step"], scalars)
+
+    def close(self, step: int, checkpoint: Path | None) -> dict:
+        """Finish the run; print and return a summary (rank 0; ``{}`` elsewhere)."""
+        if not self.active:
+            self.console.close()
+            return {}
+        losses = [r["loss"] for r in self.history if "loss" in r]
+        elapsed = time.perf_counter() - self._t0
+        summary = {
+            "run": str(self.run_dir),
+            "steps": step,
+            "steps_this_invocation": step - self._start,
+            "time_s": round(elapsed, 1),
+            "img_per_s": round(self.global_batch * (step - self._start) / max(elapsed, 1e-9), 1),
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "checkpoint": str(checkpoint) if checkpoint else None,
+        }
+        line = "summary: " + json.dumps(summary)
+        print(line, flush=True)  # stdout: the one line a script may parse
+        self.console.log.info(line, extra={"file_only": True})
+        self.console.close()
+        self._metrics.close()
+        if self._hist is not None:
+            self._hist.close()
+        for sink in self._sinks:
+            sink.close(summary)
+        return summary

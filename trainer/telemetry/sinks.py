@@ -1,0 +1,93 @@
+"""Optional metric sinks of rank 0: Weights & Biases and TensorBoard, same names in both.
+
+Each is imported only when switched on (``log.wandb`` not ``disabled``, or
+``log.tensorboard=true``), so a run without them never imports either package. Scalars are
+the keys of a ``metrics.jsonl`` row (``loss``, ``scale``, ``val/lfw/accuracy``, ...);
+histograms are ``theta_target`` / ``theta_nontarget`` in degrees, binned per degree like
+``RUN/histograms.jsonl`` (:mod:`trainer.telemetry.run_files`).
+
+W&B: one run per training across resumes. The run id is kept in ``RUN/wandb_run_id`` and
+passed back with ``resume="allow"``; every chart's x axis is ``global_step`` (declared with
+``define_metric``), so a resumed segment that logs steps again lines up instead of being
+dropped by W&B's own monotonic step counter.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from trainer.telemetry import run_files
+
+WANDB_ID_FILE = "wandb_run_id"
+TENSORBOARD_DIR = "tb"
+
+
+class Sink(Protocol):
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    def histograms(self, step: int, angles: dict[str, np.ndarray]) -> None: ...
+
+    def close(self, summary: dict) -> None: ...
+
+
+class WandbSink:
+    """A W&B run (``mode``: offline | online) under ``RUN/wandb``."""
+
+    def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict):
+        import wandb
+
+        self._wandb = wandb
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+        self.run = wandb.init(project=project, name=name, mode=mode, dir=str(run_dir),
+                              config=config, id=run_id, resume="allow")
+        id_file.write_text(self.run.id + "\n")
+        self.run.define_metric("global_step")
+        self.run.define_metric("*", step_metric="global_step")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({"global_step": step, **values})
+
+    def histograms(self, step: int, angles: dict[str, np.ndarray]) -> None:
+        edges = run_files.bin_edges()
+        self.run.log({"global_step": step, **{
+            name: self._wandb.Histogram(np_histogram=(run_files.angle_counts(v), edges))
+            for name, v in angles.items()}})
+
+    def close(self, summary: dict) -> None:
+        self.run.summary.update(summary)
+        self.run.finish()
+
+
+class TensorBoardSink:
+    """Event files under ``RUN/tb`` (``tensorboard --logdir RUN/tb``). Resumed at ``step``,
+    it hides the older files' events after that step (``purge_step``): they are redone."""
+
+    def __init__(self, run_dir: Path, config_yaml: str, step: int):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # trainer.config checks first; this is the last word
+            raise ImportError(f"log.tensorboard=true needs the tensorboard package ({err}); "
+                              f"pip install 'partial-fc[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR),
+                                    purge_step=step + 1 if step else None)
+        self.writer.add_text("config", "```\n" + config_yaml + "```")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def histograms(self, step: int, angles: dict[str, np.ndarray]) -> None:
+        for name, values in angles.items():
+            self.writer.add_histogram(name, values, global_step=step, bins=run_files.bin_edges())
+        self.writer.flush()
+
+    def close(self, summary: dict) -> None:
+        self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
+        self.writer.close()
