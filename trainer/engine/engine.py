@@ -135,7 +135,12 @@ class Engine:
         (``engine.compile``). Inside DDP, as PyTorch's docs advise: dynamo still splits the
         graph at DDP's buckets (DDPOptimizer), so the all-reduce overlaps the backward.
         DeepSpeed's ``engine.compile()`` would compile ``self.backbone`` in place, evaluation
-        included; this keeps it eager, its state_dict keys free of ``_orig_mod.``."""
+        included; this keeps it eager, its state_dict keys free of ``_orig_mod.``. Off CUDA,
+        inductor's layout optimisation is off: it would pick channels_last for the
+        convolutions, whose CPU backward crashes as :meth:`_memory_format` says (seen again
+        under inductor, a segfault in the 2-rank compile test on an AMX Xeon, torch 2.13)."""
+        if self.device.type != "cuda":
+            return torch.compile(self.backbone, options={"layout_optimization": False})
         return torch.compile(self.backbone)
 
     def set_lr(self, step: int) -> float:
