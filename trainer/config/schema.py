@@ -213,7 +213,8 @@ class EngineConfig(_Section):
         "s JIT build) instead of the gloo group"
     )
     channels_last: bool = Field(True, description="CUDA only (CPU ignores it): backbone and "
-                                "input channels_last (H100 iresnet50 bf16: 1,977 -> 3,513 img/s)")
+                                "input channels_last, the layout tensor-core convolutions read "
+                                "(the speed-up: docs/benchmarks.md)")
     cudnn_benchmark: bool = Field(
         True, description="CUDA only: cuDNN times its convolution algorithms on the first "
         "step (inputs are a fixed size); the chosen algorithms, so the last bits, may differ "
