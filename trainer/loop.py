@@ -115,8 +115,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
     backbone = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
-                     build_margin(cfg.margin_kwargs()), seed=cfg.seed, device=env.device,
-                     **cfg.head.partial_fc_kwargs())
+                     build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
+                     device=env.device, **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
@@ -126,7 +126,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
-    engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
+    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
 
@@ -148,7 +148,7 @@ def build_loader(cfg: Config, env: DistEnv) -> Loader | SyntheticStream:
 def resume(run: Run) -> None:
     """Restore the newest verified checkpoint (``checkpoint.resume``) or seed a fresh run."""
     cfg, env, loader = run.cfg, run.env, run.loader
-    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
+    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume, env)
     if env.is_main:
         checkpoint.remove_stale(cfg.run_dir)
     if path is None:
@@ -202,23 +202,23 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    stats = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
+    result = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
     run.step += 1
-    if stats["overflow"]:  # fp16 loss scale too high: skipped, not diverging
+    if result.overflow:  # fp16 loss scale too high: skipped, not diverging
         run.skipped_steps += 1
-    elif stats["skipped"]:  # the same on every rank, so all raise together below
+    elif result.skipped:  # the same on every rank, so all raise together below
         run.bad_steps += 1
         run.bad_in_a_row += 1
     else:
         run.bad_in_a_row = 0
     counts = data_counts(run) if log.due(run.step) else None
-    log.step(run.step, stats, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
+    log.step(run.step, result, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
     if hist:
-        log.histograms(run.step, stats["angles"])
-    if not stats["skipped"] or stats["overflow"]:
-        return stats["stop_request"]
-    log.info(f"step {run.step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
-             f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
+        log.histograms(run.step, result.angles)
+    if not result.skipped or result.overflow:
+        return result.stop_request
+    log.info(f"step {run.step}: non-finite loss or gradient (loss {result.loss:.4g}, "
+             f"grad norm {result.grad_norm:.4g}); skipped on every rank")
     if run.bad_in_a_row >= cfg.train.max_bad_steps:
         raise Diverged(
             f"step {run.step}: {run.bad_in_a_row} steps in a row had a non-finite loss or "
@@ -226,7 +226,7 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
             f"lower optim.lr or margin.s, or resume from {run.saved or 'the start'} with "
             f"other settings"
         )
-    return stats["stop_request"]
+    return result.stop_request
 
 
 def data_counts(run: Run) -> dict[str, int]:
