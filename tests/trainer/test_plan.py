@@ -172,6 +172,16 @@ def test_activation_table_matches_a_fresh_measurement(precision):
         plan.ACTIVATIONS[("iresnet_tiny", precision)]
 
 
+@pytest.mark.slow
+def test_every_activation_entry_matches_a_fresh_measurement():
+    """The whole table the planner prints its r50/r100/r200 figures from (~15 s of CPU
+    forwards), so a backbone change that moves its activations cannot leave a stale entry."""
+    measured = {key: plan.measure_activations.__wrapped__(*key) for key in plan.ACTIVATIONS}
+    stale = {key: (value, measured[key]) for key, value in plan.ACTIVATIONS.items()
+             if measured[key] != value}
+    assert not stale, stale  # key: (table, measured)
+
+
 def test_ring_traffic():
     assert Collective("x", "all_reduce", 800).traffic(4) == 1200  # 2 (P-1)/P
     assert Collective("x", "all_gather", 800).traffic(4) == 600
