@@ -217,8 +217,8 @@ def test_cuda_rng_is_saved_and_restored(tmp_path, one_rank_group):
 def test_deepspeed_internals_are_where_the_backend_expects(one_rank_group):
     """trainer.engine.deepspeed_backend.ZeroPartitions is the only code that reads DeepSpeed
     internals (the flat fp32 partitions and their parameter groups, to create optimizer state
-    before a resume fills it); this fails loudly when an installed DeepSpeed moves or renames them. (One
-    process group for both stages: DeepSpeed caches the group it first saw.)"""
+    before a resume fills it); this fails loudly when an installed DeepSpeed moves or renames
+    them. (One process group for both stages: DeepSpeed caches the group it first saw.)"""
     import deepspeed
     from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 

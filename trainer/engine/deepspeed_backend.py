@@ -102,7 +102,7 @@ class DeepSpeedBackend:
 
     ``model`` is DeepSpeed's engine (what the training step calls forward on); ``backbone``
     the bare module whose parameters it trains, ``optimizer`` the torch optimizer handed to
-    DeepSpeed (both kept for the fp32 no-ZeRO undo in :meth:`_backward_step`).
+    DeepSpeed (both kept for the fp32 no-ZeRO undo in :meth:`_boundary_step`).
     ``input_dtype`` is the dtype DeepSpeed holds the parameters in (bf16/fp16/fp32), which
     the images must have; there is no autocast. ``precision`` (``engine.precision``) tells
     a loss-scale skip from a bad step (:func:`loss_scale_overflow`).
@@ -150,11 +150,11 @@ class DeepSpeedBackend:
     def last_backward(self, surrogate: Tensor, step: int, agree: Agree) -> Pending:
         """Agree first, then DeepSpeed's backward + step: a step the flags call bad gets a
         NaN surrogate (multiplied in on the device: no host read), which DeepSpeed's own
-        overflow check drops like any non-finite gradient (:meth:`_backward_step`)."""
+        overflow check drops like any non-finite gradient (:meth:`_boundary_step`)."""
         flags = agree(None)
         surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
         self.model.backward(surrogate, scale_wrt_gas=False)
-        dropped = self._backward_step(step)
+        dropped = self._boundary_step(step)
         return Pending(flags, self._grad_norm(), dropped)
 
     def update(self, pending: Pending, finite: bool) -> Update:
@@ -162,7 +162,7 @@ class DeepSpeedBackend:
         return Update(applied=finite and not pending.dropped,
                       overflow=loss_scale_overflow(pending.dropped, not finite, self.precision))
 
-    def _backward_step(self, step: int) -> bool:
+    def _boundary_step(self, step: int) -> bool:
         """DeepSpeed's step at the boundary; True when the update was dropped.
 
         DeepSpeed has no public "skip this step" call, but its ZeRO, bf16 and fp16 optimizers
