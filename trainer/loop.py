@@ -237,7 +237,8 @@ def data_counts(run: Run) -> dict[str, int]:
     from partial_fc.distributed import gather_ints
 
     loader = run.loader
-    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
+    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device,
+                         run.env.group).sum(0)
     run.skipped_samples = max(run.skipped_samples, int(counts[0]))
     return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
             "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
@@ -258,7 +259,7 @@ def evaluate(run: Run) -> None:
 
     with run.engine.eval_context():
         results = evaluate_bins(run.engine.backbone, run.cfg.eval.bins, run.cfg.eval.batch_size,
-                                run.env.device)
+                                run.env.device, process_group=run.env.group)
     run.log.evaluation(run.step, results)
 
 
