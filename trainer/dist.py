@@ -33,7 +33,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None = None  # None: the default group, as torch.distributed has it
 
     @property
     def is_main(self) -> bool:
