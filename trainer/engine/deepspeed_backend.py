@@ -82,9 +82,8 @@ class LossScaleFloor(RuntimeError):
 def loss_scale_overflow(dropped: bool, bad: bool, precision: str) -> bool:
     """Whether DeepSpeed dropped this step for its fp16 loss scaler only.
 
-    ``dropped``: DeepSpeed did not apply the update (``was_step_applied``; always False under
-    DDP); ``bad``: the engine's own all-reduced check found a non-finite loss or
-    embedding/head gradient; ``precision``: ``engine.precision``. In fp16 a drop with finite
+    ``dropped``: DeepSpeed did not apply the update (``was_step_applied``); ``bad``: the
+    engine's own all-reduced check found a non-finite loss or embedding/head gradient; ``precision``: ``engine.precision``. In fp16 a drop with finite
     loss and head gradients means the *scaled* backbone gradients overflowed: the scaler
     halves its scale and goes on. That is the normal start of an fp16 run (the scale begins
     at 2^16), counted as ``skipped_steps`` and not towards ``train.max_bad_steps``; a
