@@ -4,9 +4,10 @@ line on CPU with the device call faked, or the GPU test that will check it), and
 a function that no longer holds one. A new CUDA line fails here until its row is written.
 
 A CUDA line, read with ``ast`` (comments and docstrings never count): an attribute named
-``cuda``, ``cudnn``, ``pin_memory``, ``channels_last``, ``is_nccl_available``,
-``ProcessGroupNCCL``, ``get_accelerator``/``set_accelerator``; a ``pin_memory=`` or
-``non_blocking=`` argument; the string ``"cuda"`` (``"cuda:N"``), ``"nccl"`` or
+``cuda``, ``is_cuda``, ``cudnn``, ``pin_memory``, ``channels_last``, ``is_nccl_available``,
+``ProcessGroupNCCL``, ``get_accelerator``/``set_accelerator``; a ``pin_memory=``,
+``non_blocking=``, ``pg_options=`` or ``device_id=`` argument (the last two: NCCL group
+options); the string ``"cuda"`` (``"cuda:N"``, an f-string's ``"cuda:"``), ``"nccl"`` or
 ``"DS_ACCELERATOR"``; an import from a module whose name holds ``cuda``.
 """
 
@@ -20,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("partial_fc", "data_pipeline", "trainer", "launch")
 DOC = ROOT / "docs" / "gpu.md"
 HEADING = "## CUDA inventory"
-ATTRIBUTES = {"cuda", "cudnn", "pin_memory", "channels_last", "is_nccl_available",
+ATTRIBUTES = {"cuda", "is_cuda", "cudnn", "pin_memory", "channels_last", "is_nccl_available",
               "ProcessGroupNCCL", "get_accelerator", "set_accelerator"}
-KEYWORDS = {"pin_memory", "non_blocking"}
-STRINGS = re.compile(r"cuda(:\d+)?|nccl|DS_ACCELERATOR")
+KEYWORDS = {"pin_memory", "non_blocking", "pg_options", "device_id"}
+STRINGS = re.compile(r"cuda(:\d*)?|nccl|DS_ACCELERATOR")
 
 
 def _is_cuda(node: ast.AST) -> bool:
@@ -115,6 +116,8 @@ def test_the_marker_finder_sees_what_it_should(tmp_path):
                       "class A:\n    def copy(self, x):\n"
                       "        return x.to(self.d, non_blocking=True)\n"
                       "def pick(d):\n    return d.type == 'cuda'\n"
+                      "def rank_device(r):\n    return f'cuda:{r}'\n"
+                      "def group(o):\n    return new_group(pg_options=o)\n"
                       "import torch.cuda\n")
-    assert _sites(source, tmp_path) == {"pkg/mod.py:A.copy", "pkg/mod.py:pick",
-                                        "pkg/mod.py:<module>"}
+    assert _sites(source, tmp_path) == {f"pkg/mod.py:{name}" for name in (
+        "A.copy", "pick", "rank_device", "group", "<module>")}

@@ -98,6 +98,12 @@ def test_dry_run_names_every_step_and_runs_none(tmp_path, stage):
     assert all(s["status"] == "dry" and s["command"] for s in steps.values())
     assert summary["tests"]["cases"] == [] and summary["versions"] is None
     assert "would run:" in result.stdout
+    if stage == "1":  # the recipe's overrides are keys and values the schema takes
+        from trainer.config import load_config
+
+        args = steps["recipe"]["command"].split("'ARGS=", 1)[1].rstrip("'").split()
+        cfg = load_config(ROOT / "configs" / "ms1mv3_r50.yaml", args, resolve=False)
+        assert cfg.data.source == "synthetic" and cfg.train.max_steps == 150
 
 
 def test_a_failing_step_does_not_stop_the_next(tmp_path):
