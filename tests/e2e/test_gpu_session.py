@@ -166,3 +166,25 @@ def test_versions_name_what_imports_and_null_what_does_not(monkeypatch):
     assert found["torch"] == torch.__version__ and found["cuda"] == torch.version.cuda
     assert found["partial_fc_no_such_package"] is None
     assert "ModuleNotFoundError" in found["import_errors"]["partial_fc_no_such_package"]
+
+
+def test_train_bench_writes_the_json_the_summary_merges(tmp_path, monkeypatch):
+    """bench/train.py --json on CPU at the smallest size: the fields gpu_summary.json carries."""
+    import importlib.util
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # init_distributed would set it for good
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT.parent / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "train.json"
+    module.main(["--device", "cpu", "--runs", "50:1.0", "--steps", "1", "--warmup", "0",
+                 "--batch", "4", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["batch"] == 4
+    ceiling, run = result["runs"]
+    assert (ceiling["classes"], run["classes"], run["sample_rate"]) == (0, 50, 1.0)
+    assert run["planned_gib"] > 0 and ceiling["planned_gib"] is None
+    assert run["img_per_s"] == pytest.approx(4 / run["step_ms"] * 1e3)
+    assert {"bb fwd", "head fwd", "head bwd", "bb bwd", "optim"} <= set(run["phases_ms"])
