@@ -5,6 +5,7 @@
     python bench/train.py --runs 1000:1.0,1000000:0.1 --steps 100 --warmup 20
     python bench/train.py --synthetic-data 1000 --workers 10   # batches from the real loader
     python bench/train.py --data DIR --compile              # a converted folder; torch.compile
+    python bench/train.py --json figures.json               # the table's figures as JSON too
 
 One process, a 1-rank process group (``trainer.dist.init_distributed``, no torchrun).
 
