@@ -83,13 +83,13 @@ def loss_scale_overflow(dropped: bool, bad: bool, precision: str) -> bool:
     """Whether DeepSpeed dropped this step for its fp16 loss scaler only.
 
     ``dropped``: DeepSpeed did not apply the update (``was_step_applied``); ``bad``: the
-    engine's own all-reduced check found a non-finite loss or embedding/head gradient; ``precision``: ``engine.precision``. In fp16 a drop with finite
-    loss and head gradients means the *scaled* backbone gradients overflowed: the scaler
-    halves its scale and goes on. That is the normal start of an fp16 run (the scale begins
-    at 2^16), counted as ``skipped_steps`` and not towards ``train.max_bad_steps``; a
-    backbone that really diverges drives the scale to its minimum, where DeepSpeed stops the
-    run itself. In bf16/fp32 there is no scale, so a drop is a non-finite gradient (a bad
-    step).
+    engine's own all-reduced check found a non-finite loss or embedding/head gradient;
+    ``precision``: ``engine.precision``. In fp16 a drop with finite loss and head gradients
+    means the *scaled* backbone gradients overflowed: the scaler halves its scale and goes
+    on. That is the normal start of an fp16 run (the scale begins at 2^16), counted as
+    ``skipped_steps`` and not towards ``train.max_bad_steps``; a backbone that really
+    diverges drives the scale to its minimum, where DeepSpeed stops the run itself. In
+    bf16/fp32 there is no scale, so a drop is a non-finite gradient (a bad step).
     """
     return dropped and not bad and precision == "fp16"
 
