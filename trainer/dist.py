@@ -89,7 +89,7 @@ def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
     ``timeout_s`` (config ``dist.timeout_s``) bounds every collective: a rank that stopped
     ends the run after that long instead of hanging it.
     """
-    rank = launcher_rank()
+    rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     dev = resolve_device(device, local_rank)

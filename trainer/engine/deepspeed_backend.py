@@ -96,8 +96,8 @@ def loss_scale_overflow(dropped: bool, bad: bool, precision: str) -> bool:
 
 class DeepSpeedBackend:
     """:class:`trainer.engine.backend.BackboneBackend` over ``deepspeed.initialize`` of the
-    backbone and its torch optimizer, on every rank (DeepSpeed's own view of the default
-    group, which is the run's ``env.group``).
+    backbone and its torch optimizer, on every rank. DeepSpeed takes no group argument: it
+    runs on its own groups cloned from the default one, the ranks of ``env.group``.
 
     ``model`` is DeepSpeed's engine (what the training step calls forward on); ``backbone``
     the bare module whose parameters it trains, ``optimizer`` the torch optimizer handed to
