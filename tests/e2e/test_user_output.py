@@ -1,0 +1,54 @@
+"""What a user sees of a run on a terminal: the bar, then one summary line and nothing from
+W&B; a rerun of a finished run in one line; no third-party noise."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+from launch_helpers import train_in_process
+
+
+class _Terminal(io.StringIO):
+    """stdout and stderr of a terminal, as one screen (the bar is drawn on stderr)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _terminal(monkeypatch) -> _Terminal:
+    """Called in the test itself: pytest resets sys.stdout/stderr between fixtures and test."""
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the default: W&B offline
+    return screen
+
+
+def _train(data, run, *overrides: str) -> int:
+    return train_in_process(data, run, "train.max_steps=3", "log.progress=true",
+                            "log.every=2", *overrides)
+
+
+def test_the_bar_is_closed_then_one_summary_line_and_nothing_from_wandb(
+        synthetic_data, tmp_path, monkeypatch):
+    terminal = _terminal(monkeypatch)
+    run = tmp_path / "run"
+    assert _train(synthetic_data, run, "log.tensorboard=true") == 0
+    screen = terminal.getvalue()
+    assert "3/3" in screen and (run / "wandb").is_dir()  # a bar was drawn, W&B ran
+    lines = screen.split("\n")
+    summaries = [i for i, line in enumerate(lines) if "summary:" in line]
+    assert len(summaries) == 1, screen
+    summary = lines[summaries[0]]
+    assert summary.startswith("summary: "), summary  # on a line of its own, after the bar
+    assert "\r" not in "\n".join(lines[summaries[0]:])  # the bar is not redrawn below it
+    assert not [line for line in lines if line.startswith("wandb:")], screen
+    # rounded figures and what to run next
+    saved = json.loads((run / "summary.json").read_text())
+    assert f"loss {saved['loss_first']:.4g} -> {saved['loss_last']:.4g}" in summary
+    assert str(saved["loss_last"]) not in summary or len(str(saved["loss_last"])) <= 6
+    for step in (f"checkpoint {saved['checkpoint']}", f"python -m launch.report {run}",
+                 f"wandb sync {run}/wandb/offline-run-*", f"tensorboard --logdir {run}/tb"):
+        assert step in summary, (step, summary)
