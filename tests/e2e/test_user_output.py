@@ -52,3 +52,23 @@ def test_the_bar_is_closed_then_one_summary_line_and_nothing_from_wandb(
     for step in (f"checkpoint {saved['checkpoint']}", f"python -m launch.report {run}",
                  f"wandb sync {run}/wandb/offline-run-*", f"tensorboard --logdir {run}/tb"):
         assert step in summary, (step, summary)
+
+
+def test_a_finished_run_run_again_says_so_in_one_line(synthetic_data, tmp_path, monkeypatch,
+                                                      capsys):
+    run = tmp_path / "run"
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert _train(synthetic_data, run, "log.progress=false") == 0
+    wandb_runs = sorted((run / "wandb").glob("offline-run-*"))
+    metrics = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert _train(synthetic_data, run, "log.progress=false") == 0
+    out = capsys.readouterr()
+    assert out.out == ""
+    (line,) = out.err.splitlines()
+    assert line.startswith(f"{run} already finished at step 3;")
+    assert "`train.max_steps=6`" in line and "`checkpoint.resume=none`" in line
+    assert sorted((run / "wandb").glob("offline-run-*")) == wandb_runs  # no empty W&B run
+    assert (run / "metrics.jsonl").read_text() == metrics
+    assert _train(synthetic_data, run, "log.progress=false", "train.max_steps=6") == 0
+    assert "summary: " in capsys.readouterr().out  # the way on it names trains on

@@ -71,9 +71,6 @@ class RunLogger:
         if self.active:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = Console(self.run_dir, rank, cfg.log.progress)
-        if not self.active:
-            return
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
 
     def info(self, message: str) -> None:
         """A message for the console and RUN/train.log (rank 0)."""
@@ -82,11 +79,12 @@ class RunLogger:
     def start(self, step: int) -> None:
         """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
         after it from metrics.jsonl and histograms.jsonl, open both for appending, open the
-        W&B run / TensorBoard writer, start timing."""
+        W&B run / TensorBoard writer, write RUN/config.yaml, start timing."""
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = step
         if not self.active:
             return
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         for name in (run_files.METRICS, run_files.HISTOGRAMS):
             dropped = run_files.truncate_after(self.run_dir / name, step)
             if dropped:
@@ -195,6 +193,10 @@ class RunLogger:
                    if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
         for sink in self._sinks:
             sink.scalars(record["step"], scalars)
+
+    def close_unused(self) -> None:
+        """End a logger that never started (a finished run run again): only the console."""
+        self.console.close()
 
     def close(self, step: int, checkpoint: Path | None) -> dict:
         """Finish the run and return its summary (rank 0; ``{}`` elsewhere): the bar closed
