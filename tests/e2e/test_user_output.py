@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import sys
 
 from launch_helpers import train_in_process
@@ -72,3 +73,21 @@ def test_a_finished_run_run_again_says_so_in_one_line(synthetic_data, tmp_path, 
     assert (run / "metrics.jsonl").read_text() == metrics
     assert _train(synthetic_data, run, "log.progress=false", "train.max_steps=6") == 0
     assert "summary: " in capsys.readouterr().out  # the way on it names trains on
+
+
+def test_deepspeed_warns_nothing_about_our_optimizer(synthetic_data, tmp_path):
+    """DeepSpeed's "ZeRO with an untested optimizer" line: dropped (our SGD is checked against
+    DDP in tests/trainer/test_engine.py); anything else DeepSpeed warns about still shows."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.addHandler(handler)
+    try:
+        assert _train(synthetic_data, tmp_path / "run", "log.progress=false",
+                      "engine.type=deepspeed", "train.max_steps=1") == 0
+        ds_logger.warning("another warning")
+    finally:
+        ds_logger.removeHandler(handler)
+    assert not [m for m in seen if "untested optimizer" in m], seen
+    assert "another warning" in seen
