@@ -130,6 +130,10 @@ def build(cfg: Config, env: DistEnv) -> Run:
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
     engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
+    if warmup >= total:  # known only here: the steps per epoch depend on the loader
+        log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
+                 f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
+                 f"lower schedule.warmup_epochs or raise train.max_steps")
     return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
 
 

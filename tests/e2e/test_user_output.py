@@ -28,8 +28,8 @@ def _terminal(monkeypatch) -> _Terminal:
 
 
 def _train(data, run, *overrides: str) -> int:
-    return train_in_process(data, run, "train.max_steps=3", "log.progress=true",
-                            "log.every=2", *overrides)
+    return train_in_process(data, run, "train.max_steps=3", "schedule.warmup_epochs=0",
+                            "log.progress=true", "log.every=2", *overrides)
 
 
 def test_the_bar_is_closed_then_one_summary_line_and_nothing_from_wandb(
@@ -91,3 +91,15 @@ def test_deepspeed_warns_nothing_about_our_optimizer(synthetic_data, tmp_path):
         ds_logger.removeHandler(handler)
     assert not [m for m in seen if "untested optimizer" in m], seen
     assert "another warning" in seen
+
+
+def test_a_warm_up_longer_than_the_run_warns_in_one_line(synthetic_data, tmp_path, capsys):
+    """20 steps per epoch here (160 images, batch 8): a warm-up of 0.5 epochs is 10 steps."""
+    assert _train(synthetic_data, tmp_path / "a", "log.progress=false",
+                  "schedule.warmup_epochs=0.5", "train.max_steps=10") == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert "schedule.warmup_epochs=0.5, 10 steps" in line and "(10 steps)" in line
+    assert "train.max_steps" in line
+    assert _train(synthetic_data, tmp_path / "b", "log.progress=false",
+                  "schedule.warmup_epochs=0.5", "train.max_steps=11") == 0
+    assert "warning:" not in capsys.readouterr().err
