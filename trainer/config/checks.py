@@ -130,9 +130,10 @@ def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
                     "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
-            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file (insightface's "
-                        "data sets bring lfw.bin, cfp_fp.bin, agedb_30.bin; `make "
-                        "data/orl_s31-s40.bin` writes a small one)"))
+            from data_pipeline.verification_bin import MISSING_BIN_FIX
+
+            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
+                        f"({MISSING_BIN_FIX})"))
     return out
 
 
