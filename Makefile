@@ -25,7 +25,7 @@ SMOKE_NPROC   ?= 2
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
 
-.PHONY: setup train train-orl bench-orl demo-scale test test-fast lint chaos convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl demo-scale test test-fast lint chaos kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3 TORCHRUN="python3 -m torch.distributed.run"`: no venv is built there.
@@ -53,6 +53,12 @@ test-gpu:
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline trainer launch tools tests bench
+
+# Every Triton kernel the head launches, compiled for sm_80 and sm_90 without a GPU
+# (tools/kernels_aot.py): registers, spills, shared memory, occupancy; the table goes to
+# docs/kernels.md. Exit 1 if a default configuration spills or any exceeds shared memory.
+kernels-aot: setup
+	$(PY) -m tools.kernels_aot
 
 # Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold (~2-3 min).
 chaos: setup

@@ -50,7 +50,7 @@ except ImportError as err:  # triton ships with CUDA builds of torch, not with C
         "class-tile path of partial_fc.chunked"
     ) from err
 
-__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles"]
+__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "operand_constexprs"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -201,7 +201,7 @@ def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_b
 @dataclass(frozen=True)
 class Tiles:
     """Tile sizes the kernels launch with (``docs/kernels.md`` has the choices and ptxas'
-    register figures; ``bench/kernels.py --ptxas`` prints them without a GPU)."""
+    register figures; ``make kernels-aot`` prints them without a GPU)."""
 
     rows: int  # BLOCK_N of a cos tile
     cols: int  # BLOCK_S of a cos tile
@@ -245,6 +245,19 @@ def _fp32_is_exact() -> bool:
     return torch.get_float32_matmul_precision() == "highest"
 
 
+def operand_constexprs(e_dtype: torch.dtype, w_dtype: torch.dtype, widen: bool,
+                       fp32_exact: bool) -> tuple[torch.dtype, dict]:
+    """The operand dtype (the narrower of ``e``'s and ``w``'s) and the dtype constexprs every
+    kernel launches with: the one place the launcher chooses them, which
+    ``tools/kernels_aot.py`` compiles ahead of time. ``widen``: 16-bit operands rounded, then
+    dotted in fp32 (the interpreter, see the module docstring); ``fp32_exact``: IEEE fp32
+    dots for fp32 operands, else TF32."""
+    op = ({e_dtype, w_dtype} - {torch.float32} or {torch.float32}).pop()
+    return op, dict(OP=_TL_DTYPES[op], DOT=tl.float32 if widen else _TL_DTYPES[op],
+                    SOFT_BF16=widen and op == torch.bfloat16,
+                    PRECISION="ieee" if op == torch.float32 and fp32_exact else "tf32")
+
+
 def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tensor | float,
              extra: dict[str, Tensor]) -> tuple[list[Tensor], Tensor, torch.dtype, dict]:
     """Validate shapes/dtypes/devices. Returns the contiguous ``[e, w, inv_norm, target_col,
@@ -277,11 +290,8 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
     if e.device.type != "cuda" and not interpret:
         raise ValueError(f"triton_margin: tensors on {e.device} need TRITON_INTERPRET=1 "
                          "(slow, for tests); on CPU use partial_fc.chunked")
-    op = narrow.pop() if narrow else torch.float32
     widen = interpret or e.device.type != "cuda"  # see the module docstring
-    consts = dict(OP=_TL_DTYPES[op], DOT=tl.float32 if widen else _TL_DTYPES[op],
-                  SOFT_BF16=widen and op == torch.bfloat16,
-                  PRECISION="ieee" if op == torch.float32 and _fp32_is_exact() else "tf32")
+    op, consts = operand_constexprs(e.dtype, w.dtype, widen, _fp32_is_exact())
     # A float becomes a device fill: as_tensor would copy it from the host and wait for it.
     scale = (s.detach().to(e.device, torch.float32).reshape(1) if isinstance(s, Tensor)
              else torch.full((1,), s, dtype=torch.float32, device=e.device))
