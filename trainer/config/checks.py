@@ -23,6 +23,10 @@ import torch
 from partial_fc.margins import margin_errors, margin_warnings
 from trainer.config.schema import Config, ConfigError, ConfigWarning
 
+# The rendezvous (TCPStore) and the first collectives take seconds on a loaded node; a
+# timeout below this ends healthy runs at start-up with torch's traceback.
+MIN_TIMEOUT_S = 5.0
+
 
 def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
@@ -66,6 +70,10 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         )
     if not cfg.checkpoint.resume:
         out.append(("checkpoint.resume", "checkpoint.resume='': use auto, none or a folder"))
+    if cfg.dist.timeout_s < MIN_TIMEOUT_S:
+        out.append(("dist.timeout_s", f"dist.timeout_s={cfg.dist.timeout_s:g}: below "
+                    f"{MIN_TIMEOUT_S:g} s, which the rendezvous and the first collectives "
+                    "need even on one node"))
     try:
         from partial_fc.backbones import list_backbones
     except ImportError:  # backbones not installed: train.py fails later with a clear import error
@@ -113,11 +121,12 @@ def _sink_errors(cfg: Config) -> list[tuple[str, str]]:
 def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     """Checks against the data and the machine; fills ``data.num_classes/num_samples``."""
     out = _sink_errors(cfg) + _data_errors(cfg)
-    out += _batch_errors(cfg)
+    out += _batch_errors(cfg) + _class_errors(cfg) + _batch_norm_errors(cfg)
     out += _output_errors(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        out.append(("device", "device='cuda': no CUDA device on this machine"))
-    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        out.append(("device", "device='cuda': no CUDA device on this machine (the GPU "
+                    "recipes set it; add device=cpu to train on the CPU instead)"))
+    on_gpu = cfg.device in ("cuda", "auto") and torch.cuda.is_available()
     if cfg.engine.precision == "fp16" and not on_gpu:
         out.append(("engine.precision", "engine.precision='fp16': needs a CUDA device"))
     out += _gpu_errors(cfg) if on_gpu else []
@@ -254,6 +263,42 @@ def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
                   f"{n} samples in {where} cannot fill one step (at most "
                   f"{n // world} samples per rank)")]
+
+
+def _class_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Every rank owns a contiguous block of at least one class (``PartialFC``), and a softmax
+    over one class has nothing to tell apart (its loss is 0 whatever the backbone does)."""
+    classes, world = cfg.data.num_classes, int(os.environ.get("WORLD_SIZE", "1"))
+    if classes is None:
+        return []
+    if classes < 2:
+        return [("data.num_classes", f"data.num_classes={classes}: a margin softmax needs at "
+                 "least 2 classes (with 1 the loss is 0 and nothing trains)")]
+    if classes < world:
+        return [("data.num_classes", f"data.num_classes={classes}: fewer classes than the "
+                 f"{world} ranks, each of which holds a block of at least one class; launch "
+                 f"at most {classes} ranks")]
+    return []
+
+
+def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
+    """A micro-batch of one image cannot train a ``BatchNorm1d`` (the embedding layer of every
+    face backbone here): torch refuses one value per channel in training mode."""
+    if cfg.train.batch_size > 1:
+        return []
+    from torch import nn
+
+    from partial_fc.backbones import build_backbone, list_backbones
+
+    if cfg.backbone.name not in list_backbones():  # reported by semantic_errors
+        return []
+    with torch.device("meta"):
+        model = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size)
+    if not any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
+        return []
+    return [("train.batch_size", f"train.batch_size=1: backbone.name={cfg.backbone.name!r} "
+             "has BatchNorm1d, which cannot train on one image per rank; use a batch of 2 or "
+             "more")]
 
 
 def _output_errors(cfg: Config) -> list[tuple[str, str]]:
