@@ -5,9 +5,10 @@ Single process: ``python -m launch.train --config configs/smoke.yaml``. Several 
 --node_rank i --rdzv_backend c10d --rdzv_endpoint HOST:PORT ...`` (or ``make <recipe>``).
 The config is loaded and validated (schema, data manifest, device) before any process
 group starts. The run folder (``output``, default ``runs/<name>``) receives config.yaml,
-metrics.jsonl, histograms.jsonl, train.log, checkpoints/, W&B files (wandb/) and TensorBoard
-events (tb/); ``python -m launch.report RUN`` plots it. An existing checkpoint there is
-resumed from (``checkpoint.resume=auto``), on any number of ranks.
+metrics.jsonl, histograms.jsonl, train.log, summary.json, checkpoints/, W&B files (wandb/)
+and TensorBoard events (tb/); ``python -m launch.report RUN`` plots it. An existing
+checkpoint there is resumed from (``checkpoint.resume=auto``), on any number of ranks; a run
+that has finished says so and exits.
 """
 
 from __future__ import annotations

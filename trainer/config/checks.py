@@ -135,10 +135,14 @@ def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
                     "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
-        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder"))
+        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
+                    "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
-            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file"))
+            from data_pipeline.verification_bin import MISSING_BIN_FIX
+
+            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
+                        f"({MISSING_BIN_FIX})"))
     return out
 
 
@@ -169,7 +173,7 @@ def _data_errors(cfg: Config) -> list[tuple[str, str]]:
                     "(data.source='shards')"))
     data_dir = Path(data.dir)
     if not (data_dir / "manifest.json").is_file():
-        return [*out, ("data.dir", f"data.dir={data.dir!r}: no manifest.json there")]
+        return [*out, ("data.dir", f"data.dir={data.dir!r}: {_no_manifest(data_dir)}")]
     from data_pipeline import read_manifest
     from data_pipeline.errors import DataError
 
@@ -185,6 +189,31 @@ def _data_errors(cfg: Config) -> list[tuple[str, str]]:
             out.append((f"data.{key}",
                         f"data.{key}={have}: manifest.json in {data_dir} says {want}"))
     return out
+
+
+MAKE_DATA = ("convert a data set with `python -m launch.convert insightface SRC DIR` (or "
+             "`imagefolder SRC DIR`), or `make train` for the synthetic set in data/synthetic")
+
+
+def _no_manifest(data_dir: Path) -> str:
+    """What is at ``data_dir`` instead of a converted data set, and what makes one. The
+    manifest is written last (data_pipeline.writer), so shards without it are a conversion
+    that did not finish."""
+    if not data_dir.exists():
+        import difflib
+
+        parent = data_dir.parent if data_dir.parent.is_dir() else None
+        sets = [p.name for p in parent.iterdir() if (p / "manifest.json").is_file()] if parent \
+            else []
+        near = difflib.get_close_matches(data_dir.name, sets, n=1)
+        hint = f" (did you mean data.dir={str(data_dir.parent / near[0])!r}?)" if near else ""
+        return f"no such folder{hint}; {MAKE_DATA}"
+    shards = len(list(data_dir.glob("*.tar"))) if data_dir.is_dir() else 0
+    if shards:
+        return (f"no manifest.json there but {shards} shard(s): the conversion did not finish; "
+                "run the same `python -m launch.convert` command again (it keeps finished "
+                "shards)")
+    return f"no manifest.json there (the folder holds no converted data set); {MAKE_DATA}"
 
 
 def machine_notes(cfg: Config) -> list[str]:
