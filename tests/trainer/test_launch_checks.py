@@ -37,8 +37,15 @@ def test_launch_shape_refusals(monkeypatch, world, overrides, refused):
     assert _refused_keys(monkeypatch, world, *overrides) == refused
 
 
+def _torchrun_env_restored_after(monkeypatch) -> None:
+    """``--check`` sets WORLD_SIZE/LOCAL_WORLD_SIZE in this process as torchrun would; the
+    monkeypatch puts them back for the tests after this one."""
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_check_mode_answers_for_the_launch_it_is_told(monkeypatch, capsys):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _torchrun_env_restored_after(monkeypatch)
     base = ["--check", "--config", str(SMOKE), *SYNTHETIC, "data.num_classes=3"]
     assert main([*base, "--nproc-per-node", "3"]) == 0
     assert main([*base, "--nproc-per-node", "2", "--nnodes", "2"]) == 2  # 4 ranks, 3 classes
@@ -52,6 +59,7 @@ def test_gpu_count_launch_without_a_gpu_is_one_line(monkeypatch, capsys):
     torchrun would end in a ``ValueError`` traceback."""
     import torch
 
+    _torchrun_env_restored_after(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     rc = main(["--check", "--nproc-per-node", "gpu", "--config", str(SMOKE), *SYNTHETIC,
                "data.num_classes=10"])
