@@ -41,7 +41,8 @@ def _torchrun_env_restored_after(monkeypatch) -> None:
     """``--check`` sets WORLD_SIZE/LOCAL_WORLD_SIZE in this process as torchrun would; the
     monkeypatch puts them back for the tests after this one."""
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "1")  # records the value before (delenv of an absent name
+        monkeypatch.delenv(name)  # would record nothing, and --check's value would stay)
 
 
 def test_check_mode_answers_for_the_launch_it_is_told(monkeypatch, capsys):
