@@ -114,7 +114,11 @@ report: setup
 DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \
         --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) --max-restarts $(MAX_RESTARTS)
 
+# The config is checked once for the launch's shape before torchrun starts: torchrun would
+# restart a refused config MAX_RESTARTS times and print it each time.
 $(RECIPES): setup
+	@$(PY) -m launch.train --check --nproc-per-node $(NPROC_PER_NODE) --nnodes $(NNODES) \
+	  --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 	$(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
 	  $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 

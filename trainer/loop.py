@@ -96,6 +96,8 @@ def train(cfg: Config, env: DistEnv) -> dict:
     """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere)."""
     run = build(cfg, env)
     resume(run)
+    if run.step >= run.total:
+        return already_finished(run)
     with StopSignals() as signals:
         try:
             stopped_by = loop(run, signals)
@@ -128,6 +130,10 @@ def build(cfg: Config, env: DistEnv) -> Run:
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
     engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
+    if warmup >= total:  # known only here: the steps per epoch depend on the loader
+        log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
+                 f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
+                 f"lower schedule.warmup_epochs or raise train.max_steps")
     return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
 
 
@@ -165,6 +171,8 @@ def resume(run: Run) -> None:
         loader.load_state_dict(meta["loader"])
         finished = len(loader) - loader.batches_done < cfg.train.grad_accum
         run.epoch = loader.epoch + 1 if finished else loader.epoch
+        if run.step >= run.total:
+            return  # already_finished says so
         run.log.info(f"resumed from {path} at step {run.step} "
                      f"(saved on {meta['world_size']} ranks)")
     run.log.info(
@@ -172,6 +180,20 @@ def resume(run: Run) -> None:
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
     )
+
+
+def already_finished(run: Run) -> dict:
+    """A rerun of a finished run: one line saying so and how to go on; no W&B run is opened
+    and nothing is written. Returns ``{}`` (nothing was trained)."""
+    cfg = run.cfg
+    if run.total == cfg.train.epochs * run.steps_per_epoch:
+        further = f"train.epochs={2 * cfg.train.epochs}"
+    else:
+        further = f"train.max_steps={2 * run.total}"
+    run.log.info(f"{cfg.run_dir} already finished at step {run.step}; `{further}` to train "
+                 f"further, `checkpoint.resume=none` to start over")
+    run.log.close_unused()
+    return {}
 
 
 def loop(run: Run, signals: StopSignals) -> str | None:

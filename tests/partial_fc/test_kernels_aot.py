@@ -2,24 +2,53 @@
 (``tools/kernels_aot.py``: triton's own ptxas, no GPU): no compile error anywhere, shared
 memory within each device's per-block limit, and no spills in the default configurations
 (a bf16 run's operands, with fp32 or bf16 head state). The interpreter tests run the same
-kernels' arithmetic; only this compiles them."""
+kernels' arithmetic; only this compiles them.
+
+The compiles run in a subprocess: ``triton.jit`` decides at import whether a kernel is
+interpreted (``TRITON_INTERPRET=1``, which the interpreter tests set in this process) or
+compiled, so one process cannot hold both kinds of the same kernels."""
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 
-pytest.importorskip("triton")
-kernels_aot = pytest.importorskip("tools.kernels_aot")
+import pytest
+from launch_helpers import ROOT
+
+from tools import kernels_aot  # imports no triton: that happens in the subprocess
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
 
 ARCHS = sorted(kernels_aot.DEVICES)
+COMPILE = """
+import dataclasses, json, sys
+from tools.kernels_aot import compile_row, launches
+operands, arch = sys.argv[1], int(sys.argv[2])
+rows = [compile_row(k, operands, aligned, arch) for k in launches(operands)
+        for aligned in (True, False)]
+print(json.dumps([dataclasses.asdict(r) for r in rows]))
+"""
+
+
+def _compiled(operands: str, arch: int) -> list[kernels_aot.Row]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", COMPILE, operands, str(arch)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [kernels_aot.Row(**row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("operands", kernels_aot.DEFAULT_OPERANDS)
 def test_default_configurations_compile_without_spills(operands, arch):
-    rows = [kernels_aot.compile_row(kernel, operands, aligned, arch)
-            for kernel in kernels_aot.launches(operands) for aligned in (True, False)]
-    assert all(row.default for row in rows)
+    rows = _compiled(operands, arch)
+    assert len(rows) == 8 and all(row.default and row.arch == arch for row in rows)
     assert [p for row in rows for p in row.problems()] == []
     assert all(0 < row.registers <= 255 and row.shared_bytes > 0 for row in rows)
 
@@ -31,9 +60,7 @@ def test_default_configurations_compile_without_spills(operands, arch):
 def test_every_other_configuration_compiles_within_shared_memory(operands, arch):
     """fp32 and fp16 operands: they must compile and fit; their spills are reported by
     ``make kernels-aot`` (docs/kernels.md), not refused (fp32 dots are the slow path)."""
-    rows = [kernels_aot.compile_row(kernel, operands, aligned, arch)
-            for kernel in kernels_aot.launches(operands) for aligned in (True, False)]
-    assert [p for row in rows for p in row.problems()] == []
+    assert [p for row in _compiled(operands, arch) for p in row.problems()] == []
 
 
 def test_problems_name_what_the_suite_refuses():

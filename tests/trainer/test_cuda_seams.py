@@ -247,9 +247,11 @@ def test_head_picks_the_triton_tiles_on_cuda(monkeypatch):
     assert pfc._tiles(CUDA0) is chunked
 
 
-def test_evaluate_runs_on_the_gpu_when_one_is_there(monkeypatch, gpu_visible, capsys):
+def test_evaluate_runs_on_the_gpu_when_one_is_there(monkeypatch, gpu_visible, capsys, tmp_path):
     import launch.evaluate as evaluate
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lfw.bin").write_bytes(b"")  # launch.evaluate checks that it exists
     placed, used = [], []
     backbone = SimpleNamespace(to=placed.append)
     monkeypatch.setattr(evaluate, "load_backbone_or_exit", lambda path: backbone)

@@ -31,6 +31,7 @@ def fake_wandb(monkeypatch):
     class Run:
         def __init__(self, run_id: str):
             self.id, self.summary = run_id, calls["summary"]
+            self.url = f"https://wandb.example/{run_id}"
 
         def log(self, data):
             calls["log"].append(data)
@@ -48,6 +49,7 @@ def fake_wandb(monkeypatch):
     module = types.ModuleType("wandb")
     module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # "installed"
     module.init, module.Histogram = init, lambda np_histogram: np_histogram
+    module.Settings = dict
     monkeypatch.setitem(sys.modules, "wandb", module)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     return calls
@@ -183,7 +185,8 @@ def test_resumed_training_keeps_one_wandb_run_and_no_duplicate_steps(synthetic_d
     assert steps == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # W&B keeps the redone steps' last values
     out = capsys.readouterr()
     assert "metrics.jsonl: dropped 2 row(s) after step 4" in out.err
-    summary = json.loads(out.out.split("summary: ")[1])
+    assert out.out.count("summary: ") == 1
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["steps_this_invocation"] == 4
     steps = [r["step"] for r in run_files.read_jsonl(run / "metrics.jsonl")]
     assert steps == list(range(1, 9))
