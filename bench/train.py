@@ -145,7 +145,7 @@ def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
         torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
     model = build_backbone(args.backbone).to(device, memory_format=fmt)
-    opt = make_optimizer(cfg.optim, model.parameters())
+    opt = make_optimizer(cfg.optim, model)
     if args.compile:
         model = torch.compile(model)
     x = torch.randn(args.batch, 3, 112, 112, device=device).to(memory_format=fmt)

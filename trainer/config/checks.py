@@ -37,6 +37,8 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
             why.append("dynamic AdaCos updates s from each micro-batch")
         if m.type == "sphereface":
             why.append("the SphereFace lambda schedule advances per forward")
+        if m.warmup_steps:
+            why.append(f"margin.warmup_steps={m.warmup_steps} ramps the margin per forward")
         if why:
             out.append(
                 (
@@ -66,19 +68,21 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         )
     if not cfg.checkpoint.resume:
         out.append(("checkpoint.resume", "checkpoint.resume='': use auto, none or a folder"))
-    try:
-        from partial_fc.backbones import list_backbones
-    except ImportError:  # backbones not installed: train.py fails later with a clear import error
-        names = None
-    else:
-        names = list_backbones()
-    if names is not None and cfg.backbone.name not in names:
-        out.append(
-            (
-                "backbone.name",
-                f"backbone.name={cfg.backbone.name!r}: unknown (valid: {', '.join(names)})",
-            )
-        )
+    out += _backbone_errors(cfg)
+    return out
+
+
+def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
+    """``partial_fc.backbones.backbone_errors`` on the section, each under the key it names."""
+    from partial_fc.backbones import backbone_errors
+
+    b = cfg.backbone
+    out = []
+    for msg in backbone_errors(**b.build_kwargs()):
+        key = next((k for k in ("checkpointing", "depth") if msg.startswith(k)), "name")
+        if key != "name":  # "depth=3: why" -> "why": the line names the key itself
+            msg = msg.split(": ", 1)[-1]
+        out.append((f"backbone.{key}", f"backbone.{key}={getattr(b, key)!r}: {msg}"))
     return out
 
 
@@ -124,6 +128,10 @@ def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     if cfg.engine.type == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         out.append(("engine.type", "engine.type='deepspeed': DeepSpeed is not installed "
                     "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
+    weights = cfg.backbone.weights
+    if weights is not None and not Path(weights).is_file():
+        out.append(("backbone.weights", f"backbone.weights={weights!r}: no such file (a local "
+                    "state_dict; nothing is downloaded)"))
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder"))
