@@ -16,8 +16,10 @@ from trainer.checkpoint.backbone import load_backbone
 
 
 @pytest.mark.slow
-def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys):
-    run = make_run(tmp_path)
+@pytest.mark.parametrize("backbone", ["iresnet_tiny", "vit_t"])
+def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys, backbone):
+    """iResNet and ViT (scaled_dot_product_attention, LayerNorm; one block)."""
+    run = make_run(tmp_path, backbone=backbone, depth=1 if backbone == "vit_t" else None)
     out = tmp_path / "model.onnx"
     assert main(["--checkpoint", str(run), "--out", str(out)]) == 0
     assert "min cosine" in capsys.readouterr().out
