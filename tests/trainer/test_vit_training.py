@@ -122,3 +122,16 @@ def test_adamw_decay_skips_the_plain_group():
     torch.testing.assert_close(after["feature.0.weight"], before["feature.0.weight"] * 0.95)
     assert torch.equal(after["pos_embed"], before["pos_embed"])
     assert torch.equal(after["blocks.0.norm1.weight"], before["blocks.0.norm1.weight"])
+
+
+def test_resume_accepts_checkpointing_and_refuses_another_depth():
+    """Checkpointing changes memory and time, not the model: a note. Another depth is
+    another model: refused in one line."""
+    from trainer.config import ConfigError, resume_drift
+
+    saved = make_config(*VIT).model_dump(mode="json")
+    notes = resume_drift(saved, make_config(*VIT, "backbone.checkpointing=2"), "CKPT")
+    assert notes == ["backbone.checkpointing 0 -> 2"]
+    with pytest.raises(ConfigError, match="CKPT was trained as another model: backbone.depth "
+                                          "2 -> 3"):
+        resume_drift(saved, make_config(*VIT, "backbone.depth=3"), "CKPT")

@@ -253,8 +253,9 @@ def _output_errors(cfg: Config) -> list[tuple[str, str]]:
 
 # Keys whose change makes a checkpoint a different model (or an incompatible optimizer
 # state): resuming across them is refused. Every other key may change, with a note.
-MODEL_KEYS = ("backbone.name", "backbone.embedding_size", "backbone.dropout", "margin",
-              "data.num_classes", "data.num_samples", "optim.name", "engine.type")
+# backbone.checkpointing may change (the same model and steps); backbone.depth may not.
+MODEL_KEYS = ("backbone.name", "backbone.embedding_size", "backbone.dropout", "backbone.depth",
+              "margin", "data.num_classes", "data.num_samples", "optim.name", "engine.type")
 NOT_COMPARED = ("name", "output", "checkpoint.resume", "margin.p_w")
 
 
