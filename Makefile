@@ -45,9 +45,11 @@ test-fast: setup
 
 # On a GPU machine: the CUDA-marked tests, including short training runs (tests/e2e/test_gpu_runs.py).
 # No setup prerequisite: the lent GPU machine brings its own torch (make test-gpu PY=python3,
-# see docs/gpu.md). Here every one of them is skipped with a reason.
+# see docs/gpu.md). Here every one of them is skipped with a reason. PYTEST_ARGS adds options
+# (bench/gpu_session.sh: workers and a JUnit report).
+PYTEST_ARGS ?=
 test-gpu:
-	$(PY) -m pytest -q -rs -m cuda
+	$(PY) -m pytest -q -rs -m cuda $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline trainer launch tools tests bench
@@ -87,7 +89,8 @@ bench-orl: setup
 # AdaCos fixed and AdaCos dynamic at r=0.1, AdaCos dynamic at r=1, on 1M synthetic identities
 # generated on the device (no data folder), then the report's PNGs in DEMO_PNG. The recipe's sizes
 # suit one H100 (~12-15 min, see its comment); CLASSES, IMAGES, STEPS, BATCH, BACKBONE, DEVICE,
-# NPROC, JOBS override them. On the lent GPU machine (its own torch): bench/gpu_session.sh demo.
+# NPROC, JOBS override them. On the lent GPU machine (its own torch): bench/gpu_session.sh 2 runs a
+# 300-step version; the full recipe needs a device call of its own (docs/gpu.md).
 DEMO_PNG ?= docs/synthetic_scale_demo_1m
 demo-scale: setup
 	$(PY) bench/scale_demo.py --png $(DEMO_PNG) $(if $(CLASSES),--classes $(CLASSES)) \

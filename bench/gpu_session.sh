@@ -1,78 +1,148 @@
 #!/usr/bin/env bash
-# Everything the GPU issues still owe, as four device calls of under 10 minutes each.
+# Everything the GPU issues owe, as two device calls of under 9 minutes each (wheels included).
 #
 # A lent GPU machine gives a session 30 minutes and 10 minutes per command, and starts bare:
 # this script is what such a session runs, so none of it is improvised under the clock. On
 # this machine first: `../shared/gpu/wheels.sh` (fills .gpu/), then one device `run` per stage,
-# each with `carry: [".gpu"]` and the command `bash bench/gpu_session.sh STAGE`:
+# each with `carry: [".gpu"]` and the command `bash bench/gpu_session.sh 1` (then `2`):
 #
-#   tests  make test-gpu (the cuda-marked tests and tests/e2e/test_gpu_runs.py), then the
-#          ms1mv3-r50 recipe started on one GPU (NPROC_PER_NODE=1) on the synthetic stream
-#   head   bench/kernels.py; bench/head.py at C_local 1M r=1 (fp32 and bf16 state), r=0.1, 4M r=0.1
-#   train  bench/train.py, iresnet50 bf16 batch 128: 1k and 1M classes, bf16 head state,
-#          DeepSpeed ZeRO-1 against DDP, torch.compile, 30M classes r=0.1 (does it fit)
-#   demo   make demo-scale: the 1M-class scale-dynamics runs and their report's figures
+#   1  make test-gpu (the cuda-marked tests, tests/e2e/test_gpu_runs.py's short runs included;
+#      4 workers, a JUnit report); the ms1mv3-r50 recipe on one GPU (NPROC_PER_NODE=1) on the
+#      synthetic stream; bench/head.py at C_local 1M r=1 (fp32 and bf16 state), r=0.1, 4M r=0.1
+#   2  bench/train.py, iresnet50 bf16 batch 128 (1k and 1M classes): DDP, DeepSpeed ZeRO-1;
+#      the short scale demo (make demo-scale, 300 steps, the four runs two at a time);
+#      torch.compile; the bf16 head state
 #
-# Every step runs under `timeout` so one hang cannot eat the call, goes on after a failure, and
-# tees its output into $OUT/STAGE-STEP.log (the device returns at most 8 files per call); the
-# last lines say which steps passed. Record the figures in docs/gpu.md and the README tables.
+# Each stage first installs .gpu/whl into /tmp/site (as .gpu/device-setup.sh does, wheel by
+# wheel when one fails). Every step runs under `timeout`, its limit clipped so the stage ends
+# within GPU_SESSION_BUDGET seconds (default 500; a step left less than half its limit is
+# skipped); a failed, timed-out or skipped step never stops the next. $OUT gets three files:
+# gpu_summary.json (bench/gpu_summary.py: versions, each test's outcome, img/s, ms, GB, the
+# head's GEMM share), session-STAGE.log (all output) and logs-STAGE.tgz (each step's log, the
+# JUnit XML, the benches' JSON, the runs' metrics.jsonl, the demo's figures).
+#
+# GPU_SESSION_DRY=1 (or --dry-run): print each step's command and run none; the summary is
+# still written. PY (default python3) is the interpreter the steps use.
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_session.sh tests|head|train|demo}
-out=${OUT:-/tmp/gpu_session}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+dry=${GPU_SESSION_DRY:-0}
+args=()
+for a in "$@"; do
+    if [[ $a == --dry-run ]]; then dry=1; else args+=("$a"); fi
+done
+stage=${args[0]:-}
+[[ $stage == 1 || $stage == 2 ]] || { echo "usage: bash bench/gpu_session.sh 1|2 [--dry-run]" >&2; exit 2; }
+out=${OUT:-/tmp/gpu_session/out}
+work=${GPU_SESSION_WORK:-/tmp/gpu_session}
+budget=${GPU_SESSION_BUDGET:-500}
+reserve=25  # the summary, the archive and one step's --kill-after
+export PY=${PY:-python3} SITE=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+logs=$work/logs-$stage
+rm -rf "$logs" && mkdir -p "$out" "$logs" "$work/runs"
+
 # The machine's python3 carries the CUDA torch; the Makefile's `setup` (a CPU venv) must not run.
-make_py=(SETUP= PY=python3 "TORCHRUN=python3 -m torch.distributed.run")
+make_py=(SETUP= "PY=$PY" "TORCHRUN=$PY -m torch.distributed.run")
 
-if [[ -f .gpu/device-setup.sh ]]; then
-    # shellcheck disable=SC1091
-    source .gpu/device-setup.sh || exit 1
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/$stage-device.log"
-
-results=()
-step() {  # step LOG/LABEL SECONDS COMMAND...: run it under a time limit into $out/STAGE-LOG.log
-    local name=$1 limit=$2 log="$out/$stage-${1%%/*}.log"
-    shift 2
-    echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$log"
-    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$log"
-    results+=("$name rc=${PIPESTATUS[0]}")
+shown() {  # the command as one line, arguments with spaces quoted
+    local a line=()
+    for a in "$@"; do [[ $a == *" "* ]] && line+=("'$a'") || line+=("$a"); done
+    echo "${line[*]}"
 }
-head_bench() { step "head/$*" 75 python3 bench/head.py --device cuda -P 1 -N 1024 --amp bf16 \
-    --steps 20 "$@"; }
-train_bench() { step "train/${*:2}" "$1" python3 bench/train.py "${@:2}"; }
 
-case $stage in
-tests)
-    step test-gpu 330 make test-gpu "${make_py[@]}"
-    step recipe 150 make ms1mv3-r50 "${make_py[@]}" NPROC_PER_NODE=1 MAX_RESTARTS=0 \
+step() {  # step NAME LIMIT COMMAND...: run it under a time limit into $logs/NAME.log
+    local name=$1 limit=$2 status rc=0 t0=$SECONDS
+    shift 2
+    local left=$((budget - reserve - SECONDS)) cmd
+    cmd=$(shown "$@")
+    if ((left * 2 < limit)); then
+        status=skipped
+        echo "== $name: skipped, ${left}s left of the stage's ${budget}s budget, it needs $((limit / 2))s"
+    elif [[ $dry == 1 ]]; then
+        status=dry
+        echo "== $name (limit ${limit}s): would run: $cmd"
+    else
+        ((limit > left)) && limit=$left
+        echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $cmd"
+        timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$logs/$name.log"
+        rc=${PIPESTATUS[0]}
+        case $rc in 0) status=ok ;; 124 | 137) status=timeout ;; *) status=failed ;; esac
+        echo "== $name: $status (exit $rc) in $((SECONDS - t0))s"
+    fi
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" \
+        "$cmd" >> "$logs/steps.tsv"
+}
+
+install_wheels() {  # .gpu/whl into $SITE; a wheel that fails is reported, the others go in
+    local pip=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+               --upgrade --target "$SITE") failed=0 w
+    compgen -G ".gpu/whl/*.whl" > /dev/null || { echo "no .gpu/whl/*.whl: run ../shared/gpu/wheels.sh here first"; return 1; }
+    if ! "${pip[@]}" .gpu/whl/*.whl; then
+        for w in .gpu/whl/*.whl; do "${pip[@]}" "$w" || { echo "wheel failed: $w"; failed=1; }; done
+    fi
+    for w in .gpu/whl/deepspeed-*.tar.gz; do  # DeepSpeed from its sdist, ops left to JIT
+        [[ -f $w ]] || { echo "no deepspeed sdist in .gpu/whl"; failed=1; continue; }
+        PYTHONPATH=$SITE DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation "$w" || failed=1
+    done
+    return $failed
+}
+export -f install_wheels
+
+head_bench() {  # head_bench NAME FLAGS...: bench/head.py, one GPU = one rank
+    local name=$1
+    shift
+    step "head-$name" 75 "$PY" bench/head.py --device cuda -P 1 -N 1024 --amp bf16 --steps 20 "$@"
+}
+train_bench() {  # train_bench NAME LIMIT FLAGS...: bench/train.py with its figures as JSON
+    local name=$1 limit=$2
+    shift 2
+    step "train-$name" "$limit" "$PY" bench/train.py --json "$logs/train-$name.json" "$@"
+}
+
+stage1() {
+    local workers=""
+    "$PY" -c "import xdist" 2> /dev/null && workers="-n 4"
+    step cuda-tests 270 make -s test-gpu "${make_py[@]}" \
+        "PYTEST_ARGS=$workers -p no:randomly --junitxml=$logs/cuda-tests.xml"
+    step recipe 150 make -s ms1mv3-r50 "${make_py[@]}" NPROC_PER_NODE=1 MAX_RESTARTS=0 \
         ARGS="data.source=synthetic data.num_samples=null data.synthetic_images_per_class=55 \
 train.max_steps=150 log.every=10 log.progress=false log.wandb=disabled \
-output=/tmp/runs/ms1mv3_r50 checkpoint.every=100"
-    ;;
-head)
-    step kernels 90 python3 bench/kernels.py --classes 1000000 100000
-    head_bench -C 1000000 -r 1.0
-    head_bench -C 1000000 -r 0.1
-    head_bench -C 1000000 -r 1.0 --state-dtype bf16
-    head_bench -C 4000000 -r 0.1
-    ;;
-train)
-    train_bench 120 --runs 1000:1.0,1000000:1.0,1000000:0.1
-    train_bench 90 --state-dtype bf16 --runs 1000000:1.0,1000000:0.1
-    train_bench 100 --engine deepspeed --runs 1000:1.0,1000000:0.1
-    train_bench 150 --compile --warmup 30 --runs 1000:1.0,1000000:0.1
-    train_bench 120 --state-dtype bf16 --runs 30000000:0.1 --steps 20
-    ;;
-demo)
-    # 2,000 steps: the four runs within one call (configs/scale_demo.yaml estimates 3,000 at
-    # 12-15 minutes, unmeasured); the report's figures come back as one archive.
-    step demo 560 make demo-scale "${make_py[@]}" DEVICE=cuda STEPS=2000
-    (cd docs && tar czf "$out/demo-figures.tgz" synthetic_scale_demo_1m 2>/dev/null) || true
-    ;;
-*)
-    echo "unknown stage '$stage': expected tests, head, train or demo" >&2
-    exit 2
-    ;;
-esac
-printf '%s\n' "${results[@]}" | tee "$out/$stage-summary.log"
+output=$work/runs/recipe checkpoint.every=100 checkpoint.resume=none"
+    head_bench 1m-r1 -C 1000000 -r 1.0
+    head_bench 1m-r0.1 -C 1000000 -r 0.1
+    head_bench 1m-r1-bf16-state -C 1000000 -r 1.0 --state-dtype bf16
+    head_bench 4m-r0.1 -C 4000000 -r 0.1
+}
+
+stage2() {
+    train_bench ddp 120 --runs 1000:1.0,1000000:1.0,1000000:0.1
+    train_bench deepspeed 100 --engine deepspeed --runs 1000:1.0,1000000:0.1
+    step demo 200 make -s demo-scale "${make_py[@]}" DEVICE=cuda STEPS=300 JOBS=2 \
+        "DEMO_PNG=$work/demo_png" ARGS="--work $work/runs/demo --fresh"
+    train_bench compile 150 --compile --warmup 30 --runs 1000:1.0,1000000:0.1
+    train_bench bf16-state 90 --state-dtype bf16 --runs 1000000:1.0,1000000:0.1
+}
+
+collect() {  # the runs' metrics and the demo's figures join the logs, then the summary
+    local m summary=(python3 bench/gpu_summary.py summary --stage "$stage" --logs "$logs"
+                     --out "$out/gpu_summary.json" --budget "$budget" --elapsed "$SECONDS")
+    [[ -f $work/runs/recipe/metrics.jsonl ]] && cp "$work/runs/recipe/metrics.jsonl" "$logs/metrics-recipe.jsonl"
+    for m in "$work"/runs/demo/*/metrics.jsonl; do
+        [[ -f $m ]] && cp "$m" "$logs/metrics-demo-$(basename "$(dirname "$m")").jsonl"
+    done
+    [[ -d $work/demo_png ]] && cp -r "$work/demo_png" "$logs/"
+    [[ $dry == 1 ]] && summary+=(--dry)
+    "${summary[@]}" || echo "gpu_summary.py failed: no $out/gpu_summary.json"
+    tar czf "$out/logs-$stage.tgz" -C "$work" "logs-$stage"
+    echo "stage $stage done in ${SECONDS}s:"
+    awk -F'\t' '{ printf "  %-22s %-8s exit %-4s %5ss\n", $1, $2, $3, $4 }' "$logs/steps.tsv"
+    ! cut -f2 "$logs/steps.tsv" | grep -qxE 'failed|timeout'  # the exit status: all held
+}
+
+main() {
+    step setup 120 bash -c install_wheels
+    export PYTHONPATH=$SITE:$PWD  # whatever installed; a missing package fails its steps only
+    step versions 60 "$PY" bench/gpu_summary.py versions --out "$logs/versions.json"
+    "stage$stage"
+    collect
+}
+
+main 2>&1 | tee -a "$out/session-$stage.log"

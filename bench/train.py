@@ -5,6 +5,7 @@
     python bench/train.py --runs 1000:1.0,1000000:0.1 --steps 100 --warmup 20
     python bench/train.py --synthetic-data 1000 --workers 10   # batches from the real loader
     python bench/train.py --data DIR --compile              # a converted folder; torch.compile
+    python bench/train.py --json figures.json               # the table's figures as JSON too
     python bench/train.py --backbone vit_b --checkpointing 1 --batch 256   # a ViT, checkpointed
 
 One process, a 1-rank process group (``trainer.dist.init_distributed``, no torchrun).
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import math
 import statistics
 import tempfile
@@ -225,15 +227,34 @@ def _cell(stat: tuple[float, float] | None) -> str:
     return "-" if stat is None else f"{stat[0]:.2f}±{stat[1]:.2f}"
 
 
+def _figures(args: argparse.Namespace, classes: int, rate: float, r: dict) -> dict:
+    """One row's figures: img/s, the median ms of the step and its phases, the GiB."""
+    planned = None if classes == 0 else \
+        _planned(args, classes, rate, 1)["peak_bytes_per_gpu"] / plan.GIB
+    return {"img_per_s": args.batch / r["step"][0] * 1e3, "step_ms": r["step"][0],
+            "phases_ms": {p: r[p][0] for p in PHASES if p in r},
+            "peak_gib": r["peak GiB"][0] if "peak GiB" in r else None, "planned_gib": planned}
+
+
+def write_json(args: argparse.Namespace, results: list[tuple[str, int, float, dict]],
+               device: torch.device) -> None:
+    """``--json PATH``: the table's figures, for ``bench/gpu_summary.py`` to merge."""
+    setup = {key: getattr(args, key) for key in ("backbone", "batch", "precision", "engine",
+                                                  "compile", "state_dtype", "steps", "warmup")}
+    rows = [{"run": name, "classes": classes, "sample_rate": rate,
+             **_figures(args, classes, rate, r)} for name, classes, rate, r in results]
+    Path(args.json).write_text(json.dumps({"device": str(device), "torch": torch.__version__,
+                                           **setup, "runs": rows}, indent=1) + "\n")
+
+
 def print_table(args: argparse.Namespace, results: list[tuple[str, int, float, dict]]) -> None:
     cols = ["run", "img/s", "step ms", *PHASES, "peak GiB", "planned GiB"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for name, classes, rate, r in results:
-        planned = "-" if classes == 0 else \
-            f"{_planned(args, classes, rate, 1)['peak_bytes_per_gpu'] / plan.GIB:.2f}"
-        peak = f"{r['peak GiB'][0]:.2f}" if "peak GiB" in r else "-"
-        ips = args.batch / r["step"][0] * 1e3
-        lines.append(" | ".join([name, f"{ips:,.0f}", _cell(r["step"]),
+        f = _figures(args, classes, rate, r)
+        planned = "-" if f["planned_gib"] is None else f"{f['planned_gib']:.2f}"
+        peak = "-" if f["peak_gib"] is None else f"{f['peak_gib']:.2f}"
+        lines.append(" | ".join([name, f"{f['img_per_s']:,.0f}", _cell(r["step"]),
                                  *(_cell(r.get(p)) for p in PHASES), peak, planned]))
     print("\n".join(f"| {line} |" for line in lines))
     if len(results) > 1:  # the step's collectives depend on N, D and the backbone, not on C
@@ -318,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the head's weight, gradient and optimizer state (head.state_dtype)")
     p.add_argument("--model-gpus", type=int, default=8, help="GPU count of the modelled "
                    "communication line (default 8)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     cuda = resolve_device(args.device, 0).type == "cuda"
     defaults = dict(runs=[(1000, 1.0), (1_000_000, 1.0), (1_000_000, 0.1)], backbone="iresnet50",
@@ -341,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
                 results.append((f"trainer {classes:,} r={rate}", classes, rate,
                                 run_step(args, env.device, classes, rate)))
             print_table(args, results)
+            if args.json:
+                write_json(args, results, env.device)
     finally:
         shutdown()
 

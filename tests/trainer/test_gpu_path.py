@@ -84,3 +84,21 @@ def test_missing_deepspeed_is_a_config_error(machine, synthetic_data, tmp_path, 
     with pytest.raises(ConfigError, match=r"partial-fc\[deepspeed\]"):
         _resolve(synthetic_data, tmp_path, "engine.type=deepspeed")
     _resolve(synthetic_data, tmp_path, "engine.type=ddp")  # DDP needs no DeepSpeed: accepted
+
+
+def test_cuda_without_a_gpu_is_refused(machine, synthetic_data, tmp_path):
+    machine(gpus=0)
+    with pytest.raises(ConfigError, match=r"device='cuda': no CUDA device on this machine"):
+        _resolve(synthetic_data, tmp_path, "device=cuda")
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_fp16_needs_a_gpu(machine, synthetic_data, tmp_path, gpus):
+    """``device=auto`` trains on the GPU when torch sees one: fp16 is accepted there only."""
+    machine(gpus=gpus)
+    fp16 = ("device=auto", "engine.type=deepspeed", "engine.precision=fp16")
+    if gpus:
+        _resolve(synthetic_data, tmp_path, *fp16)  # accepted: a refusal raises ConfigError
+    else:
+        with pytest.raises(ConfigError, match=r"engine.precision='fp16': needs a CUDA device"):
+            _resolve(synthetic_data, tmp_path, *fp16)

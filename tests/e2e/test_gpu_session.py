@@ -1,0 +1,190 @@
+"""bench/gpu_session.sh's control flow on CPU: the steps of each stage, a failing step that does
+not stop the next, the time budget that skips what cannot finish, and gpu_summary.json.
+
+The script runs as on the GPU machine, with ``PY`` a fake interpreter that answers each step
+as the real tools would (a JUnit report, bench/head.py's table, bench/train.py's JSON, a run's
+metrics.jsonl) and fails bench/head.py at 1M classes r=0.1. What the tools compute is their
+own tests' business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_session.sh"
+STEPS = {
+    "1": ["setup", "versions", "cuda-tests", "recipe", "head-1m-r1", "head-1m-r0.1",
+          "head-1m-r1-bf16-state", "head-4m-r0.1"],
+    "2": ["setup", "versions", "train-ddp", "train-deepspeed", "demo", "train-compile",
+          "train-bf16-state"],
+}
+KEYS = {"stage", "date", "dry_run", "budget_s", "elapsed_s", "ok", "versions", "steps", "tests",
+        "recipe", "demo", "head", "train"}
+
+FAKE = r'''
+import json, sys
+from pathlib import Path
+
+argv = sys.argv[1:]
+value = lambda prefix: next(a.split("=", 1)[1] for a in argv if a.startswith(prefix))
+after = lambda flag: argv[argv.index(flag) + 1]
+
+
+def metrics(run):
+    run.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": s, "loss": 20.0 - s, "img_per_s": 1000.0 * s, "memory_mb": 2000.0 * s,
+             "scale": 64.0} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if argv[:2] == ["-m", "pytest"]:
+    Path(value("--junitxml=")).write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.a.test_x" name="test_ok" time="1.5"/>'
+        '<testcase classname="tests.a.test_x" name="test_bad[p]" time="0.1">'
+        '<failure message="boom">trace</failure></testcase>'
+        '<testcase classname="tests.b.test_y" name="test_gpu" time="0">'
+        '<skipped message="needs a CUDA device"/></testcase></testsuite></testsuites>')
+    sys.exit(1)
+if argv[:1] == ["bench/gpu_summary.py"]:
+    Path(after("--out")).write_text(json.dumps({"python": "3", "torch": "2.11.0+cu130"}))
+elif argv[:1] == ["bench/head.py"]:
+    if (after("-C"), after("-r")) == ("1000000", "0.1"):
+        sys.exit("head.py: boom")
+    print(f"C={after('-C')} D=512 N/rank=1024 P=1 r={after('-r')} device=cuda")
+    print("ours          8.00 [7.50, 9.00]       100.0 [90.0, 100.0]        5000")
+    print("textbook     16.00 [15.00, 17.00]     400.0 [390.0, 400.0]        2000")
+    print("matmuls       6.00 [5.90, 6.10]")
+elif argv[:1] == ["bench/train.py"]:
+    Path(after("--json")).write_text(json.dumps({"runs": [{"run": "trainer", "img_per_s": 2e3}]}))
+elif argv[:2] == ["-m", "torch.distributed.run"]:
+    metrics(Path(value("output=")))
+elif argv[:1] == ["bench/scale_demo.py"]:
+    for name in ("arcface_r0.1", "adacos_dynamic_r1"):
+        metrics(Path(after("--work")) / name)
+'''
+
+
+def _session(tmp_path: Path, stage: str, *flags: str, budget: int = 500):
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE}")
+    fake.chmod(0o755)
+    out, work = tmp_path / f"out{stage}", tmp_path / f"work{stage}"
+    env = {**os.environ, "PY": str(fake), "OUT": str(out), "GPU_SESSION_WORK": str(work),
+           "GPU_SESSION_BUDGET": str(budget)}
+    env.pop("GPU_SESSION_DRY", None)
+    result = subprocess.run(["bash", str(SCRIPT), stage, *flags], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    summary = json.loads((out / "gpu_summary.json").read_text())
+    assert set(summary) == KEYS and summary["stage"] == stage
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gpu_summary.json", f"session-{stage}.log", f"logs-{stage}.tgz"])
+    return result, summary, {s["name"]: s for s in summary["steps"]}
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_dry_run_names_every_step_and_runs_none(tmp_path, stage):
+    result, summary, steps = _session(tmp_path, stage, "--dry-run")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list(steps) == STEPS[stage] and summary["dry_run"] and summary["ok"]
+    assert all(s["status"] == "dry" and s["command"] for s in steps.values())
+    assert summary["tests"]["cases"] == [] and summary["versions"] is None
+    assert "would run:" in result.stdout
+    if stage == "1":  # the recipe's overrides are keys and values the schema takes
+        from trainer.config import load_config
+
+        args = steps["recipe"]["command"].split("'ARGS=", 1)[1].rstrip("'").split()
+        cfg = load_config(ROOT / "configs" / "ms1mv3_r50.yaml", args, resolve=False)
+        assert cfg.data.source == "synthetic" and cfg.train.max_steps == 150
+
+
+def test_a_failing_step_does_not_stop_the_next(tmp_path):
+    result, summary, steps = _session(tmp_path, "1")
+    assert result.returncode != 0 and not summary["ok"]  # the exit status: not all held
+    assert list(steps) == STEPS["1"]
+    status = {name: s["status"] for name, s in steps.items()}
+    assert status["cuda-tests"] == status["head-1m-r0.1"] == "failed"
+    assert status["recipe"] == status["head-1m-r1-bf16-state"] == status["head-4m-r0.1"] == "ok"
+    assert steps["head-1m-r0.1"]["rc"] == 1
+    assert summary["versions"]["torch"] == "2.11.0+cu130"
+    tests = summary["tests"]
+    assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
+    assert {c["id"]: c["outcome"] for c in tests["cases"]} == {
+        "tests/a/test_x.py::test_ok": "passed", "tests/a/test_x.py::test_bad[p]": "failed",
+        "tests/b/test_y.py::test_gpu": "skipped"}
+    assert summary["recipe"] == {"steps": 3, "img_per_s": 2500.0, "peak_gb": 6.29,
+                                 "loss_first": 19.0, "loss_last": 17.0, "scale_last": 64.0}
+    head = {h["step"]: h for h in summary["head"]}
+    assert set(head) == {"head-1m-r1", "head-1m-r0.1", "head-1m-r1-bf16-state", "head-4m-r0.1"}
+    assert head["head-1m-r1"]["ms"] == {"ours": 8.0, "textbook": 16.0, "matmuls": 6.0}
+    assert head["head-1m-r1"]["gemm_share"] == 0.75
+    assert head["head-1m-r1"]["ours_over_textbook"] == 0.5
+    assert head["head-1m-r1"]["extra_peak_mib"] == {"ours": 100.0, "textbook": 400.0}
+    assert head["head-1m-r0.1"]["ms"] == {} and head["head-1m-r0.1"]["gemm_share"] is None
+    with tarfile.open(tmp_path / "out1" / "logs-1.tgz") as tgz:
+        names = set(tgz.getnames())
+    assert {"logs-1/cuda-tests.xml", "logs-1/head-1m-r0.1.log",
+            "logs-1/metrics-recipe.jsonl"} <= names
+    assert "head.py: boom" in (tmp_path / "out1" / "session-1.log").read_text()
+
+
+def test_benches_and_demo_are_merged_and_the_budget_skips_what_cannot_finish(tmp_path):
+    result, summary, steps = _session(tmp_path, "2")
+    assert all(steps[name]["status"] == "ok" for name in STEPS["2"][2:]), steps
+    assert [t["step"] for t in summary["train"]] == [
+        "train-bf16-state", "train-compile", "train-ddp", "train-deepspeed"]
+    assert summary["train"][0]["runs"] == [{"run": "trainer", "img_per_s": 2000.0}]
+    assert set(summary["demo"]) == {"arcface_r0.1", "adacos_dynamic_r1"}
+    assert summary["demo"]["arcface_r0.1"]["loss_last"] == 17.0
+    # 120 s: 95 s left after the reserve; the demo (200 s) would get less than half its
+    # limit, the others run with theirs clipped to what is left (compile: 150 s to 95).
+    (tmp_path / "budget").mkdir()
+    _, summary, steps = _session(tmp_path / "budget", "2", budget=120)
+    assert [name for name, s in steps.items() if s["status"] != "ok"] == ["setup", "demo"]
+    assert steps["demo"]["status"] == "skipped" and summary["demo"] == {}
+    assert all(s["limit_s"] <= 95 for s in steps.values() if s["status"] != "skipped")
+
+
+def test_versions_name_what_imports_and_null_what_does_not(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_summary", SCRIPT.parent / "gpu_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "PACKAGES", ("torch", "partial_fc_no_such_package"))
+    found = module.versions()
+    assert found["torch"] == torch.__version__ and found["cuda"] == torch.version.cuda
+    assert found["partial_fc_no_such_package"] is None
+    assert "ModuleNotFoundError" in found["import_errors"]["partial_fc_no_such_package"]
+
+
+def test_train_bench_writes_the_json_the_summary_merges(tmp_path, monkeypatch):
+    """bench/train.py --json on CPU at the smallest size: the fields gpu_summary.json carries."""
+    import importlib.util
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # init_distributed would set it for good
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT.parent / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "train.json"
+    module.main(["--device", "cpu", "--runs", "50:1.0", "--steps", "1", "--warmup", "0",
+                 "--batch", "4", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["batch"] == 4
+    ceiling, run = result["runs"]
+    assert (ceiling["classes"], run["classes"], run["sample_rate"]) == (0, 50, 1.0)
+    assert run["planned_gib"] > 0 and ceiling["planned_gib"] is None
+    assert run["img_per_s"] == pytest.approx(4 / run["step_ms"] * 1e3)
+    assert {"bb fwd", "head fwd", "head bwd", "bb bwd", "optim"} <= set(run["phases_ms"])

@@ -1,0 +1,261 @@
+"""The CUDA-only branches of the trainer, the loaders and the head, reached on CPU (issue 20).
+
+Each test fakes the one device call its branch makes (``torch.cuda.is_available``, the CUDA
+RNG get/set pair, ``Tensor.pin_memory``, a copy to a CUDA device, ``torch.compile``...) and
+checks what the branch does with the answer; the real call runs in the cuda-marked test that
+docs/gpu.md's inventory names next to it. A faked seam proves the branch is taken and wired
+right, not that the GPU computes the same numbers: that is the GPU test's part.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from launch_helpers import build_engine, local_micro_batches, make_config
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu_visible(monkeypatch):
+    """torch says a GPU is there (nothing else about CUDA is faked)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.fixture
+def fake_cuda_copies(monkeypatch):
+    """``Tensor.pin_memory`` returns a copy it remembers (CPU has no page-locked allocator) and
+    ``Tensor.to(<cuda device>, ...)`` stays on the CPU, recording its keyword arguments."""
+    record = SimpleNamespace(pinned=[], copies=[])
+    real_to = torch.Tensor.to
+
+    def pin_memory(self, *args, **kwargs):
+        out = self.clone()
+        record.pinned.append(out)
+        return out
+
+    def to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, (torch.device, str)) and torch.device(target).type == "cuda":
+            record.copies.append((self, kwargs))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    return record
+
+
+def test_a_gpu_rank_gets_the_gpu_of_its_local_rank(monkeypatch):
+    from trainer.dist import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto", 3) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto", 3) == torch.device("cuda", 3)
+    assert resolve_device("cuda", 1) == torch.device("cuda", 1)
+    assert resolve_device("cpu", 1) == torch.device("cpu")
+
+
+def test_a_gpu_rank_sets_its_device_and_asks_for_nccl(monkeypatch, gpu_visible):
+    """The group is started with gloo in place of the NCCL it asked for (CPU has no NCCL)."""
+    from trainer.dist import init_distributed, shutdown
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    set_to, asked = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    real_init = dist.init_process_group
+
+    def init(backend, *, store, rank, world_size, timeout, **options):
+        asked.append((backend, options))
+        real_init("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    try:
+        env = init_distributed("auto")
+    finally:
+        shutdown()
+    assert env.device == CUDA0 and set_to == [CUDA0]
+    assert [backend for backend, _ in asked] == ["nccl"]
+
+
+def test_peak_memory_comes_from_the_cuda_allocator_on_cuda(monkeypatch):
+    from trainer.telemetry.logger import memory_mb
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: asked.append(device) or 3 * 2**20)
+    assert memory_mb(CUDA0) == 3.0 and asked == [CUDA0]
+    assert memory_mb(torch.device("cpu")) > 0 and asked == [CUDA0]  # max RSS on CPU
+
+
+def test_checkpoint_saves_and_restores_the_cuda_rng(tmp_path, one_rank_group, monkeypatch):
+    """A fake CUDA generator: its state goes into ``rng-<rank>.pt`` and back on a CUDA run
+    (``tests/trainer/test_checkpoint.py::test_cuda_rng_is_saved_and_restored`` with the real
+    one); a CPU run leaves it alone."""
+    from trainer import checkpoint
+    from trainer.checkpoint import layout
+
+    state = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda new, device: restored.append((new.clone(), device)))
+    engine = build_engine(make_config("train.batch_size=4"))
+    path = checkpoint.save(tmp_path, 1, engine, {"loader": None}, keep=1)
+    assert "cuda" not in torch.load(path / "rng-0.pt", weights_only=True)  # a CPU run
+    torch.save(layout._rng_state(CUDA0), path / "rng-0.pt")  # what a CUDA run writes
+    checkpoint.load(path, engine)
+    assert restored == []  # the CPU engine does not touch the CUDA generator
+    engine.device = CUDA0  # only the RNG bookkeeping reads it in load
+    checkpoint.load(path, engine)
+    assert len(restored) == 1 and torch.equal(restored[0][0], state)
+    assert restored[0][1] == CUDA0
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("benchmark", [True, False])
+def test_cuda_engine_takes_channels_last_and_cudnn_autotuning_from_the_config(
+        monkeypatch, channels_last, benchmark):
+    from trainer.engine import Engine
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not benchmark)
+    cfg = make_config(f"engine.channels_last={channels_last}",
+                      f"engine.cudnn_benchmark={benchmark}")
+    fmt = Engine._cuda_settings(SimpleNamespace(device=CUDA0, cfg=cfg))
+    assert fmt == (torch.channels_last if channels_last else torch.contiguous_format)
+    assert torch.backends.cudnn.benchmark is benchmark
+
+
+def test_compiled_backbone_keeps_inductors_layout_choice_on_cuda_only(monkeypatch):
+    from trainer.engine import Engine
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: calls.append(kw) or module)
+    backbone = torch.nn.Linear(2, 2)
+    for device in (CUDA0, torch.device("cpu")):
+        assert Engine._compiled(SimpleNamespace(device=device, backbone=backbone)) is backbone
+    assert calls == [{}, {"options": {"layout_optimization": False}}]
+
+
+def test_engine_copies_the_batch_to_its_device_without_waiting(one_rank_group, monkeypatch):
+    """``non_blocking=True`` on the images and the labels: from pinned memory the copy to a
+    GPU is asynchronous (on CPU the flag changes nothing, so only the call is checked)."""
+    engine = build_engine(make_config("train.batch_size=4"))
+    images, labels = local_micro_batches(0, 4, 0, 1, 1)[0]
+    seen = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if (self is images or self is labels) and args and isinstance(args[0], torch.device):
+            seen.append((self is images, args, kwargs.get("non_blocking")))  # a device copy
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    engine.step(0, [(images, labels)])
+    assert sorted(seen) == [(False, (engine.device,), True), (True, (engine.device,), True)]
+
+
+def test_deepspeed_accelerator_follows_a_cuda_run(monkeypatch):
+    """The other direction of test_engine.py's CPU case: a process whose DeepSpeed picked the
+    CPU accelerator gets CUDA's for a device=cuda run."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from trainer.engine.deepspeed_backend import import_deepspeed
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    before = get_accelerator()
+    set_accelerator(CPU_Accelerator())
+    try:
+        import_deepspeed(CUDA0)
+        assert get_accelerator().device_name() == "cuda"
+        assert os.environ["DS_ACCELERATOR"] == "cuda"
+    finally:
+        set_accelerator(before)
+
+
+@pytest.mark.parametrize("device, pinned", [(CUDA0, True), (torch.device("cpu"), False)])
+def test_trainer_asks_for_pinned_batches_on_cuda_only(synthetic_data, device, pinned):
+    from trainer.dist import DistEnv
+    from trainer.loop import build_loader
+
+    cfg = make_config(f"data.dir={synthetic_data}", "data.num_workers=0")
+    assert build_loader(cfg, DistEnv(0, 1, 0, device)).pin_memory is pinned
+
+
+def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synthetic_data):
+    """With an accelerator (faked), DataLoader pins each decoded chunk, and a batch cut across
+    two chunks (after corrupt samples) is assembled in page-locked memory; the batches equal
+    the unpinned ones (``test_device_plumbing.py`` pins for real on CUDA)."""
+    from data_pipeline import make_loader
+
+    plain = list(make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: CUDA0)
+    loader = make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False,
+                         pin_memory=True)
+    pinned = list(loader)
+    assert len(fake_cuda_copies.pinned) >= len(pinned), "DataLoader did not pin every chunk"
+    assert len(pinned) == len(plain)
+    for (x, y), (xp, yp) in zip(plain, pinned, strict=True):
+        assert torch.equal(x, xp) and torch.equal(y, yp)
+    empty, asked = torch.empty, []
+
+    def fake_empty(*args, pin_memory=None, **kwargs):
+        asked.append(pin_memory)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    x = plain[0][0]
+    assert torch.equal(loader._cat([x[:2], x[2:]]), x) and asked == [True]
+
+
+def test_synthetic_stream_on_cuda_copies_pinned_indices_without_waiting(fake_cuda_copies):
+    """The CUDA stream pins the sample indices and copies them with ``non_blocking``; its
+    batches are the CPU stream's (``test_data_synthetic_stream.py`` renders on a real GPU)."""
+    from data_pipeline import SyntheticStream
+
+    kwargs = {"batch_size": 8, "rank": 1, "world_size": 2, "seed": 3}
+    cpu, cuda = SyntheticStream(20, 4, **kwargs), SyntheticStream(20, 4, **kwargs)
+    cuda.device = CUDA0  # after __init__ only batch()'s copy reads it
+    for (x, y), (xc, yc) in zip(cpu, cuda, strict=True):
+        assert torch.equal(x, xc) and torch.equal(y, yc)
+    assert len(fake_cuda_copies.copies) == len(cpu) == len(fake_cuda_copies.pinned)
+    for (tensor, kwargs), pinned in zip(fake_cuda_copies.copies, fake_cuda_copies.pinned,
+                                        strict=True):
+        assert tensor is pinned and kwargs == {"non_blocking": True}
+
+
+def test_head_picks_the_triton_tiles_on_cuda(monkeypatch):
+    from partial_fc import PartialFC, build_margin, chunked, head
+
+    pytest.importorskip("triton")
+    from partial_fc.kernels import triton_margin
+
+    monkeypatch.setattr(head, "triton_available", lambda: True)
+    pfc = PartialFC(8, 10, build_margin({"type": "arcface"}), kernel="auto")
+    assert pfc._tiles(CUDA0) is triton_margin
+    assert pfc._tiles(torch.device("cpu")) is chunked
+    monkeypatch.setattr(head, "triton_available", lambda: False)
+    assert pfc._tiles(CUDA0) is chunked
+
+
+def test_evaluate_runs_on_the_gpu_when_one_is_there(monkeypatch, gpu_visible, capsys):
+    import launch.evaluate as evaluate
+
+    placed, used = [], []
+    backbone = SimpleNamespace(to=placed.append)
+    monkeypatch.setattr(evaluate, "load_backbone_or_exit", lambda path: backbone)
+    monkeypatch.setattr(evaluate, "evaluate_bins",
+                        lambda model, bins, batch, device: used.append(device) or {})
+    assert evaluate.main(["--checkpoint", "run", "--bin", "lfw.bin"]) == 0
+    assert placed == used == [torch.device("cuda")]
+    assert evaluate.main(["--checkpoint", "run", "--bin", "lfw.bin", "--device", "cpu"]) == 0
+    assert used[-1] == torch.device("cpu")
