@@ -61,11 +61,32 @@ def restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
                             store)
 
 
+def default_group_timeout(timeout: timedelta) -> None:
+    """Make ``timeout`` what every process group created later without one gets.
+
+    ``dist.new_group(ranks)`` without ``timeout=`` does not inherit the default group's
+    timeout: torch gives it its backend's constant (30 min for gloo, 10 min for NCCL;
+    ``_get_default_timeout`` in torch/distributed/distributed_c10d.py, torch 2.11 and 2.13).
+    DeepSpeed creates its data-parallel group that way (``_clone_world_group`` in
+    deepspeed/utils/groups.py; ZeRO's gradient all-reduce runs on it), and passes no timeout
+    through ``deepspeed.init_distributed`` either, so a stopped rank or a cut link hung a
+    DeepSpeed run for half an hour. torch has no public setting for this default; it reads
+    the two module constants below at each ``new_group`` call, so setting them here, next to
+    the default group, gives every later group of any library (DeepSpeed's today, its MoE or
+    sequence-parallel groups, ours) the one ``dist.timeout_s``.
+    """
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
 def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
     """Start the default process group (once per process) and return this rank's place.
 
     Call after the config is validated: a bad config must fail before any rendezvous.
-    ``timeout_s`` (config ``dist.timeout_s``) bounds every collective: a rank that stopped
+    ``timeout_s`` (config ``dist.timeout_s``) bounds every collective, on the default group
+    and on every group created later (:func:`default_group_timeout`): a rank that stopped
     ends the run after that long instead of hanging it.
     """
     rank = _env_int("RANK", 0)
@@ -77,6 +98,7 @@ def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
+        default_group_timeout(timeout)
         if "MASTER_ADDR" in os.environ:
             store = restart_store(rank, world, timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,
