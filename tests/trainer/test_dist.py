@@ -49,3 +49,77 @@ def test_deepspeeds_own_group_times_out_with_dist_timeout():
     30 min gloo default and this test runs into run_ranks' limit instead."""
     outcome, _ = run_ranks(_late_peer_on_deepspeeds_group, 2, args=(free_port(),), timeout=90)
     assert "Timed out" in outcome and "3000ms" in outcome, outcome
+
+
+# ----------------------------------------------------------------------------- interface
+
+NODE1 = {"MASTER_ADDR": "10.7.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2",
+         "LOCAL_WORLD_SIZE": "1"}
+LOOPBACK = {"localhost", "127.0.0.1", "node1", "node0"}  # node0/node1 name themselves 127.0.x.1
+
+
+def _pick(environ, hostname="node1", backend="gloo", routes=None, interfaces=None):
+    """:func:`socket_interface` on faked look-ups: ``routes`` master -> source address,
+    ``interfaces`` address -> interface name."""
+    from trainer.dist import socket_interface
+
+    routes = {"10.7.0.1": "10.7.0.2"} if routes is None else routes
+    interfaces = {"10.7.0.2": "veth1", "127.0.0.1": "lo"} if interfaces is None else interfaces
+
+    def source(host, port):
+        if host not in routes:
+            raise OSError(101, "Network is unreachable")
+        return routes[host]
+
+    return socket_interface(backend, environ, hostname, loopback=LOOPBACK.__contains__,
+                            source=source, interface=interfaces.get)
+
+
+def test_loopback_hostname_on_a_second_node_gets_the_interface_routing_to_master():
+    assert _pick(NODE1) == "veth1"
+    assert _pick(NODE1, backend="nccl") == "veth1"
+
+
+@pytest.mark.parametrize("change", [
+    {"GLOO_SOCKET_IFNAME": "eth0"},  # the user chose
+    {"NCCL_SOCKET_IFNAME": "ib0"},
+    {"LOCAL_WORLD_SIZE": "2"},  # one node: loopback is right
+    {"MASTER_ADDR": None},  # no torchrun
+])
+def test_nothing_to_pick(change):
+    environ = {k: v for k, v in {**NODE1, **change}.items() if v is not None}
+    assert _pick(environ) is None
+
+
+def test_a_hostname_that_resolves_to_the_network_is_left_to_gloo():
+    assert _pick(NODE1, hostname="node1.cluster") is None
+
+
+def test_without_torchrun_a_loopback_master_means_one_node():
+    environ = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2"}
+    assert _pick(environ) is None
+    assert _pick({**environ, "MASTER_ADDR": "10.7.0.1"}) == "veth1"
+
+
+@pytest.mark.parametrize(("master", "backend", "words"), [
+    ("node0", "gloo", "routes to MASTER_ADDR=node0"),  # node 0 names itself as the master
+    ("10.9.9.9", "nccl", "MASTER_ADDR=10.9.9.9 is unreachable"),
+])
+def test_no_interface_to_master_is_refused_naming_the_variable(master, backend, words):
+    from trainer.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _pick({**NODE1, "MASTER_ADDR": master}, backend=backend,
+              routes={"node0": "127.0.0.1"})
+    message = str(err.value)
+    assert words in message and f"set {backend.upper()}_SOCKET_IFNAME" in message
+    assert "\n" not in message
+
+
+def test_the_real_lookups_on_this_host():
+    """The OS seams themselves: loopback names, the route to 127.0.0.1 leaves from lo."""
+    from trainer.dist import interface_of, is_loopback, route_source
+
+    assert is_loopback("localhost") and is_loopback("127.0.0.1") and not is_loopback("10.7.0.1")
+    assert route_source("127.0.0.1", 9) == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo" and interface_of("192.0.2.77") is None
