@@ -584,7 +584,10 @@ END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
 # Rows only `make chaos` runs: the fault of an END_TO_END row on the other engine or at
 # another moment (each ~30 s; tests/trainer/test_dist.py holds the timeout of every group).
 CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
-              "rank 1 stops in step 3's backward, ddp (2 ranks, 10 s timeout)"]
+              "rank 1 stops in step 3's backward, ddp (2 ranks, 10 s timeout)",
+              # tests/e2e (slow, skips without ip netns): `make chaos` only for now.
+              "2 nodes x 1 rank on 2 netns, link cut, ddp",
+              "2 nodes x 1 rank on 2 netns, link cut, deepspeed"]
 
 
 def test_every_chaos_case_is_covered_once():

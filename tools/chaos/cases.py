@@ -29,6 +29,7 @@ from tools.chaos.harness import (
     worker_pids,
     write_data,
 )
+from tools.chaos.nodes import two_node_case
 
 
 @dataclass(frozen=True)
@@ -328,6 +329,10 @@ CASES = [
     *[Case(f"rank 1 stops in step 3's backward, {engine} (2 ranks, 10 s timeout)", "rank 0 "
            "waits in the gradient reduction; one line after ~10 s naming step 3 and step-2",
            lambda data, work, engine=engine: stopped_rank(data, work, engine, in_backward=True))
+      for engine in ("ddp", "deepspeed")],
+    *[Case(f"2 nodes x 1 rank on 2 netns, link cut, {engine}", "loss equals 1 node's; the "
+           "cut ends both nodes with one line each; the rerun resumes",
+           lambda data, work, engine=engine: two_node_case(data, work, engine))
       for engine in ("ddp", "deepspeed")],
     Case("resume with another margin", "rc 2, one line naming the difference", config_drift),
     Case("label 25 >= num_classes 20", "rc 1, one line naming shard and key", bad_label),
