@@ -113,7 +113,7 @@ def train_on_nodes(nodes: Nodes, data: Path, run: Path, *args: str, timeout: flo
 
 def two_node_case(data: Path, work: Path, engine: str) -> tuple[str, bool]:
     """2 nodes x 1 rank: the loss equals a 1-node 2-rank run's at step 6; then a run whose
-    link is cut after step 2 for longer than the 10 s timeout ends on both nodes with one
+    link is cut after step 3 for longer than the 10 s timeout ends on both nodes with one
     line each; plugged again, the rerun resumes from the step-2 checkpoint and finishes."""
     from tools.chaos.harness import train, wait_for_step
 
@@ -125,7 +125,7 @@ def two_node_case(data: Path, work: Path, engine: str) -> tuple[str, bool]:
             same = None not in loss and abs(loss[0] - loss[1]) <= 1e-5 * abs(loss[1])
 
             def cut(procs: list[subprocess.Popen]) -> None:
-                wait_for_step(work / "cut", 2, procs[0])
+                wait_for_step(work / "cut", 3, procs[0])  # step 2 saved in full
                 nodes.link(up=False)
 
             cut_run = train_on_nodes(nodes, data, work / "cut", f"engine.type={engine}",
