@@ -25,7 +25,7 @@ SMOKE_NPROC   ?= 2
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos
 
-.PHONY: setup train train-orl bench-orl demo-scale test test-fast lint chaos convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl demo-scale test test-fast lint chaos kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3 TORCHRUN="python3 -m torch.distributed.run"`: no venv is built there.
@@ -53,6 +53,12 @@ test-gpu:
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline trainer launch tools tests bench
+
+# Every Triton kernel the head launches, compiled for sm_80 and sm_90 without a GPU
+# (tools/kernels_aot.py): registers, spills, shared memory, occupancy; the table goes to
+# docs/kernels.md. Exit 1 if a default configuration spills or any exceeds shared memory.
+kernels-aot: setup
+	$(PY) -m tools.kernels_aot
 
 # Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold (~2-3 min).
 chaos: setup
@@ -108,7 +114,11 @@ report: setup
 DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \
         --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) --max-restarts $(MAX_RESTARTS)
 
+# The config is checked once for the launch's shape before torchrun starts: torchrun would
+# restart a refused config MAX_RESTARTS times and print it each time.
 $(RECIPES): setup
+	@$(PY) -m launch.train --check --nproc-per-node $(NPROC_PER_NODE) --nnodes $(NNODES) \
+	  --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 	$(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
 	  $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 

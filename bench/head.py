@@ -2,16 +2,24 @@
 
     python bench/head.py -C 200000 -D 512 -N 64 -P 2                      # CPU, gloo
     python bench/head.py --device cuda -P 1 -C 1000000 -N 1024 --amp bf16  # one GPU = one rank
+    python bench/head.py --insightface ~/src/insightface                   # + insightface's head
 
 Both heads run in the same freshly spawned process group (gloo on CPU, NCCL on CUDA, one GPU
 per rank), on the same weight shard (``C/P`` rows per rank, the same sampled rows at ``r<1``)
 and the same batches:
 
 - ``ours``: ``partial_fc.PartialFC``;
-- ``textbook``: the sharded head as insightface writes it with autograd: all-gather the
-  normalised embeddings, full ``[N, C/P]`` cosines and logits per rank (margin on the target
-  entries), all-reduce MAX of the row max and SUM of the sum-exp and the target logit, loss;
-  autograd keeps its intermediates. Not a replicated classifier, which no one would run;
+- ``textbook``: the sharded head as a careful user writes it with autograd (insightface's
+  ``PartialFC_V2`` structure): all-gather the normalised embeddings, full ``[N, C/P]`` cosines
+  per rank, the margin on the target entries, and a sharded cross entropy (all-reduce MAX of
+  the row max, SUM of the sum-exp and the target logit) that turns the logits into the softmax
+  and then the gradient in place. Not a replicated classifier, which no one would run;
+- ``insightface`` (``--insightface DIR``): insightface's own ``PartialFC_V2`` with its
+  ``CombinedMarginLoss``, imported from the user's checkout (``DIR`` is the insightface
+  repository or its ``recognition/arcface_torch``; nothing of it is vendored here), on the same
+  shard rows and batches (at ``r<1`` it samples its own rows, the same number). On CPU its
+  ``.cuda()`` calls are made no-ops in this process; its embedding gradient carries the world
+  size factor its ``AllGatherFunc`` adds, which costs nothing;
 - ``matmuls``: only the three matmuls of a step at this rank's shapes (``E W^T``, ``G W``,
   ``G^T E``; ``N`` global rows, ``S`` sampled classes), the floor any head pays.
 
@@ -47,9 +55,9 @@ import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
 from partial_fc import distributed as dist_ops
-from partial_fc.head import KERNELS
 from partial_fc.margins import MARGIN_TYPES
 from partial_fc.sampling import local_targets, sample_size
+from partial_fc.tiles import KERNELS
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,8 +71,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """The sharded softmax cross entropy as a careful autograd head writes it (Megatron's
+    vocab-parallel cross entropy, insightface's ``DistCrossEntropyFunc``): the ``[N, S]``
+    logits become the softmax in place and backward turns that buffer into the gradient in
+    place, so one ``[N, S]`` tensor lives from the forward to the backward."""
+
+    @staticmethod
+    def forward(ctx, logits, rows, cols, group):
+        row_max = logits.detach().max(dim=1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.zeros(2, logits.shape[0], device=logits.device)  # [sum-exp, target]
+        sums[1, rows] = logits[rows, cols] - row_max[rows]
+        probs = logits.sub_(row_max[:, None]).exp_()
+        sums[0] = probs.sum(dim=1)
+        dist.all_reduce(sums, group=group)
+        probs.div_(sums[0][:, None])
+        ctx.save_for_backward(probs, rows, cols)
+        return (sums[0].log() - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, rows, cols = ctx.saved_tensors
+        probs[rows, cols] -= 1.0
+        return probs.mul_(grad / probs.shape[0]), None, None, None
+
+
 class _Textbook(torch.nn.Module):
-    """The sharded full-softmax head, autograd all the way; same shard and sampler as ours."""
+    """The sharded full-softmax head a user writes with autograd (insightface's PartialFC_V2
+    structure): all-gather, normalised embeddings and rows, one ``[N, S]`` matmul, the margin
+    on the target entries, the in-place sharded cross entropy above. Same shard and sampled
+    rows as ours."""
 
     def __init__(self, ours: PartialFC):
         super().__init__()
@@ -86,11 +123,34 @@ class _Textbook(torch.nn.Module):
         cos = (e @ F.normalize(weight, dim=1).t()).float()
         rows = (targets >= 0).nonzero().squeeze(1)
         cols = targets[rows]
-        logits = (cos * s).index_put((rows, cols), ours.margin.psi(cos[rows, cols], 0) * s)
-        row_max = dist_ops.all_reduce_max(logits.detach().max(dim=1).values, group)
-        sum_exp = dist_ops.all_reduce((logits - row_max[:, None]).exp().sum(dim=1), group)
-        target = torch.zeros_like(row_max).index_put((rows,), logits[rows, cols] - row_max[rows])
-        return (sum_exp.log() - dist_ops.all_reduce(target, group)).mean()
+        target_cos = cos[rows, cols]
+        logits = cos.mul_(s)  # in place: the matmul's backward does not read its output
+        logits = logits.index_put_((rows, cols), ours.margin.psi(target_cos, 0) * s)
+        return _ShardedCrossEntropy.apply(logits, rows, cols, group)
+
+
+# --margin -> insightface's CombinedMarginLoss (m1, m2, m3) at our default margins
+INSIGHTFACE_MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.35),
+                       "normface": (1.0, 0.0, 0.0)}
+
+
+def _insightface_head(folder: str, ours: PartialFC, args: argparse.Namespace, device):
+    """insightface's ``PartialFC_V2`` from the user's checkout, holding ours' rows."""
+    import sys
+    from pathlib import Path
+
+    root = Path(folder).expanduser()
+    arcface_torch = root / "recognition" / "arcface_torch"
+    sys.path.insert(0, str(arcface_torch if arcface_torch.is_dir() else root))
+    from losses import CombinedMarginLoss
+    from partial_fc_v2 import PartialFC_V2
+
+    if device.type == "cpu":
+        torch.Tensor.cuda = lambda self, *a, **k: self  # its code calls .cuda() throughout
+    head = PartialFC_V2(CombinedMarginLoss(args.scale, *INSIGHTFACE_MARGINS[args.margin]),
+                        args.dim, args.classes, sample_rate=args.sample_rate)
+    head.weight.data = ours.weight.detach().float().clone()
+    return head.to(device)
 
 
 class _Clock:
@@ -162,7 +222,7 @@ class _Memory:
 def _step(head, emb, labels, amp) -> None:
     x = emb.detach().requires_grad_()
     with torch.autocast(**amp):
-        loss = head(x, labels)
+        loss = head(x, labels.clone())  # insightface's head writes into its labels
     loss.backward()
 
 
@@ -196,6 +256,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                      kernel=args.kernel, state_dtype=STATE_DTYPES[args.state_dtype],
                      **tile).to(device)
     heads = {"ours": ours, "textbook": _Textbook(ours).to(device)}
+    if args.insightface:
+        heads["insightface"] = _insightface_head(args.insightface, ours, args, device)
     gen = torch.Generator(device=device).manual_seed(rank)
     batches = [(torch.randn(args.batch, args.dim, device=device, generator=gen),
                 torch.randint(0, args.classes, (args.batch,), device=device, generator=gen))
@@ -262,11 +324,16 @@ def main() -> None:
     parser.add_argument("--kernel", choices=KERNELS, default="auto", help="PartialFC's backend")
     parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="fp32",
                         help="PartialFC's weight dtype (the textbook head gets the same rows)")
+    parser.add_argument("--insightface", metavar="DIR", default=None,
+                        help="an insightface checkout: time its PartialFC_V2 as a fourth head")
     parser.add_argument("--max-tile-mib", type=int, default=None,
                         help="PartialFC's max_tile_bytes in MiB (default: PartialFC's)")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 1:
         parser.error("--device cuda: no CUDA device visible")
+    if args.insightface and args.margin not in INSIGHTFACE_MARGINS:
+        parser.error(f"--insightface: --margin {args.margin} has no CombinedMarginLoss "
+                     f"equivalent here (use {', '.join(INSIGHTFACE_MARGINS)})")
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.ranks)
     results = [r for _, r in sorted(queue.get() for _ in range(args.ranks))]
@@ -290,14 +357,14 @@ def main() -> None:
         print(f"{name:<9} {_fmt(times):>30} {max(peaks) / 2**20:>11.1f} "
               f"[{min(peaks) / 2**20:.1f}, {max(peaks) / 2**20:.1f}] {per_gb:>11.0f}")
     med = {name: statistics.median(times) for name, times in slowest.items()}
-    peak = {name: max(p for r in results for p in r["mem"][name]) for name in ("ours", "textbook")}
-    paired = [o / t for o, t in zip(slowest["ours"], slowest["textbook"], strict=True)]
-    print(f"ours / textbook: time {med['ours'] / med['textbook']:.2f}x (per interleaved step: "
-          f"median {statistics.median(paired):.2f}x [{min(paired):.2f}, {max(paired):.2f}]), "
-          "extra peak "
-          f"{peak['ours'] / max(peak['textbook'], 1):.2f}x; matmuls = "
-          f"{100 * med['matmuls'] / med['ours']:.0f}% of ours, "
-          f"{100 * med['matmuls'] / med['textbook']:.0f}% of the textbook's time; "
+    peak = {name: max(p for r in results for p in r["mem"][name]) for name in results[0]["mem"]}
+    for peer in peak.keys() - {"ours"}:
+        paired = [o / t for o, t in zip(slowest["ours"], slowest[peer], strict=True)]
+        print(f"ours / {peer}: time {med['ours'] / med[peer]:.2f}x (per interleaved step: "
+              f"median {statistics.median(paired):.2f}x [{min(paired):.2f}, "
+              f"{max(paired):.2f}]), extra peak {peak['ours'] / max(peak[peer], 1):.2f}x; "
+              f"matmuls = {100 * med['matmuls'] / med[peer]:.0f}% of its time")
+    print(f"matmuls = {100 * med['matmuls'] / med['ours']:.0f}% of ours; "
           f"weight {results[0]['weight_bytes'] / gib:.3f} GiB/rank")
 
 

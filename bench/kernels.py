@@ -11,17 +11,15 @@ For each class count ``S`` (one rank's sampled rows, ``C_local * r``) it times, 
   cosines into ``G'`` and two GEMMs);
 - ``matmuls``: ``E W^T`` ``[N, S]``, ``G W`` ``[N, D]`` and ``G^T E`` ``[S, D]`` with cuBLAS
   (``G`` a precomputed ``[N, S]`` tensor of the operand dtype): the GEMM floor of any head;
-- ``torch``: the same two passes by ``partial_fc.chunked`` (PyTorch, fp32 products), chunked
-  to 256 MiB fp32 tiles;
+- ``torch``: the same two passes by ``partial_fc.tiles.reference`` (PyTorch, fp32 products),
+  chunked to 256 MiB fp32 tiles;
 
 and prints the kernels' total, the share ``matmuls / (stats + grads)`` and each call's extra
 peak memory (``max_memory_allocated`` minus allocated before; the ``[N, S]`` ``G`` of the
 matmul baseline is excluded from its figure).
 
-``--ptxas 90`` needs no GPU: it compiles every kernel for that compute capability at the CUDA
-tiles (``partial_fc.kernels.triton_margin.cuda_tiles``), with the divisibility hints a launch at
-``--batch``/``--dim`` gets, and prints ptxas' registers and spill stack per thread, shared
-memory, tensor-core instructions and the loads software-pipelined into shared memory.
+Registers, spills and shared memory without a GPU: ``make kernels-aot``
+(``tools/kernels_aot.py``).
 
 Prints figures, asserts nothing; not run by the test suite. ``docs/kernels.md`` explains the
 floors.
@@ -47,65 +45,11 @@ def _extra_peak_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def _ptxas_report(arch: int, dtype: torch.dtype) -> None:
-    """Static resource usage of each kernel as launched on CUDA (no device needed)."""
-    import os
-    import subprocess
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-
-    from partial_fc.kernels import triton_margin as tm
-
-    t = tm.cuda_tiles(sms=132)
-    op = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
-    op_name = {tl.bfloat16: "bf16", tl.float16: "fp16", tl.float32: "fp32"}[op]
-    dtypes = {"E": op_name, "W": op_name, "G_OUT": op_name, "A": op_name, "B": op_name,
-              "TGT": "i64"}
-    common = dict(OP=op, DOT=op, SOFT_BF16=False,
-                  PRECISION="ieee" if dtype == torch.float32 else "tf32")
-    cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **common)
-    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **common)
-    kernels = {
-        "stats": (tm._stats_kernel, cos),
-        "dcos": (tm._dcos_kernel, cos),
-        "gemm grad_e": (tm._gemm_kernel, dict(gemm, PROJECT=False, stride_ak=1, stride_bn=1)),
-        "gemm grad_w": (tm._gemm_kernel, dict(gemm, PROJECT=True, stride_am=1, stride_bn=1)),
-    }
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    print(f"sm_{arch}, {dtype}, tiles {t}")
-    for name, (kernel, constexprs) in kernels.items():
-        sig, attrs = {}, {}
-        for i, arg in enumerate(kernel.arg_names):
-            if arg in constexprs:
-                sig[arg] = "constexpr"
-            elif arg.isupper() and arg not in ("N", "S", "D", "M", "NC", "K"):  # pointers
-                sig[arg] = "*" + dtypes.get(arg, "fp32")
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            else:  # sizes and strides at N=1024, D=512 are multiples of 16, split counts not
-                sig[arg] = "i32"
-                if arg not in ("tiles_per_split",):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        src = triton.compiler.ASTSource(kernel, sig, constexprs, attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=t.num_warps, num_stages=t.num_stages))
-        with open(f"/tmp/partial_fc_{kernel.__name__}.cubin", "wb") as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout.strip().splitlines()[-1].split()
-        ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-        print(f"  {name:12s} {usage[0]} {usage[1]} (bytes/thread spilled) "
-              f"smem {compiled.metadata.shared} B, wgmma {ptx.count('wgmma.mma_async')}, "
-              f"mma.sync {ptx.count('mma.sync')}, "
-              f"pipelined loads {ttgir.count('async_copy_global_to_local')}")
-
-
 def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
     import triton.testing
 
-    from partial_fc import chunked
-    from partial_fc.kernels.triton_margin import class_tile_grads, class_tile_stats
+    from partial_fc.tiles.reference import ReferenceTiles, chunk_columns
+    from partial_fc.tiles.triton import class_tile_grads, class_tile_stats
 
     g = torch.Generator(device="cuda").manual_seed(0)
     e = F.normalize(torch.randn(n, d, device="cuda", generator=g), dim=1).to(dtype)
@@ -124,11 +68,12 @@ def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
     def grads():
         return class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad)
 
-    chunk = chunked.chunk_columns(n, 256 << 20)  # the kernels' G' budget, as fp32 columns
+    reference = ReferenceTiles(256 << 20)  # the kernels' G' budget, as fp32 columns
+    chunk = chunk_columns(n, reference.max_tile_bytes)
 
     def torch_path():
-        chunked.class_tile_stats(e, w, inv, tgt, scale, chunk)
-        return chunked.class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad, chunk)
+        reference.class_tile_stats(e, w, inv, tgt, scale)
+        return reference.class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad)
 
     grad_cos = torch.randn(n, s_cols, device="cuda", generator=g).to(dtype)
 
@@ -159,16 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench measuring time, ms")
-    parser.add_argument("--ptxas", type=int, metavar="SM", default=None,
-                        help="no GPU needed: compile for compute capability SM (e.g. 90) and "
-                             "print registers, spills and pipelining instead of timing")
     args = parser.parse_args(argv)
-    if args.ptxas is not None:
-        _ptxas_report(args.ptxas, DTYPES[args.dtype])
-        return
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA device: the kernels are compiled Triton (on CPU "
-                 "only triton's interpreter runs them, for tests/partial_fc/test_triton_margin.py)")
+                 "only triton's interpreter runs them, for tests/partial_fc/test_tiles.py)")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for s_cols in args.classes:
         _case(args.batch, s_cols, args.dim, DTYPES[args.dtype], args)

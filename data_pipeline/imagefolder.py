@@ -26,7 +26,8 @@ class ImageFolderSource:
                  identities: list[str] | None = None):
         self.root = Path(root)
         if not self.root.is_dir():
-            raise DataError(f"{self.root}: not a folder")
+            raise DataError(f"{self.root}: not a folder (give a folder with one sub-folder of "
+                            "aligned face images per identity)")
         self.exclude = tuple(exclude)
         folders = sorted(p.name for p in self.root.iterdir()
                          if p.is_dir() and not p.name.startswith("."))

@@ -76,7 +76,8 @@ class RecordIOReader:
         self.rec_path, self.idx_path = Path(rec_path), Path(idx_path)
         for path in (self.rec_path, self.idx_path):
             if not path.is_file():
-                raise DataError(f"{path}: file not found")
+                raise DataError(f"{path}: file not found (give the folder of insightface's "
+                                "train.rec, train.idx and property, e.g. faces_emore)")
         self.index = read_index(self.idx_path)
         self._file = open(self.rec_path, "rb")  # noqa: SIM115 - closed by close()/__exit__
 

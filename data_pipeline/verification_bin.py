@@ -39,6 +39,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeBinError(f"{self._path}: refusing persistent id {pid!r} in a verification .bin")
 
 
+MISSING_BIN_FIX = ("insightface's data sets bring lfw.bin, cfp_fp.bin, agedb_30.bin; "
+                   "`make data/orl_s31-s40.bin` writes a small one")
+
+
 def read_bin(path: str | os.PathLike) -> tuple[list[bytes], list[bool]]:
     """Read an insightface verification ``.bin`` without executing anything.
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from data_pipeline.ijb import TARGETS
+from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import add_checkpoint_argument, load_backbone_or_exit, plain_help
 from partial_fc.eval.ijb import IJB_FARS
 from partial_fc.eval.verification import FARS, resolves
@@ -72,6 +73,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.bin and args.ijb is None:
         p.error("nothing to evaluate: give --bin and/or --ijb")
+    for path in args.bin:
+        if not Path(path).is_file():
+            p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
     return args
 
 

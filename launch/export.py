@@ -13,8 +13,10 @@ and PyTorch must agree (cosine >= ``min_cosine``) on random batches of two sizes
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,17 +27,26 @@ from torch import nn
 
 from launch.cli import add_checkpoint_argument, load_backbone_or_exit, plain_help
 
+# The exporter's registry logs one warning per torchvision op it cannot register (detection
+# ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs
+# warns about a deprecation inside torch. Neither is anything a user of this command can act on.
+_REGISTRY_LOGGER = "torch.onnx._internal.exporter._registration"
+_TORCH_DEPRECATION = r".*isinstance\(treespec, LeafSpec\)` is deprecated"
+
 
 def export_onnx(backbone: nn.Module, out: str | os.PathLike, opset: int | None = None) -> Path:
     """Write ``backbone`` (set to eval mode) as a single-file ONNX model with a dynamic batch."""
     out = Path(out)
     backbone = backbone.eval()
     example = torch.rand(2, 3, 112, 112) * 2 - 1
-    torch.onnx.export(
-        backbone, (example,), out, dynamo=True, external_data=False, opset_version=opset,
-        input_names=["images"], output_names=["embeddings"],
-        dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
-    )
+    logging.getLogger(_REGISTRY_LOGGER).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TORCH_DEPRECATION, category=FutureWarning)
+        torch.onnx.export(
+            backbone, (example,), out, dynamo=True, external_data=False, opset_version=opset,
+            input_names=["images"], output_names=["embeddings"],
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), verbose=False,
+        )
     return out
 
 

@@ -5,9 +5,10 @@ Single process: ``python -m launch.train --config configs/smoke.yaml``. Several 
 --node_rank i --rdzv_backend c10d --rdzv_endpoint HOST:PORT ...`` (or ``make <recipe>``).
 The config is loaded and validated (schema, data manifest, device) before any process
 group starts. The run folder (``output``, default ``runs/<name>``) receives config.yaml,
-metrics.jsonl, histograms.jsonl, train.log, checkpoints/, W&B files (wandb/) and TensorBoard
-events (tb/); ``python -m launch.report RUN`` plots it. An existing checkpoint there is
-resumed from (``checkpoint.resume=auto``), on any number of ranks.
+metrics.jsonl, histograms.jsonl, train.log, summary.json, checkpoints/, W&B files (wandb/)
+and TensorBoard events (tb/); ``python -m launch.report RUN`` plots it. An existing
+checkpoint there is resumed from (``checkpoint.resume=auto``), on any number of ranks; a run
+that has finished says so and exits.
 """
 
 from __future__ import annotations
@@ -44,12 +45,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--check", action="store_true", help="validate the config against the data and this "
+        "machine for a launch of --nproc-per-node x --nnodes ranks, start nothing, and exit "
+        "(0, or 2 with the problems): what `make <recipe>` runs before torchrun, so a config "
+        "error is printed once instead of once per torchrun restart"
+    )
+    parser.add_argument("--nproc-per-node", default="1", metavar="N|gpu",
+                        help="--check: ranks per node, as torchrun's --nproc_per_node")
+    parser.add_argument("--nnodes", type=int, default=1, help="--check: nodes")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
 
 
+def launch_shape_error(nproc_per_node: str, nnodes: int) -> str | None:
+    """Set ``LOCAL_WORLD_SIZE``/``WORLD_SIZE`` as torchrun will for this launch (the config
+    checks read them), or say in one line why torchrun could not start it."""
+    if nproc_per_node == "gpu":
+        import torch
+
+        ranks = torch.cuda.device_count()
+        if ranks == 0:
+            return ("NPROC_PER_NODE=gpu: no GPU on this machine; give NPROC_PER_NODE=<ranks>, "
+                    "and device=cpu to train on the CPU")
+    elif nproc_per_node.isdigit() and int(nproc_per_node) > 0:
+        ranks = int(nproc_per_node)
+    else:
+        return f"NPROC_PER_NODE={nproc_per_node}: a number of ranks per node, or gpu"
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
+    os.environ["WORLD_SIZE"] = str(ranks * nnodes)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check and (problem := launch_shape_error(args.nproc_per_node, args.nnodes)):
+        print(f"launch error: {problem}", file=sys.stderr)
+        return 2
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConfigWarning)
@@ -63,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for w in caught:
         print_main(f"warning: {w.message}")
+    if args.check:
+        return 0
     if args.print_config:
         for note in notes:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)

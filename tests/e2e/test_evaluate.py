@@ -105,8 +105,22 @@ def test_load_backbone_paths_and_errors(tmp_path):
     with pytest.raises(CheckpointError, match="meta.json: not a backbone.pt"):
         load_backbone(run / "checkpoints" / "step-00000010" / "meta.json")
     shutil.rmtree(run / "checkpoints" / "step-00000010")
-    with pytest.raises(CheckpointError, match="run: no checkpoint there"):
+    with pytest.raises(CheckpointError, match="run: no checkpoint there") as err:
         load_backbone(run)
+    assert "`make train`" in str(err.value)  # what makes one
+    with pytest.raises(CheckpointError, match="runs: no such folder"):
+        load_backbone(tmp_path / "runs")
+
+
+def test_a_missing_bin_names_what_makes_one(tmp_path, capsys):
+    from launch.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--checkpoint", str(tmp_path), "--bin", str(tmp_path / "lfw.bin")])
+    assert exit_.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert f"--bin {tmp_path / 'lfw.bin'}: no such file" in line
+    assert "`make data/orl_s31-s40.bin`" in line
 
 
 def _corrupt(file):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -15,12 +18,30 @@ from launch.export import main
 from trainer.checkpoint.backbone import load_backbone
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.slow
 def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys):
     run = make_run(tmp_path)
     out = tmp_path / "model.onnx"
-    assert main(["--checkpoint", str(run), "--out", str(out)]) == 0
-    assert "min cosine" in capsys.readouterr().out
+    records = _Records()
+    logging.getLogger("torch.onnx").addHandler(records)  # the exporter's own loggers
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    finally:
+        logging.getLogger("torch.onnx").removeHandler(records)
+    assert capsys.readouterr().out.startswith(f"wrote {out} ")  # the one line, no progress
+    assert not [m for m in records.messages if "torchvision" in m], records.messages
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
     assert list(tmp_path.glob("model.onnx*")) == [out]  # one self-contained file
 
     graph = onnx.load(str(out)).graph

@@ -61,6 +61,54 @@ def _check_figure(slug, fig):
         assert cbar.get_ylabel(), slug
 
 
+def _check_angles(fig, runs) -> None:
+    """Each run's row: both panels over the same steps, one drawn column per histogram
+    sample centred on its step, nothing painted between samples, the theta_med line inside
+    the panels' range, the number of samples in the titles."""
+    panels = _plot_axes(fig)
+    for row, run in enumerate(r for r in runs if r.hist is not None):
+        target, nontarget = panels[2 * row : 2 * row + 2]
+        assert target.get_xlim() == nontarget.get_xlim()
+        lo, hi = target.get_xlim()
+        steps = run.hist.steps.astype(float)
+        n = len(steps)
+        for ax in (target, nontarget):
+            assert f"({n} sample" in ax.get_title()
+            (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
+            edges = mesh.get_coordinates()[0, :, 0]
+            cells = mesh.get_array()
+            drawn = [j for j in range(cells.shape[1]) if not np.ma.getmaskarray(cells)[:, j].all()]
+            assert len(drawn) == n  # drawn columns == samples
+            centres = np.array([(edges[j] + edges[j + 1]) / 2 for j in drawn])
+            np.testing.assert_allclose(centres, steps)
+            widths = np.array([edges[j + 1] - edges[j] for j in drawn])
+            spacing = np.diff(steps).min() if n > 1 else np.inf
+            assert (widths <= min(spacing, hi / 60) + 1e-9).all()  # no band over unmeasured steps
+            assert lo <= edges[0] and edges[-1] <= hi
+        (theta,) = [line for line in target.lines if line.get_label() == "θ_med"]
+        x = np.asarray(theta.get_xdata(), float)
+        assert lo <= x.min() and x.max() <= hi
+        assert hi >= max(x.max(), steps.max())
+
+
+def test_sparse_histograms_are_thin_columns_at_their_steps():
+    """A 124-step run with log.hist_every=50: two samples, not two 50-step blocks."""
+    from trainer.telemetry.figures import RunData
+    from trainer.telemetry.run_files import Histograms
+
+    rows = [{"step": i, "loss": 1.0, "theta_med": 1.0 - i / 200} for i in range(5, 125, 5)]
+    rows.append({"step": 124, "loss": 1.0, "theta_med": 0.4})
+    counts = np.zeros((2, 180), dtype=np.int64)
+    counts[:, 60:70] = 1
+    hist = Histograms(np.array([50, 100]), np.linspace(0, 180, 181),
+                      {"theta_target": counts, "theta_nontarget": counts})
+    run = RunData("short", {"log": {"hist_every": 50}}, rows, [], hist)
+    fig = FIGURES["angles"][0]([run])
+    _check_angles(fig, [run])
+    assert _plot_axes(fig)[0].get_xlim() == (0.0, 124 + 124 / 120)  # from step 0 to the end
+    assert "(2 samples, every 50 steps)" in _plot_axes(fig)[0].get_title()
+
+
 def test_every_figure_from_a_run_with_evaluation(runs):
     arc, _ = runs
     (run,) = report.load_runs([arc])
@@ -71,10 +119,7 @@ def test_every_figure_from_a_run_with_evaluation(runs):
     ax = _plot_axes(figures["verification"])[0]
     assert ax.get_title() == "verification: colours"
     assert ax.lines[0].get_xdata().tolist() == [6, STEPS]
-    meshes = [c for a in _plot_axes(figures["angles"]) for c in a.collections
-              if isinstance(c, QuadMesh)]
-    assert len(meshes) == 2
-    assert meshes[0].get_array().shape == (180, STEPS // 4)  # degrees x sampled steps
+    _check_angles(figures["angles"], [run])
 
 
 def test_runs_overlay_with_reference_lines(runs):
@@ -97,6 +142,7 @@ def test_runs_overlay_with_reference_lines(runs):
     theta = _plot_axes(figures["theta_med"])[0]
     assert any(line.get_ydata()[0] == pytest.approx(np.pi / 4) for line in theta.lines)
     assert len(_plot_axes(figures["angles"])) == 4  # 2 runs x (target, non-target)
+    _check_angles(figures["angles"], loaded)
 
 
 def test_html_is_self_contained_and_pngs_are_written(runs, tmp_path, capsys):

@@ -189,7 +189,28 @@ def test_manifest_fills_checks_and_feeds_theory_checks(tmp_path):
     lines = str(err.value).splitlines()
     assert f"command line: data.num_classes=999: manifest.json in {data} says 1000" in lines
     assert f"command line: data.num_samples=4999: manifest.json in {data} says 5000" in lines
-    assert "command line: eval.bins[0]='x.bin': no such file" in lines  # all errors together
+    assert any(line.startswith("command line: eval.bins[0]='x.bin': no such file (")
+               for line in lines)  # all errors together
+
+
+def _data_dir_error(tmp_path, folder) -> str:
+    path = _write(tmp_path, "cfg.yaml", {"device": "cpu"})
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [f"data.dir={folder}"])
+    (line,) = [x for x in str(err.value).splitlines() if f"data.dir='{folder}'" in x]
+    return line
+
+
+def test_a_data_dir_without_a_data_set_says_what_is_there_and_what_makes_one(tmp_path):
+    data = _manifest(tmp_path / "synthetic", num_classes=10, num_samples=20)
+    typo = _data_dir_error(tmp_path, tmp_path / "synthtic")
+    assert "no such folder" in typo and f"data.dir='{data}'" in typo  # the near name
+    for line in (typo, _data_dir_error(tmp_path, tmp_path)):  # the folder exists, no data set
+        assert "`python -m launch.convert insightface SRC DIR`" in line and "`make train`" in line
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "shard-000000.tar").write_bytes(b"")
+    half = _data_dir_error(tmp_path, tmp_path / "half")
+    assert "1 shard(s)" in half and "did not finish" in half and "launch.convert" in half
 
 
 def test_malformed_manifest_is_a_config_error_among_others(tmp_path):
@@ -201,7 +222,7 @@ def test_malformed_manifest_is_a_config_error_among_others(tmp_path):
     lines = str(err.value).splitlines()
     assert len(lines) == 2, lines
     assert lines[0].startswith(f"{path}: data.dir='{data}': ") and "malformed manifest" in lines[0]
-    assert lines[1] == "command line: checkpoint.resume='nowhere': no such folder"
+    assert lines[1].startswith("command line: checkpoint.resume='nowhere': no such folder (")
 
 
 

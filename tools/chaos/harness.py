@@ -164,7 +164,7 @@ def _nan_once(rank: int, call: int) -> None:
 
 def _kill_in_replace() -> None:
     """SIGKILL this process right after a checkpoint replacement removed the old folder."""
-    from trainer import checkpoint
+    from trainer.checkpoint import layout
     rmtree = shutil.rmtree
 
     def rmtree_then_die(path, *args, **kwargs):
@@ -172,7 +172,7 @@ def _kill_in_replace() -> None:
         if Path(path).name.startswith("step-"):
             os.kill(os.getpid(), 9)
 
-    checkpoint.shutil.rmtree = rmtree_then_die
+    layout.shutil.rmtree = rmtree_then_die
 
 
 def _disk_full(at: int) -> None:

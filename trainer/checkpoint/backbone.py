@@ -38,8 +38,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
                               "or RUN/checkpoints/<tag>/backbone.pt)")
     folder = find_verified(path.parent if path.is_file() else path, only=("backbone.pt",))
     if folder is None:
-        raise CheckpointError(f"{path}: no checkpoint there (expected RUN with a checkpoint, or "
-                              "RUN/checkpoints/<tag> holding meta.json)")
+        what = "no checkpoint there" if path.exists() else "no such folder"
+        raise CheckpointError(f"{path}: {what} (give the `output` folder of launch.train, e.g. "
+                              "runs/smoke after `make train`, or RUN/checkpoints/<tag>)")
     weights = folder / "backbone.pt"
     if not weights.is_file():
         raise CheckpointError(f"{weights}: no such backbone checkpoint")

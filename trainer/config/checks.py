@@ -23,6 +23,10 @@ import torch
 from partial_fc.margins import margin_errors, margin_warnings
 from trainer.config.schema import Config, ConfigError, ConfigWarning
 
+# The rendezvous (TCPStore) and the first collectives take seconds on a loaded node; a
+# timeout below this ends healthy runs at start-up with torch's traceback.
+MIN_TIMEOUT_S = 5.0
+
 
 def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
@@ -66,6 +70,10 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         )
     if not cfg.checkpoint.resume:
         out.append(("checkpoint.resume", "checkpoint.resume='': use auto, none or a folder"))
+    if cfg.dist.timeout_s < MIN_TIMEOUT_S:
+        out.append(("dist.timeout_s", f"dist.timeout_s={cfg.dist.timeout_s:g}: below "
+                    f"{MIN_TIMEOUT_S:g} s, which the rendezvous and the first collectives "
+                    "need even on one node"))
     try:
         from partial_fc.backbones import list_backbones
     except ImportError:  # backbones not installed: train.py fails later with a clear import error
@@ -113,11 +121,12 @@ def _sink_errors(cfg: Config) -> list[tuple[str, str]]:
 def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     """Checks against the data and the machine; fills ``data.num_classes/num_samples``."""
     out = _sink_errors(cfg) + _data_errors(cfg)
-    out += _batch_errors(cfg)
+    out += _batch_errors(cfg) + _class_errors(cfg) + _batch_norm_errors(cfg)
     out += _output_errors(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        out.append(("device", "device='cuda': no CUDA device on this machine"))
-    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        out.append(("device", "device='cuda': no CUDA device on this machine (the GPU "
+                    "recipes set it; add device=cpu to train on the CPU instead)"))
+    on_gpu = cfg.device in ("cuda", "auto") and torch.cuda.is_available()
     if cfg.engine.precision == "fp16" and not on_gpu:
         out.append(("engine.precision", "engine.precision='fp16': needs a CUDA device"))
     out += _gpu_errors(cfg) if on_gpu else []
@@ -126,10 +135,14 @@ def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
                     "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
-        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder"))
+        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
+                    "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
-            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file"))
+            from data_pipeline.verification_bin import MISSING_BIN_FIX
+
+            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
+                        f"({MISSING_BIN_FIX})"))
     return out
 
 
@@ -160,7 +173,7 @@ def _data_errors(cfg: Config) -> list[tuple[str, str]]:
                     "(data.source='shards')"))
     data_dir = Path(data.dir)
     if not (data_dir / "manifest.json").is_file():
-        return [*out, ("data.dir", f"data.dir={data.dir!r}: no manifest.json there")]
+        return [*out, ("data.dir", f"data.dir={data.dir!r}: {_no_manifest(data_dir)}")]
     from data_pipeline import read_manifest
     from data_pipeline.errors import DataError
 
@@ -176,6 +189,31 @@ def _data_errors(cfg: Config) -> list[tuple[str, str]]:
             out.append((f"data.{key}",
                         f"data.{key}={have}: manifest.json in {data_dir} says {want}"))
     return out
+
+
+MAKE_DATA = ("convert a data set with `python -m launch.convert insightface SRC DIR` (or "
+             "`imagefolder SRC DIR`), or `make train` for the synthetic set in data/synthetic")
+
+
+def _no_manifest(data_dir: Path) -> str:
+    """What is at ``data_dir`` instead of a converted data set, and what makes one. The
+    manifest is written last (data_pipeline.writer), so shards without it are a conversion
+    that did not finish."""
+    if not data_dir.exists():
+        import difflib
+
+        parent = data_dir.parent if data_dir.parent.is_dir() else None
+        sets = [p.name for p in parent.iterdir() if (p / "manifest.json").is_file()] if parent \
+            else []
+        near = difflib.get_close_matches(data_dir.name, sets, n=1)
+        hint = f" (did you mean data.dir={str(data_dir.parent / near[0])!r}?)" if near else ""
+        return f"no such folder{hint}; {MAKE_DATA}"
+    shards = len(list(data_dir.glob("*.tar"))) if data_dir.is_dir() else 0
+    if shards:
+        return (f"no manifest.json there but {shards} shard(s): the conversion did not finish; "
+                "run the same `python -m launch.convert` command again (it keeps finished "
+                "shards)")
+    return f"no manifest.json there (the folder holds no converted data set); {MAKE_DATA}"
 
 
 def machine_notes(cfg: Config) -> list[str]:
@@ -225,6 +263,42 @@ def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
                   f"{n} samples in {where} cannot fill one step (at most "
                   f"{n // world} samples per rank)")]
+
+
+def _class_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Every rank owns a contiguous block of at least one class (``PartialFC``), and a softmax
+    over one class has nothing to tell apart (its loss is 0 whatever the backbone does)."""
+    classes, world = cfg.data.num_classes, int(os.environ.get("WORLD_SIZE", "1"))
+    if classes is None:
+        return []
+    if classes < 2:
+        return [("data.num_classes", f"data.num_classes={classes}: a margin softmax needs at "
+                 "least 2 classes (with 1 the loss is 0 and nothing trains)")]
+    if classes < world:
+        return [("data.num_classes", f"data.num_classes={classes}: fewer classes than the "
+                 f"{world} ranks, each of which holds a block of at least one class; launch "
+                 f"at most {classes} ranks")]
+    return []
+
+
+def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
+    """A micro-batch of one image cannot train a ``BatchNorm1d`` (the embedding layer of every
+    face backbone here): torch refuses one value per channel in training mode."""
+    if cfg.train.batch_size > 1:
+        return []
+    from torch import nn
+
+    from partial_fc.backbones import build_backbone, list_backbones
+
+    if cfg.backbone.name not in list_backbones():  # reported by semantic_errors
+        return []
+    with torch.device("meta"):
+        model = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size)
+    if not any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
+        return []
+    return [("train.batch_size", f"train.batch_size=1: backbone.name={cfg.backbone.name!r} "
+             "has BatchNorm1d, which cannot train on one image per rank; use a batch of 2 or "
+             "more")]
 
 
 def _output_errors(cfg: Config) -> list[tuple[str, str]]:

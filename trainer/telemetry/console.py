@@ -99,10 +99,14 @@ class Console:
     def info(self, message: str) -> None:
         self.log.info(message)
 
-    def close(self) -> None:
+    def close_bar(self) -> None:
+        """Close the bar, so that what is printed next starts on a line of its own."""
         if self.bar is not None:
             self.bar.close()
         self._console.bar = self.bar = None
+
+    def close(self) -> None:
+        self.close_bar()
         close_handlers(self.log)
 
 

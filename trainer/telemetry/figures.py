@@ -142,13 +142,24 @@ def throughput_figure(runs: list[RunData]) -> Figure | None:
     return fig
 
 
-def _edges(centres: np.ndarray) -> np.ndarray:
-    """Cell edges around sorted ``centres`` (a lone centre gets a width of its own step)."""
-    if len(centres) == 1:
-        half = max(centres[0], 1.0) / 2
-        return np.array([centres[0] - half, centres[0] + half])
-    mid = (centres[1:] + centres[:-1]) / 2
-    return np.concatenate([[2 * centres[0] - mid[0]], mid, [2 * centres[-1] - mid[-1]]])
+def _sample_columns(steps: np.ndarray, x_max: float) -> tuple[np.ndarray, float]:
+    """Column edges for the sampled ``steps`` (sorted): a column of width ``w`` centred on
+    each step, with a gap column between two samples. ``w`` is the smallest spacing between
+    samples, at most 1/60 of ``[0, x_max]``: samples taken every step touch, sparse ones stay
+    thin stripes, so no colour stands for steps that were not measured. Returns
+    ``(edges [2n], w)``; columns ``0, 2, 4, ...`` are the samples."""
+    w = x_max / 60
+    if len(steps) > 1:
+        w = min(w, float(np.diff(steps).min()))
+    return np.stack([steps - w / 2, steps + w / 2], axis=1).ravel(), w
+
+
+def _sample_cells(share: np.ndarray) -> np.ma.MaskedArray:
+    """``share [n, bins]`` as pcolormesh cells ``[bins, 2n - 1]``, the gap columns masked."""
+    n, bins = share.shape
+    cells = np.ma.masked_all((bins, 2 * n - 1))
+    cells[:, ::2] = share.T
+    return cells
 
 
 def _angle_window(hist: Histograms) -> tuple[float, float]:
@@ -162,35 +173,47 @@ def _angle_window(hist: Histograms) -> tuple[float, float]:
 
 
 def angles_figure(runs: list[RunData]) -> Figure | None:
-    """Per run (rows): target and non-target angle distribution per sampled step (columns:
-    steps, rows: degrees, colour: share of that step's angles), AdaCos Fig. 1 over time;
-    ``theta_med`` in degrees drawn on the target panel."""
+    """Per run (rows): target and non-target angle distribution at each sampled step, AdaCos
+    Fig. 1 over time. One column per histogram sample at its step (colour: share of that
+    step's angles; grey where no sample was taken), both panels and the ``theta_med`` line
+    (degrees, target panel) over the same steps; the titles say how many samples there are."""
     with_hist = [(i, r) for i, r in enumerate(runs) if r.hist is not None]
     if not with_hist:
         return None
     fig = Figure(figsize=(10, 3.2 * len(with_hist)))
     for row, (i, run) in enumerate(with_hist):
         hist = run.hist
+        steps = hist.steps.astype(float)
+        theta_steps, theta = run.series("theta_med")
+        x_max = float(max(steps.max(), theta_steps.max(initial=0)))
+        edges, width = _sample_columns(steps, x_max)
+        n = len(steps)
+        every = (run.config.get("log") or {}).get("hist_every")
+        samples = f"{n} sample{'s' if n != 1 else ''}" + (f", every {every} steps" if every
+                                                         else "")
         lo, hi = _angle_window(hist)
+        first = None
         for col, (name, what) in enumerate((("theta_target", "target"),
                                             ("theta_nontarget", "non-target"))):
-            ax = fig.add_subplot(len(with_hist), 2, 2 * row + col + 1)
+            ax = fig.add_subplot(len(with_hist), 2, 2 * row + col + 1, sharex=first)
+            first = first or ax
             counts = hist.counts.get(name)
             if counts is None:
                 ax.set_axis_off()
                 continue
             share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-            mesh = ax.pcolormesh(_edges(hist.steps.astype(float)), hist.edges, share.T,
-                                 cmap="viridis", shading="flat")
+            ax.set_facecolor("0.88")
+            mesh = ax.pcolormesh(edges, hist.edges, _sample_cells(share), cmap="viridis",
+                                 shading="flat", vmin=0)
             fig.colorbar(mesh, ax=ax, label="share of angles")
-            if name == "theta_target":
-                steps, theta = run.series("theta_med")
-                ax.plot(steps, np.degrees(theta), color="white", lw=1, label="θ_med")
+            if name == "theta_target" and np.isfinite(theta).any():
+                ax.plot(theta_steps, np.degrees(theta), color="tab:red", lw=1.2, label="θ_med")
                 ax.legend(fontsize="small", loc="upper right")
+            ax.set_xlim(0, x_max + width / 2)
             ax.set_ylim(lo, hi)
             ax.set_xlabel("step")
             ax.set_ylabel("angle (degrees)")
-            ax.set_title(f"{run.label}: {what} angles", color=_colour(i))
+            ax.set_title(f"{run.label}: {what} angles ({samples})", color=_colour(i))
     fig.tight_layout()
     return fig
 
@@ -238,8 +261,8 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
                         "(dashed): the gap is what the margin buys."),
     "angles": (angles_figure,
                "Distribution of target and non-target angles at each sampled step "
-               "(log.hist_every; colour: share of that step's angles), cf. AdaCos Fig. 1. "
-               "White: θ_med."),
+               "(log.hist_every; colour: share of that step's angles; grey: steps with no "
+               "sample), cf. AdaCos Fig. 1. Red: θ_med."),
     "throughput": (throughput_figure,
                    "Images per second over all ranks (between metric lines) and peak memory."),
     "verification": (verification_figure, "Verification accuracy (10-fold) per eval set."),

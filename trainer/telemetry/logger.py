@@ -21,18 +21,18 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.config import Config, dump_config
+from trainer.dist import launcher_rank
 from trainer.telemetry import run_files
 from trainer.telemetry.console import Console
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
 
-
-def launcher_rank() -> int:
-    """This process's global rank as torchrun exported it (0 without torchrun)."""
-    return int(os.environ.get("RANK", "0"))
+if TYPE_CHECKING:
+    from trainer.engine import StepResult
 
 
 def print_main(message: str) -> None:
@@ -71,9 +71,6 @@ class RunLogger:
         if self.active:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = Console(self.run_dir, rank, cfg.log.progress)
-        if not self.active:
-            return
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
 
     def info(self, message: str) -> None:
         """A message for the console and RUN/train.log (rank 0)."""
@@ -82,11 +79,12 @@ class RunLogger:
     def start(self, step: int) -> None:
         """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
         after it from metrics.jsonl and histograms.jsonl, open both for appending, open the
-        W&B run / TensorBoard writer, start timing."""
+        W&B run / TensorBoard writer, write RUN/config.yaml, start timing."""
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = step
         if not self.active:
             return
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         for name in (run_files.METRICS, run_files.HISTOGRAMS):
             dropped = run_files.truncate_after(self.run_dir / name, step)
             if dropped:
@@ -111,7 +109,7 @@ class RunLogger:
     def step(
         self,
         step: int,
-        stats: dict,
+        result: StepResult,
         head_stats: dict,
         data: dict | None,
         device: torch.device,
@@ -121,8 +119,8 @@ class RunLogger:
         (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
         ``padded_samples``), given on the steps that are :meth:`due`.
 
-        ``stats`` and ``head_stats`` are read only on the steps that are :meth:`due`: the
-        engine and the head keep their numbers on the device
+        ``result`` (the engine's ``StepResult``) and ``head_stats`` are read only on the steps
+        that are :meth:`due`: the engine and the head keep their numbers on the device
         (``partial_fc.readout.DeviceScalars``) and a read makes the host wait for the GPU."""
         if not self.active:
             return
@@ -136,9 +134,9 @@ class RunLogger:
         self._last_t, self._last_step = now, step
         record = {
             "step": step,
-            "loss": stats["loss"],
-            "lr": stats["lr"],
-            "grad_norm": stats["grad_norm"],
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
             "scale": head_stats.get("scale"),
             "theta_med": head_stats.get("theta_med"),
             "b_avg": head_stats.get("b_avg"),
@@ -196,8 +194,16 @@ class RunLogger:
         for sink in self._sinks:
             sink.scalars(record["step"], scalars)
 
+    def close_unused(self) -> None:
+        """End a logger that never started (a finished run run again): only the console."""
+        self.console.close()
+
     def close(self, step: int, checkpoint: Path | None) -> dict:
-        """Finish the run; print and return a summary (rank 0; ``{}`` elsewhere)."""
+        """Finish the run and return its summary (rank 0; ``{}`` elsewhere): the bar closed
+        first, then the sinks (W&B's own end-of-run lines come before ours, and only with
+        ``log.wandb=online``), then one line on stdout with rounded figures and what to run
+        next; the full summary goes to RUN/summary.json and train.log."""
+        self.console.close_bar()
         if not self.active:
             self.console.close()
             return {}
@@ -213,13 +219,32 @@ class RunLogger:
             "loss_last": losses[-1] if losses else None,
             "checkpoint": str(checkpoint) if checkpoint else None,
         }
-        line = "summary: " + json.dumps(summary)
-        print(line, flush=True)  # stdout: the one line a script may parse
-        self.console.log.info(line, extra={"file_only": True})
-        self.console.close()
         self._metrics.close()
         if self._hist is not None:
             self._hist.close()
         for sink in self._sinks:
             sink.close(summary)
+        text = json.dumps(_json_safe(summary))
+        (self.run_dir / run_files.SUMMARY).write_text(text + "\n")
+        self.console.log.info("summary: " + text, extra={"file_only": True})
+        print(summary_line(summary, [s.next_step() for s in self._sinks]), flush=True)
+        self.console.close()
         return summary
+
+
+def summary_line(summary: dict, sink_steps: list[str]) -> str:
+    """``summary: runs/smoke: 124 steps in 1:35 (124 img/s), loss 10.37 -> 0.054;
+    checkpoint ...; report: python -m launch.report runs/smoke; ...`` on one line."""
+    from datetime import timedelta
+
+    def loss(value) -> str:
+        return "nan" if value is None else f"{value:.4g}"
+
+    run = summary["run"]
+    parts = [f"summary: {run}: {summary['steps_this_invocation']} steps in "
+             f"{timedelta(seconds=round(summary['time_s']))} ({summary['img_per_s']:.0f} img/s)"
+             f", loss {loss(summary['loss_first'])} -> {loss(summary['loss_last'])}"]
+    if summary["checkpoint"]:
+        parts.append(f"checkpoint {summary['checkpoint']}")
+    parts.append(f"report: python -m launch.report {run}")
+    return "; ".join(parts + sink_steps)

@@ -22,6 +22,7 @@ import numpy as np
 
 METRICS = "metrics.jsonl"
 HISTOGRAMS = "histograms.jsonl"
+SUMMARY = "summary.json"  # the last invocation's summary (trainer.telemetry.logger)
 HIST_RANGE = (0.0, 180.0)  # degrees
 HIST_BINS = 180
 

@@ -9,7 +9,9 @@ histograms are ``theta_target`` / ``theta_nontarget`` in degrees, binned per deg
 W&B: one run per training across resumes. The run id is kept in ``RUN/wandb_run_id`` and
 passed back with ``resume="allow"``; every chart's x axis is ``global_step`` (declared with
 ``define_metric``), so a resumed segment that logs steps again lines up instead of being
-dropped by W&B's own monotonic step counter.
+dropped by W&B's own monotonic step counter. Offline, W&B prints nothing (its start and
+end-of-run lines would bury the trainer's; the history is in the run folder and in
+metrics.jsonl); online it prints its usual lines, the run's URL among them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class Sink(Protocol):
 
     def close(self, summary: dict) -> None: ...
 
+    def next_step(self) -> str:
+        """What to run to look at this sink's record, for the run's summary line."""
+        ...
+
 
 class WandbSink:
     """A W&B run (``mode``: offline | online) under ``RUN/wandb``."""
@@ -41,11 +47,12 @@ class WandbSink:
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict):
         import wandb
 
-        self._wandb = wandb
+        self._wandb, self._mode, self._dir = wandb, mode, run_dir / "wandb"
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         self.run = wandb.init(project=project, name=name, mode=mode, dir=str(run_dir),
-                              config=config, id=run_id, resume="allow")
+                              config=config, id=run_id, resume="allow",
+                              settings=wandb.Settings(silent=mode != "online"))
         id_file.write_text(self.run.id + "\n")
         self.run.define_metric("global_step")
         self.run.define_metric("*", step_metric="global_step")
@@ -63,6 +70,11 @@ class WandbSink:
         self.run.summary.update(summary)
         self.run.finish()
 
+    def next_step(self) -> str:
+        if self._mode == "online":
+            return f"W&B: {self.run.url}"
+        return f"W&B: wandb sync {self._dir}/offline-run-*"
+
 
 class TensorBoardSink:
     """Event files under ``RUN/tb`` (``tensorboard --logdir RUN/tb``). Resumed at ``step``,
@@ -74,7 +86,8 @@ class TensorBoardSink:
         except ImportError as err:  # trainer.config checks first; this is the last word
             raise ImportError(f"log.tensorboard=true needs the tensorboard package ({err}); "
                               f"pip install 'partial-fc[tensorboard]'") from None
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR),
+        self._dir = run_dir / TENSORBOARD_DIR
+        self.writer = SummaryWriter(log_dir=str(self._dir),
                                     purge_step=step + 1 if step else None)
         self.writer.add_text("config", "```\n" + config_yaml + "```")
 
@@ -91,3 +104,6 @@ class TensorBoardSink:
     def close(self, summary: dict) -> None:
         self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
         self.writer.close()
+
+    def next_step(self) -> str:
+        return f"TensorBoard: tensorboard --logdir {self._dir}"
