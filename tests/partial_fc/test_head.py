@@ -268,9 +268,12 @@ def test_pop_sampled_rows_is_the_union_of_the_forwards_since_the_last_pop():
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 200, (6,), generator=g))
                for _ in range(3)]
-    assert head.pop_sampled_rows().numel() == 0  # no forward since the last pop
+    first = head.pop_sampled_rows()
+    assert first.empty and first.index.numel() == 0 and first.forwards == 0  # no forward yet
     head(*batches[0])
-    assert head.pop_sampled_rows() is head.sampled_index  # one forward: its index, no copy
+    one = head.pop_sampled_rows()
+    assert one.index is head.sampled_index and one.forwards == 1  # its index, no copy
+    assert one.pop == first.pop + 1 and one.weight is head.weight
     used = []
     for e, y in batches:  # gradient accumulation: three forwards, then one step
         head(e, y)
@@ -278,17 +281,18 @@ def test_pop_sampled_rows_is_the_union_of_the_forwards_since_the_last_pop():
     with torch.no_grad():
         head(*batches[0])  # no gradient, so no row to update
     assert not torch.equal(used[0], used[1])
-    assert torch.equal(head.pop_sampled_rows(), torch.unique(torch.cat(used)))
-    assert head.pop_sampled_rows().numel() == 0
+    three = head.pop_sampled_rows()
+    assert torch.equal(three.index, torch.unique(torch.cat(used))) and three.forwards == 3
+    assert head.pop_sampled_rows().empty
     head.eval()
     head(*batches[0])  # eval with grad: every row
     head.train()
     head(*batches[1])
-    assert head.pop_sampled_rows() is None
+    assert head.pop_sampled_rows().index is None
     small = _head(MARGINS["cosface"], num_classes=10, sample_rate=0.5)
     for e, y in batches * 3:  # 5 of 10 rows each time: together all of them
         small(e, y % 10)
-    assert small.pop_sampled_rows() is None
+    assert small.pop_sampled_rows().index is None
 
 
 def test_bf16_autocast_keeps_the_softmax_in_fp32():
@@ -392,8 +396,8 @@ def test_bf16_state_on_cuda_matches_the_cpu_torch_path():
     before = sampled.weight.detach().clone()
     sampled(x_gpu, labels.to("cuda")).backward()
     assert sampled.weight.grad.is_sparse and sampled.weight.grad.dtype == torch.bfloat16
-    opt = SampledSGD(sampled, lr=0.1)
-    opt.step()
+    opt = SampledSGD(sampled.weight, lr=0.1)
+    opt.step(sampled.pop_sampled_rows())
     assert opt.state[sampled.weight]["momentum_buffer"].dtype == torch.bfloat16
     others = torch.ones(500, dtype=torch.bool, device="cuda")
     others[sampled.sampled_index] = False

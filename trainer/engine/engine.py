@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
+from partial_fc.rows import SampledRows
 from trainer.config import Config, OptimConfig, ScheduleConfig
 from trainer.engine.deepspeed_backend import DeepSpeedBackbone, loss_scale_overflow
 
@@ -68,11 +69,12 @@ def make_optimizer(optim: OptimConfig, params) -> torch.optim.Optimizer:
     return cls(params, lr=optim.lr, **_optimizer_kwargs(optim))
 
 
-def make_head_optimizer(optim: OptimConfig, head: nn.Module,
+def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
                         max_update_bytes: int) -> torch.optim.Optimizer:
-    """The head's row-sampling optimizer (unsampled rows get no momentum, no decay)."""
+    """The optimizer of the head's ``weight``, row-sampling (unsampled rows get no momentum,
+    no decay): it steps from the head's ``pop_sampled_rows()``."""
     cls = SampledSGD if optim.name == "sgd" else SampledAdamW
-    return cls(head, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
+    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
 
 
 class Engine:
@@ -97,7 +99,8 @@ class Engine:
         self.memory_format = self._cuda_settings()
         self.backbone = backbone.to(device, memory_format=self.memory_format)
         self.head = head.to(device)
-        self.head_optimizer = make_head_optimizer(cfg.optim, head, cfg.head.max_update_mib << 20)
+        self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
+                                                  cfg.head.max_update_mib << 20)
         self.optimizer = make_optimizer(cfg.optim, self.backbone.parameters())
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
@@ -231,7 +234,8 @@ class Engine:
                 (loss / k).backward()
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
                 loss_sum += loss.detach()  # fp64: the sum Python floats gave
-                if boundary:
+                if boundary:  # the step's one pop: a skipped step drops the rows
+                    rows = self.head.pop_sampled_rows()
                     grad = self.head.weight.grad
                     if grad is not None:
                         finite &= torch.isfinite(grad.sum())
@@ -240,7 +244,7 @@ class Engine:
                     sample = self.head.angle_sample(e.detach(), y)
                 if self.deepspeed:
                     if boundary:  # a bad step's NaN makes DeepSpeed drop it (no host read)
-                        flags = self._agree(finite, stop_request)
+                        flags = self._agree(finite, rows, stop_request)
                         surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
                     dropped = self._ds_backbone.backward(surrogate, boundary, step)
                 else:
@@ -250,21 +254,20 @@ class Engine:
         else:
             grad_norm = self._clip()
             # DDP's gradients are all-reduced, so every rank computes the same norm.
-            flags = self._agree(finite & torch.isfinite(grad_norm), stop_request)
+            flags = self._agree(finite & torch.isfinite(grad_norm), rows, stop_request)
         all_finite, labels_ok, minus_stop = flags.tolist()  # the step's one host read
         if not labels_ok:
-            self.head.raise_label_error()
+            rows.raise_label_error()
         overflow = loss_scale_overflow(dropped, not all_finite, self.cfg.engine.precision)
         skip = not all_finite or dropped
         if not self.deepspeed:
             if not skip:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if skip:
-            self.head.pop_sampled_rows()  # the rows this step used are not updated
+        if skip:  # the rows this step used are not updated
             self._restore_buffers(buffers)
         else:
-            self.head_optimizer.step()
+            self.head_optimizer.step(rows)
         self.head_optimizer.zero_grad(set_to_none=True)
         out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm, "skipped": skip,
                "overflow": overflow, "stop_request": -minus_stop}
@@ -272,15 +275,15 @@ class Engine:
             out["angles"] = sample
         return DeviceScalars(out)
 
-    def _agree(self, finite: torch.Tensor, stop_request: int) -> torch.Tensor:
+    def _agree(self, finite: torch.Tensor, rows: SampledRows, stop_request: int) -> torch.Tensor:
         """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
         0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN), no host
-        read. The label flag is the head's deferred check of this step's forwards (the same
+        read. The label flag is ``rows``' deferred check of this step's forwards (the same
         on all ranks: gathered labels). ``stop_request`` enters negated, so MIN agrees on
         the largest; ``torch.full`` writes it on the device (a tensor made from a host value
         would be a blocking copy)."""
         request = torch.full((), -stop_request, dtype=torch.int32, device=self.device)
-        flags = torch.stack([finite.to(torch.int32), self.head.pop_label_check().to(torch.int32),
+        flags = torch.stack([finite.to(torch.int32), rows.labels_ok().to(torch.int32),
                              request])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         return flags
