@@ -177,8 +177,8 @@ class PartialFC(nn.Module):
         of those run with ``defer_label_check=True``, for ``head_opt.step(rows)``. Call it
         once per step, also a skipped one (then drop the value): once a loop has popped, a
         forward that finds rows pending whose gradient was cleared raises, since those rows
-        would be updated with the next step. After one forward ``rows.index`` is the sampler's own index (no
-        copy)."""
+        would be updated with the next step. After one forward ``rows.index`` is the
+        sampler's own index (no copy)."""
         rows, every, forwards = self._pending_rows, self._pending_all, self._pending_forwards
         self._pending_rows, self._pending_all, self._pending_forwards = None, False, 0
         self._pending_backward = False
@@ -268,7 +268,7 @@ class PartialFC(nn.Module):
                             self.training, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
-        if glob["log_b_avg"] is not None:  # the scale moved: the statistics at s_t
+        if glob.log_b_avg is not None:  # the scale moved: the statistics at s_t
             row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
@@ -276,7 +276,7 @@ class PartialFC(nn.Module):
         if self.training:
             self.step += 1
             self._step_host = step + 1
-        self.stats = stats_readout(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
+        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
         return loss
 
     def resync_step(self) -> None:

@@ -447,3 +447,23 @@ def test_kernel_and_tile_budget_arguments_are_checked():
         _head(MARGINS["cosface"], kernel="cuda")
     with pytest.raises(ValueError, match="max_tile_bytes=0 must be >= 1"):
         _head(MARGINS["cosface"], max_tile_bytes=0)
+
+
+
+def test_stats_keys_are_the_metric_names_and_global_stats_is_frozen():
+    """``stats`` maps exactly the names of ``partial_fc.metric_names`` (the trainer's log
+    records and figures read them by these names) to floats; ``global_stats``' result is a
+    frozen value, not a dict to mutate."""
+    import dataclasses
+
+    from partial_fc.batch_stats import GlobalStats
+    from partial_fc.metric_names import HEAD_STATS
+
+    head = _head(MARGINS["cosface"], num_classes=20)
+    g = torch.Generator().manual_seed(3)
+    head(torch.randn(6, 4, generator=g), torch.randint(0, 20, (6,), generator=g))
+    assert sorted(head.stats) == sorted(HEAD_STATS)
+    assert all(isinstance(v, float) for v in head.stats.values())
+    stats = GlobalStats(*[torch.zeros(())] * 6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.log_b_avg = None

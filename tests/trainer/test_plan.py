@@ -6,6 +6,7 @@ its largest-fitting class count and its one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -134,7 +135,7 @@ def test_optimizer_step_temporaries_match_the_model_and_stay_within_budget(optim
             head(emb.clone().requires_grad_(), labels).backward()
             rows = head.num_local if rate == 1.0 else len(head.sampled_index)
             taken = head.pop_sampled_rows()
-            measured = _profiled_peak(lambda: opt.step(taken))
+            measured = _profiled_peak(functools.partial(opt.step, taken))
             opt.zero_grad(set_to_none=True)
         want = head_update_bytes(head.num_local, rows, dim, max_update_bytes=budget,
                                  state_dtype=state_dtype, optimizer=optimizer)
