@@ -39,6 +39,7 @@ from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.kernels import triton_available
 from partial_fc.margins import Margin
+from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
@@ -145,7 +146,7 @@ class PartialFC(nn.Module):
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate, self.process_group, self.seed = sample_rate, process_group, seed
         self.world_size, self.rank = world, rank
-        self.class_start, stop = dist_ops.split_evenly(num_classes, world, rank)
+        self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
         self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
             torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),

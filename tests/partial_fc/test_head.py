@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from partial_fc import PartialFC, build_margin
-from partial_fc.distributed import split_evenly
 from partial_fc.init import BLOCK, derive_seed, init_rows_
+from partial_fc.partition import split_evenly
 
 MARGINS = {
     "normface": dict(type="normface", s=30.0),
