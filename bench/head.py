@@ -55,9 +55,9 @@ import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
 from partial_fc import distributed as dist_ops
-from partial_fc.head import KERNELS
 from partial_fc.margins import MARGIN_TYPES
 from partial_fc.sampling import local_targets, sample_size
+from partial_fc.tiles import KERNELS
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

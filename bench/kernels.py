@@ -11,8 +11,8 @@ For each class count ``S`` (one rank's sampled rows, ``C_local * r``) it times, 
   cosines into ``G'`` and two GEMMs);
 - ``matmuls``: ``E W^T`` ``[N, S]``, ``G W`` ``[N, D]`` and ``G^T E`` ``[S, D]`` with cuBLAS
   (``G`` a precomputed ``[N, S]`` tensor of the operand dtype): the GEMM floor of any head;
-- ``torch``: the same two passes by ``partial_fc.chunked`` (PyTorch, fp32 products), chunked
-  to 256 MiB fp32 tiles;
+- ``torch``: the same two passes by ``partial_fc.tiles.reference`` (PyTorch, fp32 products),
+  chunked to 256 MiB fp32 tiles;
 
 and prints the kernels' total, the share ``matmuls / (stats + grads)`` and each call's extra
 peak memory (``max_memory_allocated`` minus allocated before; the ``[N, S]`` ``G`` of the
@@ -48,8 +48,8 @@ def _extra_peak_gib(fn) -> float:
 def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
     import triton.testing
 
-    from partial_fc import chunked
-    from partial_fc.kernels.triton_margin import class_tile_grads, class_tile_stats
+    from partial_fc.tiles.reference import ReferenceTiles, chunk_columns
+    from partial_fc.tiles.triton import class_tile_grads, class_tile_stats
 
     g = torch.Generator(device="cuda").manual_seed(0)
     e = F.normalize(torch.randn(n, d, device="cuda", generator=g), dim=1).to(dtype)
@@ -68,11 +68,12 @@ def _case(n: int, s_cols: int, d: int, dtype: torch.dtype, args) -> None:
     def grads():
         return class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad)
 
-    chunk = chunked.chunk_columns(n, 256 << 20)  # the kernels' G' budget, as fp32 columns
+    reference = ReferenceTiles(256 << 20)  # the kernels' G' budget, as fp32 columns
+    chunk = chunk_columns(n, reference.max_tile_bytes)
 
     def torch_path():
-        chunked.class_tile_stats(e, w, inv, tgt, scale, chunk)
-        return chunked.class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad, chunk)
+        reference.class_tile_stats(e, w, inv, tgt, scale)
+        return reference.class_tile_grads(e, w, inv, tgt, scale, lse, coef, tgrad)
 
     grad_cos = torch.randn(n, s_cols, device="cuda", generator=g).to(dtype)
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA device: the kernels are compiled Triton (on CPU "
-                 "only triton's interpreter runs them, for tests/partial_fc/test_triton_margin.py)")
+                 "only triton's interpreter runs them, for tests/partial_fc/test_tiles.py)")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for s_cols in args.classes:
         _case(args.batch, s_cols, args.dim, DTYPES[args.dtype], args)

@@ -58,7 +58,7 @@ from partial_fc import PartialFC, build_margin
 from partial_fc.backbones import build_backbone
 from trainer import plan
 from trainer.config import Config
-from trainer.dist import init_distributed, resolve_device, shutdown
+from trainer.dist import DistEnv, init_distributed, resolve_device, shutdown
 from trainer.engine import Engine, make_optimizer
 
 PHASES = ("data", "input", "bb fwd", "head fwd", "head bwd", "bb bwd", "optim", "other")
@@ -168,22 +168,23 @@ def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
                       device)
 
 
-def run_step(args: argparse.Namespace, device: torch.device, classes: int, rate: float) -> dict:
+def run_step(args: argparse.Namespace, env: DistEnv, classes: int, rate: float) -> dict:
+    device = env.device
     cfg = _config(args, classes, rate, device)
     torch.manual_seed(0)
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
-                     seed=cfg.seed, device=device,
+                     process_group=env.group, seed=cfg.seed, device=device,
                      **cfg.head.partial_fc_kwargs())  # as launch.train builds it
-    engine = Engine(cfg, build_backbone(args.backbone), head, device,
+    engine = Engine(cfg, build_backbone(args.backbone), head, env,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)
-    engine.model.register_forward_pre_hook(lambda *_: marks("input"))
-    engine.model.register_forward_hook(lambda *_: marks("bb fwd"))
+    engine.backend.model.register_forward_pre_hook(lambda *_: marks("input"))
+    engine.backend.model.register_forward_hook(lambda *_: marks("bb fwd"))
     engine.head.register_forward_hook(lambda *_: marks("head fwd"))
     # Fires when the backbone's output gradient is ready: the start of its backward. torch
     # warns that the images need no gradient, which is what the step intends.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    engine.model.register_full_backward_pre_hook(lambda *_: marks("head bwd"))
+    engine.backend.model.register_full_backward_pre_hook(lambda *_: marks("head bwd"))
     engine.optimizer.register_step_pre_hook(lambda *_: marks("bb bwd"))
     engine.head_optimizer.register_step_post_hook(lambda *_: marks("optim"))
     batches, rows = _batches(args, cfg, device), []
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
             results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
             for classes, rate in args.runs:
                 results.append((f"trainer {classes:,} r={rate}", classes, rate,
-                                run_step(args, env.device, classes, rate)))
+                                run_step(args, env, classes, rate)))
             print_table(args, results)
             if args.json:
                 write_json(args, results, env.device)

@@ -30,6 +30,7 @@ import math
 import os
 import signal
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,15 @@ from data_pipeline.errors import DataError
 from data_pipeline.manifest import read_manifest
 
 IMAGE_SIZE = 112
+
+
+@dataclass
+class _Pending:
+    """A worker's chunk not yet fully handed out: the main process's bookkeeping beside it."""
+
+    chunk: stages.Chunk
+    offset: int = 0  # its first sample not handed out
+    counted: int = 0  # its corrupt samples already in `num_skipped`
 
 
 class _EpochStream(IterableDataset):
@@ -207,11 +217,11 @@ class _ShardLoader(EpochBatches):
                              collate_fn=_as_is, worker_init_fn=_ignore_sigusr1,
                              pin_memory=self.pin_memory,
                              generator=torch.Generator().manual_seed(self.seed))
-        pending: deque[list] = deque()  # [chunk, offset of its first sample not handed out]
+        pending: deque[_Pending] = deque()
         buffered, last = 0, None
         for chunk in batches:
-            pending.append([chunk, 0])
-            buffered += len(chunk["keys"])
+            pending.append(_Pending(chunk))
+            buffered += len(chunk.keys)
             while buffered >= self.batch_size and self._batches < self._len:
                 last = self._take(pending, self.batch_size)
                 buffered -= self.batch_size
@@ -222,21 +232,21 @@ class _ShardLoader(EpochBatches):
             if buffered == 0 and last is None:  # resumed past the last decodable sample
                 last = self._first_decodable()
             parts = self._take(pending, buffered) if buffered else None
-            for chunk, _ in pending:  # only all-corrupt chunks are left: passed over
-                self._advance(chunk, chunk["end"])
+            for entry in pending:  # only all-corrupt chunks are left: passed over
+                self._advance(entry, entry.chunk.end)
             pending.clear()
             buffered = 0
             last = _pad(parts, last, self.batch_size)
             self.num_padded += self.batch_size - (len(parts[2]) if parts else 0)
             yield self._emit(last)
 
-    def _advance(self, chunk: dict, position: int) -> None:
+    def _advance(self, entry: _Pending, position: int) -> None:
         """Move the chunk's worker to stream `position`; count the corrupt samples passed (so
         `num_skipped` matches the saved positions: a resume never counts one twice)."""
-        self._positions[chunk["worker"]] = position
-        passed = bisect.bisect_left(chunk["skipped"], position)
-        self.num_skipped += passed - chunk.setdefault("counted", 0)
-        chunk["counted"] = passed
+        self._positions[entry.chunk.worker] = position
+        passed = bisect.bisect_left(entry.chunk.skipped, position)
+        self.num_skipped += passed - entry.counted
+        entry.counted = passed
 
     def _first_decodable(self) -> tuple:
         """Pad source after a resume into the padded tail of an epoch (the batch an
@@ -244,8 +254,8 @@ class _ShardLoader(EpochBatches):
         stream = _EpochStream(self, self.epoch, [0] * len(self._positions))
         for worker in range(len(self._positions)):
             for chunk in stream.chunks(worker):
-                if chunk["keys"]:
-                    return chunk["images"], chunk["labels"], chunk["keys"]
+                if chunk.keys:
+                    return chunk.images, chunk.labels, chunk.keys
         raise DataError(f"{self.data_dir}: no decodable sample in rank {self.rank}'s "
                         f"share of epoch {self.epoch}")
 
@@ -253,23 +263,24 @@ class _ShardLoader(EpochBatches):
         self._batches += 1
         return batch if self.with_keys else batch[:2]
 
-    def _take(self, pending: deque, count: int) -> tuple:
+    def _take(self, pending: deque[_Pending], count: int) -> tuple:
         """Cut `count` samples off the front of the pending chunks; advance worker positions."""
         images, labels, keys = [], [], []
-        while count > 0 or (pending and not pending[0][0]["keys"]):
-            chunk, offset = pending[0]
-            n = min(count, len(chunk["keys"]) - offset)
+        while count > 0 or (pending and not pending[0].chunk.keys):
+            entry = pending[0]
+            chunk, offset = entry.chunk, entry.offset
+            n = min(count, len(chunk.keys) - offset)
             if n > 0:
-                images.append(chunk["images"][offset:offset + n])
-                labels.append(chunk["labels"][offset:offset + n])
-                keys.extend(chunk["keys"][offset:offset + n])
-                self._advance(chunk, chunk["positions"][offset + n - 1] + 1)
+                images.append(chunk.images[offset:offset + n])
+                labels.append(chunk.labels[offset:offset + n])
+                keys.extend(chunk.keys[offset:offset + n])
+                self._advance(entry, chunk.positions[offset + n - 1] + 1)
             count -= n
-            if offset + n == len(chunk["keys"]):
-                self._advance(chunk, chunk["end"])
+            if offset + n == len(chunk.keys):
+                self._advance(entry, chunk.end)
                 pending.popleft()
             else:
-                pending[0][1] = offset + n
+                entry.offset = offset + n
         return self._cat(images), self._cat(labels), keys
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -289,7 +300,7 @@ def _ignore_sigusr1(worker: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _as_is(chunk: dict) -> dict:
+def _as_is(chunk: stages.Chunk) -> stages.Chunk:
     """DataLoader collate for ready-made chunks (skips default_convert's recursion)."""
     return chunk
 

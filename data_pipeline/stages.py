@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -154,13 +155,22 @@ def _decode(data: Iterator[dict], size: int, decoder: str,
                "label": label}
 
 
-def _chunk(data: Iterator[dict], batch_size: int, worker: int) -> Iterator[dict]:
-    """Group decoded samples into chunks of `batch_size` (the last may be partial or empty).
+class Chunk(NamedTuple):
+    """Up to `batch_size` decoded samples of one worker's stream, as a worker hands them to
+    the main process (a NamedTuple: DataLoader's pin_memory copies it field by field)."""
 
-    A chunk: images uint8 [b, 3, H, W], labels int64 [b], keys, positions (stream position of
-    each sample), end (stream position after everything the chunk accounts for), skipped
-    (stream positions of the corrupt samples dropped while filling it), worker.
-    """
+    images: torch.Tensor  # uint8 [b, 3, H, W]
+    labels: torch.Tensor  # int64 [b]
+    keys: list[str]
+    positions: list[int]  # stream position of each sample
+    end: int  # stream position after everything the chunk accounts for
+    skipped: list[int]  # stream positions of the corrupt samples dropped while filling it
+    worker: int
+
+
+def _chunk(data: Iterator[dict], batch_size: int, worker: int) -> Iterator[Chunk]:
+    """Group decoded samples into :class:`Chunk` s of `batch_size` (the last may be partial
+    or empty)."""
     samples, skipped, end = [], [], None
     for sample in data:
         end = sample["__pos__"] + 1
@@ -175,16 +185,16 @@ def _chunk(data: Iterator[dict], batch_size: int, worker: int) -> Iterator[dict]
         yield _make_chunk(samples, skipped, end, worker)
 
 
-def _make_chunk(samples: list[dict], skipped: list[int], end: int, worker: int) -> dict:
+def _make_chunk(samples: list[dict], skipped: list[int], end: int, worker: int) -> Chunk:
     height, width = samples[0]["image"].shape[:2] if samples else (0, 0)
     images = np.empty((len(samples), 3, height, width), np.uint8)
     for out, sample in zip(images, samples, strict=True):
         out[...] = sample["image"].transpose(2, 0, 1)  # one strided copy, flip included
-    return {"images": torch.from_numpy(images),
-            "labels": torch.tensor([s["label"] for s in samples], dtype=torch.int64),
-            "keys": [s["__key__"] for s in samples],
-            "positions": [s["__pos__"] for s in samples],
-            "end": end, "skipped": skipped, "worker": worker}
+    return Chunk(images=torch.from_numpy(images),
+                 labels=torch.tensor([s["label"] for s in samples], dtype=torch.int64),
+                 keys=[s["__key__"] for s in samples],
+                 positions=[s["__pos__"] for s in samples],
+                 end=end, skipped=skipped, worker=worker)
 
 
 annotate = wds.pipelinefilter(_annotate)

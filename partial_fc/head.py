@@ -5,7 +5,7 @@ gradient convention)::
 
     e_local [n_r, D] --normalise--> all_gather --> E [N, D]      (labels likewise -> Y [N])
     sample local classes (training, r < 1)   -> W_s [S_r, D] rows of this rank's shard
-    inv = 1 / ||W_s|| [S_r]; class_tile_stats (partial_fc.chunked or the Triton kernels), no grad:
+    inv = 1 / ||W_s|| [S_r]; class_tile_stats (a partial_fc.tiles back-end), no grad:
       per row over non-target columns: max and sum-exp of s * cos, sum of cos (chunked over
       classes: never an [N, S_r] buffer), target cosines from the gathered target rows
     no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (partial_fc.batch_stats;
@@ -33,20 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partial_fc import chunked
 from partial_fc import distributed as dist_ops
 from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
-from partial_fc.kernels import triton_available
 from partial_fc.margins import Margin
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
+from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
 
-__all__ = ["KERNELS", "PartialFC"]
+__all__ = ["PartialFC"]
 
-KERNELS = ("auto", "torch", "triton")
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -62,8 +60,8 @@ class PartialFC(nn.Module):
         process_group: ``None`` = WORLD, resolved when called; no initialised process group
             = one rank (no collectives at all).
         seed: seeds the weight init (per global class) and the negative sampling.
-        kernel: the class-tile passes: ``"torch"`` (``partial_fc.chunked``), ``"triton"``
-            (``partial_fc.kernels.triton_margin``, CUDA), ``"auto"`` = triton for CUDA
+        kernel: the class-tile passes: ``"torch"`` (``partial_fc.tiles.reference``), ``"triton"``
+            (``partial_fc.tiles.triton``, CUDA), ``"auto"`` = triton for CUDA
             tensors when triton is installed, else torch.
         max_tile_bytes: memory budget of the torch path: at most this many bytes of fp32
             ``[N, chunk]`` cosines per class chunk (the Triton kernels hold tiles only).
@@ -383,18 +381,11 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(self.weight.dtype)
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
-            tiles = self._tiles(e.device)
-            return Shard(e_op, w, index, inv, targets, tiles,
-                         chunked.chunk_columns(e.shape[0], self.max_tile_bytes))
+            return Shard(e_op, w, index, inv, targets, self._tiles(e.device))
 
-    def _tiles(self, device: torch.device):
-        """The module with ``class_tile_stats`` / ``class_tile_grads`` for ``device``."""
-        use_triton = self.kernel == "triton" or (
-            self.kernel == "auto" and device.type == "cuda" and triton_available())
-        if not use_triton:
-            return chunked
-        from partial_fc.kernels import triton_margin  # optional dependency, CUDA only
-        return triton_margin
+    def _tiles(self, device: torch.device) -> TileBackend:
+        """The class-tile back-end for ``device``."""
+        return select(self.kernel, device, self.max_tile_bytes)
 
 
 def _loaded(head: PartialFC, _incompatible_keys) -> None:

@@ -13,7 +13,7 @@ this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn label
   plus ``S`` int64 indices: the head's row-sparse COO gradient (``row_sparse_grad=False``
   models the dense one of earlier heads), in the weight's dtype;
 - working memory of one forward + backward (freed when the step ends), for the class-chunked
-  head (``partial_fc.chunked``, at most ``chunk = chunk_columns(N, max_tile_bytes)`` columns
+  head (``partial_fc.tiles.reference``, at most ``chunk = chunk_columns(N, max_tile_bytes)`` columns
   of fp32 ``[N, chunk]`` tiles at once): the gathered embeddings and their gradient
   ``2 N D`` fp32; at r < 1 the gathered rows ``W_s`` (and, for a dense gradient, their fp32
   gradient before it is scattered, ``S D``); in backward two tiles (cosines, ``G``: the
@@ -52,9 +52,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from partial_fc.chunked import chunk_columns
 from partial_fc.optim import SampledAdamW, SampledSGD, rows_per_chunk
 from partial_fc.sampling import sample_size
+from partial_fc.tiles.reference import chunk_columns
 
 __all__ = [
     "Collective", "HeadMemory", "activation_bytes", "backbone_state_bytes",
@@ -98,7 +98,7 @@ def head_memory(
     Args:
         num_classes, world_size: ``C`` and ``P``; ``dim``: ``D``; ``global_batch``: ``N``.
         max_tile_bytes: the head's budget for one fp32 ``[N, chunk]`` tile (``PartialFC``'s
-            ``max_tile_bytes``; ``chunk`` from ``partial_fc.chunked.chunk_columns``).
+            ``max_tile_bytes``; ``chunk`` from ``partial_fc.tiles.reference.chunk_columns``).
         max_update_bytes: the head optimizer's budget for the fp32 temporaries of one chunk
             of rows (``SampledSGD`` / ``SampledAdamW``'s ``max_update_bytes``).
         state_dtype: dtype of weight, gradient and optimizer state (``fp32`` | ``bf16``;

@@ -3,8 +3,8 @@
 Each rank holds the global batch's normalised embeddings ``e [N, D]`` and its ``S`` (sampled)
 weight rows; the loss is ``F.cross_entropy`` of the full ``[N, C]`` logits, which no rank
 holds, and no rank materialises its ``[N, S]`` part either: the forward reduces per-row
-statistics that the head computed with ``class_tile_stats`` (``partial_fc.chunked`` or the
-Triton kernels) across the ranks, and the backward recomputes the cosines tile by tile through
+statistics that the head computed with ``class_tile_stats`` (a ``partial_fc.tiles`` back-end)
+across the ranks, and the backward recomputes the cosines tile by tile through
 ``class_tile_grads`` (as Cut Cross-Entropy does, arXiv:2411.09009). The margin ``psi`` is
 applied to the ``N`` target cosines only, outside the tiles, so any differentiable ``psi``
 works (SphereFace's lambda blend, ArcFace's fallback past ``theta + m > pi``).
@@ -13,7 +13,6 @@ works (SphereFace's lambda blend, ArcFace's fallback past ``theta + m > pi``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -21,6 +20,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
 from partial_fc import distributed as pd
+from partial_fc.tiles import TileBackend
 
 __all__ = ["Shard", "margin_softmax_loss"]
 
@@ -30,15 +30,15 @@ class Shard:
     embeddings ``e`` ``[N, D]``, the weight rows ``w`` ``[S, D]`` (the parameter's rows
     ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
-    holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), the tile
-    functions ``tiles`` and their column budget ``chunk``. Every row is computed and the
+    holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
+    back-end ``tiles``. Every row is computed and the
     others masked, rather than the owned rows selected: a selection's size depends on the
     labels, and on CUDA learning it makes the host wait for the device."""
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
-                 targets: Tensor, tiles: ModuleType, chunk: int) -> None:
+                 targets: Tensor, tiles: TileBackend) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
-        self.targets, self.tiles, self.chunk = targets, tiles, chunk
+        self.targets, self.tiles = targets, tiles
         self.owned = targets >= 0
         cols = targets.clamp_min(0)
         cos_t = (e.float() * w[cols].float()).sum(dim=1) * inv_norm[cols]
@@ -46,8 +46,7 @@ class Shard:
 
     def stats(self, s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
         """``(row_max, row_sum, cos_sum)`` over this shard's non-target columns at scale ``s``."""
-        return self.tiles.class_tile_stats(self.e, self.w, self.inv_norm, self.targets, s,
-                                           self.chunk)
+        return self.tiles.class_tile_stats(self.e, self.w, self.inv_norm, self.targets, s)
 
 
 def margin_softmax_loss(
@@ -126,7 +125,7 @@ class _MarginSoftmaxLoss(Function):
                                   0.0)
         grad_e, grad_w = shard.tiles.class_tile_grads(
             shard.e, shard.w, shard.inv_norm, shard.targets, ctx.s, lse, coef.contiguous(),
-            target_grad, shard.chunk)
+            target_grad)
         grad_w = grad_w.to(ctx.weight_dtype)
         if shard.index is not None:  # row-sparse (as nn.Embedding(sparse=True)): no dense
             grad_w = torch.sparse_coo_tensor(  # [num_local, D]; index is sorted and unique

@@ -63,16 +63,18 @@ def local_micro_batches(step: int, size: int, rank: int, world: int, k: int) -> 
 
 
 def build_engine(cfg, total_steps: int = 10, device: str = "cpu", backbone: str | None = None):
-    """An Engine on ``cfg`` with :func:`tiny_backbone`, or the registered ``backbone``."""
+    """An Engine on ``cfg`` with :func:`tiny_backbone`, or the registered ``backbone``, in
+    the process group already up."""
     from partial_fc import PartialFC, build_margin
     from partial_fc.backbones import build_backbone
+    from trainer.dist import attach
     from trainer.engine import Engine
 
     torch.manual_seed(0)
     backbone = tiny_backbone() if backbone is None else build_backbone(backbone, EMBEDDING)
     head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed,
                      **cfg.head.partial_fc_kwargs())
-    return Engine(cfg, backbone, head, torch.device(device), total_steps=total_steps,
+    return Engine(cfg, backbone, head, attach(torch.device(device)), total_steps=total_steps,
                   warmup_steps=0)
 
 

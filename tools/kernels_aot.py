@@ -3,7 +3,7 @@ launch, compiled ahead of time for sm_80 and sm_90 on a machine without a GPU.
 
 The interpreter tests (``TRITON_INTERPRET=1``) never compile anything, so a kernel that does
 not compile for a GPU, spills, or asks for more shared memory than a block may have would pass
-them. This compiles each launch of ``partial_fc.kernels.triton_margin`` with the constexprs the
+them. This compiles each launch of ``partial_fc.tiles.triton`` with the constexprs the
 launcher picks (``operand_constexprs``, ``cuda_tiles``) for every operand combination the head
 can hand it, with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` (the
 triton wheel ships ptxas), and reads registers and spills (``cuobjdump -res-usage``: STACK is
@@ -103,7 +103,7 @@ class Launch:
 def launches(operands: str) -> dict[str, Launch]:
     """The four launches of ``class_tile_stats`` and ``class_tile_grads`` on CUDA for this
     operand combination, with the constexprs they pass."""
-    from partial_fc.kernels import triton_margin as tm
+    from partial_fc.tiles import triton as tm
 
     e_dtype, w_dtype, exact = OPERANDS[operands]
     op, consts = tm.operand_constexprs(e_dtype, w_dtype, widen=False, fp32_exact=exact)
@@ -163,7 +163,7 @@ def compile_one(launch: Launch, arch: int, aligned: bool, num_warps: int,
 
 @functools.cache
 def compile_row(kernel: str, operands: str, aligned: bool, arch: int) -> Row:
-    from partial_fc.kernels import triton_margin as tm
+    from partial_fc.tiles import triton as tm
 
     t = tm.cuda_tiles(sms=132)
     regs, spill, shared = compile_one(launches(operands)[kernel], arch, aligned, t.num_warps,

@@ -19,12 +19,21 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits: global rank/size, rank on its node, and its device."""
+    """Where this process sits: global rank/size, rank on its node, its device, and the
+    process group the trainer's collectives run on.
+
+    The trainer's one answer to "which rank am I" once the group is up: the engine, the
+    checkpoint code and the logger take it as a value, never ask ``torch.distributed`` or
+    the environment. ``group`` is the one group of a run: the head shards its classes over
+    it, DDP averages the backbone over it, and the engine agrees on each step's flags on it
+    (``partial_fc`` takes it as its ``process_group`` argument).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    group: dist.ProcessGroup | None = None  # None: the default group, as torch.distributed has it
 
     @property
     def is_main(self) -> bool:
@@ -34,6 +43,18 @@ class DistEnv:
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value is None else int(value)
+
+
+def launcher_rank() -> int:
+    """This process's global rank as torchrun exported it (0 without torchrun): the answer
+    before a process group exists (a config error, a warning while loading the config)."""
+    return _env_int("RANK", 0)
+
+
+def attach(device: torch.device, local_rank: int = 0) -> DistEnv:
+    """This process's place in the default process group, which must be up already (started
+    by :func:`init_distributed`, or by a test or tool that starts its own)."""
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.group.WORLD)
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
@@ -87,7 +108,7 @@ def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+    return attach(dev, local_rank)
 
 
 def shutdown() -> None:

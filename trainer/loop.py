@@ -116,8 +116,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
     backbone = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
-                     build_margin(cfg.margin_kwargs()), seed=cfg.seed, device=env.device,
-                     **cfg.head.partial_fc_kwargs())
+                     build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
+                     device=env.device, **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
@@ -127,7 +127,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
-    engine = Engine(cfg, backbone, head, env.device, total_steps=total, warmup_steps=warmup)
+    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     if warmup >= total:  # known only here: the steps per epoch depend on the loader
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
@@ -153,7 +153,7 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
 def resume(run: Run) -> None:
     """Restore the newest verified checkpoint (``checkpoint.resume``) or seed a fresh run."""
     cfg, env, loader = run.cfg, run.env, run.loader
-    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume)
+    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume, env)
     if env.is_main:
         checkpoint.remove_stale(cfg.run_dir)
     if path is None:
@@ -223,23 +223,23 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    stats = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
+    result = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
     run.step += 1
-    if stats["overflow"]:  # fp16 loss scale too high: skipped, not diverging
+    if result.overflow:  # fp16 loss scale too high: skipped, not diverging
         run.skipped_steps += 1
-    elif stats["skipped"]:  # the same on every rank, so all raise together below
+    elif result.skipped:  # the same on every rank, so all raise together below
         run.bad_steps += 1
         run.bad_in_a_row += 1
     else:
         run.bad_in_a_row = 0
     counts = data_counts(run) if log.due(run.step) else None
-    log.step(run.step, stats, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
+    log.step(run.step, result, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
     if hist:
-        log.histograms(run.step, stats["angles"])
-    if not stats["skipped"] or stats["overflow"]:
-        return stats["stop_request"]
-    log.info(f"step {run.step}: non-finite loss or gradient (loss {stats['loss']:.4g}, "
-             f"grad norm {stats['grad_norm']:.4g}); skipped on every rank")
+        log.histograms(run.step, result.angles)
+    if not result.skipped or result.overflow:
+        return result.stop_request
+    log.info(f"step {run.step}: non-finite loss or gradient (loss {result.loss:.4g}, "
+             f"grad norm {result.grad_norm:.4g}); skipped on every rank")
     if run.bad_in_a_row >= cfg.train.max_bad_steps:
         raise Diverged(
             f"step {run.step}: {run.bad_in_a_row} steps in a row had a non-finite loss or "
@@ -247,7 +247,7 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
             f"lower optim.lr or margin.s, or resume from {run.saved or 'the start'} with "
             f"other settings"
         )
-    return stats["stop_request"]
+    return result.stop_request
 
 
 def data_counts(run: Run) -> dict[str, int]:
@@ -258,7 +258,8 @@ def data_counts(run: Run) -> dict[str, int]:
     from partial_fc.distributed import gather_ints
 
     loader = run.loader
-    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device).sum(0)
+    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device,
+                         run.env.group).sum(0)
     run.skipped_samples = max(run.skipped_samples, int(counts[0]))
     return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
             "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
@@ -279,7 +280,7 @@ def evaluate(run: Run) -> None:
 
     with run.engine.eval_context():
         results = evaluate_bins(run.engine.backbone, run.cfg.eval.bins, run.cfg.eval.batch_size,
-                                run.env.device)
+                                run.env.device, process_group=run.env.group)
     run.log.evaluation(run.step, results)
 
 

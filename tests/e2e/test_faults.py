@@ -68,13 +68,13 @@ def test_bad_step_is_skipped_and_changes_nothing(one_rank_group, margin):
     before = snapshot(skipping)
     _poison_once(skipping)
     out = skipping.step(1, local_micro_batches(1, 4, 0, 1, 1))
-    assert out["skipped"] and not torch.isfinite(torch.tensor(out["loss"]))
+    assert out.skipped and not torch.isfinite(torch.tensor(out.loss))
     assert same_snapshots(snapshot(skipping), before)
     assert all(p.grad is None for p in skipping.backbone.parameters())
     assert skipping.head.weight.grad is None
     good = skipping.step(2, local_micro_batches(2, 4, 0, 1, 1))
     ref = plain.step(2, local_micro_batches(2, 4, 0, 1, 1))
-    assert not good["skipped"] and good["loss"] == ref["loss"]
+    assert not good.skipped and good.loss == ref.loss
     assert same_snapshots(snapshot(skipping), snapshot(plain))
 
 
@@ -101,7 +101,7 @@ def _skip_on_all_ranks(rank: int, world: int) -> dict:
         unchanged = same_snapshots(snapshot(engine), before)
         good = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, rank, world, k))
         moved = not same_snapshots(snapshot(engine), before)
-        out[name] = (bad["skipped"], unchanged, good["skipped"], moved)
+        out[name] = (bad.skipped, unchanged, good.skipped, moved)
     return out
 
 
@@ -497,6 +497,7 @@ def _bn_engine(world: int):
     from torch import nn
 
     from partial_fc import PartialFC, build_margin
+    from trainer.dist import attach
     from trainer.engine import Engine
 
     cfg = make_config(f"train.batch_size={GLOBAL_BATCH // world}")
@@ -504,7 +505,8 @@ def _bn_engine(world: int):
     backbone = nn.Sequential(nn.Conv2d(3, 4, 16, stride=16), nn.BatchNorm2d(4), nn.Flatten(),
                              nn.Linear(4 * 7 * 7, EMBEDDING))
     head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed)
-    return Engine(cfg, backbone, head, torch.device("cpu"), total_steps=10, warmup_steps=0)
+    return Engine(cfg, backbone, head, attach(torch.device("cpu")), total_steps=10,
+                  warmup_steps=0)
 
 
 def _bn_save(rank: int, world: int, root: str) -> dict:

@@ -372,7 +372,7 @@ def test_bf16_state_on_cuda_matches_the_cpu_torch_path():
     their epilogue) against the CPU torch path on the same bf16 rows: the same operands and
     fp32 sums, so the loss within 1e-4; the kernels also round ``dL/dcos inv`` to bf16 before
     the backward matmuls (autocast's convention; the torch path keeps it fp32), so both
-    gradients within 2**-5 of their largest entry (test_triton_margin's 16-bit bound, ~3e-2;
+    gradients within 2**-5 of their largest entry (test_tiles' 16-bit bound, ~3e-2;
     the interpreter gives 0.2-0.6 %). Sampled (r = 0.3; CUDA draws other rows than the CPU):
     a bf16 row-sparse gradient, and an SGD step keeps the state in bf16 and leaves unsampled
     rows alone."""

@@ -1,4 +1,4 @@
-"""margin_softmax_loss on one rank (no process group), from the chunked class-tile statistics,
+"""margin_softmax_loss on one rank (no process group), from the reference class-tile statistics,
 against F.cross_entropy of the full logits (float64 autograd)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partial_fc import PartialFC, build_margin, chunked
+from partial_fc import PartialFC, build_margin
 from partial_fc.softmax import Shard, margin_softmax_loss
+from partial_fc.tiles import ReferenceTiles
 
 PSIS = {
     "identity": lambda c: c,
@@ -41,7 +42,7 @@ def _loss(e, weight, labels, psi, s, chunk, index=None):
     w = weight.detach() if index is None else weight.detach()[index]
     inv = 1.0 / w.norm(dim=1)
     targets = labels if index is None else torch.searchsorted(index, labels)
-    shard = Shard(e.detach(), w, index, inv, targets, chunked, chunk)
+    shard = Shard(e.detach(), w, index, inv, targets, ReferenceTiles(4 * e.shape[0] * chunk))
     row_max, row_sum, _ = shard.stats(s)
     return margin_softmax_loss(e, weight, shard, row_max, row_sum, psi, s)
 

@@ -40,7 +40,7 @@ def _engine(name: str, world: int):
 
 
 def _step(engine, step: int, rank: int, world: int) -> float:
-    return engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, 1))["loss"]
+    return engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, 1)).loss
 
 
 def _save(rank: int, world: int, root: str) -> dict:
@@ -214,15 +214,15 @@ def test_cuda_rng_is_saved_and_restored(tmp_path, one_rank_group):
     assert torch.equal(torch.cuda.get_rng_state(engine.device), cuda_rng)
 
 
-def test_deepspeed_internals_are_where_launch_state_expects(one_rank_group):
-    """trainer.checkpoint.state.ZeroPartitions is the only code that reads DeepSpeed internals
-    (the flat fp32 partitions and their parameter groups, to create optimizer state before a resume
-    fills it); this fails loudly when an installed DeepSpeed moves or renames them. (One
-    process group for both stages: DeepSpeed caches the group it first saw.)"""
+def test_deepspeed_internals_are_where_the_backend_expects(one_rank_group):
+    """trainer.engine.deepspeed_backend.ZeroPartitions is the only code that reads DeepSpeed
+    internals (the flat fp32 partitions and their parameter groups, to create optimizer state
+    before a resume fills it); this fails loudly when an installed DeepSpeed moves or renames
+    them. (One process group for both stages: DeepSpeed caches the group it first saw.)"""
     import deepspeed
     from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
-    from trainer.checkpoint.state import ZeroPartitions
+    from trainer.engine.deepspeed_backend import ZeroPartitions
 
     os.environ.setdefault("LOCAL_RANK", "0")
     for stage in (1, 2):
@@ -230,7 +230,7 @@ def test_deepspeed_internals_are_where_launch_state_expects(one_rank_group):
                           "optim.name=adamw", "optim.lr=0.01", "train.batch_size=4")
         engine = build_engine(cfg)
         engine.step(0, local_micro_batches(0, 4, 0, 1, 1))
-        zero = ZeroPartitions.of(engine)
+        zero = ZeroPartitions.of(engine.backend)
         where = f"DeepSpeed {deepspeed.__version__}, ZeRO-{stage}"
         assert zero is not None, f"{where}: parameters no longer carry a fragment mapping"
         keys, scalars = zero.state_keys()
@@ -240,4 +240,4 @@ def test_deepspeed_internals_are_where_launch_state_expects(one_rank_group):
         value = torch.linspace(-1, 1, param.numel()).reshape(param.shape)
         safe_set_full_optimizer_state(param, value, "exp_avg")
         assert torch.equal(safe_get_full_optimizer_state(param, "exp_avg"), value), where
-        assert engine.step(1, local_micro_batches(1, 4, 0, 1, 1))["skipped"] is False
+        assert engine.step(1, local_micro_batches(1, 4, 0, 1, 1)).skipped is False

@@ -234,17 +234,18 @@ def test_synthetic_stream_on_cuda_copies_pinned_indices_without_waiting(fake_cud
 
 
 def test_head_picks_the_triton_tiles_on_cuda(monkeypatch):
-    from partial_fc import PartialFC, build_margin, chunked, head
+    from partial_fc import PartialFC, build_margin, tiles
 
     pytest.importorskip("triton")
-    from partial_fc.kernels import triton_margin
+    from partial_fc.tiles import triton
 
-    monkeypatch.setattr(head, "triton_available", lambda: True)
-    pfc = PartialFC(8, 10, build_margin({"type": "arcface"}), kernel="auto")
-    assert pfc._tiles(CUDA0) is triton_margin
-    assert pfc._tiles(torch.device("cpu")) is chunked
-    monkeypatch.setattr(head, "triton_available", lambda: False)
-    assert pfc._tiles(CUDA0) is chunked
+    monkeypatch.setattr(tiles, "triton_available", lambda: True)
+    pfc = PartialFC(8, 10, build_margin({"type": "arcface"}), kernel="auto",
+                    max_tile_bytes=1 << 12)
+    assert pfc._tiles(CUDA0) is triton
+    assert pfc._tiles(torch.device("cpu")) == tiles.ReferenceTiles(1 << 12)
+    monkeypatch.setattr(tiles, "triton_available", lambda: False)
+    assert pfc._tiles(CUDA0) == tiles.ReferenceTiles(1 << 12)
 
 
 def test_evaluate_runs_on_the_gpu_when_one_is_there(monkeypatch, gpu_visible, capsys, tmp_path):

@@ -71,7 +71,7 @@ def test_channels_last_step_equals_nchw_step_on_cuda():
             engine = build_engine(cfg, device="cuda:0")
             fmt = torch.channels_last if channels_last else torch.contiguous_format
             assert _conv_weight(engine).is_contiguous(memory_format=fmt), channels_last
-            loss = engine.step(0, local_micro_batches(0, 8, 0, 1, 1))["loss"]
+            loss = engine.step(0, local_micro_batches(0, 8, 0, 1, 1)).loss
             out[channels_last] = loss, snapshot(engine)
         assert torch.backends.cudnn.benchmark
         (loss_cl, snap_cl), (loss_nchw, snap_nchw) = out[True], out[False]

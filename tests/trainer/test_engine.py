@@ -49,7 +49,7 @@ def _run(rank: int, world: int, specs: list) -> list:
         engine = build_engine(cfg)
         initial = snapshot(engine)["backbone"]
         losses = [
-            engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, k))["loss"]
+            engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, k)).loss
             for step in range(2)
         ]
         results.append({"losses": losses, "initial": initial, **snapshot(engine)})
@@ -108,6 +108,7 @@ def _bf16_engines(rank: int, world: int) -> dict:
 
     from partial_fc import PartialFC, build_margin
     from partial_fc.backbones import build_backbone
+    from trainer.dist import attach
     from trainer.engine import Engine
 
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -118,9 +119,10 @@ def _bf16_engines(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         backbone = build_backbone("iresnet_tiny", EMBEDDING)
         head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed)
-        engine = Engine(cfg, backbone, head, torch.device("cpu"), total_steps=10, warmup_steps=0)
+        engine = Engine(cfg, backbone, head, attach(torch.device("cpu")), total_steps=10,
+                  warmup_steps=0)
         initial = _flat_params(engine.backbone)
-        losses = [engine.step(s, local_micro_batches(s, GLOBAL_BATCH, rank, world, 1))["loss"]
+        losses = [engine.step(s, local_micro_batches(s, GLOBAL_BATCH, rank, world, 1)).loss
                   for s in range(2)]
         master = _flat_params(engine.backbone, engine_type == "deepspeed")
         out[f"{engine_type}-{precision}"] = {"losses": losses, "update": master - initial,
@@ -172,7 +174,7 @@ def _head_losses(state_dtype: str, *overrides: str, round_start: bool = False) -
     if round_start:
         with torch.no_grad():
             engine.head.weight.copy_(engine.head.weight.bfloat16())
-    return torch.tensor([engine.step(s, local_micro_batches(s % 8, 12, 0, 1, 1))["loss"]
+    return torch.tensor([engine.step(s, local_micro_batches(s % 8, 12, 0, 1, 1)).loss
                          for s in range(BF16_STEPS)])
 
 
@@ -227,7 +229,7 @@ def _compiled_and_eager(rank: int, world: int, root: str) -> dict:
         cfg = make_config(f"engine.compile={str(compiled).lower()}", "train.clip_grad_norm=0.05",
                           f"train.batch_size={GLOBAL_BATCH // world}")
         engine = engines[compiled] = build_engine(cfg, backbone="iresnet_tiny")
-        losses = [engine.step(s, batches[s])["loss"] for s in range(2)]
+        losses = [engine.step(s, batches[s]).loss for s in range(2)]
         out[compiled] = {"losses": losses, **snapshot(engine)}
         saved = checkpoint.save(Path(root) / str(compiled), 2, engine, {}, keep=1)
         out[compiled]["saved"] = snapshot(engine)  # BatchNorm statistics averaged by the save
@@ -235,7 +237,7 @@ def _compiled_and_eager(rank: int, world: int, root: str) -> dict:
     for compiled, engine in engines.items():
         checkpoint.load(Path(root) / str(not compiled) / "checkpoints" / "step-00000002", engine)
         out[compiled]["loaded"] = snapshot(engine)
-        out[compiled]["third"] = engine.step(2, batches[2])["loss"]
+        out[compiled]["third"] = engine.step(2, batches[2]).loss
     return out
 
 

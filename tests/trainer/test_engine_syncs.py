@@ -142,10 +142,10 @@ def _count_steps(rank: int, world: int, specs: dict) -> dict:
                 stats = engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, k))
             counts.append((reads.places(), reads.table()))
         with HostReads() as later:
-            read = {"loss": stats["loss"], "grad_norm": stats["grad_norm"],
+            read = {"loss": stats.loss, "grad_norm": stats.grad_norm,
                     **dict(engine.head.stats)}
         out[name] = {"counts": counts, "later": len(later), "read": read,
-                     "skipped": stats["skipped"]}
+                     "skipped": stats.skipped}
     return out
 
 
@@ -245,6 +245,6 @@ def test_engine_step_on_cuda_synchronises_once():
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         assert len(syncs) == 1, [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
-        assert syncs[0].filename.endswith(os.path.join("launch", "engine.py"))
+        assert syncs[0].filename.endswith(os.path.join("trainer", "engine", "engine.py"))
     finally:
         dist.destroy_process_group()

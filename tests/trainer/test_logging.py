@@ -15,6 +15,7 @@ import pytest
 import torch
 from launch_helpers import make_config, train_in_process
 
+from trainer.engine import StepResult
 from trainer.telemetry import run_files
 from trainer.telemetry.logger import RunLogger, print_main
 
@@ -62,6 +63,12 @@ def _by_step(logged: list[dict]) -> dict[int, dict]:
     return out
 
 
+def _result(loss: float) -> StepResult:
+    """An applied step's result with host numbers (the engine's hold device tensors)."""
+    return StepResult(lr=0.1, skipped=False, overflow=False, stop_request=0,
+                      numbers={"loss": loss, "grad_norm": 1.0})
+
+
 def _log_run(cfg, rank: int, start: int = 0, loss_at_0: float = 5.0) -> dict:
     """Steps ``start + 1 .. 4`` with loss ``loss_at_0 - step``; histograms at step 4."""
     log = RunLogger(cfg, rank, total_steps=4, global_batch=8)
@@ -69,7 +76,7 @@ def _log_run(cfg, rank: int, start: int = 0, loss_at_0: float = 5.0) -> dict:
     head_stats = {"scale": 30.0, "theta_med": 1.2, "b_avg": 5.0, "cos_target_mean": 0.3,
                   "cos_nontarget_mean": 0.01}
     for step in range(start + 1, 5):
-        stats = {"loss": loss_at_0 - step, "lr": 0.1, "grad_norm": 1.0}
+        stats = _result(loss_at_0 - step)
         data = {"skipped_samples": 2, "padded_samples": 1} if log.due(step) else None
         log.step(step, stats, head_stats, data, device=torch.device("cpu"))
     log.histograms(4, {"theta_target": torch.rand(5), "theta_nontarget": torch.rand(7)})
@@ -126,8 +133,7 @@ def test_resume_truncates_metrics_and_histograms_to_the_checkpoint_step(tmp_path
 
     def steps(log, first, last):
         for step in range(first, last + 1):
-            log.step(step, {"loss": 1.0, "lr": 0.1, "grad_norm": 1.0}, {}, None,
-                     torch.device("cpu"))
+            log.step(step, _result(1.0), {}, None, torch.device("cpu"))
             if log.wants_histograms(step):
                 log.histograms(step, angles)
 

@@ -56,17 +56,16 @@ def _dropped_step(rank: int, world: int) -> dict:
                           f"train.batch_size={GLOBAL_BATCH}")
         engine = build_engine(cfg)
         # The engine runs fp32 on CPU; only the overflow classification reads the precision.
-        engine.cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
-            update={"precision": precision})})
+        engine.backend.precision = precision
         engine.step(0, local_micro_batches(0, GLOBAL_BATCH, 0, 1, 1))  # momentum exists
         before = snapshot(engine)
-        _drop_next_update(engine.model)
+        _drop_next_update(engine.backend.model)
         dropped = engine.step(1, local_micro_batches(1, GLOBAL_BATCH, 0, 1, 1))
         unchanged = same_snapshots(snapshot(engine), before)
         nxt = engine.step(2, local_micro_batches(2, GLOBAL_BATCH, 0, 1, 1))
         moved = not torch.equal(snapshot(engine)["rows"], before["rows"])
-        out[precision] = (dropped["skipped"], dropped["overflow"], unchanged,
-                          nxt["skipped"] or nxt["overflow"], moved)
+        out[precision] = (dropped.skipped, dropped.overflow, unchanged,
+                          nxt.skipped or nxt.overflow, moved)
     out["floor"] = _at_minimum_scale(engine)
     return out
 
@@ -80,7 +79,7 @@ def _at_minimum_scale(engine) -> list[str]:
         def failing_step(*args, message=message, **kwargs):
             raise Exception(message)  # noqa: TRY002 - DeepSpeed's own exception type
 
-        engine.model.step = failing_step
+        engine.backend.model.step = failing_step
         try:
             engine.step(4, local_micro_batches(4, GLOBAL_BATCH, 0, 1, 1))
         except Exception as err:  # noqa: BLE001 - the type is what is checked
@@ -125,8 +124,8 @@ def _real_overflow(rank: int, world: int) -> list[tuple[bool, bool, bool]]:
     before, seen = snapshot(engine), []
     for s in range(40):  # the scale halves per overflow: 2^32 -> a working scale
         out = engine.step(s, local_micro_batches(s, GLOBAL_BATCH, 0, 1, 1))
-        seen.append((out["skipped"], out["overflow"], same_snapshots(snapshot(engine), before)))
-        if not out["skipped"]:
+        seen.append((out.skipped, out.overflow, same_snapshots(snapshot(engine), before)))
+        if not out.skipped:
             break
     return seen
 

@@ -40,6 +40,7 @@ import errno
 import json
 import re
 import shutil
+import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -59,7 +60,7 @@ from trainer.checkpoint.integrity import (
     sha256,
     verify,
 )
-from trainer.telemetry.logger import print_main
+from trainer.dist import DistEnv
 
 LATEST = "latest"
 _BLOCK = re.compile(r"^(?P<key>.+)/rows\.(?P<start>\d+)\.(?P<stop>\d+)$")
@@ -77,23 +78,25 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
 
     ``meta`` must be JSON-able; ``meta["loader"]`` (this rank's loader position) is gathered
     into a per-rank list. Raises :class:`CheckpointError` on every rank when the state is
-    not finite (nothing is written or pruned) or when any rank fails to write.
+    not finite (nothing is written or pruned) or when any rank fails to write. The ranks
+    are ``engine.env``'s.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    env = engine.env
+    rank, world = env.rank, env.world_size
     root = Path(run_dir) / "checkpoints"
     tag = tag_for(step)
     tmp, final = root / f".tmp-{tag}", root / tag
     full = state.collect(engine)
-    _refuse_non_finite(full, step, engine.device)
+    _refuse_non_finite(full, step, env)
     rows = sorted(k for k, v in full.items() if isinstance(v, state.Rows))
     loaders: list = [None] * world
-    dist.all_gather_object(loaders, meta.get("loader"))
+    dist.all_gather_object(loaders, meta.get("loader"), group=env.group)
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
-    _on_every_rank(prepare if rank == 0 else None, f"saving step {step}", tmp)
+    _on_every_rank(prepare if rank == 0 else None, f"saving step {step}", tmp, env)
     flat = {}
     for key, value in full.items():
         if isinstance(value, state.Rows):
@@ -112,9 +115,9 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
             mine += ["backbone.pt", "state/.metadata"]
         hashes.update({name: sha256(tmp / name) for name in mine})
 
-    _on_every_rank(write, f"saving step {step}", tmp)
+    _on_every_rank(write, f"saving step {step}", tmp, env)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, hashes)
+    dist.all_gather_object(gathered, hashes, group=env.group)
     info = {**meta, "loader": loaders, "step": step, "world_size": world, "rows": rows,
             "files": dict(sorted(kv for part in gathered for kv in part.items()))}
 
@@ -123,11 +126,12 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
         _replace(root, tmp, final)
         _prune(root, keep)
 
-    _on_every_rank(publish if rank == 0 else None, f"saving step {step}", tmp)
+    _on_every_rank(publish if rank == 0 else None, f"saving step {step}", tmp, env)
     return final
 
 
-def _on_every_rank(action: Callable[[], None] | None, what: str, tmp: Path) -> None:
+def _on_every_rank(action: Callable[[], None] | None, what: str, tmp: Path,
+                   env: DistEnv) -> None:
     """Run ``action`` here (None: nothing), then agree: if it failed on any rank, every
     rank raises the same :class:`CheckpointError` and rank 0 removes ``tmp`` (collective)."""
     error = None
@@ -136,11 +140,11 @@ def _on_every_rank(action: Callable[[], None] | None, what: str, tmp: Path) -> N
             action()
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             error = _describe(exc)  # reported by every rank: none is left waiting
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors: list = [None] * env.world_size
+    dist.all_gather_object(errors, error, group=env.group)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        if dist.get_rank() == 0:
+        if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         rank, message = failed[0]
         raise CheckpointError(f"{what} into {tmp.parent} failed on rank {rank}: {message}")
@@ -162,7 +166,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _refuse_non_finite(full: dict, step: int, device: torch.device) -> None:
+def _refuse_non_finite(full: dict, step: int, env: DistEnv) -> None:
     """Raise on every rank, before anything is written or pruned, if any rank's state holds
     inf/NaN: a checkpoint must never replace good ones with a diverged model (collective)."""
     bad = [
@@ -171,8 +175,8 @@ def _refuse_non_finite(full: dict, step: int, device: torch.device) -> None:
         if (t := value.local if isinstance(value, state.Rows) else value).is_floating_point()
         and not bool(torch.isfinite(t).all())
     ]
-    flag = torch.tensor([len(bad)], device=device)  # NCCL reduces device tensors only
-    dist.all_reduce(flag)
+    flag = torch.tensor([len(bad)], device=env.device)  # NCCL reduces device tensors only
+    dist.all_reduce(flag, group=env.group)
     if int(flag):
         where = f"{bad[0]} and {len(bad) - 1} more" if bad else "another rank's state"
         raise CheckpointError(f"not saving step {step}: non-finite values in {where}")
@@ -239,9 +243,10 @@ def _plain_backbone(full: dict) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- find, verify
 
 
-def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """``checkpoint.resume`` -> the verified folder to resume from (collective when a
-    process group is up: rank 0 reads and hashes, every rank gets its answer).
+def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None) -> Path | None:
+    """``checkpoint.resume`` -> the verified folder to resume from; collective over
+    ``env``'s ranks (rank 0 reads and hashes, every rank gets its answer), or this process
+    alone with ``env=None``.
 
     ``none``: start fresh; ``auto``: ``run_dir``'s newest checkpoint that verifies, if any;
     otherwise a checkpoint folder (must verify) or another run's folder (as ``auto``).
@@ -249,15 +254,15 @@ def find_resume(run_dir: Path, resume: str) -> Path | None:
     """
     if resume == "none":
         return None
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if env is None or env.world_size == 1:
         return _choose(run_dir, resume)
     answer: list = [None, None]
-    if dist.get_rank() == 0:
+    if env.is_main:
         try:
             answer[0] = _choose(run_dir, resume)
         except CheckpointError as err:
             answer[1] = str(err)
-    dist.broadcast_object_list(answer, src=0)
+    dist.broadcast_object_list(answer, src=0, group=env.group)
     if answer[1] is not None:
         raise CheckpointError(answer[1])
     return answer[0]
@@ -273,9 +278,9 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
 
 def find_verified(folder: Path, remedy: str = "", only: Collection[str] | None = None
                   ) -> Path | None:
-    """The checkpoint ``folder`` names, verified (this process alone; not collective);
-    ``only``: hash just these files (``trainer.checkpoint.integrity.verify``), for a reader
-    of a part.
+    """The checkpoint ``folder`` names, verified (this process alone; not collective: its
+    warnings go to stderr from here, rank 0 in training); ``only``: hash just these files
+    (``trainer.checkpoint.integrity.verify``), for a reader of a part.
 
     A checkpoint folder (it holds meta.json) must verify itself: no fallback. A run folder
     gives ``latest``'s target or, when that one is missing or fails verification, the
@@ -294,15 +299,19 @@ def find_verified(folder: Path, remedy: str = "", only: Collection[str] | None =
         try:
             verify(path, only)
         except CheckpointError as err:
-            print_main(f"warning: {err}; trying an older checkpoint")
+            _warn(f"warning: {err}; trying an older checkpoint")
             continue
         if i > 0 or path.name != _latest_name(root):
-            print_main(f"warning: {root / LATEST} does not name a usable checkpoint; "
+            _warn(f"warning: {root / LATEST} does not name a usable checkpoint; "
                        f"using {path.name}, the newest complete one")
         return path
     if candidates:
         raise CheckpointError(f"{root}: no checkpoint verifies (see the warnings above){remedy}")
     return None
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _latest_name(root: Path) -> str | None:
@@ -325,7 +334,8 @@ def _candidates(root: Path) -> list[Path]:
 
 
 def load(path: Path, engine) -> dict:
-    """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective).
+    """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective over
+    ``engine.env``'s ranks).
 
     ``path`` should come from :func:`find_resume` (verified). Returns the meta dict, with
     ``meta["loader"]`` narrowed to this rank's loader state (rank 0's when the checkpoint
@@ -349,14 +359,14 @@ def load(path: Path, engine) -> dict:
     for key in meta["rows"]:
         flat[key] = _my_rows(template, key, lo, hi)
     state.restore(engine, flat)
-    rng = path / f"rng-{dist.get_rank()}.pt"
+    rank = engine.env.rank
+    rng = path / f"rng-{rank}.pt"
     if rng.is_file():
         saved = torch.load(rng, weights_only=True)
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved and engine.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda"], engine.device)
     loaders = meta["loader"]
-    rank = dist.get_rank()
     meta["loader"] = loaders[rank] if rank < len(loaders) else loaders[0]
     return meta
 

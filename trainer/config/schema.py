@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from partial_fc.margins import AdaCosMode, MarginType
+from partial_fc.tiles import KERNELS
 
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -130,9 +131,9 @@ class HeadConfig(_Section):
         1.0, description="share of the classes (the batch's own always included) each step's "
         "softmax is computed over (Partial FC); 1 = all"
     )
-    kernel: Literal["auto", "torch", "triton"] = Field(
+    kernel: Literal[KERNELS] = Field(
         "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "
-        "(chunked PyTorch), auto = triton on CUDA when installed, else torch"
+        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch"
     )
     max_tile_mib: PosInt = Field(
         32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "

@@ -1,5 +1,15 @@
-"""The training step: backbone (DDP or DeepSpeed), head and their optimizers (``engine``)."""
+"""The training step: the backbone's engine (DDP or DeepSpeed, behind ``BackboneBackend``),
+the head and their optimizers (``engine``)."""
 
-from trainer.engine.engine import Engine, lr_factor, make_head_optimizer, make_optimizer
+from trainer.engine.backend import BackboneBackend
+from trainer.engine.engine import (
+    BACKENDS,
+    Engine,
+    StepResult,
+    lr_factor,
+    make_head_optimizer,
+    make_optimizer,
+)
 
-__all__ = ["Engine", "lr_factor", "make_head_optimizer", "make_optimizer"]
+__all__ = ["BACKENDS", "BackboneBackend", "Engine", "StepResult", "lr_factor",
+           "make_head_optimizer", "make_optimizer"]

@@ -1,26 +1,38 @@
-"""The backbone under DeepSpeed: its config, import, initialisation, and backward + step.
+"""The backbone under DeepSpeed (``engine.type=deepspeed``): its config, import, wrapping,
+backward + step, and its optimizer state in a checkpoint.
 
-``trainer.engine.Engine`` runs the backbone under DDP or DeepSpeed (``engine.type``); this
-module holds everything DeepSpeed needs that DDP does not, so that the engine's step reads
-the same for both: the JSON config, importing DeepSpeed for the run's device, wrapping the
-backbone (:class:`DeepSpeedBackbone`), and deciding on each optimisation step whether
-DeepSpeed applied the update (its overflow checks, the fp32 no-ZeRO case it does not check,
-its fp16 loss scaler's dead end, :class:`LossScaleFloor`). The head is never in here
-(docs/design.md, invariant 2).
+Everything DeepSpeed needs that DDP does not lives here, behind
+:class:`trainer.engine.backend.BackboneBackend`: the JSON config, importing DeepSpeed for the
+run's device, ``deepspeed.initialize`` (:class:`DeepSpeedBackend`), deciding on each
+optimisation step whether DeepSpeed applied the update (its overflow checks, the fp32
+no-ZeRO case it does not check, its fp16 loss scaler's dead end, :class:`LossScaleFloor`),
+and reading and writing the ZeRO partitions of its optimizer state
+(:class:`ZeroPartitions`, the one place that touches DeepSpeed internals). The head is
+never in here (docs/design.md, invariant 2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import os
 import warnings
+from collections.abc import Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from trainer.config import Config
+from trainer.dist import DistEnv
+from trainer.engine.backend import (
+    Agree,
+    Pending,
+    Update,
+    load_torch_optimizer_state,
+    torch_optimizer_state,
+)
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
@@ -85,31 +97,34 @@ class LossScaleFloor(RuntimeError):
 def loss_scale_overflow(dropped: bool, bad: bool, precision: str) -> bool:
     """Whether DeepSpeed dropped this step for its fp16 loss scaler only.
 
-    ``dropped``: DeepSpeed did not apply the update (``was_step_applied``; always False under
-    DDP); ``bad``: the engine's own all-reduced check found a non-finite loss or
-    embedding/head gradient; ``precision``: ``engine.precision``. In fp16 a drop with finite
-    loss and head gradients means the *scaled* backbone gradients overflowed: the scaler
-    halves its scale and goes on. That is the normal start of an fp16 run (the scale begins
-    at 2^16), counted as ``skipped_steps`` and not towards ``train.max_bad_steps``; a
-    backbone that really diverges drives the scale to its minimum, where DeepSpeed stops the
-    run itself. In bf16/fp32 there is no scale, so a drop is a non-finite gradient (a bad
-    step).
+    ``dropped``: DeepSpeed did not apply the update (``was_step_applied``); ``bad``: the
+    engine's own all-reduced check found a non-finite loss or embedding/head gradient;
+    ``precision``: ``engine.precision``. In fp16 a drop with finite loss and head gradients
+    means the *scaled* backbone gradients overflowed: the scaler halves its scale and goes
+    on. That is the normal start of an fp16 run (the scale begins at 2^16), counted as
+    ``skipped_steps`` and not towards ``train.max_bad_steps``; a backbone that really
+    diverges drives the scale to its minimum, where DeepSpeed stops the run itself. In
+    bf16/fp32 there is no scale, so a drop is a non-finite gradient (a bad step).
     """
     return dropped and not bad and precision == "fp16"
 
 
-class DeepSpeedBackbone:
-    """``deepspeed.initialize`` of the backbone and its torch optimizer, on every rank.
+class DeepSpeedBackend:
+    """:class:`trainer.engine.backend.BackboneBackend` over ``deepspeed.initialize`` of the
+    backbone and its torch optimizer, on every rank. DeepSpeed takes no group argument: it
+    runs on its own groups cloned from the default one, the ranks of ``env.group``.
 
     ``model`` is DeepSpeed's engine (what the training step calls forward on); ``backbone``
     the bare module whose parameters it trains, ``optimizer`` the torch optimizer handed to
-    DeepSpeed (both kept for the fp32 no-ZeRO undo in :meth:`backward`). ``input_dtype`` is
-    the dtype DeepSpeed holds the parameters in (bf16/fp16/fp32), which the images must have.
+    DeepSpeed (both kept for the fp32 no-ZeRO undo in :meth:`_boundary_step`).
+    ``input_dtype`` is the dtype DeepSpeed holds the parameters in (bf16/fp16/fp32), which
+    the images must have; there is no autocast. ``precision`` (``engine.precision``) tells
+    a loss-scale skip from a bad step (:func:`loss_scale_overflow`).
     """
 
     def __init__(self, cfg: Config, module: nn.Module, backbone: nn.Module,
-                 optimizer: torch.optim.Optimizer, device: torch.device, world_size: int):
-        deepspeed = import_deepspeed(device)
+                 optimizer: torch.optim.Optimizer, env: DistEnv):
+        deepspeed = import_deepspeed(env.device)
         from deepspeed import ops as deepspeed_ops
 
         ds_logger = logging.getLogger("DeepSpeed")
@@ -121,38 +136,60 @@ class DeepSpeedBackbone:
         warnings.filterwarnings(
             "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
         )
-        if device.type == "cpu" and not cfg.engine.cpu_shm_comm:
+        if env.device.type == "cpu" and not cfg.engine.cpu_shm_comm:
             # DeepSpeed JIT-builds a shared-memory all-reduce for CPU on first use (30-50 s);
             # without it its collectives go through the gloo group (config: engine.cpu_shm_comm).
             deepspeed_ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.model, _, _, _ = deepspeed.initialize(
             model=module,
             optimizer=optimizer,
-            config=deepspeed_config(cfg, world_size),
+            config=deepspeed_config(cfg, env.world_size),
             dist_init_required=False,
         )
         self.backbone, self.optimizer = backbone, optimizer
+        self.precision = cfg.engine.precision
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             cfg.engine.precision, torch.float32
         )
 
-    def backward(self, surrogate: torch.Tensor, boundary: bool, step: int) -> bool:
-        """DeepSpeed's backward + step for one micro-batch; True when the update was dropped.
+    def micro_batch(self, boundary: bool):
+        """Nothing: DeepSpeed reduces the gradients at its own accumulation boundary."""
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        """Nothing: DeepSpeed holds the parameters in ``input_dtype`` itself."""
+        return contextlib.nullcontext()
+
+    def backward(self, surrogate: Tensor) -> None:
+        self.model.backward(surrogate, scale_wrt_gas=False)
+        self.model.step()  # before the boundary: DeepSpeed only counts the micro-step
+
+    def last_backward(self, surrogate: Tensor, step: int, agree: Agree) -> Pending:
+        """Agree first, then DeepSpeed's backward + step: a step the flags call bad gets a
+        NaN surrogate (multiplied in on the device: no host read), which DeepSpeed's own
+        overflow check drops like any non-finite gradient (:meth:`_boundary_step`)."""
+        flags = agree(None)
+        surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
+        self.model.backward(surrogate, scale_wrt_gas=False)
+        dropped = self._boundary_step(step)
+        return Pending(flags, self._grad_norm(), dropped)
+
+    def update(self, pending: Pending, finite: bool) -> Update:
+        """DeepSpeed stepped (or dropped the step) in :meth:`last_backward` already."""
+        return Update(applied=finite and not pending.dropped,
+                      overflow=loss_scale_overflow(pending.dropped, not finite, self.precision))
+
+    def _boundary_step(self, step: int) -> bool:
+        """DeepSpeed's step at the boundary; True when the update was dropped.
 
         DeepSpeed has no public "skip this step" call, but its ZeRO, bf16 and fp16 optimizers
         drop a step whose reduced gradients are not finite (``check_grad_overflow``; the
         gradient reduction makes that decision the same on every rank) and say so through
-        ``was_step_applied()``. A step the engine's flags call bad arrives with a NaN
-        surrogate (multiplied in on the device by the caller), so DeepSpeed drops it by that
-        same path. Without ZeRO in fp32 DeepSpeed
-        steps the plain torch optimizer with no such check: there the (all-reduced, so
-        identical) gradients are checked here, and a dropped step is stepped on zeroed
-        gradients and then undone (parameters and optimizer state put back).
+        ``was_step_applied()``. Without ZeRO in fp32 DeepSpeed steps the plain torch
+        optimizer with no such check: there the (all-reduced, so identical) gradients are
+        checked here, and a dropped step is stepped on zeroed gradients and then undone
+        (parameters and optimizer state put back).
         """
-        self.model.backward(surrogate, scale_wrt_gas=False)
-        if not boundary:
-            self.model.step()
-            return False
         if self._checks_overflow():
             self._scaled_step(step)
             return not self.model.was_step_applied()
@@ -171,7 +208,7 @@ class DeepSpeedBackbone:
                 p.copy_(saved)
         return True
 
-    def grad_norm(self) -> float | torch.Tensor:
+    def _grad_norm(self) -> float | Tensor:
         """The backbone's gradient norm of the last step as DeepSpeed computed it; NaN when
         it computed none."""
         norm = self.model.get_global_grad_norm()
@@ -199,3 +236,102 @@ class DeepSpeedBackbone:
         """Whether DeepSpeed's optimizer checks the gradients for inf/NaN before a step."""
         model = self.model
         return model.zero_optimization() or model.bfloat16_enabled() or model.fp16_enabled()
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """The plain torch optimizer's state, or with ZeRO/bf16 the fp32 master weights
+        (``backbone_fp32.<param>``), the per-element optimizer state gathered in full form
+        (``backbone_opt.<param>.<key>``) and its scalars (``backbone_opt_scalar.<key>``)
+        through DeepSpeed's tensor-fragment API (collective). Full form is what makes
+        ZeRO-1/2 state reshardable."""
+        zero = ZeroPartitions.of(self)
+        if zero is None:
+            return torch_optimizer_state(self.backbone, self.optimizer)
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        keys, scalars = zero.state_keys()
+        out = {f"backbone_opt_scalar.{k}": v for k, v in scalars.items()}
+        for name, p in self.trainable().items():
+            out[f"backbone_fp32.{name}"] = safe_get_full_fp32_param(p).cpu()
+            for key in keys:
+                out[f"backbone_opt.{name}.{key}"] = safe_get_full_optimizer_state(p, key).cpu()
+        return out
+
+    def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
+        """Put :meth:`optimizer_state`'s entries back; with ZeRO/bf16 the partitions' state is
+        created first (:meth:`ZeroPartitions.create_state`), then filled per parameter
+        (collective)."""
+        zero = ZeroPartitions.of(self)
+        if zero is None:
+            load_torch_optimizer_state(self.backbone, self.optimizer, state)
+            return
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        prefix = "backbone_opt_scalar."
+        scalars = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        keys = sorted({k.rsplit(".", 1)[1] for k in state if k.startswith("backbone_opt.")})
+        zero.create_state(keys, scalars)
+        for name, p in self.trainable().items():
+            safe_set_full_fp32_param(p, state[f"backbone_fp32.{name}"].to(p.device))
+            for key in keys:
+                safe_set_full_optimizer_state(p, state[f"backbone_opt.{name}.{key}"].to(p.device),
+                                              key)
+
+    def trainable(self) -> dict[str, nn.Parameter]:
+        """Backbone parameters the optimizer owns (frozen ones live in the state_dict only)."""
+        return {n: p for n, p in self.backbone.named_parameters() if p.requires_grad}
+
+
+class ZeroPartitions:
+    """The one place this project touches DeepSpeed internals (DeepSpeed 0.19).
+
+    ZeRO-1/2 and the bf16 optimizer keep the backbone's fp32 master weights and optimizer
+    state as flat per-group partitions. DeepSpeed's public tensor-fragment API
+    (``deepspeed.utils.safe_get/set_full_*``) reads and writes them per parameter, but there
+    is no public call that creates the optimizer state before the first step, which a resume
+    must fill: that needs the partitions and their parameter groups, named below.
+    ``tests/trainer/test_checkpoint.py::test_deepspeed_internals_are_where_the_backend_expects``
+    fails loudly when an installed DeepSpeed moves them.
+    """
+
+    FLAT = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+    GROUPS = ("bit16_groups", "bf16_groups")
+
+    def __init__(self, zero_optimizer):
+        import deepspeed
+
+        self.base = zero_optimizer.optimizer  # the wrapped torch optimizer
+        names = [n for n in (*self.FLAT, *self.GROUPS) if hasattr(zero_optimizer, n)]
+        if len(names) != 2:
+            raise TypeError(f"DeepSpeed {deepspeed.__version__}: {type(zero_optimizer).__name__} "
+                            f"has not the partitions {__name__} reads ({self.FLAT}, "
+                            f"{self.GROUPS}); see ZeroPartitions in {__file__}")
+        self.flat = list(getattr(zero_optimizer, names[0]))
+        self.groups = list(getattr(zero_optimizer, names[1]))
+
+    @classmethod
+    def of(cls, backend: DeepSpeedBackend) -> ZeroPartitions | None:
+        """The partitions of ``backend``'s DeepSpeed optimizer, or None when its state is a
+        plain torch optimizer's (DeepSpeed without ZeRO in fp32)."""
+        params = list(backend.trainable().values())
+        # Every rank's parameters carry the attribute (None where another rank holds the
+        # fragment), so every rank takes the same branch.
+        linked = bool(params) and hasattr(params[0], "_hp_mapping")
+        return cls(backend.model.optimizer) if linked else None
+
+    def state_keys(self) -> tuple[list[str], dict[str, Tensor]]:
+        """(names of the per-element state tensors, the scalar state such as Adam's step)."""
+        state0 = self.base.state.get(self.flat[0], {})
+        shape = self.flat[0].shape
+        keys = [k for k, v in state0.items() if torch.is_tensor(v) and v.shape == shape]
+        return keys, {k: torch.as_tensor(v) for k, v in state0.items() if k not in keys}
+
+    def create_state(self, keys: list[str], scalars: dict[str, Tensor]) -> None:
+        """Zero optimizer state for every partition, linked to the parameters' fragments, so
+        ``safe_set_full_optimizer_state`` can fill it (DeepSpeed builds it lazily at the
+        first step otherwise)."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        for flat, group in zip(self.flat, self.groups, strict=True):
+            self.base.state[flat] = {k: torch.zeros_like(flat) for k in keys}
+            self.base.state[flat].update({k: v.clone() for k, v in scalars.items()})
+            lazy_init_hp_params_optimizer_state(group, flat, self.base.state)

@@ -18,28 +18,39 @@ is exact only when each forward is independent of the others (``trainer.config``
 class sampling, dynamic AdaCos and SphereFace's per-forward lambda with ``k > 1``).
 BatchNorm statistics are per rank and per micro-batch, as in any data-parallel run.
 
-What only DeepSpeed needs (its config and import, ``deepspeed.initialize``, its backward +
-step and the overflow checks that decide whether it applied the update) is in
-``trainer.engine.deepspeed_backend``; this module keeps what both engines share.
+What differs between the backbone's engines (wrapping, precision, backward, clipping, the
+step and how a dropped one shows, the optimizer state's form) is behind
+``trainer.engine.backend.BackboneBackend`` (``ddp.py``, ``deepspeed_backend.py``); this
+module keeps the head, the step's order and what every engine shares.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch import Tensor, nn
 
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
 from partial_fc.rows import SampledRows
 from trainer.config import Config, OptimConfig, ScheduleConfig
-from trainer.engine.deepspeed_backend import DeepSpeedBackbone, loss_scale_overflow
+from trainer.dist import DistEnv
+from trainer.engine.backend import BackboneBackend
+from trainer.engine.ddp import DDPBackend
+from trainer.engine.deepspeed_backend import DeepSpeedBackend
+
+BACKENDS: dict[str, Callable[..., BackboneBackend]] = {
+    "ddp": DDPBackend,
+    "deepspeed": DeepSpeedBackend,
+}
+"""``engine.type`` -> the backbone's engine (``trainer.engine.backend``)."""
 
 
 def lr_factor(schedule: ScheduleConfig, warmup_steps: int, total_steps: int) -> Callable:
@@ -77,12 +88,40 @@ def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
     return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
 
 
-class Engine:
-    """Backbone wrapper + both optimizers + the LR schedule; ``step`` does one update.
+@dataclass(frozen=True)
+class StepResult:
+    """What one :meth:`Engine.step` did, the same on every rank.
 
-    Build on every rank after the default process group is up. ``head`` is a
-    ``partial_fc.PartialFC`` on the same group; ``backbone`` is the bare module (kept as
-    ``self.backbone`` for evaluation and checkpoints).
+    ``loss`` (mean over the micro-batches of the global-batch loss) and ``grad_norm`` (the
+    backbone's, before clipping; NaN where DeepSpeed computed none) stay on the device until
+    one of them is read, then both come over in one transfer
+    (``partial_fc.readout.DeviceScalars``): the trainer reads them every ``log.every`` steps,
+    so a step does not wait for its own numbers.
+    """
+
+    lr: float
+    skipped: bool  # neither the backbone nor the head was updated (see Engine.step)
+    overflow: bool  # skipped for DeepSpeed's fp16 loss scaler alone: not a bad step
+    stop_request: int  # the largest stop_request any rank passed (0: none)
+    numbers: Mapping[str, float] = field(repr=False)  # {"loss", "grad_norm"}, read lazily
+    angles: dict[str, Tensor] | None = None  # PartialFC.angle_sample, when asked for
+
+    @property
+    def loss(self) -> float:
+        return self.numbers["loss"]
+
+    @property
+    def grad_norm(self) -> float:
+        return self.numbers["grad_norm"]
+
+
+class Engine:
+    """Backbone engine + head + both optimizers + the LR schedule; ``step`` does one update.
+
+    Build on every rank of ``env.group`` (:func:`trainer.dist.attach`) after the process
+    group is up. ``head`` is a ``partial_fc.PartialFC`` on that same group (its
+    ``process_group``); ``backbone`` is the bare module (kept as ``self.backbone`` for
+    evaluation and checkpoints), run by ``self.backend`` (``engine.type``: :data:`BACKENDS`).
     """
 
     def __init__(
@@ -90,36 +129,21 @@ class Engine:
         cfg: Config,
         backbone: nn.Module,
         head: nn.Module,
-        device: torch.device,
+        env: DistEnv,
         total_steps: int,
         warmup_steps: int,
     ):
-        self.cfg, self.device = cfg, device
-        self.world_size = dist.get_world_size()
+        self.cfg, self.env, self.device = cfg, env, env.device
         self.memory_format = self._cuda_settings()
-        self.backbone = backbone.to(device, memory_format=self.memory_format)
-        self.head = head.to(device)
+        self.backbone = backbone.to(self.device, memory_format=self.memory_format)
+        self.head = head.to(self.device)
         self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
                                                   cfg.head.max_update_mib << 20)
         self.optimizer = make_optimizer(cfg.optim, self.backbone.parameters())
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
-        self._ds_backbone: DeepSpeedBackbone | None = None
-        if cfg.engine.type == "deepspeed":
-            self._ds_backbone = DeepSpeedBackbone(cfg, trained, self.backbone, self.optimizer,
-                                                  device, self.world_size)
-            self.model = self._ds_backbone.model
-            self.input_dtype = self._ds_backbone.input_dtype
-        else:
-            ids = [device.index] if device.type == "cuda" else None
-            self.model = DistributedDataParallel(trained, device_ids=ids)
-            self.input_dtype = torch.float32
+        self.backend = BACKENDS[cfg.engine.type](cfg, trained, self.backbone, self.optimizer, env)
         self.set_lr(0)
-
-    @property
-    def deepspeed(self) -> bool:
-        """Whether DeepSpeed runs the backbone (``engine.type``), else DDP."""
-        return self._ds_backbone is not None
 
     def _cuda_settings(self) -> torch.memory_format:
         """cuDNN autotuning and the backbone's memory format: channels_last on CUDA (NHWC
@@ -154,11 +178,6 @@ class Engine:
                 group["lr"] = lr
         return lr
 
-    def _no_sync(self, boundary: bool):
-        if self.deepspeed or boundary:
-            return contextlib.nullcontext()
-        return self.model.no_sync()
-
     def _head_operands(self):
         """A bf16 run gives the head bf16 matmul operands (fp32 accumulation; its softmax,
         loss and statistics stay fp32: ``PartialFC`` under autocast), as insightface's
@@ -170,123 +189,111 @@ class Engine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _autocast(self):
-        if not self.deepspeed and self.cfg.engine.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def step(
         self,
         step: int,
         micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         angles: bool = False,
         stop_request: int = 0,
-    ) -> DeviceScalars:
+    ) -> StepResult:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
-        Returns ``{"loss", "lr", "grad_norm", "skipped", "overflow", "stop_request"}`` (loss =
-        mean over micro-batches of the global-batch loss, identical on all ranks;
-        ``stop_request`` the largest ``stop_request`` any rank passed, e.g. the number of a
-        signal asking the run to stop, agreed in the same all-reduce as the step's flags so
-        that every rank stops after the same step at no extra host read); with
-        ``angles=True`` also ``"angles"`` from ``PartialFC.angle_sample`` on the last
-        micro-batch (collective). ``loss`` and ``grad_norm`` stay on the device until one of
-        them is read (``partial_fc.readout.DeviceScalars``): the trainer reads them every
-        ``log.every`` steps, so a step does not wait for its own numbers.
+        ``stop_request`` (e.g. the number of a signal asking the run to stop) is agreed over
+        the ranks in the same all-reduce as the step's flags, so every rank stops after the
+        same step at no extra host read. ``angles=True`` also samples
+        ``PartialFC.angle_sample`` on the last micro-batch (collective).
 
-        ``skipped`` is True, on every rank alike, when the step was dropped because the loss,
-        an embedding gradient, the head gradient or the backbone gradient norm was not finite
-        (:meth:`_agree`, DeepSpeed's own overflow check: ``trainer.engine.deepspeed_backend``): then
-        neither the backbone nor the head is updated, both optimizers' states and every buffer
-        (BatchNorm statistics, the AdaCos scale) are as before the step, and the gradients
-        are cleared. ``overflow`` is True when the skip was DeepSpeed's fp16 loss scaler's
-        alone (``trainer.engine.deepspeed_backend.loss_scale_overflow``): the same skip of both
-        optimizers, but not a sign of divergence. A label out of range raises the head's
-        ``ValueError`` on every rank, before any update.
+        The step is skipped, on every rank alike, when the loss, an embedding gradient, the
+        head gradient or the backbone gradient norm was not finite (:meth:`_agree`, or the
+        backend's own overflow check: ``trainer.engine.backend``): then neither the backbone
+        nor the head is updated, both optimizers' states and every buffer (BatchNorm
+        statistics, the AdaCos scale) are as before the step, and the gradients are cleared.
+        A label out of range raises the head's ``ValueError`` on every rank, before any
+        update.
 
-        Host reads (each makes the CPU wait for the device; tests/test_engine_syncs.py holds
-        the budget): DDP at ``sample_rate == 1``, one: the agreed flags (finite; labels in
-        range, the head's deferred check) of one all-reduce, read after the backbone's
-        backward to decide whether the optimizers step (a host call). The head gets the
-        batch sizes from ``train.batch_size`` (the loader's batches are equal), not from an
-        exchange. ``r < 1`` adds the sampler's (its size depends on the labels); the head
-        optimizer reads none after one forward. DeepSpeed reads its overflow flag in
-        ``step()``; the flags here NaN the surrogate on the device and are read after it.
+        Host reads (each makes the CPU wait for the device; tests/trainer/test_engine_syncs.py
+        holds the budget): one, the agreed flags, read after the backbone's backward to
+        decide whether the optimizers step. The head gets the batch sizes from
+        ``train.batch_size`` (the loader's batches are equal), not from an exchange.
+        ``r < 1`` adds the sampler's (its size depends on the labels); DeepSpeed reads its
+        overflow flag in its ``step()``.
         """
         lr = self.set_lr(step)
-        k = len(micro_batches)
-        buffers = self._buffers()
-        sizes = [self.cfg.train.batch_size] * self.world_size
+        saved = self._buffers()
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        flags, dropped = None, False
+        k, sample = len(micro_batches), None
         for i, (images, labels) in enumerate(micro_batches):
-            boundary = i == k - 1
-            x = normalize_images(images.to(self.device, non_blocking=True))
-            x = x.to(dtype=self.input_dtype, memory_format=self.memory_format)
-            y = labels.to(self.device, non_blocking=True)
-            with self._no_sync(boundary):
-                with self._autocast():
-                    emb = self.model(x)
-                e = emb.detach().float().requires_grad_()
-                with self._head_operands():
-                    loss = self.head(e, y, sizes=sizes, defer_label_check=True)
-                (loss / k).backward()
+            last = i == k - 1
+            with self.backend.micro_batch(boundary=last):
+                e, y, loss, surrogate = self._forward(images, labels, k)
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
                 loss_sum += loss.detach()  # fp64: the sum Python floats gave
-                if boundary:  # the step's one pop: a skipped step drops the rows
-                    rows = self.head.pop_sampled_rows()
-                    grad = self.head.weight.grad
-                    if grad is not None:
-                        finite &= torch.isfinite(grad.sum())
-                surrogate = (emb.float() * (e.grad * self.world_size)).sum()
-                if angles and boundary:
+                if not last:
+                    self.backend.backward(surrogate)
+                    continue
+                rows = self.head.pop_sampled_rows()  # the step's one pop, taken or skipped
+                grad = self.head.weight.grad
+                if grad is not None:
+                    finite &= torch.isfinite(grad.sum())
+                if angles:
                     sample = self.head.angle_sample(e.detach(), y)
-                if self.deepspeed:
-                    if boundary:  # a bad step's NaN makes DeepSpeed drop it (no host read)
-                        flags = self._agree(finite, rows, stop_request)
-                        surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
-                    dropped = self._ds_backbone.backward(surrogate, boundary, step)
-                else:
-                    surrogate.backward()
-        if self.deepspeed:
-            grad_norm = self._ds_backbone.grad_norm()
-        else:
-            grad_norm = self._clip()
-            # DDP's gradients are all-reduced, so every rank computes the same norm.
-            flags = self._agree(finite & torch.isfinite(grad_norm), rows, stop_request)
-        all_finite, labels_ok, minus_stop = flags.tolist()  # the step's one host read
+                agree = functools.partial(self._agree, finite, rows, stop_request=stop_request)
+                pending = self.backend.last_backward(surrogate, step, agree)
+        all_finite, labels_ok, minus_stop = pending.flags.tolist()  # the step's one host read
         if not labels_ok:
             rows.raise_label_error()
-        overflow = loss_scale_overflow(dropped, not all_finite, self.cfg.engine.precision)
-        skip = not all_finite or dropped
-        if not self.deepspeed:
-            if not skip:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        if skip:  # the rows this step used are not updated
-            self._restore_buffers(buffers)
-        else:
-            self.head_optimizer.step(rows)
-        self.head_optimizer.zero_grad(set_to_none=True)
-        out = {"loss": loss_sum / k, "lr": lr, "grad_norm": grad_norm, "skipped": skip,
-               "overflow": overflow, "stop_request": -minus_stop}
-        if angles:
-            out["angles"] = sample
-        return DeviceScalars(out)
+        update = self.backend.update(pending, bool(all_finite))
+        self._update_head(update.applied, rows, saved)
+        return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
+                          stop_request=-minus_stop, angles=sample,
+                          numbers=DeviceScalars({"loss": loss_sum / k,
+                                                 "grad_norm": pending.grad_norm}))
 
-    def _agree(self, finite: torch.Tensor, rows: SampledRows, stop_request: int) -> torch.Tensor:
+    def _forward(self, images: Tensor, labels: Tensor, k: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One micro-batch: the backbone's forward, the head's forward and backward on the
+        detached embeddings, and the backbone's surrogate loss (module docstring, step 2).
+        Returns ``(e, labels, loss, surrogate)``: ``e`` the head's fp32 input holding
+        ``dL_global/de_local`` in ``e.grad``."""
+        x = normalize_images(images.to(self.device, non_blocking=True))
+        x = x.to(dtype=self.backend.input_dtype, memory_format=self.memory_format)
+        y = labels.to(self.device, non_blocking=True)
+        with self.backend.autocast():
+            emb = self.backend.model(x)
+        e = emb.detach().float().requires_grad_()
+        with self._head_operands():
+            loss = self.head(e, y, sizes=[self.cfg.train.batch_size] * self.env.world_size,
+                             defer_label_check=True)
+        (loss / k).backward()
+        return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
+
+    def _agree(self, finite: Tensor, rows: SampledRows, backbone_finite: Tensor | None,
+               stop_request: int) -> Tensor:
         """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
-        0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN), no host
-        read. The label flag is ``rows``' deferred check of this step's forwards (the same
-        on all ranks: gathered labels). ``stop_request`` enters negated, so MIN agrees on
-        the largest; ``torch.full`` writes it on the device (a tensor made from a host value
-        would be a blocking copy)."""
+        0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN) on
+        ``env.group``, no host read (``trainer.engine.backend.Agree``). The label flag is the
+        deferred check of this step's forwards carried by ``rows`` (the same on all ranks:
+        gathered labels). ``stop_request`` enters negated, so MIN agrees on the largest;
+        ``torch.full`` writes it on the device (a tensor made from a host value would be a
+        blocking copy)."""
+        if backbone_finite is not None:
+            finite = finite & backbone_finite
         request = torch.full((), -stop_request, dtype=torch.int32, device=self.device)
         flags = torch.stack([finite.to(torch.int32), rows.labels_ok().to(torch.int32),
                              request])
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.env.group)
         return flags
+
+    def _update_head(self, applied: bool, rows: SampledRows, saved: dict[str, Tensor]) -> None:
+        """The head follows the backbone: its optimizer steps on this step's ``rows`` when the
+        backbone's update was applied; otherwise those rows are not updated (the value is
+        dropped) and every buffer is put back (:meth:`_buffers`)."""
+        if applied:
+            self.head_optimizer.step(rows)
+        else:
+            self._restore_buffers(saved)
+        self.head_optimizer.zero_grad(set_to_none=True)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Copies of the backbone's and the head's buffers (BatchNorm statistics, the
@@ -310,15 +317,7 @@ class Engine:
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""
-        if self.input_dtype != torch.float32:
-            return torch.autocast(self.device.type, dtype=self.input_dtype)
+        dtype = self.backend.input_dtype
+        if dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
-
-    def _clip(self) -> torch.Tensor:
-        """The backbone's gradient norm, a 0-d fp32 tensor (no host read), after clipping the
-        gradients to ``train.clip_grad_norm`` when it is set."""
-        params = [p for p in self.backbone.parameters() if p.grad is not None]
-        clip = self.cfg.train.clip_grad_norm
-        if clip is None:
-            return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
-        return torch.nn.utils.clip_grad_norm_(params, clip)

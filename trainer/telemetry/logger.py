@@ -21,19 +21,19 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from partial_fc.metric_names import SCALE_DYNAMICS
 from trainer.config import Config, dump_config
+from trainer.dist import launcher_rank
 from trainer.telemetry import run_files
 from trainer.telemetry.console import Console
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
 
-
-def launcher_rank() -> int:
-    """This process's global rank as torchrun exported it (0 without torchrun)."""
-    return int(os.environ.get("RANK", "0"))
+if TYPE_CHECKING:
+    from trainer.engine import StepResult
 
 
 def print_main(message: str) -> None:
@@ -110,7 +110,7 @@ class RunLogger:
     def step(
         self,
         step: int,
-        stats: dict,
+        result: StepResult,
         head_stats: dict,
         data: dict | None,
         device: torch.device,
@@ -120,8 +120,8 @@ class RunLogger:
         (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
         ``padded_samples``), given on the steps that are :meth:`due`.
 
-        ``stats`` and ``head_stats`` are read only on the steps that are :meth:`due`: the
-        engine and the head keep their numbers on the device
+        ``result`` (the engine's ``StepResult``) and ``head_stats`` are read only on the steps
+        that are :meth:`due`: the engine and the head keep their numbers on the device
         (``partial_fc.readout.DeviceScalars``) and a read makes the host wait for the GPU."""
         if not self.active:
             return
@@ -135,9 +135,9 @@ class RunLogger:
         self._last_t, self._last_step = now, step
         record = {
             "step": step,
-            "loss": stats["loss"],
-            "lr": stats["lr"],
-            "grad_norm": stats["grad_norm"],
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
             **{name: head_stats.get(name) for name in SCALE_DYNAMICS},
             "img_per_s": img_s,
             "memory_mb": memory_mb(device),

@@ -1,4 +1,4 @@
-"""partial_fc.kernels.triton_margin against a float64 reference of the class-tile functions.
+"""The class-tile back-ends (partial_fc.tiles: Triton kernels, PyTorch reference) against float64.
 
 Without CUDA the kernels run in triton's interpreter (``TRITON_INTERPRET=1``, set here before
 triton is imported) on CPU tensors, at small odd sizes that exercise every mask, several class
@@ -32,15 +32,20 @@ import sys
 import pytest
 import torch
 
-from partial_fc import chunked
+from partial_fc.tiles import ReferenceTiles
 
 CUDA = torch.cuda.is_available()
 if not CUDA:  # must precede the first import of triton (triton.jit reads it at decoration)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-tm = pytest.importorskip("partial_fc.kernels.triton_margin",
+tm = pytest.importorskip("partial_fc.tiles.triton",
                          reason="triton is not installed (pip install triton)")
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def _seven_columns(n: int) -> ReferenceTiles:
+    """The reference back-end sweeping 7 columns at a time for ``n`` rows."""
+    return ReferenceTiles(4 * n * 7)
 U = 2.0**-24
 OP_ROUNDOFF = {torch.float32: U, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 FP16_UNDERFLOW = 2.0**-25  # half fp16's subnormal spacing: dL/dcos below ~6e-8 rounds to 0
@@ -161,7 +166,7 @@ def _check_stats(n, s_cols, d, e_dtype, w_dtype, s, targets, tensor_scale=False,
     e, w, inv, tgt = _inputs(n, s_cols, d, e_dtype, w_dtype, targets)
     before = [t.clone() for t in (e, w, inv, tgt)]
     scale = torch.tensor(s, device=DEVICE) if tensor_scale else s  # AdaCos passes a 0-d tensor
-    row_max, row_sum, cos_sum = (stats or tm.class_tile_stats)(e, w, inv, tgt, scale, chunk=7)
+    row_max, row_sum, cos_sum = (stats or tm.class_tile_stats)(e, w, inv, tgt, scale)
     e_op, w_op, cos, keep = _reference(e, w, inv, tgt, s)
     want_max, want_sum, want_cos = _reference_stats(cos, keep, s)
     max_bound, rel_sum, cos_bound = _stats_bounds(e_op, w_op, inv, cos, keep, s, d)
@@ -180,7 +185,7 @@ def _check_grads(n, s_cols, d, e_dtype, w_dtype, s, targets, grads=None):
     logits = torch.where(keep, s * cos, 0.8 * s * cos)  # a margin-lowered target logit
     lse, coef, tgrad = _backward_inputs(n, s_cols, tgt, torch.logsumexp(logits, dim=1))
     before = [t.clone() for t in (e, w, inv, tgt, lse, coef, tgrad)]
-    grad_e, grad_w = (grads or tm.class_tile_grads)(e, w, inv, tgt, s, lse, coef, tgrad, chunk=7)
+    grad_e, grad_w = (grads or tm.class_tile_grads)(e, w, inv, tgt, s, lse, coef, tgrad)
     assert all(torch.equal(a, b) for a, b in zip(before, (e, w, inv, tgt, lse, coef, tgrad),
                                                  strict=True))
     g = _dcos(cos, keep, tgt, s, lse, coef, tgrad)
@@ -224,12 +229,13 @@ def test_class_tile_grads_match_float64(case, poisoned):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_chunked_torch_path_matches_float64(case, poisoned):
-    """The PyTorch path (``partial_fc.chunked``, chunk = 7 columns: several chunks, a partial
-    last one) within the same bounds as the kernels."""
+def test_reference_tiles_match_float64(case, poisoned):
+    """The PyTorch reference (``partial_fc.tiles.reference``, chunk = 7 columns: several
+    chunks, a partial last one) within the same bounds as the kernels."""
+    ref = _seven_columns(CASES[case][0])
     _check_stats(*CASES[case], tensor_scale=case.startswith("odd"),
-                 stats=chunked.class_tile_stats)
-    _check_grads(*CASES[case], grads=chunked.class_tile_grads)
+                 stats=ref.class_tile_stats)
+    _check_grads(*CASES[case], grads=ref.class_tile_grads)
 
 
 @pytest.mark.cuda
@@ -238,11 +244,12 @@ def test_chunked_torch_path_matches_float64(case, poisoned):
 def test_compiled_kernels_match_float64_at_medium_sizes(case, poisoned):
     _check_stats(*MEDIUM[case], tensor_scale=True)
     _check_grads(*MEDIUM[case])
-    _check_stats(*MEDIUM[case], tensor_scale=True, stats=chunked.class_tile_stats)
-    _check_grads(*MEDIUM[case], grads=chunked.class_tile_grads)
+    ref = _seven_columns(MEDIUM[case][0])
+    _check_stats(*MEDIUM[case], tensor_scale=True, stats=ref.class_tile_stats)
+    _check_grads(*MEDIUM[case], grads=ref.class_tile_grads)
 
 
-@pytest.mark.parametrize("grads", [tm.class_tile_grads, chunked.class_tile_grads],
+@pytest.mark.parametrize("grads", [tm.class_tile_grads, _seven_columns(40).class_tile_grads],
                          ids=["triton", "torch"])
 def test_bf16_weight_gradient_is_the_fp32_one_rounded_once(grads):
     """A bf16 ``w`` (the head's ``state_dtype=bf16``) gets its gradient in bf16: the fp32
@@ -251,8 +258,8 @@ def test_bf16_weight_gradient_is_the_fp32_one_rounded_once(grads):
     e, w, inv, tgt = _inputs(40, 150, 32, torch.bfloat16, torch.bfloat16, "mixed")
     _, _, cos, keep = _reference(e, w, inv, tgt, 64.0)
     lse, coef, tgrad = _backward_inputs(40, 150, tgt, torch.logsumexp(64.0 * cos, dim=1))
-    grad_e, grad_w = grads(e, w, inv, tgt, 64.0, lse, coef, tgrad, chunk=7)
-    want_e, want_w = grads(e, w.float(), inv, tgt, 64.0, lse, coef, tgrad, chunk=7)
+    grad_e, grad_w = grads(e, w, inv, tgt, 64.0, lse, coef, tgrad)
+    want_e, want_w = grads(e, w.float(), inv, tgt, 64.0, lse, coef, tgrad)
     assert grad_w.dtype == torch.bfloat16 and want_w.dtype == torch.float32
     assert torch.equal(grad_e, want_e) and torch.equal(grad_w, want_w.bfloat16())
 
@@ -301,18 +308,18 @@ def test_rejects_mismatched_inputs():
 
 def test_missing_triton_is_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.delitem(sys.modules, "partial_fc.kernels.triton_margin")
+    monkeypatch.delitem(sys.modules, "partial_fc.tiles.triton", raising=False)
     with pytest.raises(ImportError, match="needs triton, which is not installed"):
-        importlib.import_module("partial_fc.kernels.triton_margin")
+        importlib.import_module("partial_fc.tiles.triton")
 
 
 @pytest.mark.slow  # a fresh interpreter importing every partial_fc module: 3-15 s
 def test_nothing_else_imports_triton():
     code = ("import pkgutil, sys, importlib, partial_fc\n"
             "for m in pkgutil.walk_packages(partial_fc.__path__, 'partial_fc.'):\n"
-            "    if m.name != 'partial_fc.kernels.triton_margin':\n"
+            "    if m.name != 'partial_fc.tiles.triton':\n"
             "        importlib.import_module(m.name)\n"
-            "from partial_fc.kernels import triton_available\n"
+            "from partial_fc.tiles import triton_available\n"
             "assert triton_available()\n"
             "print(sorted(k for k in sys.modules if k.split('.')[0] == 'triton'))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """The class-tile passes of the margin softmax head in PyTorch, chunked over classes.
 
-Same names and semantics as the Triton kernels of ``partial_fc.kernels.triton_margin`` (used on
-CPU, and as their reference): ``e [N, D]`` normalised embeddings, ``w [S, D]`` this rank's
+The ``TileBackend`` of ``partial_fc.tiles`` that the Triton kernels (``partial_fc.tiles.triton``)
+are tested against, and the CPU path: ``e [N, D]`` normalised embeddings, ``w [S, D]`` this rank's
 (sampled) weight rows, *not* normalised, ``inv_norm [S] = 1 / ||w_k||`` folded into each chunk
 (no normalised copy of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` (arXiv:1801.07698 Eq. 2-3),
 ``target_col [N]`` the column of row ``i``'s target in ``w`` (``-1``: not in this shard).
@@ -17,10 +17,12 @@ multiplied in fp32; ``exp`` and every output are fp32 except ``grad_w``, which i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_columns", "class_tile_grads", "class_tile_stats"]
+__all__ = ["ReferenceTiles", "chunk_columns"]
 
 
 def chunk_columns(n: int, max_tile_bytes: int) -> int:
@@ -33,7 +35,8 @@ def _operands(e: Tensor, w: Tensor) -> tuple[Tensor, torch.dtype]:
     matmul in PyTorch rounds its *output* to 16 bits, so the products run in fp32 on operands
     rounded as the kernels round them."""
     if e.dim() != 2 or w.dim() != 2 or e.shape[1] != w.shape[1]:
-        raise ValueError(f"chunked: e {tuple(e.shape)} and w {tuple(w.shape)} need the same D")
+        raise ValueError(f"tiles.reference: e {tuple(e.shape)} and w {tuple(w.shape)} need "
+                         "the same D")
     op = w.dtype if e.dtype == torch.float32 else e.dtype
     return e.to(op).float(), op
 
@@ -57,26 +60,34 @@ def _put_targets(x: Tensor, target_col: Tensor, a: int, values: Tensor | float) 
     x.scatter_(1, col, torch.where(hit, values, x.gather(1, col)[:, 0])[:, None])
 
 
-def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Over the non-target columns of each row: ``row_max = max_k s cos_ik`` (``-inf`` if none),
-    ``row_sum = sum_k exp(s cos_ik - row_max_i)`` and ``cos_sum = sum_k cos_ik``, ``[N]`` fp32.
-    ``s`` is a float or a 0-d tensor; at most ``chunk`` columns are materialised at once."""
-    with torch.no_grad(), torch.autocast(e.device.type, enabled=False):  # fp32 products
-        return _stats(e, w, inv_norm, target_col, s, chunk)
+@dataclass(frozen=True)
+class ReferenceTiles:
+    """The class-tile passes in PyTorch, ``chunk_columns(N, max_tile_bytes)`` columns at a time."""
 
+    max_tile_bytes: int
 
-def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
-                     chunk: int) -> tuple[Tensor, Tensor]:
-    """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
-    ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` fp32 and,
-    w.r.t. the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
-    ``g = G^T E`` ``[S, D]`` in ``w.dtype`` (computed in fp32 per chunk, rounded once).
-    ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the projection costs one column sum
-    per chunk."""
-    with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
-        return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk)
+    def class_tile_stats(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                         s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
+        """Over the non-target columns of each row: ``row_max = max_k s cos_ik`` (``-inf`` if
+        none), ``row_sum = sum_k exp(s cos_ik - row_max_i)`` and ``cos_sum = sum_k cos_ik``,
+        ``[N]`` fp32. ``s`` is a float or a 0-d tensor."""
+        with torch.no_grad(), torch.autocast(e.device.type, enabled=False):  # fp32 products
+            return _stats(e, w, inv_norm, target_col, s, self._chunk(e))
+
+    def class_tile_grads(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                         s: Tensor | float, lse: Tensor, coef: Tensor,
+                         target_grad: Tensor) -> tuple[Tensor, Tensor]:
+        """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
+        ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` fp32
+        and, w.r.t. the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))``
+        with ``g = G^T E`` ``[S, D]`` in ``w.dtype`` (computed in fp32 per chunk, rounded once).
+        ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the projection costs one column sum
+        per chunk."""
+        with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
+            return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, self._chunk(e))
+
+    def _chunk(self, e: Tensor) -> int:
+        return chunk_columns(e.shape[0], self.max_tile_bytes)
 
 
 def _stats(e, w, inv_norm, target_col, s, chunk):

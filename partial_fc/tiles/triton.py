@@ -1,12 +1,13 @@
 """Triton kernels for the class-tiled margin softmax head: no ``[N, S]`` tensor is ever written.
 
-Same names and semantics as the PyTorch class-tile functions of ``partial_fc.chunked`` (the
-reference these kernels are tested against); ``docs/kernels.md`` has the design, the FLOP and
-byte floors and what was verified where. Notation: ``e [N, D]`` normalised embeddings, ``w [S, D]``
-this rank's (sampled) weight rows, *not* normalised, ``inv_norm [S] = 1 / ||w_k||`` folded into
-each tile (no normalised copy of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` with fp32
-accumulation (arXiv:1801.07698 Eq. 2-3), ``target_col [N]`` the column of row ``i``'s target in
-``w`` (``-1``: another rank's or not sampled).
+The ``TileBackend`` of ``partial_fc.tiles`` on CUDA (this module is the back-end), with the
+semantics of ``partial_fc.tiles.reference`` (the reference these kernels are tested against);
+``docs/kernels.md`` has the design, the FLOP and byte floors and what was verified where.
+Notation: ``e [N, D]`` normalised embeddings, ``w [S, D]`` this rank's (sampled) weight rows,
+*not* normalised, ``inv_norm [S] = 1 / ||w_k||`` folded into each tile (no normalised copy
+of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` with fp32 accumulation (arXiv:1801.07698
+Eq. 2-3), ``target_col [N]`` the column of row ``i``'s target in ``w`` (``-1``: another rank's
+or not sampled).
 
 Forward, ``_stats_kernel``: recomputes ``cos`` tile by tile (as Cut Cross-Entropy does,
 arXiv:2411.09009) for an online row max / sum-exp over non-target columns and the non-target
@@ -45,9 +46,9 @@ try:
     import triton.language as tl
 except ImportError as err:  # triton ships with CUDA builds of torch, not with CPU ones
     raise ImportError(
-        "partial_fc.kernels.triton_margin needs triton, which is not installed: "
+        "partial_fc.tiles.triton needs triton, which is not installed: "
         "pip install triton (it ships with CUDA builds of torch); on CPU use the PyTorch "
-        "class-tile path of partial_fc.chunked"
+        "class-tile path of partial_fc.tiles.reference"
     ) from err
 
 __all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "operand_constexprs"]
@@ -264,32 +265,32 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
     *extra]``, the scale as a 1-element fp32 tensor (no host sync for an AdaCos tensor scale),
     the operand dtype and the kernels' dtype constexprs."""
     if e.dim() != 2 or w.dim() != 2 or e.shape[1] != w.shape[1]:
-        raise ValueError(f"triton_margin: e {tuple(e.shape)} and w {tuple(w.shape)} must be "
+        raise ValueError(f"tiles.triton: e {tuple(e.shape)} and w {tuple(w.shape)} must be "
                          "[N, D] and [S, D] with the same D")
     n, s_cols = e.shape[0], w.shape[0]
     if n == 0 or s_cols == 0:
-        raise ValueError(f"triton_margin: empty input (N={n}, S={s_cols}); the head never "
+        raise ValueError(f"tiles.triton: empty input (N={n}, S={s_cols}); the head never "
                          "calls with no rows or no classes")
     if e.dtype not in _TL_DTYPES or w.dtype not in _TL_DTYPES:
-        raise ValueError(f"triton_margin: e/w dtypes {e.dtype}/{w.dtype}; supported: "
+        raise ValueError(f"tiles.triton: e/w dtypes {e.dtype}/{w.dtype}; supported: "
                          "float32, bfloat16, float16")
     narrow = {e.dtype, w.dtype} - {torch.float32}
     if len(narrow) > 1:
-        raise ValueError("triton_margin: e and w mix bfloat16 and float16; cast one of them")
+        raise ValueError("tiles.triton: e and w mix bfloat16 and float16; cast one of them")
     shapes = {"inv_norm": (inv_norm, (s_cols,), torch.float32),
               "target_col": (target_col, (n,), torch.int64),
               **{k: (v, (n,), torch.float32) for k, v in extra.items()}}
     for name, (t, shape, dtype) in shapes.items():
         if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"triton_margin: {name} is {t.dtype} {tuple(t.shape)}, expected "
+            raise ValueError(f"tiles.triton: {name} is {t.dtype} {tuple(t.shape)}, expected "
                              f"{dtype} {shape}")
     tensors = [e, w, inv_norm, target_col, *extra.values()]
     if any(t.device != e.device for t in tensors):
-        raise ValueError("triton_margin: all tensors must be on one device")
+        raise ValueError("tiles.triton: all tensors must be on one device")
     interpret = bool(triton.knobs.runtime.interpret)
     if e.device.type != "cuda" and not interpret:
-        raise ValueError(f"triton_margin: tensors on {e.device} need TRITON_INTERPRET=1 "
-                         "(slow, for tests); on CPU use partial_fc.chunked")
+        raise ValueError(f"tiles.triton: tensors on {e.device} need TRITON_INTERPRET=1 "
+                         "(slow, for tests); on CPU use partial_fc.tiles.reference")
     widen = interpret or e.device.type != "cuda"  # see the module docstring
     op, consts = operand_constexprs(e.dtype, w.dtype, widen, _fp32_is_exact())
     # A float becomes a device fill: as_tensor would copy it from the host and wait for it.
@@ -299,21 +300,19 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
 
 
 def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
     """Row statistics of the non-target logits ``s cos_ik`` of this rank's classes.
 
     Args:
         e: ``[N, D]`` normalised embeddings (fp32/bf16/fp16). w: ``[S, D]`` weight rows, not
             normalised. inv_norm: ``[S]`` fp32 ``1 / ||w_k||``. target_col: ``[N]`` int64,
             column of row ``i``'s target in ``w`` or ``-1``. s: the scale (float or 0-d tensor).
-        chunk: ignored (the PyTorch path's memory budget); the kernels hold tiles only.
 
     Returns:
         ``row_max [N]`` fp32 ``max_k s cos_ik`` (``-inf`` if the row has no non-target column),
         ``row_sum [N]`` fp32 ``sum_k exp(s cos_ik - row_max_i)``, ``cos_sum [N]`` fp32
         ``sum_k cos_ik``; all over non-target columns ``k != target_col_i``.
     """
-    del chunk
     (e, w, inv_norm, target_col), scale, _, consts = _prepare(e, w, inv_norm, target_col, s, {})
     (n, d), s_cols = e.shape, w.shape[0]
     t = _tiles(e.device)
@@ -331,8 +330,8 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
 
 
 def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
-                     chunk: int | None = None) -> tuple[Tensor, Tensor]:
+                     s: Tensor | float, lse: Tensor, coef: Tensor,
+                     target_grad: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients of the loss through the cosines, recomputing the ``cos`` tiles.
 
     With ``G_ik = dL/dcos_ik``: ``coef_i exp(s cos_ik - lse_i)`` for ``k != target_col_i`` and
@@ -346,7 +345,6 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         e, w, inv_norm, target_col, s: as in ``class_tile_stats``.
         lse: ``[N]`` fp32 global log-sum-exp of the logits. coef: ``[N]`` fp32.
         target_grad: ``[N]`` fp32 (read only where ``target_col_i >= 0``).
-        chunk: ignored (the kernels use their own buffer budget).
 
     Returns:
         ``grad_e [N, D]`` fp32 ``sum_k G_ik inv_k w_k``; ``grad_w [S, D]`` in ``w.dtype``
@@ -354,7 +352,6 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         gradient w.r.t. the unnormalised rows: ``inv_k (g_k - w_hat_k (w_hat_k . g_k))`` with
         ``g_k = sum_i G_ik e_i``.
     """
-    del chunk
     extra = {"lse": lse, "coef": coef, "target_grad": target_grad}
     tensors, scale, op, consts = _prepare(e, w, inv_norm, target_col, s, extra)
     e, w, inv_norm, target_col, lse, coef, target_grad = tensors

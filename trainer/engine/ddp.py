@@ -1,0 +1,78 @@
+"""The backbone under torch's DistributedDataParallel (``engine.type=ddp``).
+
+DDP keeps full fp32 parameters and a plain torch optimizer on every rank and all-reduces
+(averages) the gradients during the last micro-batch's backward; a bf16 run autocasts the
+forward. It has no overflow check of its own: the gradient norm joins the engine's agreed
+flags, and the optimizer steps only when every rank found the step finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import Config
+from trainer.dist import DistEnv
+from trainer.engine.backend import (
+    Agree,
+    Pending,
+    Update,
+    load_torch_optimizer_state,
+    torch_optimizer_state,
+)
+
+
+class DDPBackend:
+    """:class:`trainer.engine.backend.BackboneBackend` over ``DistributedDataParallel`` on
+    ``env.group``."""
+
+    def __init__(self, cfg: Config, module: nn.Module, backbone: nn.Module,
+                 optimizer: torch.optim.Optimizer, env: DistEnv):
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=ids, process_group=env.group)
+        self.input_dtype = torch.float32
+        self.backbone, self.optimizer = backbone, optimizer
+        self.device_type = env.device.type
+        self.precision, self.clip = cfg.engine.precision, cfg.train.clip_grad_norm
+
+    def micro_batch(self, boundary: bool):
+        """No gradient all-reduce before the last micro-batch (``no_sync``)."""
+        return contextlib.nullcontext() if boundary else self.model.no_sync()
+
+    def autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def backward(self, surrogate: Tensor) -> None:
+        surrogate.backward()
+
+    def last_backward(self, surrogate: Tensor, step: int, agree: Agree) -> Pending:
+        surrogate.backward()
+        grad_norm = self._clip()
+        # DDP's gradients are all-reduced, so every rank computes the same norm.
+        return Pending(agree(torch.isfinite(grad_norm)), grad_norm, dropped=False)
+
+    def update(self, pending: Pending, finite: bool) -> Update:
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return Update(applied=finite, overflow=False)
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        return torch_optimizer_state(self.backbone, self.optimizer)
+
+    def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
+        load_torch_optimizer_state(self.backbone, self.optimizer, state)
+
+    def _clip(self) -> Tensor:
+        """The backbone's gradient norm, a 0-d fp32 tensor (no host read), after clipping the
+        gradients to ``train.clip_grad_norm`` when it is set."""
+        params = [p for p in self.backbone.parameters() if p.grad is not None]
+        if self.clip is None:
+            return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
+        return torch.nn.utils.clip_grad_norm_(params, self.clip)
