@@ -126,7 +126,7 @@ def _untrained(seed: int):
     """The backbone exactly as launch.train initialises it (``torch.manual_seed(seed)``)."""
     cfg = load_config(CONFIG, resolve=False)
     torch.manual_seed(seed)
-    return build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
+    return build_backbone(**cfg.backbone.build_kwargs())
 
 
 def _pct(mean: float, std: float | None = None) -> str:

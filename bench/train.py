@@ -6,6 +6,7 @@
     python bench/train.py --synthetic-data 1000 --workers 10   # batches from the real loader
     python bench/train.py --data DIR --compile              # a converted folder; torch.compile
     python bench/train.py --json figures.json               # the table's figures as JSON too
+    python bench/train.py --backbone vit_b --checkpointing 1 --batch 256   # a ViT, checkpointed
 
 One process, a 1-rank process group (``trainer.dist.init_distributed``, no torchrun).
 
@@ -98,7 +99,8 @@ def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.d
     return Config.model_validate({
         "device": device.type,
         "data": data,
-        "backbone": {"name": args.backbone},
+        "backbone": {"name": args.backbone, "checkpointing": args.checkpointing,
+                     "depth": args.depth},
         "head": {"sample_rate": rate, "kernel": args.kernel, "state_dtype": args.state_dtype},
         "train": {"batch_size": args.batch},
         "engine": {"type": args.engine, "precision": args.precision, "compile": args.compile},
@@ -146,8 +148,8 @@ def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_backbone(args.backbone).to(device, memory_format=fmt)
-    opt = make_optimizer(cfg.optim, model.parameters())
+    model = build_backbone(**cfg.backbone.build_kwargs()).to(device, memory_format=fmt)
+    opt = make_optimizer(cfg.optim, model)
     if args.compile:
         model = torch.compile(model)
     x = torch.randn(args.batch, 3, 112, 112, device=device).to(memory_format=fmt)
@@ -175,7 +177,7 @@ def run_step(args: argparse.Namespace, env: DistEnv, classes: int, rate: float) 
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
                      process_group=env.group, seed=cfg.seed, device=device,
                      **cfg.head.partial_fc_kwargs())  # as launch.train builds it
-    engine = Engine(cfg, build_backbone(args.backbone), head, env,
+    engine = Engine(cfg, build_backbone(**cfg.backbone.build_kwargs()), head, env,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)
     engine.backend.model.register_forward_pre_hook(lambda *_: marks("input"))
@@ -218,7 +220,7 @@ def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int) -> 
     flags = ["--classes", str(classes), "--sample-rate", str(rate), "--gpus", str(gpus),
              "--batch", str(args.batch), "--backbone", args.backbone,
              "--precision", args.precision, "--engine", args.engine, "--reserve", "0",
-             "--state-dtype", args.state_dtype]
+             "--state-dtype", args.state_dtype, "--checkpointing", str(args.checkpointing)]
     return plan.plan(plan_cli.resolve_inputs(plan_cli.build_parser().parse_args(flags)))
 
 
@@ -310,7 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--runs", type=_runs, help="classes:rate,... (CUDA default "
                    "1000:1.0,1000000:1.0,1000000:0.1; CPU default 1000:1.0,20000:1.0,20000:0.1)")
-    p.add_argument("--backbone", help="default iresnet50 on CUDA, iresnet_tiny on CPU")
+    p.add_argument("--backbone", help="any backbone.name (iresnet*, mobilefacenet, vit_t|s|b|l|h, "
+                   "timm:<model>); default iresnet50 on CUDA, iresnet_tiny on CPU")
+    p.add_argument("--checkpointing", type=int, default=0, help="backbone.checkpointing: "
+                   "every k-th block recomputed in the backward (iresnet*, vit_*; default 0)")
+    p.add_argument("--depth", type=int, help="backbone.depth: a ViT's block count (default: "
+                   "the architecture's)")
     p.add_argument("--batch", type=int, help="images per step (default 128 CUDA, 8 CPU)")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="default bf16 CUDA, fp32 CPU")
     p.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp",

@@ -32,6 +32,7 @@ _FLAGS = {  # flag -> the recipe key supplying it (trainer.config's schema: the 
     "max_tile_mib": "head.max_tile_mib",
     "max_update_mib": "head.max_update_mib",
     "state_dtype": "head.state_dtype",
+    "checkpointing": "backbone.checkpointing",
 }
 
 
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, help="embedding size D")
     p.add_argument("--batch", type=int, help="images per GPU")
     p.add_argument("--backbone", help=f"one of {', '.join(list_backbones())}")
+    p.add_argument("--checkpointing", type=int, help="activation checkpointing of every k-th "
+                   "block (ViTs; 0 = off)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], help="sgd = with momentum")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="backbone compute")
     p.add_argument("--engine", choices=["ddp", "deepspeed"], help="backbone replication")
@@ -117,6 +120,7 @@ def _check(inp: Inputs) -> None:
         (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
         (inp.max_update_mib < 1, f"--max-update-mib={inp.max_update_mib}: must be >= 1"),
         (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
+        (inp.checkpointing < 0, f"--checkpointing={inp.checkpointing}: must be >= 0"),
         (inp.backbone not in list_backbones(),
          f"--backbone={inp.backbone!r}: unknown (valid: {', '.join(list_backbones())})"),
         (inp.engine == "ddp" and inp.precision == "fp16",
@@ -141,7 +145,9 @@ def format_table(r: dict) -> str:
         f"({i['gpus_per_node']}/node): "
         f"{r['classes_per_gpu']:,} per GPU, {r['sampled_classes_per_gpu']:,} sampled (r="
         f"{i['sample_rate']}); D={i['dim']}, batch {i['batch']}/GPU; {i['backbone']} "
-        f"({r['backbone_params'] / 1e6:.1f}M params), {i['engine']} {i['precision']}"
+        f"({r['backbone_params'] / 1e6:.1f}M params"
+        + (f", checkpointing every {i['checkpointing']}" if i["checkpointing"] else "")
+        + f"), {i['engine']} {i['precision']}"
         + (f" ZeRO-{i['zero_stage']}" if i["engine"] == "deepspeed" else "")
         + f", {i['optimizer']}, head state {i['state_dtype']}",
         "",

@@ -271,7 +271,7 @@ class PartialFC(nn.Module):
             row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
-            functools.partial(self.margin.psi, step=step), s, group)
+            functools.partial(self.margin.target, step=step), s, group)
         if self.training:
             self.step += 1
             self._step_host = step + 1

@@ -31,7 +31,7 @@ AdaCosMode = Literal["fixed", "dynamic"]
 # The keys build_margin reads. trainer.config.MarginConfig declares each one for the user (with
 # its default and description, plus the validation-only p_w); a test holds the two equal.
 MARGIN_KEYS = frozenset(
-    {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin"}
+    {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps"}
     | {"lambda_base", "lambda_gamma", "lambda_power", "lambda_min"}
 )
 _LAMBDAS = ("lambda_base", "lambda_gamma", "lambda_power", "lambda_min")
@@ -41,16 +41,38 @@ _ACOS_EPS = 1e-7
 
 
 class Margin(nn.Module):
-    """Base class: a target transform ``psi`` plus the scale module ``scale``."""
+    """Base class: a target transform ``psi`` plus the scale module ``scale``.
 
-    def __init__(self, scale: FixedScale | AdaCosScale) -> None:
+    Margin warm-up (``warmup_steps > 0``): the head uses :meth:`target`, which scales the
+    margin's penalty ``cos - psi(cos)`` by ``t = min(1, step / warmup_steps)``, i.e.
+    ``target = (1 - t) cos + t psi(cos)``: no margin (NormFace) at the first step, the full
+    margin from step ``warmup_steps`` on. For CosFace this is the margin ``t m`` exactly; for
+    the others it is the blend SphereFace's own annealing uses (arXiv:1704.08063), monotone in
+    the angle as both ends are. It eases the start of training where a full angular margin
+    stalls or diverges (ArcFace on ViTs: insightface issues #2144, #2043). The position in the
+    ramp is the head's ``step`` buffer, so checkpoints (the head's state_dict) carry it.
+    """
+
+    def __init__(self, scale: FixedScale | AdaCosScale, warmup_steps: int = 0) -> None:
         super().__init__()
+        _raise(_warmup_errors(warmup_steps))
         self.scale = scale
+        self.warmup_steps = int(warmup_steps)
 
     def psi(self, cos: Tensor, step: int) -> Tensor:
         """Target value for target cosines ``cos`` (any shape), fp32; ``step`` = training
         forwards so far (only SphereFace's lambda schedule reads it)."""
         raise NotImplementedError
+
+    def warmup_factor(self, step: int) -> float:
+        """The share ``t`` of the margin applied after ``step`` training forwards."""
+        return 1.0 if step >= self.warmup_steps else step / self.warmup_steps
+
+    def target(self, cos: Tensor, step: int) -> Tensor:
+        """The target logit's cosine after ``step`` forwards: ``psi`` under the warm-up."""
+        out = self.psi(cos, step)
+        t = self.warmup_factor(step)
+        return out if t == 1.0 else torch.lerp(cos.float(), out, t)
 
 
 class CombinedMargin(Margin):
@@ -76,8 +98,8 @@ class CombinedMargin(Margin):
     """
 
     def __init__(self, scale: FixedScale | AdaCosScale, m1: float = 1.0, m2: float = 0.0,
-                 m3: float = 0.0, easy_margin: bool = False) -> None:
-        super().__init__(scale)
+                 m3: float = 0.0, easy_margin: bool = False, warmup_steps: int = 0) -> None:
+        super().__init__(scale, warmup_steps)
         _raise(_combined_errors(m1, m2, m3, easy_margin))
         self.m1, self.m2, self.m3, self.easy_margin = float(m1), float(m2), float(m3), easy_margin
         # theta_th: where m1*theta + m2 reaches pi; None when it never does on [0, pi].
@@ -97,7 +119,8 @@ class CombinedMargin(Margin):
         return torch.where(c > math.cos(self.theta_th), out, c - self.m3 - penalty)
 
     def extra_repr(self) -> str:
-        return f"m1={self.m1}, m2={self.m2}, m3={self.m3}, easy_margin={self.easy_margin}"
+        return (f"m1={self.m1}, m2={self.m2}, m3={self.m3}, easy_margin={self.easy_margin}, "
+                f"warmup_steps={self.warmup_steps}")
 
 
 def chebyshev_t(c: Tensor, m: int) -> Tensor:
@@ -135,8 +158,9 @@ class SphereFaceMargin(Margin):
         lambda_gamma: float = 0.12,
         lambda_power: float = 1.0,
         lambda_min: float = 5.0,
+        warmup_steps: int = 0,
     ) -> None:
-        super().__init__(scale)
+        super().__init__(scale, warmup_steps)
         lambdas = {"lambda_base": lambda_base, "lambda_gamma": lambda_gamma,
                    "lambda_power": lambda_power, "lambda_min": lambda_min}
         _raise(_sphereface_errors(m, lambdas))
@@ -160,7 +184,8 @@ class SphereFaceMargin(Margin):
         return (lam * c + out) / (1 + lam) if lam > 0 else out
 
     def extra_repr(self) -> str:
-        return f"m={self.m}, lambda_base={self.lambda_base}, lambda_min={self.lambda_min}"
+        return (f"m={self.m}, lambda_base={self.lambda_base}, lambda_min={self.lambda_min}, "
+                f"warmup_steps={self.warmup_steps}")
 
 
 # Per-type defaults of ``m`` (the insightface / paper values); ``s`` defaults to 64.
@@ -188,6 +213,12 @@ def _nonneg(value: Any) -> bool:
 def _angle(value: Any) -> bool:
     """A margin added to the angle: cos(theta + m) must still fall on theta in [0, pi]."""
     return _nonneg(value) and value < math.pi
+
+
+def _warmup_errors(steps: Any) -> list[tuple[str, str]]:
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+        return []
+    return [_error("warmup_steps", steps, "must be an int >= 0 (0 = the full margin at once)")]
 
 
 def _easy_margin_errors(m1: float, m2: float, key: str) -> list[tuple[str, str]]:
@@ -230,7 +261,7 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         return [("margin", f"margin: unknown key(s) {unknown}; valid keys: {sorted(MARGIN_KEYS)}")]
     get = {k: v for k, v in cfg.items() if v is not None}.get
     kind, adacos = get("type"), get("adacos")
-    out = []
+    out = _warmup_errors(get("warmup_steps", 0))
     if kind not in MARGIN_TYPES:
         out.append(_error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}"))
     if adacos not in (None, *get_args(AdaCosMode)):
@@ -294,7 +325,9 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
     Keys: ``type`` (one of ``MARGIN_TYPES``), ``s``, ``m`` (SphereFace/CosFace/ArcFace),
     ``m1, m2, m3`` (combined), ``adacos`` (``None | "fixed" | "dynamic"``; required for
     ``type=adacos``, combinable with any other type), ``easy_margin`` (ArcFace/combined),
-    ``lambda_base, lambda_gamma, lambda_power, lambda_min`` (SphereFace annealing). A key
+    ``lambda_base, lambda_gamma, lambda_power, lambda_min`` (SphereFace annealing),
+    ``warmup_steps`` (any type: the margin ramps in over that many forwards, see
+    :class:`Margin`). A key
     whose value is ``None`` counts as absent; keys a type does not use are ignored, so one
     schema can pass them all. When ``adacos`` is set, ``s`` is ignored (AdaCos sets it).
     Unknown keys or values raise ``ValueError`` naming them (:func:`margin_errors`).
@@ -304,16 +337,16 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
     kind, adacos = get("type"), get("adacos")
     scale = AdaCosScale(adacos == "dynamic") if adacos else FixedScale(float(get("s", 64.0)))
     m = get("m", _DEFAULT_M.get(kind, 0.0))
+    warmup = int(get("warmup_steps", 0))
     if kind == "sphereface":
         anneal = {k: float(get(k)) for k in _LAMBDAS if get(k) is not None}
-        return SphereFaceMargin(scale, m=m, **anneal)
+        return SphereFaceMargin(scale, m=m, **anneal, warmup_steps=warmup)
     if kind in ("normface", "adacos"):
-        return CombinedMargin(scale)
+        return CombinedMargin(scale, warmup_steps=warmup)
     if kind == "cosface":
-        return CombinedMargin(scale, m3=float(m))
+        return CombinedMargin(scale, m3=float(m), warmup_steps=warmup)
     easy = bool(get("easy_margin", False))
     if kind == "arcface":
-        return CombinedMargin(scale, m2=float(m), easy_margin=easy)
-    return CombinedMargin(
-        scale, float(get("m1", 1.0)), float(get("m2", 0.0)), float(get("m3", 0.0)), easy
-    )
+        return CombinedMargin(scale, m2=float(m), easy_margin=easy, warmup_steps=warmup)
+    return CombinedMargin(scale, float(get("m1", 1.0)), float(get("m2", 0.0)),
+                          float(get("m3", 0.0)), easy, warmup_steps=warmup)

@@ -18,20 +18,21 @@ from trainer.checkpoint.integrity import META, sha256
 
 
 def make_run(root: Path, embedding_size: int = 16, tag: str = "step-00000010",
-             seed: int = 0) -> Path:
-    """A run folder in the trainer's layout holding a trained-looking iresnet_tiny: its
+             seed: int = 0, backbone: str = "iresnet_tiny", depth: int | None = None) -> Path:
+    """A run folder in the trainer's layout holding a trained-looking ``backbone`` (a ViT
+    with ``depth`` blocks where given): its
     ``backbone.pt`` and a ``meta.json`` listing its SHA-256 (what
     ``trainer.checkpoint.integrity`` checks).
     Called again with another ``tag`` (and ``seed``), it adds a checkpoint that ``latest``
     then names."""
     torch.manual_seed(seed)
-    model = build_backbone("iresnet_tiny", embedding_size=embedding_size)
+    model = build_backbone(backbone, embedding_size=embedding_size, depth=depth)
     with torch.no_grad():  # non-trivial running statistics, so eval mode is really exercised
         model.train()(torch.rand(8, 3, 112, 112) * 2 - 1)
     run, folder = root / "run", root / "run" / "checkpoints" / tag
     folder.mkdir(parents=True)
-    cfg = {"name": "t", "backbone": {"name": "iresnet_tiny", "embedding_size": embedding_size,
-                                     "dropout": 0.0}}
+    cfg = {"name": "t", "backbone": {"name": backbone, "embedding_size": embedding_size,
+                                     "dropout": 0.0, "depth": depth}}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     torch.save(model.state_dict(), folder / "backbone.pt")
     meta = {"files": {"backbone.pt": sha256(folder / "backbone.pt")}}

@@ -114,7 +114,11 @@ def build(cfg: Config, env: DistEnv) -> Run:
     from trainer.engine import Engine
 
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
-    backbone = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size, cfg.backbone.dropout)
+    backbone = build_backbone(**cfg.backbone.build_kwargs())
+    if cfg.backbone.weights is not None:
+        from trainer.checkpoint.backbone import load_initial_weights
+
+        load_initial_weights(backbone, cfg.backbone.weights)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
                      device=env.device, **cfg.head.partial_fc_kwargs())

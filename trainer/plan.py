@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from partial_fc import memory
-from partial_fc.backbones import build_backbone
+from partial_fc.backbones import build_backbone, vit
 
 GIB = 2**30
 
@@ -28,6 +28,17 @@ ACTIVATIONS = {
     ("iresnet200", "fp32"): 195_437_568, ("iresnet200", "bf16"): 97_718_784,
     ("iresnet_tiny", "fp32"): 4_768_768, ("iresnet_tiny", "bf16"): 2_384_384,
     ("mobilefacenet", "fp32"): 36_835_328, ("mobilefacenet", "bf16"): 18_417_664,
+    ("vit_t", "fp32"): 28_845_272, ("vit_t", "bf16"): 16_307_884,
+    ("vit_s", "fp32"): 57_453_784, ("vit_s", "bf16"): 32_455_340,
+    ("vit_b", "fp32"): 108_434_936, ("vit_b", "bf16"): 61_416_348,
+    ("vit_l", "fp32"): 162_495_992, ("vit_l", "bf16"): 92_006_300,
+}
+# One ViT block's share of the above (measure_block_activations), for backbone.checkpointing.
+BLOCK_ACTIVATIONS = {
+    ("vit_t", "fp32"): 2_366_216, ("vit_t", "bf16"): 1_334_020,
+    ("vit_s", "fp32"): 4_725_512, ("vit_s", "bf16"): 2_661_124,
+    ("vit_b", "fp32"): 4_462_984, ("vit_b", "bf16"): 2_513_284,
+    ("vit_l", "fp32"): 6_691_208, ("vit_l", "bf16"): 3_766_660,
 }
 
 # Measured on one H100 (issue 11, torch 2.11, bf16, batch 128): iresnet50 forward + backward
@@ -63,6 +74,7 @@ class Inputs:
     inter_bw: float
     latency_us: float
     row_sparse_grad: bool
+    checkpointing: int = 0
 
 
 def backbone_params(name: str, dim: int) -> tuple[int, int]:
@@ -86,25 +98,72 @@ def backbone_flops(name: str, dim: int = 512) -> float:
     return counter.get_total_flops() / 2
 
 
-def activations_per_image(name: str, precision: str) -> int:
-    """The table's entry (fp16 counts as bf16), or a measurement now (CPU-seconds)."""
+def activations_per_image(name: str, precision: str, checkpointing: int = 0) -> int:
+    """The table's entry (fp16 counts as bf16), or a measurement now (CPU-seconds); with
+    ``checkpointing = k > 0`` (ViTs) see :func:`checkpointed_activations`."""
     key = (name, "fp32" if precision == "fp32" else "bf16")
-    return ACTIVATIONS[key] if key in ACTIVATIONS else measure_activations(*key)
+    plain = ACTIVATIONS[key] if key in ACTIVATIONS else measure_activations(*key)
+    return checkpointed_activations(plain, *key, checkpointing) if checkpointing else plain
+
+
+def checkpointed_activations(plain: int, name: str, precision: str, every: int) -> int:
+    """Activation bytes per image of a ViT whose every ``every``-th block is checkpointed:
+    each of those ``n`` blocks keeps only its input (``[tokens, width]`` fp32: the residual
+    stream stays fp32 under autocast) instead of its saved tensors ``B``, and the backward
+    holds one recomputed block's ``B`` at a time: ``plain - n (B - input) + B``."""
+    if not name.startswith("vit_"):
+        raise PlanError(f"--checkpointing={every}: modelled for the ViTs only (their blocks "
+                        f"are alike), not {name!r}")
+    key = (name, precision)
+    block = BLOCK_ACTIVATIONS[key] if key in BLOCK_ACTIVATIONS else measure_block_activations(*key)
+    with torch.device("meta"):
+        model = build_backbone(name)
+    kept = int(vit.TOKENS * (1 - model.mask_ratio))
+    n = len(range(0, len(model.blocks), every))
+    return plain - n * (block - kept * model.width * 4) + block
+
+
+def recomputed_share(name: str, every: int) -> float:
+    """The share of a ViT's blocks that ``backbone.checkpointing=every`` recomputes."""
+    with torch.device("meta"):
+        depth = len(build_backbone(name).blocks)
+    return len(range(0, depth, every)) / depth
+
+
+def _per_image(model: torch.nn.Module, precision: str) -> int:
+    """Saved-for-backward bytes at batch 4 minus batch 2, halved (the batch-independent
+    part, e.g. autocast's weight copies, cancels)."""
+    a2, a4 = (memory.activation_bytes(model, b, precision) for b in (2, 4))
+    return (a4 - a2) // 2
+
+
+@functools.cache
+def measure_block_activations(name: str, precision: str) -> int:
+    """Saved-for-backward bytes per image of one ViT block: the model at depth 3 minus depth 2
+    (blocks after the first are alike: same width, tokens and stochastic depth)."""
+    torch.manual_seed(0)
+    at = {d: _per_image(build_backbone(name, depth=d), precision) for d in (2, 3)}
+    return at[3] - at[2]
 
 
 @functools.cache
 def measure_activations(name: str, precision: str) -> int:
-    """Activation bytes per image: saved-for-backward bytes at batch 4 minus batch 2, halved
-    (the batch-independent part, e.g. autocast's weight copies, cancels)."""
-    model = build_backbone(name)
-    a2, a4 = (memory.activation_bytes(model, b, precision) for b in (2, 4))
-    return (a4 - a2) // 2
+    """Activation bytes per image (:func:`_per_image`). A ViT is measured at depth 2 and
+    extended by :func:`measure_block_activations` per further block (exact, and seconds instead of
+    minutes of CPU for ViT-L/H; vit_h is left out of the table for that cost)."""
+    torch.manual_seed(0)  # the same masking draws every time
+    if name.startswith("vit_"):
+        with torch.device("meta"):
+            depth = len(build_backbone(name).blocks)
+        two = _per_image(build_backbone(name, depth=2), precision)
+        return two + (depth - 2) * measure_block_activations(name, precision)
+    return _per_image(build_backbone(name), precision)
 
 
 def plan(inp: Inputs) -> dict:
     """Everything the CLI prints, as one JSON-ready dict (bytes, seconds)."""
     params, trainable = backbone_params(inp.backbone, inp.dim)
-    act = activations_per_image(inp.backbone, inp.precision) * inp.batch
+    act = activations_per_image(inp.backbone, inp.precision, inp.checkpointing) * inp.batch
     bb = memory.backbone_state_bytes(params, inp.gpus, trainable=trainable, engine=inp.engine,
                                      precision=inp.precision, zero_stage=inp.zero_stage,
                                      optimizer=inp.optimizer)
@@ -158,10 +217,13 @@ def step_model(result: dict, head_factor: float) -> dict:
     """Modelled step time on H100s: the backbone's measured single-GPU step (scaled by flops
     from iresnet50 and by batch), the head at ``head_factor`` x its matmul time, the head's
     collectives in full, and the backbone's gradient sync minus the backward it overlaps
-    (DDP buckets; backward ~ 2/3 of the backbone step)."""
+    (DDP buckets; backward ~ 2/3 of the backbone step); checkpointed blocks run their
+    forward twice."""
     inp = result["inputs"]
     per_image = backbone_flops(inp["backbone"], inp["dim"]) / backbone_flops("iresnet50")
     t_bb = inp["batch"] * per_image / R50_IMAGES_PER_S
+    if inp["checkpointing"]:  # a recomputed block: one more forward, ~1/3 of its step
+        t_bb *= 1 + recomputed_share(inp["backbone"], inp["checkpointing"]) / 3
     flops = memory.head_matmul_flops(inp["batch"] * inp["gpus"],
                                      result["sampled_classes_per_gpu"], inp["dim"])
     t_head = head_factor * flops / HEAD_MATMUL_FLOPS_PER_S

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from partial_fc.backbones.checkpointing import run_blocks
 from partial_fc.backbones.norm import BatchNorm1d, BatchNorm2d
 
 _FEATURE_MAP = 7  # 112 / 2**4
@@ -62,6 +63,8 @@ class IResNet(nn.Module):
         widths: channels per stage; the stem has ``widths[0]`` channels.
         embedding_size: output dimension D.
         dropout: drop probability on the flattened 7x7 feature map (0 disables).
+        checkpointing: 0 = off, k = activation checkpointing of every k-th block of the
+            four stages counted together (:func:`partial_fc.backbones.checkpointing.run_blocks`).
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class IResNet(nn.Module):
         widths: Sequence[int] = (64, 128, 256, 512),
         embedding_size: int = 512,
         dropout: float = 0.0,
+        checkpointing: int = 0,
     ) -> None:
         super().__init__()
+        self.checkpointing = checkpointing
         assert len(layers) == len(widths) == 4, (layers, widths)
         self.conv1 = nn.Conv2d(3, widths[0], 3, stride=1, padding=1, bias=False)
         self.bn1 = BatchNorm2d(widths[0], eps=1e-5)
@@ -102,15 +107,18 @@ class IResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.prelu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        blocks = [*self.layer1, *self.layer2, *self.layer3, *self.layer4]
+        x = run_blocks(blocks, x, self.checkpointing)
         x = self.dropout(self.bn2(x))
         x = self.fc(torch.flatten(x, 1))
         return self.features(x)
 
 
 def _iresnet(layers: Sequence[int], widths: Sequence[int] = (64, 128, 256, 512)):
-    def build(embedding_size: int = 512, dropout: float = 0.0) -> IResNet:
-        return IResNet(layers, widths, embedding_size=embedding_size, dropout=dropout)
+    def build(embedding_size: int = 512, dropout: float = 0.0, *,
+              checkpointing: int = 0) -> IResNet:
+        return IResNet(layers, widths, embedding_size=embedding_size, dropout=dropout,
+                       checkpointing=checkpointing)
 
     return build
 

@@ -7,8 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from partial_fc.backbones import iresnet
+from partial_fc.backbones import iresnet, vit
+from partial_fc.backbones.checkpointing import checkpoint_errors
 from partial_fc.backbones.mobilefacenet import mobilefacenet
+from partial_fc.backbones.timm_adapter import PREFIX as TIMM_PREFIX
+from partial_fc.backbones.timm_adapter import build_timm
 
 _BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "iresnet18": iresnet.iresnet18,
@@ -18,31 +21,70 @@ _BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "iresnet200": iresnet.iresnet200,
     "iresnet_tiny": iresnet.iresnet_tiny,
     "mobilefacenet": mobilefacenet,
+    "vit_t": vit.vit_t,
+    "vit_s": vit.vit_s,
+    "vit_b": vit.vit_b,
+    "vit_l": vit.vit_l,
+    "vit_h": vit.vit_h,
 }
+# What each option applies to (a factory of another name refuses it).
+CHECKPOINTING = frozenset(n for n in _BACKBONES if n.startswith(("iresnet", "vit_")))
+DEPTH = frozenset(n for n in _BACKBONES if n.startswith("vit_"))
 
 
 def list_backbones() -> list[str]:
-    """Names accepted by :func:`build_backbone`, sorted."""
+    """Names accepted by :func:`build_backbone`, sorted (besides ``timm:<model>``)."""
     return sorted(_BACKBONES)
 
 
-def build_backbone(name: str, embedding_size: int = 512, dropout: float = 0.0) -> nn.Module:
+def backbone_errors(name: str, embedding_size: int = 512, dropout: float = 0.0, *,
+                    checkpointing: int = 0, depth: int | None = None) -> list[str]:
+    """Why :func:`build_backbone` would refuse these arguments, one line each (empty when it
+    builds; a ``timm:`` name is checked only when built, as timm may be absent here)."""
+    out = []
+    timm = name.startswith(TIMM_PREFIX)
+    if name not in _BACKBONES and not timm:
+        out.append(f"unknown backbone {name!r}; choose one of {', '.join(list_backbones())} "
+                   f"or {TIMM_PREFIX}<model>")
+    if type(embedding_size) is not int or embedding_size < 1:
+        out.append(f"embedding_size must be a positive int, got {embedding_size!r}")
+    if not 0.0 <= dropout < 1.0:
+        out.append(f"dropout must be in [0, 1), got {dropout!r}")
+    out += checkpoint_errors(checkpointing)
+    if checkpointing and name not in CHECKPOINTING and not out:
+        out.append(f"checkpointing={checkpointing}: {name!r} has no checkpointed blocks "
+                   f"(iresnet* and vit_* have; 0 turns it off)")
+    if depth is not None and (type(depth) is not int or depth < 1 or name not in DEPTH):
+        out.append(f"depth={depth!r}: a positive block count for vit_* only (null: the "
+                   "architecture's own)")
+    return out
+
+
+def build_backbone(name: str, embedding_size: int = 512, dropout: float = 0.0, *,
+                   checkpointing: int = 0, depth: int | None = None) -> nn.Module:
     """Build a freshly initialised backbone.
 
     The model maps float ``[N, 3, 112, 112]`` in [-1, 1] (see :func:`normalize_images`)
-    to ``[N, embedding_size]`` un-normalised embeddings.
+    to ``[N, embedding_size]`` un-normalised embeddings. ``name`` is one of
+    :func:`list_backbones` or ``timm:<model>`` (:mod:`partial_fc.backbones.timm_adapter`).
+    ``checkpointing`` (iResNets, ViTs): 0 = off, k = activation checkpointing of every k-th
+    block, exact (:mod:`partial_fc.backbones.checkpointing`). ``depth`` (ViTs): blocks instead
+    of the architecture's (tests and CPU smoke runs).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the valid names), non-positive
-            ``embedding_size`` or ``dropout`` outside [0, 1).
+            ``embedding_size``, ``dropout`` outside [0, 1), an option the backbone lacks.
     """
-    if name not in _BACKBONES:
-        raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(list_backbones())}")
-    if type(embedding_size) is not int or embedding_size < 1:
-        raise ValueError(f"embedding_size must be a positive int, got {embedding_size!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-    return _BACKBONES[name](embedding_size=embedding_size, dropout=dropout)
+    errors = backbone_errors(name, embedding_size, dropout, checkpointing=checkpointing,
+                             depth=depth)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if name.startswith(TIMM_PREFIX):
+        return build_timm(name, embedding_size=embedding_size, dropout=dropout)
+    options = {"checkpointing": checkpointing} if name in CHECKPOINTING else {}
+    if depth is not None:
+        options["depth"] = depth
+    return _BACKBONES[name](embedding_size=embedding_size, dropout=dropout, **options)
 
 
 def normalize_images(images: torch.Tensor) -> torch.Tensor:

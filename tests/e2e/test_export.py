@@ -28,8 +28,10 @@ class _Records(logging.Handler):
 
 
 @pytest.mark.slow
-def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys):
-    run = make_run(tmp_path)
+@pytest.mark.parametrize("backbone", ["iresnet_tiny", "vit_t"])
+def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys, backbone):
+    """iResNet and ViT (scaled_dot_product_attention, LayerNorm; one block)."""
+    run = make_run(tmp_path, backbone=backbone, depth=1 if backbone == "vit_t" else None)
     out = tmp_path / "model.onnx"
     records = _Records()
     logging.getLogger("torch.onnx").addHandler(records)  # the exporter's own loggers

@@ -192,3 +192,22 @@ def test_make_recipes_pass_their_variables_to_torchrun(tmp_path):
     ) in train, train
     convert = _make_dry_run("convert-ms1m", "SRC=/faces_emore", "OUT=/out")
     assert "-m launch.convert insightface /faces_emore /out" in convert
+
+
+@pytest.mark.slow
+def test_smoke_recipe_trains_a_vit_on_two_ranks(tmp_path):
+    """``backbone.name=vit_t`` (2 blocks: the CPU budget) on the smoke recipe, 2 torchrun
+    ranks, DeepSpeed and DDP: the loss falls. The full-depth run (issue 21's done-when) is in
+    docs/vit.md."""
+    from data_pipeline import write_synthetic_dataset
+
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, num_classes=20, images_per_class=16, seed=0)
+    vit = ["backbone.name=vit_t", "backbone.depth=2", "train.batch_size=16"]
+    for engine in ("deepspeed", "ddp"):
+        run = tmp_path / engine
+        _finish(_torchrun(["--standalone", "--nproc_per_node", "2"], data, run,
+                          [*vit, f"engine.type={engine}"]))
+        losses = [r["loss"] for r in _metrics(run) if "loss" in r]
+        assert len(losses) == STEPS and all(map(math.isfinite, losses)), engine
+        assert sum(losses[-3:]) / 3 < 0.8 * losses[0], (engine, losses)

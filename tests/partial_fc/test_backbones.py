@@ -12,6 +12,9 @@ from partial_fc.backbones import build_backbone, list_backbones, normalize_image
 # iresnet_tiny, whose backward reaches every parameter; their layout is pinned by the
 # parameter counts and the layer-order test below.
 _FORWARD_ONLY = {"iresnet34", "iresnet50", "iresnet100", "iresnet200"}
+# The ViTs wider than vit_s run with one block (their blocks are vit_t's at another width;
+# tests/partial_fc/test_vit.py counts the parameters of every full-depth ViT).
+_ONE_BLOCK = {"vit_b", "vit_l", "vit_h"}
 
 # Parameter counts with a 512-d embedding. iresnet50/100 are the figures published
 # for insightface's arcface_torch r50/r100 (43.59 M / 65.16 M).
@@ -27,18 +30,21 @@ _PARAMS = {
 def test_registry_lists_the_contract_names():
     assert {
         "iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200",
-        "mobilefacenet", "iresnet_tiny",
+        "mobilefacenet", "iresnet_tiny", "vit_t", "vit_s", "vit_b", "vit_l", "vit_h",
     } <= set(list_backbones())
 
 
 @pytest.mark.parametrize(
     "name",
     # iresnet200's forward costs ~1.6 s (more on a loaded machine); its size is checked below.
-    [pytest.param(n, marks=pytest.mark.slow) if n == "iresnet200" else n for n in list_backbones()],
+    # vit_l/vit_h: initialising their 85 M / 151 M-parameter feature layer costs seconds.
+    [pytest.param(n, marks=pytest.mark.slow) if n in ("iresnet200", "vit_l", "vit_h") else n
+     for n in list_backbones()],
 )
 def test_shape_and_backward(name):
     torch.manual_seed(0)
-    model = build_backbone(name, embedding_size=24, dropout=0.1)
+    depth = {"depth": 1} if name in _ONE_BLOCK else {}
+    model = build_backbone(name, embedding_size=24, dropout=0.1, **depth)
     if name in _FORWARD_ONLY:
         with torch.no_grad():  # train-mode BN: untrained eval-mode stats overflow at depth 200
             out = model.train()(torch.rand(2, 3, 112, 112) * 2 - 1)
@@ -77,9 +83,14 @@ def test_embedding_size_and_eval_determinism():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"name": "resnet9000"}, "unknown backbone 'resnet9000'; choose one of .*iresnet50"),
+        ({"name": "resnet9000"}, "unknown backbone 'resnet9000'; choose one of .*iresnet50.*"
+                                 "timm:<model>"),
         ({"name": "iresnet18", "embedding_size": 0}, "embedding_size"),
         ({"name": "iresnet18", "dropout": 1.0}, "dropout"),
+        ({"name": "mobilefacenet", "checkpointing": 1}, "'mobilefacenet' has no checkpointed"),
+        ({"name": "vit_t", "checkpointing": -1}, "checkpointing must be an int >= 0"),
+        ({"name": "iresnet18", "depth": 2}, "depth=2: a positive block count for vit_"),
+        ({"name": "vit_t", "depth": 0}, "depth=0"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -51,6 +51,15 @@ def test_recipe_values():
         "dynamic",
         93431,
     )
+    vit_b = load_config(CONFIGS[0].parent / "wf42m_vit_b.yaml", resolve=False)
+    assert (vit_b.backbone.name, vit_b.backbone.checkpointing, vit_b.optim.name, vit_b.optim.lr,
+            vit_b.optim.weight_decay, vit_b.optim.decay, vit_b.margin.type, vit_b.margin.m,
+            vit_b.head.sample_rate, vit_b.train.epochs, vit_b.schedule.warmup_epochs) == (
+        "vit_b", 1, "adamw", 1e-3, 0.1, "weights", "cosface", 0.4, 0.3, 40, 4.0)
+    # Its documented 8-GPU variant (accumulation, exact at the full softmax) validates.
+    load_config(CONFIGS[0].parent / "wf42m_vit_b.yaml",
+                ["train.batch_size=256", "train.grad_accum=12", "head.sample_rate=1.0"],
+                resolve=False)
     smoke = load_config(CONFIGS[0].parent / "smoke.yaml", resolve=False)
     assert smoke.device == "cpu" and smoke.backbone.name == "iresnet_tiny"
 
@@ -101,6 +110,17 @@ BAD = [
         ["cfg.yaml: train.grad_accum=4: not exact", "dynamic AdaCos"],
     ),
     ({}, ["engine.precision=fp16"], ["engine.precision='fp16': needs engine.type=deepspeed"]),
+    (  # the ramp advances per forward, so accumulated micro-batches see different margins
+        {"margin": {"warmup_steps": 100}},
+        ["train.grad_accum=2"],
+        ["command line: train.grad_accum=2: not exact", "margin.warmup_steps=100 ramps"],
+    ),
+    ({}, ["backbone.checkpointing=1", "backbone.name=mobilefacenet"],
+     ["command line: backbone.checkpointing=1: 'mobilefacenet' has no checkpointed blocks"]),
+    ({}, ["backbone.depth=3"], ["command line: backbone.depth=3: a positive block count for "
+                                "vit_* only"]),
+    ({}, ["optim.decay=some"], ["optim.decay='some'", "'all' or 'weights'"]),
+    ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1", "greater than or equal to 0"]),
     (  # a rule of partial_fc.margins, reported by the config check
         {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
         [],
@@ -176,6 +196,14 @@ def _manifest(folder, num_classes: int, num_samples: int):
     shards = (ShardInfo("a.tar", num_samples, 1),)
     write_manifest(folder, Manifest(num_classes, num_samples, shards))
     return folder
+
+
+def test_backbone_weights_must_be_a_local_file(tmp_path):
+    path = _write(tmp_path, "cfg.yaml", {"data": {"source": "synthetic", "num_classes": 10},
+                                         "log": {"wandb": "disabled"}})
+    missing = tmp_path / "nope.pth"
+    with pytest.raises(ConfigError, match=f"backbone.weights='{missing}': no such file"):
+        load_config(path, [f"backbone.weights={missing}", f"output={tmp_path / 'run'}"])
 
 
 def test_manifest_fills_checks_and_feeds_theory_checks(tmp_path):

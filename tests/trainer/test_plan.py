@@ -174,6 +174,29 @@ def test_activation_table_matches_a_fresh_measurement(precision):
         plan.ACTIVATIONS[("iresnet_tiny", precision)]
 
 
+def test_vit_activations_extend_by_whole_blocks():
+    """A ViT measured at depth 2 plus one block's bytes per further block is the full model's
+    measurement (vit_t at full depth costs ~1 s), and its block entry is that increment."""
+    full = plan._per_image(build_backbone("vit_t"), "fp32")
+    assert plan.measure_activations.__wrapped__("vit_t", "fp32") == full
+    assert plan.ACTIVATIONS[("vit_t", "fp32")] == full
+    assert plan.measure_block_activations.__wrapped__("vit_t", "fp32") == \
+        plan.BLOCK_ACTIVATIONS[("vit_t", "fp32")]
+
+
+def test_checkpointing_keeps_block_inputs_instead_of_block_activations():
+    """Every block checkpointed: 12 block inputs (144 x 256 fp32) and one recomputed block
+    instead of 12 blocks' saved tensors; every 2nd: 6 of them."""
+    plain, block = plan.ACTIVATIONS[("vit_t", "fp32")], plan.BLOCK_ACTIVATIONS[("vit_t", "fp32")]
+    token_bytes = 144 * 256 * 4
+    assert plan.activations_per_image("vit_t", "fp32", 1) == \
+        plain - 12 * (block - token_bytes) + block
+    assert plan.activations_per_image("vit_t", "fp32", 2) == \
+        plain - 6 * (block - token_bytes) + block
+    with pytest.raises(plan.PlanError, match="modelled for the ViTs only"):
+        plan.activations_per_image("iresnet50", "fp32", 1)
+
+
 @pytest.mark.slow
 def test_every_activation_entry_matches_a_fresh_measurement():
     """The whole table the planner prints its r50/r100/r200 figures from (~15 s of CPU
@@ -182,6 +205,9 @@ def test_every_activation_entry_matches_a_fresh_measurement():
     stale = {key: (value, measured[key]) for key, value in plan.ACTIVATIONS.items()
              if measured[key] != value}
     assert not stale, stale  # key: (table, measured)
+    blocks = {key: plan.measure_block_activations.__wrapped__(*key)
+              for key in plan.BLOCK_ACTIVATIONS}
+    assert blocks == plan.BLOCK_ACTIVATIONS
 
 
 def test_ring_traffic():

@@ -1,4 +1,5 @@
-"""Load a trained backbone from a run folder or checkpoint for evaluation, export or inference.
+"""Load a trained backbone from a run folder or checkpoint for evaluation, export or inference,
+and a backbone's initial weights from a local file (``backbone.weights``).
 
 Run-folder layout written by ``launch.train``::
 
@@ -50,16 +51,49 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
     return config, weights
 
 
-def backbone_spec(cfg: dict[str, Any], config_path: Path) -> tuple[str, int, float]:
-    """``(name, embedding_size, dropout)`` from the trainer's resolved config
-    (``backbone.name``, ``backbone.embedding_size``, ``backbone.dropout``)."""
+def backbone_spec(cfg: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    """``build_backbone``'s arguments from the trainer's resolved config (``backbone.name``,
+    ``embedding_size``, ``dropout``, ``depth``; no checkpointing: evaluation needs none)."""
     section = cfg.get("backbone")
     if not isinstance(section, dict):
         raise CheckpointError(f"{config_path}: no 'backbone' section")
     for key in ("name", "embedding_size"):
         if section.get(key) is None:
             raise CheckpointError(f"{config_path}: missing key backbone.{key}")
-    return section["name"], section["embedding_size"], float(section.get("dropout", 0.0))
+    return {"name": section["name"], "embedding_size": section["embedding_size"],
+            "dropout": float(section.get("dropout", 0.0)), "depth": section.get("depth")}
+
+
+def load_initial_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load ``backbone.weights`` into a freshly built backbone, strictly: the whole backbone's
+    state_dict, or for a ``timm:<model>`` backbone the timm model's own (into ``trunk``, the
+    embedding layer on top keeps its random initialisation). ``.safetensors`` files need the
+    safetensors package; anything else is read with ``torch.load(weights_only=True)``.
+
+    Raises:
+        CheckpointError: an unreadable file, or weights that do not fit the model.
+    """
+    path = Path(path)
+    target = getattr(model, "trunk", model)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise CheckpointError(f"backbone.weights={str(path)!r}: reading .safetensors needs "
+                              "the safetensors package (pip install safetensors)") from None
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types for a bad file
+        raise CheckpointError(f"backbone.weights={str(path)!r}: not a readable state_dict "
+                              f"({type(exc).__name__}: {exc})") from None
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        why = " ".join(str(exc).strip().splitlines()[:2])
+        raise CheckpointError(f"backbone.weights={str(path)!r}: does not fit the backbone: "
+                              f"{why}") from None
 
 
 def load_backbone(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
@@ -73,9 +107,10 @@ def load_backbone(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     """
     config_path, weights = resolve_checkpoint(path)
     cfg = yaml.safe_load(config_path.read_text()) or {}
-    name, embedding_size, dropout = backbone_spec(cfg, config_path)
+    spec = backbone_spec(cfg, config_path)
+    name = spec["name"]
     try:
-        model = build_backbone(name, embedding_size=embedding_size, dropout=dropout)
+        model = build_backbone(**spec)
     except ValueError as exc:
         raise CheckpointError(f"{config_path}: {exc}") from exc
     state = torch.load(weights, map_location="cpu", weights_only=True)

@@ -41,6 +41,8 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
             why.append("dynamic AdaCos updates s from each micro-batch")
         if m.type == "sphereface":
             why.append("the SphereFace lambda schedule advances per forward")
+        if m.warmup_steps:
+            why.append(f"margin.warmup_steps={m.warmup_steps} ramps the margin per forward")
         if why:
             out.append(
                 (
@@ -74,19 +76,21 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("dist.timeout_s", f"dist.timeout_s={cfg.dist.timeout_s:g}: below "
                     f"{MIN_TIMEOUT_S:g} s, which the rendezvous and the first collectives "
                     "need even on one node"))
-    try:
-        from partial_fc.backbones import list_backbones
-    except ImportError:  # backbones not installed: train.py fails later with a clear import error
-        names = None
-    else:
-        names = list_backbones()
-    if names is not None and cfg.backbone.name not in names:
-        out.append(
-            (
-                "backbone.name",
-                f"backbone.name={cfg.backbone.name!r}: unknown (valid: {', '.join(names)})",
-            )
-        )
+    out += _backbone_errors(cfg)
+    return out
+
+
+def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
+    """``partial_fc.backbones.backbone_errors`` on the section, each under the key it names."""
+    from partial_fc.backbones import backbone_errors
+
+    b = cfg.backbone
+    out = []
+    for msg in backbone_errors(**b.build_kwargs()):
+        key = next((k for k in ("checkpointing", "depth") if msg.startswith(k)), "name")
+        if key != "name":  # "depth=3: why" -> "why": the line names the key itself
+            msg = msg.split(": ", 1)[-1]
+        out.append((f"backbone.{key}", f"backbone.{key}={getattr(b, key)!r}: {msg}"))
     return out
 
 
@@ -133,6 +137,10 @@ def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
     if cfg.engine.type == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         out.append(("engine.type", "engine.type='deepspeed': DeepSpeed is not installed "
                     "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
+    weights = cfg.backbone.weights
+    if weights is not None and not Path(weights).is_file():
+        out.append(("backbone.weights", f"backbone.weights={weights!r}: no such file (a local "
+                    "state_dict; nothing is downloaded)"))
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
@@ -293,7 +301,7 @@ def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
     if cfg.backbone.name not in list_backbones():  # reported by semantic_errors
         return []
     with torch.device("meta"):
-        model = build_backbone(cfg.backbone.name, cfg.backbone.embedding_size)
+        model = build_backbone(**cfg.backbone.build_kwargs())
     if not any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
         return []
     return [("train.batch_size", f"train.batch_size=1: backbone.name={cfg.backbone.name!r} "
@@ -319,8 +327,9 @@ def _output_errors(cfg: Config) -> list[tuple[str, str]]:
 
 # Keys whose change makes a checkpoint a different model (or an incompatible optimizer
 # state): resuming across them is refused. Every other key may change, with a note.
-MODEL_KEYS = ("backbone.name", "backbone.embedding_size", "backbone.dropout", "margin",
-              "data.num_classes", "data.num_samples", "optim.name", "engine.type")
+# backbone.checkpointing may change (the same model and steps); backbone.depth may not.
+MODEL_KEYS = ("backbone.name", "backbone.embedding_size", "backbone.dropout", "backbone.depth",
+              "margin", "data.num_classes", "data.num_samples", "optim.name", "engine.type")
 NOT_COMPARED = ("name", "output", "checkpoint.resume", "margin.p_w")
 
 

@@ -78,10 +78,32 @@ class DataConfig(_Section):
 
 class BackboneConfig(_Section):
     name: str = Field(
-        "iresnet50", description="backbone architecture (partial_fc.backbones.list_backbones())"
+        "iresnet50", description="backbone architecture (partial_fc.backbones.list_backbones():"
+        " iresnet*, mobilefacenet, vit_t|s|b|l|h), or timm:<model> for a timm model (pip "
+        "install 'partial-fc[timm]')"
     )
     embedding_size: PosInt = Field(512, description="length of the face embedding")
     dropout: UnitFloat = Field(0.0, description="dropout before the embedding layer, in [0, 1)")
+    checkpointing: NonNegInt = Field(
+        0, description="activation checkpointing (iresnet*, vit_*): 0 = off, k = every k-th "
+        "block keeps only its input and is recomputed in the backward (1 = every block); "
+        "exact: the same loss and gradients, for about one more forward of those blocks"
+    )
+    depth: PosInt | None = Field(
+        None, description="vit_* only: number of transformer blocks instead of the "
+        "architecture's (small CPU runs and tests); null = the architecture's"
+    )
+    weights: str | None = Field(
+        None, description="a local file of initial weights (a state_dict: the whole backbone, "
+        "or for timm:<model> the timm model's own, e.g. a timm .pth or .safetensors); "
+        "nothing is downloaded; null = random initialisation"
+    )
+
+    def build_kwargs(self) -> dict[str, Any]:
+        """``partial_fc.backbones.build_backbone``'s arguments this section sets."""
+        return {"name": self.name, "embedding_size": self.embedding_size,
+                "dropout": self.dropout, "checkpointing": self.checkpointing,
+                "depth": self.depth}
 
 
 class MarginConfig(_Section):
@@ -120,6 +142,10 @@ class MarginConfig(_Section):
     )
     lambda_power: NonNegFloat = Field(1.0, description="sphereface annealing: decay exponent")
     lambda_min: NonNegFloat = Field(5.0, description="sphereface annealing: floor of lambda")
+    warmup_steps: NonNegInt = Field(
+        0, description="any type: the margin's penalty ramps linearly from 0 (plain cosine) to "
+        "its full value over this many training steps (eases ArcFace on ViTs); 0 = none"
+    )
     p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
         "checked against (a warning only; not passed to the margin)"
@@ -158,7 +184,10 @@ class HeadConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["sgd", "adamw"] = Field("sgd", description="optimiser of backbone and head")
+    name: Literal["sgd", "adamw"] = Field(
+        "sgd", description="optimiser of backbone (torch's SGD / AdamW, decoupled decay) and "
+        "head (its row-sampling twin: partial_fc.optim)"
+    )
     lr: PosFloat = Field(0.1, description="peak learning rate (after warm-up)")
     momentum: UnitFloat = Field(0.9, description="sgd momentum")
     weight_decay: NonNegFloat = Field(5e-4, description="weight decay (decoupled for adamw)")
@@ -166,6 +195,12 @@ class OptimConfig(_Section):
         [0.9, 0.999], description="adamw: the two moment decay rates"
     )
     eps: PosFloat = Field(1e-8, description="adamw: denominator epsilon")
+    decay: Literal["all", "weights"] = Field(
+        "all", description="backbone parameters that take weight decay: all (insightface), or "
+        "weights = only matrices and kernels, not normalisation scales and shifts, biases, "
+        "PReLU slopes or position embeddings (the usual AdamW setting for ViTs); the head's "
+        "rows always take it"
+    )
 
 
 class ScheduleConfig(_Section):

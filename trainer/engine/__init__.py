@@ -6,10 +6,11 @@ from trainer.engine.engine import (
     BACKENDS,
     Engine,
     StepResult,
+    decay_groups,
     lr_factor,
     make_head_optimizer,
     make_optimizer,
 )
 
-__all__ = ["BACKENDS", "BackboneBackend", "Engine", "StepResult", "lr_factor",
+__all__ = ["BACKENDS", "BackboneBackend", "Engine", "StepResult", "decay_groups", "lr_factor",
            "make_head_optimizer", "make_optimizer"]

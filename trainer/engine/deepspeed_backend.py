@@ -248,6 +248,7 @@ class DeepSpeedBackend:
             return torch_optimizer_state(self.backbone, self.optimizer)
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        zero.link_state()
         keys, scalars = zero.state_keys()
         out = {f"backbone_opt_scalar.{k}": v for k, v in scalars.items()}
         for name, p in self.trainable().items():
@@ -324,6 +325,17 @@ class ZeroPartitions:
         shape = self.flat[0].shape
         keys = [k for k, v in state0.items() if torch.is_tensor(v) and v.shape == shape]
         return keys, {k: torch.as_tensor(v) for k, v in state0.items() if k not in keys}
+
+    def link_state(self) -> None:
+        """Point every parameter's fragment at its partition's optimizer state. DeepSpeed
+        0.19's ZeRO-1/2 links them after stepping its *first* parameter group only, so with
+        several groups (``optim.decay=weights``) the later groups' fragments stay empty and
+        ``safe_get_full_optimizer_state`` fails for them; linking again is cheap (views)."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        for flat, group in zip(self.flat, self.groups, strict=True):
+            if flat in self.base.state:
+                lazy_init_hp_params_optimizer_state(group, flat, self.base.state)
 
     def create_state(self, keys: list[str], scalars: dict[str, Tensor]) -> None:
         """Zero optimizer state for every partition, linked to the parameters' fragments, so

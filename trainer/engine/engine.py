@@ -74,10 +74,26 @@ def _optimizer_kwargs(optim: OptimConfig) -> dict:
     return {"betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
 
 
-def make_optimizer(optim: OptimConfig, params) -> torch.optim.Optimizer:
-    """The backbone's torch optimizer."""
+def decay_groups(optim: OptimConfig, backbone: nn.Module) -> list[dict]:
+    """The backbone's trainable parameters as optimizer groups. ``optim.decay=all``: one group.
+    ``weights``: a second group without weight decay for every parameter of at most one
+    dimension (normalisation scales and shifts, biases, PReLU slopes) and those the model
+    names in ``no_weight_decay()`` (timm's convention: position embeddings, tokens), as in
+    AdamW's usual ViT recipe (Loshchilov & Hutter, arXiv 1711.05101, decoupled decay)."""
+    params = [(n, p) for n, p in backbone.named_parameters() if p.requires_grad]
+    if optim.decay == "all":
+        return [{"params": [p for _, p in params]}]
+    skip = set(getattr(backbone, "no_weight_decay", set)())
+    plain = [p for n, p in params if p.ndim <= 1 or n in skip]
+    decayed = [p for n, p in params if not (p.ndim <= 1 or n in skip)]
+    groups = [{"params": decayed}, {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # DeepSpeed cannot flatten an empty group
+
+
+def make_optimizer(optim: OptimConfig, backbone: nn.Module) -> torch.optim.Optimizer:
+    """The backbone's torch optimizer (its parameter groups: :func:`decay_groups`)."""
     cls = torch.optim.SGD if optim.name == "sgd" else torch.optim.AdamW
-    return cls(params, lr=optim.lr, **_optimizer_kwargs(optim))
+    return cls(decay_groups(optim, backbone), lr=optim.lr, **_optimizer_kwargs(optim))
 
 
 def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
@@ -139,7 +155,7 @@ class Engine:
         self.head = head.to(self.device)
         self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
                                                   cfg.head.max_update_mib << 20)
-        self.optimizer = make_optimizer(cfg.optim, self.backbone.parameters())
+        self.optimizer = make_optimizer(cfg.optim, self.backbone)
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
         self.backend = BACKENDS[cfg.engine.type](cfg, trained, self.backbone, self.optimizer, env)
