@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from tqdm import tqdm
@@ -108,6 +108,21 @@ class Console:
     def close(self) -> None:
         self.close_bar()
         close_handlers(self.log)
+
+
+def append_log(run_dir: Path, message: str) -> None:
+    """Append ``message`` to ``RUN/train.log`` with the file handler's timestamp, from any rank
+    and before or after the run's :class:`Console` exists: the config's warnings (found before
+    the run folder is made) and each rank's fatal error belong in the run's record. A failure
+    to write is ignored: it must not hide the error being reported."""
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]  # logging's asctime
+    lines = "".join(f"{stamp} {line}\n" for line in message.rstrip("\n").splitlines())
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / LOG_FILE, "a") as file:
+            file.write(lines)
+    except OSError:
+        pass
 
 
 def close_handlers(log: logging.Logger) -> None:
