@@ -30,7 +30,7 @@ from trainer.config import (
 from trainer.dist import DistEnv
 from trainer.preemption import StopSignals
 from trainer.telemetry.console import append_log
-from trainer.telemetry.logger import RunLogger
+from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
 
 if TYPE_CHECKING:
     from data_pipeline.loader import Loader
@@ -208,7 +208,11 @@ def loop(run: Run, signals: StopSignals) -> str | None:
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
         for micro_batches in _groups(run.loader, cfg.train.grad_accum):
-            stop = one_step(run, micro_batches, signals.received)
+            stop = one_step(run, micro_batches, signals.received or run.log.stop_request())
+            if stop == WRITE_FAILED:  # no checkpoint: the disk is full, the last one stays
+                what = run.log.write_error or "rank 0 could not write a run file"
+                raise WriteFailed(f"step {run.step}: {what}; free space and run the same "
+                                  f"command again to resume from the last checkpoint")
             if run.step >= run.total:
                 return None
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
@@ -316,7 +320,7 @@ def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
 
     if isinstance(err, ConfigError):
         line, code, every_rank = f"config error: {err}", 2, False
-    elif isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError):
+    elif isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError | WriteFailed):
         line, code, every_rank = f"error: {err}", 1, False
     elif isinstance(err, DataError | CollectiveFailed):
         # A DataLoader worker's error arrives with the worker's traceback in its message,

@@ -600,3 +600,52 @@ def test_chaos_case_holds(name, chaos_data, tmp_path):
     (case,) = [c for c in CASES if c.name == name]
     observed, holds = run_case(case, chaos_data, tmp_path)
     assert holds, f"{name}: expected {case.expected}; observed {observed}"
+
+
+# ------------------------------------------------------------------ issue 23 item 5: a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs (a real filesystem that fills up); skipped where mount is refused."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint(
+        tiny_data, small_disk, capsys, monkeypatch):
+    """Another writer fills the run's filesystem after the checkpoint at step 20: the next
+    metrics/train.log write fails (ENOSPC), the ranks stop at the next step boundary with
+    exit 1, one error line naming the file, and ``latest`` (step 20) still verifies."""
+    import trainer.loop
+    from trainer import checkpoint
+
+    run = small_disk / "run"
+    real_save = trainer.loop.save
+
+    def save_then_fill(r):
+        real_save(r)
+        with open(small_disk / "filler", "ab") as filler:  # noqa: PTH123
+            try:
+                while True:
+                    filler.write(b"\0" * 2**20)
+                    filler.flush()
+            except OSError:
+                pass
+
+    monkeypatch.setattr(trainer.loop, "save", save_then_fill)
+    rc = _train_in_process(tiny_data, run, "train.max_steps=40", "checkpoint.every=20")
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert any(f"{run / name}:" in lines[0] for name in ("metrics.jsonl", "train.log")), err
+    latest = checkpoint.find_resume(run, "auto")
+    assert latest is not None and latest.name == checkpoint.tag_for(20)
+    checkpoint.verify(latest)

@@ -55,6 +55,20 @@ class _ConsoleHandler(logging.StreamHandler):
             self.bar.write(self.format(record), file=self.stream)
 
 
+class _LogFile(logging.FileHandler):
+    """RUN/train.log; an OSError (a full disk) is kept in ``error`` for the run to stop on,
+    instead of logging's traceback on stderr for every later record."""
+
+    error: OSError | None = None
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+        elif self.error is None:
+            self.error = err
+
+
 class Console:
     """Rank 0's console and ``RUN/train.log`` (appended across resumes)."""
 
@@ -68,8 +82,9 @@ class Console:
         self._console = _ConsoleHandler()
         self._console.setFormatter(logging.Formatter("%(message)s"))
         self.log.addHandler(self._console)
+        self.file: _LogFile | None = None
         if rank == 0:
-            file = logging.FileHandler(Path(run_dir) / LOG_FILE, delay=True)
+            file = self.file = _LogFile(Path(run_dir) / LOG_FILE, delay=True)
             file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
             self.log.addHandler(file)
         self.use_bar = progress and sys.stderr.isatty()
