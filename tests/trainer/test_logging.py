@@ -313,3 +313,29 @@ def test_a_bug_on_any_rank_lands_in_train_log_with_its_traceback(tmp_path, capsy
     logged = (tmp_path / "train.log").read_text().splitlines()
     assert re.fullmatch(_STAMP + "rank 3: Traceback .*", logged[0]), logged
     assert re.fullmatch(_STAMP + "KeyError: 'boom'", logged[-1]), logged
+
+
+def test_a_wandb_failure_drops_wandb_with_one_warning_and_the_run_goes_on(
+        tmp_path, fake_wandb, monkeypatch, capsys):
+    import wandb
+
+    def broken(data):
+        raise ConnectionError("wandb service died")
+
+    def init(**kwargs):
+        run = real_init(**kwargs)
+        run.log = broken
+        return run
+
+    cfg = make_config(f"output={tmp_path / 'run'}", "log.every=1", "log.progress=false")
+    real_init = wandb.init
+    monkeypatch.setattr(wandb, "init", init)
+    log = RunLogger(cfg, 0, total_steps=4, global_batch=8)
+    log.start(0)
+    for step in (1, 2, 3):
+        log.step(step, _result(1.0), {}, None, device=torch.device("cpu"))
+    assert log.stop_request() == 0 and log.write_error is None
+    warned = [line for line in capsys.readouterr().err.splitlines() if "W&B" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning:"), warned
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
