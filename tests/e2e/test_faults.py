@@ -555,53 +555,6 @@ def chaos_data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 
 
-# `make chaos` runs every case of tools/chaos/cases.py. The suite runs end to end only the
-# cases no test above reproduces (two ranks told apart by a signal, a stopped rank): each
-# other case's fault has its own, faster test here, named below (a renamed test fails this
-# import, a new case must be placed in one list or the other).
-UNIT_TWINS = {
-    "optim.lr=1e30 (diverges)": test_diverging_run_stops_after_max_bad_steps,
-    "NaN loss on rank 1 at step 3 (2 ranks)": test_a_nan_on_one_rank_skips_the_step_on_every_rank,
-    "margin.s=.inf, optim.lr=1e400": test_schema_refuses_inf_nan_and_absurd_scales,
-    "pickle planted as .metadata": test_planted_metadata_pickle_never_runs,
-    "400 bytes flipped in a .distcp": test_bit_flip_in_a_distcp_file_is_detected,
-    "kill -9 inside a checkpoint replacement":
-        test_kill_inside_the_replacement_window_leaves_a_complete_target,
-    "dangling latest, truncated meta.json, stale .tmp":
-        test_dangling_empty_or_corrupt_latest_falls_back,
-    "disk full at the 2nd checkpoint": test_stale_tmp_removed_and_disk_full_named,
-    "resume with another margin": test_resume_refuses_another_margin_and_accepts_a_new_lr,
-    "label 25 >= num_classes 20": test_label_out_of_range_names_shard_and_key,
-    "corrupt JPEG, 2 epochs": test_a_corrupt_sample_is_counted_once_over_epochs,
-    "duplicate YAML key": test_duplicate_yaml_keys_are_refused,
-    "batch_size=100000, output under a file":
-        test_batch_too_large_and_unwritable_output_fail_before_any_group,
-    "BatchNorm statistics (2 ranks)":
-        test_batchnorm_statistics_are_averaged_and_stable_across_resaves,
-}
-END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
-              "kill -STOP rank 1 (2 ranks, 10 s collective timeout)"]
-
-
-def test_every_chaos_case_is_covered_once():
-    from tools.chaos.cases import CASES
-
-    names = [case.name for case in CASES]
-    assert sorted(names) == sorted([*UNIT_TWINS, *END_TO_END])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", END_TO_END)
-def test_chaos_case_holds(name, chaos_data, tmp_path):
-    """``make chaos``'s rows without a unit twin: launch.train under torchrun with the fault
-    injected; the row's own check decides."""
-    from tools.chaos.cases import CASES, run_case
-
-    (case,) = [c for c in CASES if c.name == name]
-    observed, holds = run_case(case, chaos_data, tmp_path)
-    assert holds, f"{name}: expected {case.expected}; observed {observed}"
-
-
 # ------------------------------------------------------------------ issue 23 item 5: a full disk
 
 
@@ -649,3 +602,53 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint(
     latest = checkpoint.find_resume(run, "auto")
     assert latest is not None and latest.name == checkpoint.tag_for(20)
     checkpoint.verify(latest)
+
+
+# `make chaos` runs every case of tools/chaos/cases.py. The suite runs end to end only the
+# cases no test above reproduces (two ranks told apart by a signal, a stopped rank): each
+# other case's fault has its own, faster test here, named below (a renamed test fails this
+# import, a new case must be placed in one list or the other).
+UNIT_TWINS = {
+    "optim.lr=1e30 (diverges)": test_diverging_run_stops_after_max_bad_steps,
+    "NaN loss on rank 1 at step 3 (2 ranks)": test_a_nan_on_one_rank_skips_the_step_on_every_rank,
+    "margin.s=.inf, optim.lr=1e400": test_schema_refuses_inf_nan_and_absurd_scales,
+    "pickle planted as .metadata": test_planted_metadata_pickle_never_runs,
+    "400 bytes flipped in a .distcp": test_bit_flip_in_a_distcp_file_is_detected,
+    "kill -9 inside a checkpoint replacement":
+        test_kill_inside_the_replacement_window_leaves_a_complete_target,
+    "dangling latest, truncated meta.json, stale .tmp":
+        test_dangling_empty_or_corrupt_latest_falls_back,
+    "disk full at the 2nd checkpoint": test_stale_tmp_removed_and_disk_full_named,
+    "run folder on a tmpfs filled after a checkpoint":
+        test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint,
+    "resume with another margin": test_resume_refuses_another_margin_and_accepts_a_new_lr,
+    "label 25 >= num_classes 20": test_label_out_of_range_names_shard_and_key,
+    "corrupt JPEG, 2 epochs": test_a_corrupt_sample_is_counted_once_over_epochs,
+    "duplicate YAML key": test_duplicate_yaml_keys_are_refused,
+    "batch_size=100000, output under a file":
+        test_batch_too_large_and_unwritable_output_fail_before_any_group,
+    "BatchNorm statistics (2 ranks)":
+        test_batchnorm_statistics_are_averaged_and_stable_across_resaves,
+}
+END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
+              "kill -STOP rank 1 (2 ranks, 10 s collective timeout)"]
+
+
+def test_every_chaos_case_is_covered_once():
+    from tools.chaos.cases import CASES
+
+    names = [case.name for case in CASES]
+    assert sorted(names) == sorted([*UNIT_TWINS, *END_TO_END])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", END_TO_END)
+def test_chaos_case_holds(name, chaos_data, tmp_path):
+    """``make chaos``'s rows without a unit twin: launch.train under torchrun with the fault
+    injected; the row's own check decides."""
+    from tools.chaos.cases import CASES, run_case
+
+    (case,) = [c for c in CASES if c.name == name]
+    observed, holds = run_case(case, chaos_data, tmp_path)
+    assert holds, f"{name}: expected {case.expected}; observed {observed}"
+

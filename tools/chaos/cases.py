@@ -149,6 +149,38 @@ def disk_full(data: Path, work: Path) -> tuple[str, bool]:
     return f"rc {r.rc}, ENOSPC named in one line: {named}, left: {', '.join(leftovers)}", holds
 
 
+def run_folder_fills_up(data: Path, work: Path) -> tuple[str, bool]:
+    """A real full filesystem: the run folder on a 64 MiB tmpfs that another writer fills
+    once the first checkpoint exists (needs root to mount; said so where refused)."""
+    disk = work / "disk"
+    disk.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        return "skipped: mount -t tmpfs refused (needs root)", True
+
+    def fill_after_first_checkpoint(proc: subprocess.Popen) -> None:
+        wait_for_step(disk / "run", 2, proc)
+        while proc.poll() is None and not list((disk / "run" / "checkpoints").glob("step-*")):
+            time.sleep(0.05)
+        with open(disk / "filler", "ab") as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 2**20)
+                filler.flush()
+
+    try:
+        r = train(data, disk / "run", "train.max_steps=400", "checkpoint.every=2",
+                  until=fill_after_first_checkpoint)
+        errors = r.errors()
+        latest = r.latest()
+        from trainer import checkpoint
+        verifies = latest is not None and bool(checkpoint.verify(r.run / "checkpoints" / latest))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    holds = r.rc == 1 and len(errors) == 1 and str(disk) in errors[0] and verifies
+    return f"rc {r.rc}, one line naming the file: {len(errors) == 1}, latest {latest} " \
+           f"verifies: {verifies}", holds
+
+
 def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
     whole = train(data, work / "whole", "checkpoint.every=0", ranks=2)
 
@@ -300,6 +332,8 @@ CASES = [
          ".tmp removed", broken_latest),
     Case("disk full at the 2nd checkpoint", "rc 1, ENOSPC named, no .tmp left, previous "
          "checkpoint kept", disk_full),
+    Case("run folder on a tmpfs filled after a checkpoint", "rc 1, one line naming the "
+         "file, latest verifies", run_folder_fills_up),
     Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
          "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
     Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
