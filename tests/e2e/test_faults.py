@@ -631,6 +631,7 @@ UNIT_TWINS = {
         test_batchnorm_statistics_are_averaged_and_stable_across_resaves,
 }
 END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
+              "SIGTERM to every process of the job (2 ranks, loader workers)",
               "kill -STOP rank 1 (2 ranks, 10 s collective timeout)"]
 
 
