@@ -1,7 +1,7 @@
 """The training loader: equal batches on every rank, each sample at most once per epoch.
 
 Per rank, `num_workers` DataLoader workers each stream a contiguous slice of the epoch's
-plan (plan.py) through seeded shuffle -> decode -> flip and emit chunks of up to
+plan (epoch_plan.py) through seeded shuffle -> decode -> flip and emit chunks of up to
 `batch_size`; the main process re-cuts the chunks into exactly `batch_size` batches and stops
 after `len(loader)` batches, which is the same number on every rank (computed from the
 manifest). Samples beyond that (fewer than world_size + batch_size per rank) are the epoch's
@@ -37,7 +37,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipeline import plan, stages
+from data_pipeline import epoch_plan, stages
 from data_pipeline.codec import resolve_decoder
 from data_pipeline.errors import DataError
 from data_pipeline.manifest import read_manifest
@@ -57,7 +57,7 @@ class _Pending:
 class _EpochStream(IterableDataset):
     """One epoch of one rank: each DataLoader worker builds and runs its own pipeline."""
 
-    def __init__(self, loader: Loader, epoch: int, skips: list[int]):
+    def __init__(self, loader: _ShardLoader, epoch: int, skips: list[int]):
         super().__init__()
         self.counts = loader.manifest.shard_counts
         self.infos = list(loader.manifest.shards)
@@ -75,7 +75,7 @@ class _EpochStream(IterableDataset):
     def chunks(self, worker: int):
         """The chunk stream of DataLoader worker `worker` (run in that worker, or in-process)."""
         cfg = self.cfg
-        pieces = plan.worker_pieces(self.counts, seed=cfg["seed"], epoch=self.epoch,
+        pieces = epoch_plan.worker_pieces(self.counts, seed=cfg["seed"], epoch=self.epoch,
                                     rank=self.rank, world_size=cfg["world_size"], worker=worker,
                                     num_workers=cfg["num_workers"], shuffle=cfg["shuffle"])
         tag = f"{cfg['seed']}-{self.epoch}-{self.rank}-{worker}"
@@ -110,10 +110,10 @@ class EpochBatches:
         return self._batches
 
 
-class Loader(EpochBatches):
+class _ShardLoader(EpochBatches):
     """The training loader for a converted data folder: an iterable over (images uint8
     [B,3,112,112], labels int64 [B][, keys list[str]]); see the module docstring for the
-    guarantees. Public name: `make_loader`.
+    guarantees. Built by `make_loader`, the one public name.
 
     rank/world_size: this process's data-parallel position (pass them explicitly; the
         trainer reads them from its process group). batch_size is per rank.
@@ -146,7 +146,7 @@ class Loader(EpochBatches):
         self.pin_memory = pin_memory
         self.decoder = resolve_decoder(decoder)
         total = self.manifest.num_samples
-        self._len = plan.batches_per_rank(total, world_size, batch_size)
+        self._len = epoch_plan.batches_per_rank(total, world_size, batch_size)
         if self._len == 0:
             raise DataError(f"{self.data_dir}: {total} samples cannot fill one batch of "
                             f"{batch_size} on each of {world_size} ranks")
@@ -186,18 +186,19 @@ class Loader(EpochBatches):
         try:
             epoch, batches, old = int(state["epoch"]), int(state["batches"]), dict(state["plan"])
             positions = [int(p) for p in state["worker_positions"]]
-            old_len = plan.batches_per_rank(old["num_samples"], old["world_size"],
+            old_len = epoch_plan.batches_per_rank(old["num_samples"], old["world_size"],
                                             old["batch_size"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"loader state_dict: malformed ({type(exc).__name__}: {exc})") from exc
         self.epoch = epoch
         self.num_skipped = int(state.get("num_skipped", 0))
         self.num_padded = int(state.get("num_padded", 0))
-        sizes = plan.worker_sizes(self.manifest.num_samples, self.world_size, len(self._positions))
+        sizes = epoch_plan.worker_sizes(self.manifest.num_samples, self.world_size,
+                                        len(self._positions))
         if old == self.plan_key():
             self._batches = batches
             if int(state["rank"]) != self.rank:
-                positions = plan.consumed_positions(sizes, self.batch_size,
+                positions = epoch_plan.consumed_positions(sizes, self.batch_size,
                                                     batches * self.batch_size)
         else:
             fraction = min(1.0, batches / old_len) if old_len else 0.0
@@ -320,6 +321,7 @@ def _pad(parts: tuple | None, last: tuple | None, batch_size: int) -> tuple:
     return images, labels, keys
 
 
-# The public constructor (data_pipeline's API since the start): the class itself, so its
-# keyword arguments are declared once.
-make_loader = Loader
+def make_loader(data_dir: str | os.PathLike, **options) -> EpochBatches:
+    """The training loader of a converted data folder (data_pipeline's loader factory): the
+    keyword ``options`` are :class:`_ShardLoader`'s, declared there once."""
+    return _ShardLoader(data_dir, **options)

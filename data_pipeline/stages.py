@@ -19,9 +19,9 @@ import torch
 import webdataset as wds
 
 from data_pipeline.codec import decode_image
+from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError, ShardError
 from data_pipeline.manifest import ShardInfo
-from data_pipeline.plan import Piece
 
 CORRUPT = "__corrupt__"
 BLOCK = 512

@@ -106,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)
         print(dump_config(cfg), end="")
         return 0
-    env = init_distributed(cfg.device, cfg.dist.timeout_s)
+    try:
+        env = init_distributed(cfg.device, cfg.dist.timeout_s)
+    except ConfigError as err:  # this node's network set-up (no interface to the others)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"config error: {err}", file=sys.stderr)
+        return 2
     try:
         train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once

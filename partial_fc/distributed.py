@@ -59,16 +59,6 @@ def _flat_reduce_scatter(out: Tensor, x: Tensor, group: ProcessGroup) -> None:
     op(out, x, op=dist.ReduceOp.SUM, group=group)
 
 
-def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of part ``index`` when ``total`` items are cut into ``parts``
-    contiguous near-equal runs; the first ``total % parts`` parts hold one item more. The one
-    split rule for classes over ranks (``PartialFC``) and samples over loader workers
-    (``data_pipeline.plan``)."""
-    base, extra = divmod(total, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (index < extra)
-
-
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

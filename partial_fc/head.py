@@ -26,6 +26,7 @@ compensating data-parallel gradient averaging of the backbone is the engine's jo
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -36,6 +37,8 @@ from partial_fc import distributed as dist_ops
 from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.margins import Margin
+from partial_fc.partition import split_evenly
+from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
@@ -90,7 +93,8 @@ class PartialFC(nn.Module):
     dynamic AdaCos step updated ``s``, else with the current one; estimated from sampled
     negatives), ``loss``, ``cos_target_mean``, ``cos_nontarget_mean`` (over sampled classes).
     ``sampled_index`` holds the local rows the last forward used (``None`` = all rows);
-    ``pop_sampled_rows()`` is how ``partial_fc.optim`` learns which rows to update.
+    ``rows = pop_sampled_rows()`` (once per step, a skipped one too) is the value the
+    ``partial_fc.optim`` optimizers update from: ``head_opt.step(rows)``.
 
     Memory: no ``[N, S]`` buffer: the torch path holds at most two fp32 ``[N, chunk]`` buffers
     (``chunk = max_tile_bytes / (4 N)`` columns), the Triton kernels tiles only; besides them
@@ -140,7 +144,7 @@ class PartialFC(nn.Module):
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate, self.process_group, self.seed = sample_rate, process_group, seed
         self.world_size, self.rank = world, rank
-        self.class_start, stop = dist_ops.split_evenly(num_classes, world, rank)
+        self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
         self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
             torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),
@@ -152,36 +156,40 @@ class PartialFC(nn.Module):
         self._step_host: int | None = None  # int(self.step); None: read it at the next use
         self.register_load_state_dict_post_hook(_loaded)
         self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
-        self._checked: list[Tensor] = []  # those of the last pop_label_check()
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
         # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
         self._pending_rows: Tensor | None = None
         self._pending_all = False
         self._pending_forwards = 0
-        # How many forwards the rows of the last pop_sampled_rows() came from (see there).
-        self.popped_forwards = 0
+        self._pops = 0
+        self._pending_backward = False  # a backward reached weight.grad since the last pop
+        self._hooked = None  # a weakref to the weight carrying that hook (a module attribute
+        # holding the Parameter itself would register it a second time)
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
                 f"sample_rate={self.sample_rate}")
 
-    def pop_sampled_rows(self) -> Tensor | None:
-        """Sorted local rows used by the forwards (with grad enabled) since the last call, for
-        the ``partial_fc.optim`` optimizers. ``None`` means all rows (always so when
-        ``sample_rate == 1``, and when the forwards used every row); an empty tensor means no
-        forward happened. After one forward this is the sampler's own index (no copy), and
-        ``popped_forwards == 1`` tells the optimizer that a sparse gradient holding as many
-        rows holds exactly these, in this order (one backward of one forward), which it then
-        need not check on the host."""
-        rows, every = self._pending_rows, self._pending_all
-        self.popped_forwards = self._pending_forwards
+    def pop_sampled_rows(self) -> SampledRows:
+        """The rows the forwards (with grad enabled) since the last call used, and the labels
+        of those run with ``defer_label_check=True``, for ``head_opt.step(rows)``. Call it
+        once per step, also a skipped one (then drop the value): once a loop has popped, a
+        forward that finds rows pending whose gradient was cleared raises, since those rows
+        would be updated with the next step. After one forward ``rows.index`` is the
+        sampler's own index (no copy)."""
+        rows, every, forwards = self._pending_rows, self._pending_all, self._pending_forwards
         self._pending_rows, self._pending_all, self._pending_forwards = None, False, 0
+        self._pending_backward = False
         if self.sample_rate == 1.0 or every or (rows is not None and len(rows) == self.num_local):
-            return None
-        if rows is None:
-            return torch.zeros(0, dtype=torch.int64, device=self.weight.device)
-        return rows
+            index = None
+        elif rows is None:
+            index = torch.zeros(0, dtype=torch.int64, device=self.weight.device)
+        else:
+            index = rows
+        labels, self._deferred = tuple(self._deferred), []
+        self._pops += 1
+        return SampledRows(self.weight, index, forwards, self._pops, self.num_classes, labels)
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -225,10 +233,18 @@ class PartialFC(nn.Module):
         whose inputs do not match raises alone (the others wait in the next collective until
         the process group's timeout), so pass ``sizes`` only where a mismatch is a bug.
         ``defer_label_check``: instead of reading the host to check the label range here,
-        keep the gathered labels for :meth:`pop_label_check`, which the caller must call.
+        keep the gathered labels in the next :meth:`pop_sampled_rows` value, whose
+        ``labels_ok()`` / ``raise_label_error()`` the caller must use.
         With both, a training-mode forward at ``sample_rate == 1`` reads nothing from the
         device; at ``r < 1`` the sampler reads its number of positives (the sample's size)."""
         group = self.process_group
+        self._watch_backward()
+        if self._pops and self._pending_backward and self.weight.grad is None \
+                and torch.is_grad_enabled():  # a loop that pops, but forgot one step's pop
+            raise RuntimeError(
+                f"PartialFC: the rows of {self._pending_forwards} earlier forward(s) were never "
+                "popped and weight.grad was cleared since; call head.pop_sampled_rows() once "
+                "every step, also a skipped one")
         sizes = self._check_inputs(embeddings, labels, sizes)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
         e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)  # [N, D]
@@ -236,7 +252,7 @@ class PartialFC(nn.Module):
         if defer_label_check:
             self._deferred.append(y)
         else:
-            self._check_labels(y)
+            check_label_range(y, self.num_classes)
         step = self._step_value()
         if self.training and self.sample_rate < 1.0:
             index, targets = sample_classes(y, self.class_start, self.num_local,
@@ -251,7 +267,7 @@ class PartialFC(nn.Module):
                             self.training, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
-        if glob["log_b_avg"] is not None:  # the scale moved: the statistics at s_t
+        if glob.log_b_avg is not None:  # the scale moved: the statistics at s_t
             row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
@@ -259,7 +275,7 @@ class PartialFC(nn.Module):
         if self.training:
             self.step += 1
             self._step_host = step + 1
-        self.stats = stats_readout(loss, glob, sum_exp * glob["neg_ratio"], shift, s)
+        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
         return loss
 
     def resync_step(self) -> None:
@@ -270,34 +286,7 @@ class PartialFC(nn.Module):
         the module (``.to()``) keeps the value, and so the copy."""
         self._step_host = None
 
-    def pop_label_check(self) -> Tensor:
-        """Whether every label of the forwards run with ``defer_label_check=True`` since the
-        last call lies in ``[0, num_classes)``: a 0-d bool on the device, the same on all
-        ranks (the labels are the gathered ones), read by nobody here, so the caller can fold
-        it into a flag it reads anyway. When it is False, :meth:`raise_label_error` raises
-        the error an immediate check would have raised."""
-        self._checked, self._deferred = self._deferred, []
-        ok = torch.ones((), dtype=torch.bool, device=self.weight.device)
-        for y in self._checked:
-            ok = ok & ~self._out_of_range(y).any()
-        return ok
-
-    def raise_label_error(self) -> None:
-        """Raise the out-of-range error for the labels of the last :meth:`pop_label_check`,
-        if one is out of range (reads the host)."""
-        for y in self._checked:
-            self._check_labels(y)
-
     # ------------------------------------------------------------------ helpers
-
-    def _out_of_range(self, y: Tensor) -> Tensor:
-        return (y < 0) | (y >= self.num_classes)
-
-    def _check_labels(self, y: Tensor) -> None:
-        bad = self._out_of_range(y)
-        if bool(bad.any()):  # every rank sees the same gathered labels: all raise together
-            raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
-                             f"[0, {self.num_classes}) (num_classes={self.num_classes})")
 
     def _step_value(self) -> int:
         """``self.step`` as an int: the host's copy, which a training forward advances with
@@ -343,6 +332,24 @@ class PartialFC(nn.Module):
                 f"[{n}, {self.embedding_size}] and labels int64 [{n}], this rank got embeddings "
                 f"{tuple(embeddings.shape)} {embeddings.dtype}, labels {tuple(labels.shape)} "
                 f"{labels.dtype}")
+
+    def _watch_backward(self) -> None:
+        """Hook ``weight`` (once per Parameter: a deep copy or a swapped weight gets its own)
+        so that a backward into ``weight.grad`` marks the pending rows as having a gradient:
+        if that gradient is gone at the next forward while the rows are still pending, a
+        skipped step forgot its pop."""
+        if (self._hooked is not None and self._hooked() is self.weight) \
+                or not self.weight.requires_grad:
+            return
+        me = weakref.ref(self)
+
+        def seen(_p: Tensor) -> None:
+            head = me()
+            if head is not None and head._pending_forwards:
+                head._pending_backward = True
+
+        self.weight.register_post_accumulate_grad_hook(seen)
+        self._hooked = weakref.ref(self.weight)
 
     def _record_rows(self, index: Tensor | None) -> None:
         """Add this forward's rows (``index``: sorted, unique; None = all) to the pending set

@@ -2,14 +2,16 @@
 
 With ``sample_rate < 1`` most rows of a shard take no part in a step; their gradient is 0,
 but a plain ``torch.optim.SGD`` would still move them by momentum and weight decay, and
-``AdamW`` by its moments. These optimizers update only the rows the head reports
-(``head.pop_sampled_rows()``: the rows used by its forwards since the previous ``step``):
+``AdamW`` by its moments. These optimizers update only the rows the head hands them
+(``head_opt.step(head.pop_sampled_rows())``: the rows its forwards used since the last pop):
 unsampled rows, and their momentum / moment buffers, stay bit-identical. With
 ``sample_rate == 1`` they reduce exactly to ``torch.optim.SGD`` (no dampening, no Nesterov)
 and ``torch.optim.AdamW``.
 
-They are ``torch.optim.Optimizer`` subclasses over ``[head.weight]`` with the usual
-``param_groups`` (``lr`` etc.), so LR schedulers and ``state_dict()`` work. State per rank:
+They are ``torch.optim.Optimizer`` subclasses over ``[head.weight]`` (the Parameter, not the
+head; ``step(rows)`` checks that ``rows`` are that weight's and newer than the last taken) with
+the usual ``param_groups`` (``lr`` etc.), so LR schedulers and ``state_dict()`` work. State
+per rank:
 SGD ``momentum_buffer`` ``[num_local, D]``; AdamW ``exp_avg``, ``exp_avg_sq`` ``[num_local, D]``
 (these in the weight's dtype) and ``step`` ``[num_local]`` (fp32, per-row update counts: a
 row's bias correction counts only the steps in which it was sampled, like a "lazy" sparse
@@ -47,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from partial_fc.head import PartialFC
+from partial_fc.rows import SampledRows
 
 __all__ = ["SampledAdamW", "SampledSGD", "rows_per_chunk"]
 
@@ -107,9 +109,10 @@ class _SampledOptimizer(torch.optim.Optimizer):
     ROW_STATE = 0
     SCRATCH = 0
 
-    def __init__(self, head: PartialFC, defaults: dict, max_update_bytes: int) -> None:
-        if not isinstance(head, PartialFC):
-            raise TypeError(f"{type(self).__name__}: expected a PartialFC head, got {head!r}")
+    def __init__(self, weight: Tensor, defaults: dict, max_update_bytes: int) -> None:
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+            raise TypeError(f"{type(self).__name__}: expected the head's weight, a 2-d "
+                            f"Parameter (PartialFC.weight), got {type(weight).__name__}")
         if not defaults["lr"] >= 0:
             raise ValueError(f"{type(self).__name__}: lr={defaults['lr']} must be >= 0")
         if not defaults["weight_decay"] >= 0:
@@ -118,8 +121,9 @@ class _SampledOptimizer(torch.optim.Optimizer):
         if max_update_bytes < 1:
             raise ValueError(f"{type(self).__name__}: max_update_bytes={max_update_bytes} "
                              "must be >= 1")
-        super().__init__([head.weight], defaults)
-        self._head, self.max_update_bytes = head, int(max_update_bytes)
+        super().__init__([weight], defaults)
+        self.max_update_bytes = int(max_update_bytes)
+        self._last_pop = 0  # SampledRows.pop of the last step taken
 
     @classmethod
     def temporaries(cls) -> int:
@@ -127,15 +131,28 @@ class _SampledOptimizer(torch.optim.Optimizer):
         return 2 + cls.ROW_STATE + cls.SCRATCH
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, rows: SampledRows, closure=None):
+        """Update the rows ``rows`` names (``head.pop_sampled_rows()`` of this step) from the
+        weight's gradient. Raises on rows of another weight, and on rows not newer than those
+        of the last step taken (stepping twice with one value, or with an old one)."""
+        name = type(self).__name__
+        if not isinstance(rows, SampledRows):
+            raise TypeError(f"{name}.step: expected head.pop_sampled_rows(), got "
+                            f"{type(rows).__name__}")
+        if not any(rows.weight is p for group in self.param_groups for p in group["params"]):
+            raise ValueError(f"{name}.step: the rows belong to another head's weight")
+        if rows.pop <= self._last_pop:
+            raise ValueError(f"{name}.step: stale rows (pop {rows.pop}; the last step took pop "
+                             f"{self._last_pop}): pop the head's rows once per step")
+        self._last_pop = rows.pop
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rows = self._head.pop_sampled_rows()
+        index = rows.index
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None or (rows is not None and rows.numel() == 0):
+                if p.grad is None or p is not rows.weight or rows.empty:
                     continue
                 state = self.state[p]
                 if not state:
@@ -144,11 +161,11 @@ class _SampledOptimizer(torch.optim.Optimizer):
                     if value.shape == p.shape and value.dtype != p.dtype:
                         state[key] = value.to(p.dtype)
                 per = rows_per_chunk(self.max_update_bytes, p[0].numel(), self.temporaries())
-                total = p.shape[0] if rows is None else len(rows)
-                grad = _GradRows(p.grad, rows, per, self._head.popped_forwards == 1)
+                total = p.shape[0] if index is None else len(index)
+                grad = _GradRows(p.grad, index, per, rows.forwards == 1)
                 for a in range(0, total, per):
                     b = min(a + per, total)
-                    sel = slice(a, b) if rows is None else rows[a:b]
+                    sel = slice(a, b) if index is None else index[a:b]
                     self._update_rows(p, state, grad.chunk(a, b, sel, per), group, sel)
         return loss
 
@@ -182,11 +199,11 @@ class SampledSGD(_SampledOptimizer):
 
     ROW_STATE, SCRATCH = 1, 1  # momentum; d
 
-    def __init__(self, head: PartialFC, lr: float, momentum: float = 0.9,
+    def __init__(self, weight: Tensor, lr: float, momentum: float = 0.9,
                  weight_decay: float = 5e-4, max_update_bytes: int = 64 << 20) -> None:
         if not 0 <= momentum < 1:
             raise ValueError(f"SampledSGD: momentum={momentum} must be in [0, 1)")
-        super().__init__(head, dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+        super().__init__(weight, dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
                          max_update_bytes)
 
     def _init_state(self, p: Tensor, state: dict) -> None:
@@ -206,14 +223,14 @@ class SampledAdamW(_SampledOptimizer):
 
     ROW_STATE, SCRATCH = 2, 2  # the moments; m * step_size and sqrt(v)
 
-    def __init__(self, head: PartialFC, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, weight: Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01,
                  max_update_bytes: int = 64 << 20) -> None:
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"SampledAdamW: betas={betas} must be in [0, 1)")
         if not eps > 0:
             raise ValueError(f"SampledAdamW: eps={eps} must be > 0")
-        super().__init__(head, dict(lr=lr, betas=tuple(betas), eps=eps,
+        super().__init__(weight, dict(lr=lr, betas=tuple(betas), eps=eps,
                                     weight_decay=weight_decay), max_update_bytes)
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -9,7 +9,11 @@ Backend: NCCL on CUDA, gloo on CPU. Nothing happens at import.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,11 +86,104 @@ def restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
                             store)
 
 
+SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` (a name or an address) resolves to is a loopback one."""
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
+
+
+def route_source(host: str, port: int) -> str:
+    """The local address the kernel sends from to reach ``host`` (a UDP connect sends nothing)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.connect(address)
+        return sock.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address``; None if none does."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
+
+
+def socket_interface(backend: str, environ: Mapping[str, str], hostname: str,
+                     loopback: Callable[[str], bool] = is_loopback,
+                     source: Callable[[str, int], str] = route_source,
+                     interface: Callable[[str], str | None] = interface_of) -> str | None:
+    """The interface gloo/NCCL must use on this node, when it cannot find it alone; else None.
+
+    Without ``GLOO_SOCKET_IFNAME`` gloo listens on the address this host's name resolves to:
+    where that is 127.0.0.1 (a common /etc/hosts line) the other nodes are told to connect to
+    their own loopback, and a multi-node job fails (or hangs) at its first group. The one
+    interface known to reach them is the one that routes to ``MASTER_ADDR``. Nothing to do
+    for one node (``WORLD_SIZE == LOCAL_WORLD_SIZE``, or a loopback ``MASTER_ADDR`` without
+    torchrun), when the user named an interface, or when the name resolves elsewhere.
+    Raises :class:`~trainer.config.schema.ConfigError` naming the variable to set when no
+    interface routes there (``MASTER_ADDR`` is this node's own loopback name, or no route).
+    ``loopback``, ``source``, ``interface``: the OS look-ups (tests replace them).
+    """
+    from trainer.config.schema import ConfigError
+
+    master = environ.get("MASTER_ADDR")
+    if master is None or any(name in environ for name in SOCKET_IFNAME.values()):
+        return None
+    if "LOCAL_WORLD_SIZE" in environ:
+        one_node = environ["LOCAL_WORLD_SIZE"] == environ.get("WORLD_SIZE", "1")
+    else:
+        one_node = loopback(master)
+    if one_node or not loopback(hostname):
+        return None
+    variable = SOCKET_IFNAME[backend]
+    fix = f"set {variable} to this node's interface that reaches the other nodes (see `ip addr`)"
+    try:
+        address = source(master, int(environ.get("MASTER_PORT", "29500")))
+    except OSError as err:
+        raise ConfigError(f"this host's name {hostname} resolves to a loopback address and "
+                          f"MASTER_ADDR={master} is unreachable ({err}): {fix}") from None
+    name = None if loopback(address) else interface(address)
+    if name is None:
+        raise ConfigError(f"this host's name {hostname} resolves to a loopback address and no "
+                          f"network interface routes to MASTER_ADDR={master} (it leaves from "
+                          f"{address}): {fix}, or set MASTER_ADDR to node 0's network address")
+    return name
+
+
+def default_group_timeout(timeout: timedelta) -> None:
+    """Make ``timeout`` what every process group created later without one gets.
+
+    ``dist.new_group(ranks)`` without ``timeout=`` does not inherit the default group's
+    timeout: torch gives it its backend's constant (30 min for gloo, 10 min for NCCL;
+    ``_get_default_timeout`` in torch/distributed/distributed_c10d.py, torch 2.11 and 2.13).
+    DeepSpeed creates its data-parallel group that way (``_clone_world_group`` in
+    deepspeed/utils/groups.py; ZeRO's gradient all-reduce runs on it), and passes no timeout
+    through ``deepspeed.init_distributed`` either, so a stopped rank or a cut link hung a
+    DeepSpeed run for half an hour. torch has no public setting for this default; it reads
+    the two module constants below at each ``new_group`` call, so setting them here, next to
+    the default group, gives every later group of any library (DeepSpeed's today, its MoE or
+    sequence-parallel groups, ours) the one ``dist.timeout_s``.
+    """
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
 def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
     """Start the default process group (once per process) and return this rank's place.
 
     Call after the config is validated: a bad config must fail before any rendezvous.
-    ``timeout_s`` (config ``dist.timeout_s``) bounds every collective: a rank that stopped
+    ``timeout_s`` (config ``dist.timeout_s``) bounds every collective, on the default group
+    and on every group created later (:func:`default_group_timeout`): a rank that stopped
     ends the run after that long instead of hanging it.
     """
     rank = _env_int("RANK", 0)
@@ -97,7 +194,15 @@ def init_distributed(device: str, timeout_s: float = 300.0) -> DistEnv:
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        interface = socket_interface(backend, os.environ, socket.gethostname())
+        if interface is not None:
+            os.environ[SOCKET_IFNAME[backend]] = interface
+            if local_rank == 0:
+                print(f"note: {socket.gethostname()} resolves to a loopback address: "
+                      f"{SOCKET_IFNAME[backend]}={interface}, the interface that routes to "
+                      f"MASTER_ADDR={os.environ['MASTER_ADDR']}", file=sys.stderr, flush=True)
         timeout = timedelta(seconds=timeout_s)
+        default_group_timeout(timeout)
         if "MASTER_ADDR" in os.environ:
             store = restart_store(rank, world, timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,

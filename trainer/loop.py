@@ -33,8 +33,7 @@ from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
 
 if TYPE_CHECKING:
-    from data_pipeline.loader import Loader
-    from data_pipeline.synthetic_stream import SyntheticStream
+    from data_pipeline.loader import EpochBatches
     from trainer.engine import Engine
 
 
@@ -79,7 +78,7 @@ class Run:
     cfg: Config
     env: DistEnv
     engine: Engine
-    loader: Loader | SyntheticStream
+    loader: EpochBatches
     log: RunLogger
     total: int  # optimisation steps of the whole run
     steps_per_epoch: int
@@ -142,7 +141,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
 
 
-def build_loader(cfg: Config, env: DistEnv) -> Loader | SyntheticStream:
+def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
     """This rank's batches: the shard loader on ``data.dir``, or (``data.source=synthetic``)
     batches generated on the rank's device; both seeded by ``seed``."""
     from data_pipeline import SyntheticStream, make_loader

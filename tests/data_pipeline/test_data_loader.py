@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from data_pipeline import make_loader, plan
+from data_pipeline import epoch_plan, make_loader
 from data_pipeline.errors import DataError, ShardError
 from data_pipeline.manifest import Manifest, read_manifest, write_manifest
 from data_pipeline.writer import Sample, shard_name, write_shard
@@ -67,8 +67,9 @@ def test_plan_covers_each_sample_once(world_size, num_workers):
     for rank in range(world_size):
         rank_count = 0
         for worker in range(num_workers):
-            pieces = plan.worker_pieces(UNEVEN, seed=1, epoch=2, rank=rank, world_size=world_size,
-                                        worker=worker, num_workers=num_workers)
+            pieces = epoch_plan.worker_pieces(UNEVEN, seed=1, epoch=2, rank=rank,
+                                              world_size=world_size, worker=worker,
+                                              num_workers=num_workers)
             offsets = np.cumsum([0] + UNEVEN)
             for p in pieces:
                 assert 0 <= p.start < p.stop <= UNEVEN[p.shard]
@@ -80,7 +81,7 @@ def test_plan_covers_each_sample_once(world_size, num_workers):
 
 def test_consumed_positions_follow_round_robin_chunks():
     # worker chunks: w0 [2, 2, 1], w1 [2, 1]; order w0 w1 w0 w1 w0
-    assert [plan.consumed_positions([5, 3], 2, n) for n in (0, 2, 4, 6, 7, 8)] == [
+    assert [epoch_plan.consumed_positions([5, 3], 2, n) for n in (0, 2, 4, 6, 7, 8)] == [
         [0, 0], [2, 0], [2, 2], [4, 2], [4, 3], [5, 3]]
 
 

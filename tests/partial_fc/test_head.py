@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from partial_fc import PartialFC, build_margin
-from partial_fc.distributed import split_evenly
 from partial_fc.init import BLOCK, derive_seed, init_rows_
+from partial_fc.partition import split_evenly
 
 MARGINS = {
     "normface": dict(type="normface", s=30.0),
@@ -268,9 +268,12 @@ def test_pop_sampled_rows_is_the_union_of_the_forwards_since_the_last_pop():
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 200, (6,), generator=g))
                for _ in range(3)]
-    assert head.pop_sampled_rows().numel() == 0  # no forward since the last pop
+    first = head.pop_sampled_rows()
+    assert first.empty and first.index.numel() == 0 and first.forwards == 0  # no forward yet
     head(*batches[0])
-    assert head.pop_sampled_rows() is head.sampled_index  # one forward: its index, no copy
+    one = head.pop_sampled_rows()
+    assert one.index is head.sampled_index and one.forwards == 1  # its index, no copy
+    assert one.pop == first.pop + 1 and one.weight is head.weight
     used = []
     for e, y in batches:  # gradient accumulation: three forwards, then one step
         head(e, y)
@@ -278,17 +281,18 @@ def test_pop_sampled_rows_is_the_union_of_the_forwards_since_the_last_pop():
     with torch.no_grad():
         head(*batches[0])  # no gradient, so no row to update
     assert not torch.equal(used[0], used[1])
-    assert torch.equal(head.pop_sampled_rows(), torch.unique(torch.cat(used)))
-    assert head.pop_sampled_rows().numel() == 0
+    three = head.pop_sampled_rows()
+    assert torch.equal(three.index, torch.unique(torch.cat(used))) and three.forwards == 3
+    assert head.pop_sampled_rows().empty
     head.eval()
     head(*batches[0])  # eval with grad: every row
     head.train()
     head(*batches[1])
-    assert head.pop_sampled_rows() is None
+    assert head.pop_sampled_rows().index is None
     small = _head(MARGINS["cosface"], num_classes=10, sample_rate=0.5)
     for e, y in batches * 3:  # 5 of 10 rows each time: together all of them
         small(e, y % 10)
-    assert small.pop_sampled_rows() is None
+    assert small.pop_sampled_rows().index is None
 
 
 def test_bf16_autocast_keeps_the_softmax_in_fp32():
@@ -392,8 +396,8 @@ def test_bf16_state_on_cuda_matches_the_cpu_torch_path():
     before = sampled.weight.detach().clone()
     sampled(x_gpu, labels.to("cuda")).backward()
     assert sampled.weight.grad.is_sparse and sampled.weight.grad.dtype == torch.bfloat16
-    opt = SampledSGD(sampled, lr=0.1)
-    opt.step()
+    opt = SampledSGD(sampled.weight, lr=0.1)
+    opt.step(sampled.pop_sampled_rows())
     assert opt.state[sampled.weight]["momentum_buffer"].dtype == torch.bfloat16
     others = torch.ones(500, dtype=torch.bool, device="cuda")
     others[sampled.sampled_index] = False
@@ -443,3 +447,23 @@ def test_kernel_and_tile_budget_arguments_are_checked():
         _head(MARGINS["cosface"], kernel="cuda")
     with pytest.raises(ValueError, match="max_tile_bytes=0 must be >= 1"):
         _head(MARGINS["cosface"], max_tile_bytes=0)
+
+
+
+def test_stats_keys_are_the_metric_names_and_global_stats_is_frozen():
+    """``stats`` maps exactly the names of ``partial_fc.metric_names`` (the trainer's log
+    records and figures read them by these names) to floats; ``global_stats``' result is a
+    frozen value, not a dict to mutate."""
+    import dataclasses
+
+    from partial_fc.batch_stats import GlobalStats
+    from partial_fc.metric_names import HEAD_STATS
+
+    head = _head(MARGINS["cosface"], num_classes=20)
+    g = torch.Generator().manual_seed(3)
+    head(torch.randn(6, 4, generator=g), torch.randint(0, 20, (6,), generator=g))
+    assert sorted(head.stats) == sorted(HEAD_STATS)
+    assert all(isinstance(v, float) for v in head.stats.values())
+    stats = GlobalStats(*[torch.zeros(())] * 6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.log_b_avg = None

@@ -92,7 +92,7 @@ def _run_cases(rank: int, world: int) -> dict:
                                                                  per_rank=200)
     for name in ("adacos_dynamic", "arcface_adacos_dynamic"):  # s over several SGD steps
         head = _head(CASES[name], weight)
-        opt = SampledSGD(head, **SGD)
+        opt = SampledSGD(head.weight, **SGD)
         e = emb[even].clone().requires_grad_()
         scales = []
         for _ in range(STEPS):
@@ -100,17 +100,17 @@ def _run_cases(rank: int, world: int) -> dict:
             e.grad = None
             head(e, labels[even]).backward()
             scales.append(head.stats["scale"])
-            opt.step()
+            opt.step(head.pop_sampled_rows())
             with torch.no_grad():
                 e -= SGD["lr"] * e.grad
         out[name + "_steps"] = dict(scales=scales, weight=head.weight.detach().clone())
     for name, opt_cls, cfg in (("sampled_sgd", SampledSGD, CASES["arcface_adacos_dynamic"]),
                                ("sampled_adamw", SampledAdamW, CASES["cosface"])):
         head = _head(cfg, weight, sample_rate=0.1)
-        opt = opt_cls(head, lr=0.1)
+        opt = opt_cls(head.weight, lr=0.1)
         res = _grads(head, emb[even], labels[even])
         before = head.weight.detach().clone()
-        opt.step()
+        opt.step(head.pop_sampled_rows())
         res.update(start=head.class_start, index=head.sampled_index.clone(), before=before,
                    after=head.weight.detach().clone())
         out[name] = res

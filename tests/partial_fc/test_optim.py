@@ -28,12 +28,12 @@ def _batch(step):
 def test_full_sampling_equals_torch_optimizer(ours, theirs, kw):
     head = _head()
     twin = torch.nn.Parameter(head.weight.detach().clone())
-    opt, ref = ours(head, **kw), theirs([twin], **kw)
+    opt, ref = ours(head.weight, **kw), theirs([twin], **kw)
     for step in range(4):
         emb, labels = _batch(step)
         opt.zero_grad()
         head(emb, labels).backward()
-        opt.step()
+        opt.step(head.pop_sampled_rows())
         ref.zero_grad()
         _twin_loss(head, twin, emb, labels).backward()
         ref.step()
@@ -52,7 +52,7 @@ def _twin_loss(head, twin, emb, labels):
 @pytest.mark.parametrize("cls", [SampledSGD, SampledAdamW])
 def test_unsampled_rows_and_their_state_stay_bit_identical(cls):
     head = _head(rate=0.25)
-    opt = cls(head, lr=0.1)
+    opt = cls(head.weight, lr=0.1)
     sampled = torch.zeros(40)
     for step in range(3):
         emb, labels = _batch(step)
@@ -62,7 +62,7 @@ def test_unsampled_rows_and_their_state_stay_bit_identical(cls):
         opt.zero_grad()
         head(emb, labels).backward()
         used = head.sampled_index
-        opt.step()
+        opt.step(head.pop_sampled_rows())
         mask = torch.zeros(40, dtype=torch.bool)
         mask[used] = True
         sampled += mask
@@ -78,52 +78,102 @@ def test_unsampled_rows_and_their_state_stay_bit_identical(cls):
 
 def test_no_forward_since_the_last_step_updates_nothing():
     head = _head(rate=0.25)
-    opt = SampledSGD(head, lr=0.1)
+    opt = SampledSGD(head.weight, lr=0.1)
     emb, labels = _batch(0)
     head(emb, labels).backward()
-    opt.step()
+    opt.step(head.pop_sampled_rows())
     before = head.weight.detach().clone()
-    opt.step()  # no new forward: no row was used
+    opt.step(head.pop_sampled_rows())  # no new forward: no row was used
     assert torch.equal(head.weight, before)
 
 
 def test_lr_scheduler_and_state_dict():
     head = _head()
-    opt = SampledSGD(head, lr=1.0)
+    opt = SampledSGD(head.weight, lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     emb, labels = _batch(0)
     head(emb, labels).backward()
-    opt.step()
+    opt.step(head.pop_sampled_rows())
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5
-    clone = SampledSGD(_head(), lr=1.0)
+    clone = SampledSGD(_head().weight, lr=1.0)
     clone.load_state_dict(opt.state_dict())
     assert torch.equal(next(iter(clone.state.values()))["momentum_buffer"],
                        opt.state[head.weight]["momentum_buffer"])
+
+
+def test_the_hand_off_refuses_stale_foreign_or_missing_rows():
+    """``step(rows)`` takes the value of this step's pop: the same value twice, an older one
+    after a newer was taken, another head's rows, or no value at all raise, and none of these
+    moves a row."""
+    head, other = _head(rate=0.25), _head(rate=0.25)
+    opt = SampledSGD(head.weight, lr=0.1)
+    head(*_batch(0)).backward()
+    old = head.pop_sampled_rows()
+    opt.zero_grad()
+    head(*_batch(1)).backward()
+    new = head.pop_sampled_rows()
+    assert new.pop == old.pop + 1 and new.forwards == 1
+    opt.step(new)
+    before = head.weight.detach().clone()
+    for stale in (new, old):
+        with pytest.raises(ValueError, match="stale rows"):
+            opt.step(stale)
+    other(*_batch(0)).backward()
+    with pytest.raises(ValueError, match="another head"):
+        opt.step(other.pop_sampled_rows())
+    with pytest.raises(TypeError):
+        opt.step()
+    with pytest.raises(TypeError, match="pop_sampled_rows"):
+        opt.step(new.index)
+    assert torch.equal(head.weight, before)
+
+
+def test_a_skipped_step_without_pop_cannot_leak_its_rows_into_the_next():
+    """The rows of a step whose gradient was dropped (``zero_grad``) must be popped before the
+    next forward: otherwise the next step would move them (weight decay, momentum) though
+    they had no gradient, so the head refuses the forward instead."""
+    head = _head(rate=0.25)
+    opt = SampledSGD(head.weight, lr=0.1)
+    head(*_batch(2)).backward()
+    opt.step(head.pop_sampled_rows())  # a loop that pops ...
+    opt.zero_grad()
+    head(*_batch(0)).backward()
+    opt.zero_grad()  # ... skips a step ...
+    with pytest.raises(RuntimeError, match="pop_sampled_rows"):
+        head(*_batch(1))  # ... and forgot to pop its rows
+    head.pop_sampled_rows()  # dropped: the skipped step's rows are not updated
+    head(*_batch(1)).backward()
+    used = head.sampled_index
+    before = head.weight.detach().clone()
+    opt.step(head.pop_sampled_rows())
+    moved = (head.weight != before).any(dim=1)
+    assert torch.equal(moved.nonzero().squeeze(1), used)
 
 
 def test_argument_errors():
     with pytest.raises(TypeError, match="PartialFC"):
         SampledSGD(torch.nn.Linear(2, 2), lr=0.1)
     with pytest.raises(ValueError, match="momentum=1.5"):
-        SampledSGD(_head(), lr=0.1, momentum=1.5)
+        SampledSGD(_head().weight, lr=0.1, momentum=1.5)
     with pytest.raises(ValueError, match="lr=-1"):
-        SampledAdamW(_head(), lr=-1)
+        SampledAdamW(_head().weight, lr=-1)
 
 
 def _adamw_round_trip(device: str, saved_step_dtype: torch.dtype) -> SampledAdamW:
     head = _head(rate=0.2)
-    opt = SampledAdamW(head, lr=0.01)
+    opt = SampledAdamW(head.weight, lr=0.01)
     head(*_batch(0)).backward()
-    opt.step()
+    opt.step(head.pop_sampled_rows())
     saved = opt.state_dict()
     saved["state"][0]["step"] = saved["state"][0]["step"].to("cpu", saved_step_dtype)
     clone_head = _head(rate=0.2).to(device)
-    clone = SampledAdamW(clone_head, lr=0.01)
+    clone = SampledAdamW(clone_head.weight, lr=0.01)
     clone.load_state_dict(saved)
     emb, labels = _batch(1)
     clone_head(emb.to(device), labels.to(device)).backward()
-    clone.step()  # row-indexes the step counts with indices on the weight's device
+    # row-indexes the step counts with indices on the weight's device
+    clone.step(clone_head.pop_sampled_rows())
     return clone
 
 
@@ -145,7 +195,7 @@ def test_row_sparse_gradient_of_two_forwards_updates_their_union_once():
     no stored gradient (gradient 0, as a dense one would hold). The update is SGD's on the
     union of the samples, and no other row or momentum entry moves."""
     head = _head(rate=0.2)
-    opt = SampledSGD(head, lr=0.3, momentum=0.9, weight_decay=5e-4)
+    opt = SampledSGD(head.weight, lr=0.3, momentum=0.9, weight_decay=5e-4)
     before = head.weight.detach().clone()
     used = []
     for step in range(2):
@@ -160,7 +210,7 @@ def test_row_sparse_gradient_of_two_forwards_updates_their_union_once():
     assert not torch.equal(used[0], used[1])  # different samples: duplicates and new rows
     assert len(rows) > grad.coalesce().indices().shape[1]  # rows with no stored gradient
     dense = grad.to_dense()
-    opt.step()
+    opt.step(head.pop_sampled_rows())
     want = before.clone()
     want[rows] -= 0.3 * (dense[rows] + 5e-4 * before[rows])
     torch.testing.assert_close(head.weight.detach(), want, rtol=1e-6, atol=1e-7)
@@ -170,11 +220,11 @@ def test_row_sparse_gradient_of_two_forwards_updates_their_union_once():
 
 
 def _sgd(head, **kw):
-    return SampledSGD(head, lr=0.3, momentum=0.9, weight_decay=5e-4, **kw)
+    return SampledSGD(head.weight, lr=0.3, momentum=0.9, weight_decay=5e-4, **kw)
 
 
 def _adamw(head, **kw):
-    return SampledAdamW(head, lr=0.01, betas=(0.8, 0.99), weight_decay=0.05, **kw)
+    return SampledAdamW(head.weight, lr=0.01, betas=(0.8, 0.99), weight_decay=0.05, **kw)
 
 
 def _rows_budget(cls, rows: int, dim: int = 8) -> int:
@@ -200,7 +250,7 @@ def test_chunked_update_is_bit_identical_at_any_chunk_size(make, rate, dtype):
             if step == 2:
                 head(*_batch(7)).backward()
                 head(*_batch(8))
-            opt.step()
+            opt.step(head.pop_sampled_rows())
             opt.zero_grad()
         runs.append((head.weight.detach(), opt.state[head.weight]))
     weight, state = runs[-1]
@@ -235,8 +285,8 @@ def test_bf16_update_is_the_fp32_update_rounded_once(make, rate):
         if step:
             ref.state[twin.weight] = {k: v.to(torch.float32, copy=True)
                                       for k, v in opt.state[head.weight].items()}
-        opt.step()
-        ref.step()
+        opt.step(head.pop_sampled_rows())
+        ref.step(twin.pop_sampled_rows())
         assert torch.equal(head.weight.detach(), twin.weight.detach().bfloat16()), step
         for key, value in opt.state[head.weight].items():
             want = ref.state[twin.weight][key]
@@ -253,10 +303,10 @@ def test_state_follows_the_weight_dtype():
     opt = _sgd(head)
     opt.state[head.weight]["momentum_buffer"] = torch.full((40, 8), 0.1)  # fp32
     head(*_batch(0)).backward()
-    opt.step()
+    opt.step(head.pop_sampled_rows())
     assert opt.state[head.weight]["momentum_buffer"].dtype == torch.bfloat16
 
 
 def test_update_budget_is_checked():
     with pytest.raises(ValueError, match="max_update_bytes=0 must be >= 1"):
-        SampledSGD(_head(), lr=0.1, max_update_bytes=0)
+        SampledSGD(_head().weight, lr=0.1, max_update_bytes=0)

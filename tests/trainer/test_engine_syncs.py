@@ -58,7 +58,7 @@ def test_head_step_at_rate_1_with_known_sizes_reads_nothing(name):
     x = emb.clone().requires_grad_()
     with HostReads() as reads:
         head(x, labels, sizes=[6], defer_label_check=True).backward()
-        ok = head.pop_label_check()
+        ok = head.pop_sampled_rows().labels_ok()
     assert len(reads) == 0, reads.table()
     x_ref = emb.clone().requires_grad_()
     eager(x_ref, labels).backward()
@@ -78,14 +78,19 @@ def test_deferred_label_check_raises_the_eager_error_on_request():
         head(emb, bad)
     head(emb, labels, defer_label_check=True)
     head(emb, bad, defer_label_check=True)  # no raise here: the caller decides when to read
-    assert not bool(head.pop_label_check())
+    rows = head.pop_sampled_rows()
+    assert len(rows.deferred_labels) == 2 and not bool(rows.labels_ok())
     with pytest.raises(ValueError) as deferred:
-        head.raise_label_error()
+        rows.raise_label_error()
     assert str(deferred.value) == str(eager.value) == \
         "PartialFC: label 20 out of range [0, 20) (num_classes=20)"
     head(emb, labels, defer_label_check=True)  # a new window: only this forward's labels
-    assert bool(head.pop_label_check())
-    head.raise_label_error()
+    rows = head.pop_sampled_rows()
+    assert len(rows.deferred_labels) == 1 and bool(rows.labels_ok())
+    rows.raise_label_error()
+    with pytest.raises(ValueError):
+        head(emb, bad)  # an eager check raises at once and leaves nothing deferred
+    assert head.pop_sampled_rows().deferred_labels == ()
 
 
 def test_known_sizes_are_checked_against_the_inputs():
@@ -211,7 +216,7 @@ def test_head_step_on_cuda_never_synchronises():
     try:
         x = emb.clone().requires_grad_()
         head(x, labels, sizes=[256], defer_label_check=True).backward()
-        head.pop_label_check()
+        head.pop_sampled_rows().labels_ok()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()

@@ -6,6 +6,7 @@ its largest-fitting class count and its one-line errors."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -32,7 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _optimizer(name, head, max_update_bytes=UPDATE):
-    return OPTIMIZERS[name](head, lr=LR[name], max_update_bytes=max_update_bytes)
+    return OPTIMIZERS[name](head.weight, lr=LR[name], max_update_bytes=max_update_bytes)
 
 
 def _head(classes, dim, rate, margin=None, **kw):
@@ -56,7 +57,7 @@ def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate, state_d
     emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
     head(emb, labels).backward()
     grad = tensor_bytes(head.weight.grad)
-    opt.step()
+    opt.step(head.pop_sampled_rows())
     want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes,
                        max_update_bytes=UPDATE, optimizer=optimizer, state_dtype=state_dtype)
     assert tensor_bytes(head.weight) == want.weight
@@ -107,7 +108,7 @@ def test_working_memory_within_factor_of_measured_peak(classes, dim, n, rate, ma
 
     def step():
         head(emb.clone().requires_grad_(), labels).backward()
-        opt.step()
+        opt.step(head.pop_sampled_rows())
         opt.zero_grad(set_to_none=True)
 
     step()
@@ -133,7 +134,8 @@ def test_optimizer_step_temporaries_match_the_model_and_stay_within_budget(optim
         for _ in range(2):  # the first step creates the state
             head(emb.clone().requires_grad_(), labels).backward()
             rows = head.num_local if rate == 1.0 else len(head.sampled_index)
-            measured = _profiled_peak(opt.step)
+            taken = head.pop_sampled_rows()
+            measured = _profiled_peak(functools.partial(opt.step, taken))
             opt.zero_grad(set_to_none=True)
         want = head_update_bytes(head.num_local, rows, dim, max_update_bytes=budget,
                                  state_dtype=state_dtype, optimizer=optimizer)
@@ -314,13 +316,13 @@ def test_head_memory_on_cuda_within_factor(rate):
     allocated before it, against the gradient plus the working memory; state exact."""
     classes, dim, n = 200_000, 128, 1024
     head = _head(classes, dim, rate, kernel="torch").cuda()  # the modelled path
-    opt = SampledSGD(head, lr=0.1)
+    opt = SampledSGD(head.weight, lr=0.1)
     emb = torch.randn(n, dim, device="cuda")
     labels = torch.randint(0, classes, (n,), device="cuda")
 
     def step():
         head(emb.clone().requires_grad_(), labels).backward()
-        opt.step()
+        opt.step(head.pop_sampled_rows())
         opt.zero_grad(set_to_none=True)
 
     step()  # state and cuBLAS workspaces

@@ -43,7 +43,10 @@ def _engine(cfg):
     torch.manual_seed(0)
     backbone = build_backbone(**{**cfg.backbone.build_kwargs(), "embedding_size": EMBEDDING})
     head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed)
-    return Engine(cfg, backbone, head, torch.device("cpu"), total_steps=10, warmup_steps=1)
+    from trainer.dist import attach
+
+    return Engine(cfg, backbone, head, attach(torch.device("cpu")), total_steps=10,
+                  warmup_steps=1)
 
 
 def _runs(rank: int, world: int, root: str) -> dict:
@@ -57,14 +60,14 @@ def _runs(rank: int, world: int, root: str) -> dict:
             cfg = make_config(*VIT, *overrides, f"backbone.checkpointing={every}",
                               f"train.batch_size={GLOBAL_BATCH // world}")
             engine = _engine(cfg)
-            losses = [engine.step(s, batches[s])["loss"] for s in range(STEPS - 1)]
+            losses = [engine.step(s, batches[s]).loss for s in range(STEPS - 1)]
             folder = checkpoint.save(Path(root) / f"{name}-{every}", STEPS - 1, engine, {}, 1)
             torch.manual_seed(7 + rank)  # the same stochastic-depth draws in both last steps
-            losses.append(engine.step(STEPS - 1, batches[-1])["loss"])
+            losses.append(engine.step(STEPS - 1, batches[-1]).loss)
             resumed = _engine(cfg)  # a fresh engine from the checkpoint takes the last step
             checkpoint.load(folder, resumed)
             torch.manual_seed(7 + rank)
-            third = resumed.step(STEPS - 1, batches[-1])["loss"]
+            third = resumed.step(STEPS - 1, batches[-1]).loss
             out[(name, every)] = {"losses": losses, "third": third, **snapshot(engine),
                                   "resumed": snapshot(resumed)}
     return out

@@ -29,6 +29,7 @@ from tools.chaos.harness import (
     worker_pids,
     write_data,
 )
+from tools.chaos.nodes import two_node_case
 
 
 @dataclass(frozen=True)
@@ -228,29 +229,47 @@ def _kill_quietly(pid: int) -> None:
         os.kill(pid, 9)
 
 
-def stopped_rank(data: Path, work: Path) -> tuple[str, bool]:
-    stopped: list[int] = []
+def _state(pid: int) -> str:
+    """The one-letter state of ``pid`` (``T``: stopped), from /proc; ``?`` once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "?"
+
+
+def stopped_rank(data: Path, work: Path, engine: str = "ddp",
+                 in_backward: bool = False) -> tuple[str, bool]:
+    """Rank 1 stopped (SIGSTOP from outside after step 2, or ``in_backward``: it stops itself
+    in step 3's backward, leaving rank 0 in the data-parallel gradient reduction)."""
+    stopped: list[tuple[int, float]] = []
 
     def stop_rank1(proc: subprocess.Popen) -> None:
         wait_for_step(work / "run", 2, proc)
         pids = worker_pids(proc)
-        if 1 in pids:
+        if 1 not in pids:
+            return
+        if not in_backward:
             os.kill(pids[1], 19)  # SIGSTOP: alive, silent, holding its peers in a collective
-            stopped.append(pids[1])
-            # Rank 0 reports after the 10 s timeout; then end the stopped rank rather than
-            # wait out torchrun's 30 s SIGTERM grace (a stopped process defers SIGTERM).
-            threading.Timer(25, _kill_quietly, args=(pids[1],)).start()
+        deadline = time.monotonic() + 60
+        while _state(pids[1]) != "T" and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        stopped.append((pids[1], time.monotonic()))
+        # Rank 0 reports after the 10 s timeout; then end the stopped rank rather than
+        # wait out torchrun's 30 s SIGTERM grace (a stopped process defers SIGTERM).
+        threading.Timer(25, _kill_quietly, args=(pids[1],)).start()
 
-    start = time.monotonic()
-    r = train(data, work / "run", "train.max_steps=50", "dist.timeout_s=10", ranks=2,
-              until=stop_rank1)
-    took = time.monotonic() - start
-    for pid in stopped:
+    inject = ["stop-rank1-in-backward-3"] if in_backward else None
+    r = train(data, work / "run", f"engine.type={engine}", "train.max_steps=50",
+              "dist.timeout_s=10", ranks=2, until=stop_rank1, inject=inject)
+    for pid, _ in stopped:
         _kill_quietly(pid)
     lines = [line for line in r.out.splitlines() if line.startswith("error on rank 0: step")]
     named = len(lines) == 1 and "a collective failed after 1" in lines[0] \
-        and "timeout (dist.timeout_s=10)" in lines[0]
-    return f"rc {r.rc} after {took:.0f} s, {lines[0][:110] if lines else r.out[-300:]}", \
+        and "timeout (dist.timeout_s=10)" in lines[0] and "resume from" in lines[0]
+    if in_backward:
+        named = named and lines[0].startswith("error on rank 0: step 3:") \
+            and "step-00000002" in lines[0]
+    return f"rc {r.rc}, {lines[0][:130] if lines else r.out[-300:]}", \
         bool(stopped) and r.rc != 0 and named
 
 
@@ -362,6 +381,17 @@ CASES = [
          "save at one step and say so, resume equals an uninterrupted run", sigterm_whole_job),
     Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
          "naming the timeout and the step", stopped_rank),
+    Case("kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)", "the run ends "
+         "with one line naming the timeout and the step",
+         lambda data, work: stopped_rank(data, work, "deepspeed")),
+    *[Case(f"rank 1 stops in step 3's backward, {engine} (2 ranks, 10 s timeout)", "rank 0 "
+           "waits in the gradient reduction; one line after ~10 s naming step 3 and step-2",
+           lambda data, work, engine=engine: stopped_rank(data, work, engine, in_backward=True))
+      for engine in ("ddp", "deepspeed")],
+    *[Case(f"2 nodes x 1 rank on 2 netns, link cut, {engine}", "loss equals 1 node's; the "
+           "cut ends both nodes with one line each; the rerun resumes",
+           lambda data, work, engine=engine: two_node_case(data, work, engine))
+      for engine in ("ddp", "deepspeed")],
     Case("resume with another margin", "rc 2, one line naming the difference", config_drift),
     Case("label 25 >= num_classes 20", "rc 1, one line naming shard and key", bad_label),
     Case("corrupt JPEG, 2 epochs", "skipped_samples 1, not 2", corrupt_image_two_epochs),

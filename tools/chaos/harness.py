@@ -195,7 +195,34 @@ def _disk_full(at: int) -> None:
     checkpoint.save = save_on_a_full_disk
 
 
+def _stop_in_backward(rank: int, call: int) -> None:
+    """``rank`` sends itself SIGSTOP in its ``call``-th backward pass (1-based), when the
+    backbone's first weight gets its gradient: its peers are then waiting in the
+    data-parallel gradient reduction (DDP's buckets, ZeRO's all-reduce on DeepSpeed's own
+    group). A real signal; the patch only picks the moment."""
+    import signal
+
+    from partial_fc import backbones
+
+    build, calls = backbones.build_backbone, [0]
+
+    def stopping(*args, **kwargs):
+        model = build(*args, **kwargs)
+
+        def hook(grad):
+            calls[0] += 1
+            if int(os.environ.get("RANK", 0)) == rank and calls[0] == call:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return grad
+
+        next(model.parameters()).register_hook(hook)
+        return model
+
+    backbones.build_backbone = stopping
+
+
 FAULTS = {
+    "stop-rank1-in-backward-3": lambda: _stop_in_backward(rank=1, call=3),
     "nan-rank1-step3": lambda: _nan_once(rank=1, call=3),
     "kill-in-replace": _kill_in_replace,
     "disk-full-at-2": lambda: _disk_full(at=2),

@@ -259,7 +259,7 @@ def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
 
 def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
     """A batch the data cannot fill on every rank (torchrun's WORLD_SIZE; 1 without it)."""
-    from data_pipeline.plan import batches_per_rank
+    from data_pipeline.epoch_plan import batches_per_rank
 
     n = cfg.data.num_samples
     world = int(os.environ.get("WORLD_SIZE", "1"))  # read at call time, before any group

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
+from partial_fc.rows import SampledRows
 from trainer.config import Config, OptimConfig, ScheduleConfig
 from trainer.dist import DistEnv
 from trainer.engine.backend import BackboneBackend
@@ -95,11 +96,12 @@ def make_optimizer(optim: OptimConfig, backbone: nn.Module) -> torch.optim.Optim
     return cls(decay_groups(optim, backbone), lr=optim.lr, **_optimizer_kwargs(optim))
 
 
-def make_head_optimizer(optim: OptimConfig, head: nn.Module,
+def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
                         max_update_bytes: int) -> torch.optim.Optimizer:
-    """The head's row-sampling optimizer (unsampled rows get no momentum, no decay)."""
+    """The optimizer of the head's ``weight``, row-sampling (unsampled rows get no momentum,
+    no decay): it steps from the head's ``pop_sampled_rows()``."""
     cls = SampledSGD if optim.name == "sgd" else SampledAdamW
-    return cls(head, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
+    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ class Engine:
         self.memory_format = self._cuda_settings()
         self.backbone = backbone.to(self.device, memory_format=self.memory_format)
         self.head = head.to(self.device)
-        self.head_optimizer = make_head_optimizer(cfg.optim, head, cfg.head.max_update_mib << 20)
+        self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
+                                                  cfg.head.max_update_mib << 20)
         self.optimizer = make_optimizer(cfg.optim, self.backbone)
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
@@ -245,18 +248,19 @@ class Engine:
                 if not last:
                     self.backend.backward(surrogate)
                     continue
+                rows = self.head.pop_sampled_rows()  # the step's one pop, taken or skipped
                 grad = self.head.weight.grad
                 if grad is not None:
                     finite &= torch.isfinite(grad.sum())
                 if angles:
                     sample = self.head.angle_sample(e.detach(), y)
-                agree = functools.partial(self._agree, finite, stop_request=stop_request)
+                agree = functools.partial(self._agree, finite, rows, stop_request=stop_request)
                 pending = self.backend.last_backward(surrogate, step, agree)
         all_finite, labels_ok, minus_stop = pending.flags.tolist()  # the step's one host read
         if not labels_ok:
-            self.head.raise_label_error()
+            rows.raise_label_error()
         update = self.backend.update(pending, bool(all_finite))
-        self._update_head(update.applied, saved)
+        self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
                           stop_request=-minus_stop, angles=sample,
                           numbers=DeviceScalars({"loss": loss_sum / k,
@@ -280,31 +284,30 @@ class Engine:
         (loss / k).backward()
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
 
-    def _agree(self, finite: Tensor, backbone_finite: Tensor | None,
+    def _agree(self, finite: Tensor, rows: SampledRows, backbone_finite: Tensor | None,
                stop_request: int) -> Tensor:
         """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
         0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN) on
         ``env.group``, no host read (``trainer.engine.backend.Agree``). The label flag is the
-        head's deferred check of this step's forwards (the same on all ranks: gathered
-        labels). ``stop_request`` enters negated, so MIN agrees on the largest;
+        deferred check of this step's forwards carried by ``rows`` (the same on all ranks:
+        gathered labels). ``stop_request`` enters negated, so MIN agrees on the largest;
         ``torch.full`` writes it on the device (a tensor made from a host value would be a
         blocking copy)."""
         if backbone_finite is not None:
             finite = finite & backbone_finite
         request = torch.full((), -stop_request, dtype=torch.int32, device=self.device)
-        flags = torch.stack([finite.to(torch.int32), self.head.pop_label_check().to(torch.int32),
+        flags = torch.stack([finite.to(torch.int32), rows.labels_ok().to(torch.int32),
                              request])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.env.group)
         return flags
 
-    def _update_head(self, applied: bool, saved: dict[str, Tensor]) -> None:
-        """The head follows the backbone: its optimizer steps when the backbone's update was
-        applied; otherwise the rows this step used are not updated and every buffer is put
-        back (:meth:`_buffers`)."""
+    def _update_head(self, applied: bool, rows: SampledRows, saved: dict[str, Tensor]) -> None:
+        """The head follows the backbone: its optimizer steps on this step's ``rows`` when the
+        backbone's update was applied; otherwise those rows are not updated (the value is
+        dropped) and every buffer is put back (:meth:`_buffers`)."""
         if applied:
-            self.head_optimizer.step()
+            self.head_optimizer.step(rows)
         else:
-            self.head.pop_sampled_rows()
             self._restore_buffers(saved)
         self.head_optimizer.zero_grad(set_to_none=True)
 

@@ -19,6 +19,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+from partial_fc import metric_names as names
 from partial_fc.scale import fixed_adacos_scale
 from trainer.telemetry.run_files import Histograms
 
@@ -116,13 +117,13 @@ def _quarter_pi(ax, runs: list[RunData]) -> None:
 
 def cos_figure(runs: list[RunData]) -> Figure | None:
     """Mean target cos (solid) and mean non-target cos (dashed)."""
-    if not (_has(runs, "cos_target_mean") or _has(runs, "cos_nontarget_mean")):
+    if not (_has(runs, names.COS_TARGET_MEAN) or _has(runs, names.COS_NONTARGET_MEAN)):
         return None
     fig = Figure(figsize=(7, 3.6))
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
-        for key, ls, what in (("cos_target_mean", "-", "target"),
-                              ("cos_nontarget_mean", "--", "non-target")):
+        for key, ls, what in ((names.COS_TARGET_MEAN, "-", "target"),
+                              (names.COS_NONTARGET_MEAN, "--", "non-target")):
             steps, values = run.series(key)
             if np.isfinite(values).any():
                 ax.plot(steps, values, color=_colour(i), ls=ls, label=f"{run.label} {what}")
@@ -184,7 +185,7 @@ def angles_figure(runs: list[RunData]) -> Figure | None:
     for row, (i, run) in enumerate(with_hist):
         hist = run.hist
         steps = hist.steps.astype(float)
-        theta_steps, theta = run.series("theta_med")
+        theta_steps, theta = run.series(names.THETA_MED)
         x_max = float(max(steps.max(), theta_steps.max(initial=0)))
         edges, width = _sample_columns(steps, x_max)
         n = len(steps)
@@ -247,12 +248,13 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
     "loss": (_line_figure("loss", "loss", "training loss (global batch)"),
              "Loss of the global batch, as the head computes it (margin and scale included)."),
     "lr": (_line_figure("lr", "learning rate", "learning rate"), "Learning rate (warm-up, decay)."),
-    "scale": (_line_figure("scale", "s", "logit scale s", log="auto", reference=_adacos_fixed),
+    names.SCALE: (_line_figure(names.SCALE, "s", "logit scale s", log="auto",
+                               reference=_adacos_fixed),
               "Logit scale s. Dashed: AdaCos's fixed scale √2·ln(C−1) (arXiv:1905.00292 "
               "Sec. 4.1); the dynamic scale starts there and follows B_avg and θ_med (Sec. 4.2)."),
-    "b_avg": (_line_figure("b_avg", "B_avg", "B_avg (non-target logit sum)", log=True),
+    names.B_AVG: (_line_figure(names.B_AVG, "B_avg", "B_avg (non-target logit sum)", log=True),
               "B_avg: the batch mean of Σ exp(s·cos) over non-target classes, at the current s."),
-    "theta_med": (_line_figure("theta_med", "θ_med (rad)", "median target angle θ_med",
+    names.THETA_MED: (_line_figure(names.THETA_MED, "θ_med (rad)", "median target angle θ_med",
                                reference=_quarter_pi),
                   "Median target angle θ_med (radians). AdaCos's dynamic scale is "
                   "s = ln(B_avg) / cos(min(π/4, θ_med)): √2·ln(B_avg) while θ_med ≥ π/4, "

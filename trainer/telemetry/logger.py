@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from partial_fc.metric_names import SCALE_DYNAMICS
 from trainer.config import Config, dump_config
 from trainer.dist import launcher_rank
 from trainer.telemetry import run_files
@@ -150,11 +151,7 @@ class RunLogger:
             "loss": result.loss,
             "lr": result.lr,
             "grad_norm": result.grad_norm,
-            "scale": head_stats.get("scale"),
-            "theta_med": head_stats.get("theta_med"),
-            "b_avg": head_stats.get("b_avg"),
-            "cos_target_mean": head_stats.get("cos_target_mean"),
-            "cos_nontarget_mean": head_stats.get("cos_nontarget_mean"),
+            **{name: head_stats.get(name) for name in SCALE_DYNAMICS},
             "img_per_s": img_s,
             "memory_mb": memory_mb(device),
             **(data or {}),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partial_fc.distributed import split_evenly
+from partial_fc.partition import split_evenly
 
 
 @dataclass(frozen=True)
