@@ -214,7 +214,7 @@ class _ShardLoader(EpochBatches):
         workers = self.num_workers
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
-                             collate_fn=_as_is, worker_init_fn=_ignore_sigusr1,
+                             collate_fn=_as_is, worker_init_fn=_outlive_stop_signals,
                              pin_memory=self.pin_memory,
                              generator=torch.Generator().manual_seed(self.seed))
         pending: deque[_Pending] = deque()
@@ -293,11 +293,14 @@ class _ShardLoader(EpochBatches):
         return torch.cat(parts, out=out)
 
 
-def _ignore_sigusr1(worker: int) -> None:
-    """A worker outlives a SIGUSR1 sent to the whole job (``scancel --signal=USR1``): the
-    trainer stops at the next step boundary (``trainer.preemption``) and ends its workers.
-    SIGTERM keeps its default: it is how DataLoader ends a worker that does not quit."""
+def _outlive_stop_signals(worker: int) -> None:
+    """A worker outlives a SIGTERM or SIGUSR1 sent to every process of the job (``scancel``,
+    a batch system's time limit): the trainer stops at the next step boundary
+    (``trainer.preemption``) and ends its workers itself. SIGUSR1 is ignored; the first
+    SIGTERM only re-arms the default, so a second one (DataLoader's ``terminate()`` of a stuck
+    worker, multiprocessing's at exit) still ends it."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 def _as_is(chunk: stages.Chunk) -> stages.Chunk:

@@ -26,8 +26,9 @@ from trainer.config import (
     load_config,
     machine_notes,
 )
-from trainer.dist import init_distributed, shutdown
+from trainer.dist import init_distributed, launcher_rank, shutdown
 from trainer.loop import report_failure, train
+from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
 
 
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         print_main(f"warning: {w.message}")
     if args.check:
         return 0
+    if not args.print_config and launcher_rank() == 0:
+        for w in caught:  # the run's record: train.log keeps what the console said
+            append_log(cfg.run_dir, f"warning: {w.message}")
     if args.print_config:
         for note in notes:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
-        return report_failure(err, env.rank)
+        return report_failure(err, env.rank, cfg.run_dir)
     finally:
         shutdown()
     return 0

@@ -29,7 +29,8 @@ from trainer.config import (
 )
 from trainer.dist import DistEnv
 from trainer.preemption import StopSignals
-from trainer.telemetry.logger import RunLogger, print_main
+from trainer.telemetry.console import append_log
+from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
 
 if TYPE_CHECKING:
     from data_pipeline.loader import EpochBatches
@@ -206,7 +207,11 @@ def loop(run: Run, signals: StopSignals) -> str | None:
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
         for micro_batches in _groups(run.loader, cfg.train.grad_accum):
-            stop = one_step(run, micro_batches, signals.received)
+            stop = one_step(run, micro_batches, signals.received or run.log.stop_request())
+            if stop == WRITE_FAILED:  # no checkpoint: the disk is full, the last one stays
+                what = run.log.write_error or "rank 0 could not write a run file"
+                raise WriteFailed(f"step {run.step}: {what}; free space and run the same "
+                                  f"command again to resume from the last checkpoint")
             if run.step >= run.total:
                 return None
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
@@ -301,30 +306,33 @@ def finish(run: Run, stopped_by: str | None) -> dict:
     return run.log.close(run.step, run.saved)
 
 
-def report_failure(err: Exception, rank: int) -> int:
-    """Print a failure after the process group started; returns the exit code.
+def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
+    """Print a failure after the process group started, and append it to ``run_dir``'s
+    train.log (every rank that reports); returns the exit code.
 
     Errors every rank raises together (config, checkpoint, divergence) are one line from
     rank 0. Errors one rank meets alone (its data, a failed collective) are one line from
     that rank. Anything else is a bug: its traceback, from each rank that hit it.
     """
     from data_pipeline.errors import DataError
-
-    if isinstance(err, ConfigError):
-        print_main(f"config error: {err}")
-        return 2
     from trainer.engine.deepspeed_backend import LossScaleFloor
 
-    if isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError):
-        print_main(f"error: {err}")
-        return 1
-    if isinstance(err, DataError | CollectiveFailed):
+    if isinstance(err, ConfigError):
+        line, code, every_rank = f"config error: {err}", 2, False
+    elif isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError | WriteFailed):
+        line, code, every_rank = f"error: {err}", 1, False
+    elif isinstance(err, DataError | CollectiveFailed):
         # A DataLoader worker's error arrives with the worker's traceback in its message,
         # ending in "data_pipeline.errors.DataError: <the message>".
-        line = str(err).strip().splitlines()[-1]
-        line = line.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
-        print(f"error on rank {rank}: {line}", file=sys.stderr, flush=True)
+        last = str(err).strip().splitlines()[-1]
+        last = last.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
+        line, code, every_rank = f"error on rank {rank}: {last}", 1, True
+    else:
+        text = "".join(traceback.format_exception(err))
+        print(text, end="", file=sys.stderr, flush=True)
+        append_log(run_dir, f"rank {rank}: {text}")
         return 1
-    traceback.print_exception(err)
-    return 1
-
+    if every_rank or rank == 0:
+        print(line, file=sys.stderr, flush=True)
+        append_log(run_dir, line)
+    return code

@@ -6,10 +6,9 @@ kill it a grace period later. The handler only records the signal; ``launch.trai
 ``received`` to every step, whose one agreement all-reduce (``trainer.engine.Engine.step``'s
 ``stop_request``) takes the largest over the ranks, so that every rank stops after the same
 step even when the signal reached only some of them (at no host read of its own), saves
-there and exits 0. DataLoader workers ignore SIGUSR1 (``data_pipeline.loader``), so a signal sent
-to every process of the job (``scancel --signal=USR1``) does not kill them first; SIGTERM
-stays fatal to them (DataLoader ends stuck workers with it), so send SIGTERM to the trainer
-processes only (torchrun forwards its own SIGTERM to exactly those) or use SIGUSR1.
+there and exits 0. DataLoader workers ignore SIGUSR1 and their first SIGTERM
+(``data_pipeline.loader``), so a signal sent to every process of the job (``scancel``) does
+not kill them before the trainer has stopped; the trainer then ends them itself.
 """
 
 from __future__ import annotations

@@ -228,3 +228,23 @@ def test_bad_arguments(uneven):
         make_loader(uneven, batch_size=4, rank=2, world_size=2)
     with pytest.raises(DataError, match="no manifest"):
         make_loader(uneven / "nowhere", batch_size=4)
+
+
+def test_loader_workers_outlive_a_job_wide_sigterm_and_sigusr1(synthetic_data):
+    """Issue 23 item 2: a scheduler signals every process of the job; the loader's worker
+    must not die before the trainer stops, so the epoch still yields every batch."""
+    import multiprocessing
+    import os
+    import signal
+
+    reference = [labels.tolist() for _, labels in make_loader(
+        synthetic_data, batch_size=8, num_workers=0, flip=False)]
+    got = []
+    for i, (_, labels) in enumerate(make_loader(synthetic_data, batch_size=8, num_workers=1,
+                                                flip=False)):
+        got.append(labels.tolist())
+        if i == 0:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGTERM)
+                os.kill(child.pid, signal.SIGUSR1)
+    assert got == reference

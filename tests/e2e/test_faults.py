@@ -556,6 +556,55 @@ def chaos_data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 
 
+# ------------------------------------------------------------------ issue 23 item 5: a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs (a real filesystem that fills up); skipped where mount is refused."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint(
+        tiny_data, small_disk, capsys, monkeypatch):
+    """Another writer fills the run's filesystem after the checkpoint at step 20: the next
+    metrics/train.log write fails (ENOSPC), the ranks stop at the next step boundary with
+    exit 1, one error line naming the file, and ``latest`` (step 20) still verifies."""
+    import trainer.loop
+    from trainer import checkpoint
+
+    run = small_disk / "run"
+    real_save = trainer.loop.save
+
+    def save_then_fill(r):
+        real_save(r)
+        with open(small_disk / "filler", "ab") as filler:  # noqa: PTH123
+            try:
+                while True:
+                    filler.write(b"\0" * 2**20)
+                    filler.flush()
+            except OSError:
+                pass
+
+    monkeypatch.setattr(trainer.loop, "save", save_then_fill)
+    rc = _train_in_process(tiny_data, run, "train.max_steps=40", "checkpoint.every=20")
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert any(f"{run / name}:" in lines[0] for name in ("metrics.jsonl", "train.log")), err
+    latest = checkpoint.find_resume(run, "auto")
+    assert latest is not None and latest.name == checkpoint.tag_for(20)
+    checkpoint.verify(latest)
+
+
 # `make chaos` runs every case of tools/chaos/cases.py. The suite runs end to end only the
 # cases no test above reproduces (two ranks told apart by a signal, a stopped rank): each
 # other case's fault has its own, faster test here, named below (a renamed test fails this
@@ -571,6 +620,8 @@ UNIT_TWINS = {
     "dangling latest, truncated meta.json, stale .tmp":
         test_dangling_empty_or_corrupt_latest_falls_back,
     "disk full at the 2nd checkpoint": test_stale_tmp_removed_and_disk_full_named,
+    "run folder on a tmpfs filled after a checkpoint":
+        test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint,
     "resume with another margin": test_resume_refuses_another_margin_and_accepts_a_new_lr,
     "label 25 >= num_classes 20": test_label_out_of_range_names_shard_and_key,
     "corrupt JPEG, 2 epochs": test_a_corrupt_sample_is_counted_once_over_epochs,
@@ -581,6 +632,7 @@ UNIT_TWINS = {
         test_batchnorm_statistics_are_averaged_and_stable_across_resaves,
 }
 END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
+              "SIGTERM to every process of the job (2 ranks, loader workers)",
               "kill -STOP rank 1 (2 ranks, 10 s collective timeout)",
               "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"]
 # Rows only `make chaos` runs: the fault of an END_TO_END row on the other engine or at
@@ -609,3 +661,4 @@ def test_chaos_case_holds(name, chaos_data, tmp_path):
     (case,) = [c for c in CASES if c.name == name]
     observed, holds = run_case(case, chaos_data, tmp_path)
     assert holds, f"{name}: expected {case.expected}; observed {observed}"
+

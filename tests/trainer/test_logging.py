@@ -281,3 +281,61 @@ def test_missing_optional_packages_are_config_errors(synthetic_data, monkeypatch
     ]
     monkeypatch.setenv("WANDB_MODE", "disabled")
     load_config(ROOT / "configs" / "smoke.yaml", [f"data.dir={synthetic_data}"])
+
+
+_STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+
+
+def test_warnings_and_the_fatal_error_land_in_train_log(synthetic_data, tmp_path, capsys):
+    """Item 7 of issue 23: what rank 0 says on stderr (a config warning, found before the run
+    folder exists; the error that ends the run) is also in RUN/train.log, timestamped."""
+    run = tmp_path / "run"
+    rc = train_in_process(synthetic_data, run, "margin.s=1.0", "optim.lr=1e30",
+                          "train.max_bad_steps=2", "train.max_steps=4")
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 1
+    said = [line for line in err if line.startswith(("warning:", "error:"))]
+    assert any(line.startswith("warning: margin.s=1.0") for line in said), err
+    assert any(line.startswith("error:") for line in said), err
+    logged = (run / "train.log").read_text().splitlines()
+    for line in said:
+        assert [entry for entry in logged if re.fullmatch(_STAMP + re.escape(line), entry)], \
+            (line, logged)
+
+
+def test_a_bug_on_any_rank_lands_in_train_log_with_its_traceback(tmp_path, capsys):
+    from trainer.loop import report_failure
+
+    try:
+        {}["boom"]
+    except KeyError as err:
+        assert report_failure(err, 3, tmp_path) == 1
+    logged = (tmp_path / "train.log").read_text().splitlines()
+    assert re.fullmatch(_STAMP + "rank 3: Traceback .*", logged[0]), logged
+    assert re.fullmatch(_STAMP + "KeyError: 'boom'", logged[-1]), logged
+
+
+def test_a_wandb_failure_drops_wandb_with_one_warning_and_the_run_goes_on(
+        tmp_path, fake_wandb, monkeypatch, capsys):
+    import wandb
+
+    def broken(data):
+        raise ConnectionError("wandb service died")
+
+    def init(**kwargs):
+        run = real_init(**kwargs)
+        run.log = broken
+        return run
+
+    cfg = make_config(f"output={tmp_path / 'run'}", "log.every=1", "log.progress=false")
+    real_init = wandb.init
+    monkeypatch.setattr(wandb, "init", init)
+    log = RunLogger(cfg, 0, total_steps=4, global_batch=8)
+    log.start(0)
+    for step in (1, 2, 3):
+        log.step(step, _result(1.0), {}, None, device=torch.device("cpu"))
+    assert log.stop_request() == 0 and log.write_error is None
+    warned = [line for line in capsys.readouterr().err.splitlines() if "W&B" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning:"), warned
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]

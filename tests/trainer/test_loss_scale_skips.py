@@ -139,12 +139,12 @@ def test_real_fp16_overflow_skips_backbone_and_head():
     assert not last_skipped and not last_overflow and not last_unchanged, seen
 
 
-def test_minimum_loss_scale_is_one_line_not_a_traceback(capsys, monkeypatch):
+def test_minimum_loss_scale_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path):
     from trainer.engine.deepspeed_backend import LossScaleFloor
     from trainer.loop import report_failure
 
     monkeypatch.delenv("RANK", raising=False)
     err = LossScaleFloor("step 7: fp16 gradients overflow even at DeepSpeed's minimum loss scale")
-    assert report_failure(err, 0) == 1
+    assert report_failure(err, 0, tmp_path) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"error: {err}"], lines

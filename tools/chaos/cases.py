@@ -150,6 +150,38 @@ def disk_full(data: Path, work: Path) -> tuple[str, bool]:
     return f"rc {r.rc}, ENOSPC named in one line: {named}, left: {', '.join(leftovers)}", holds
 
 
+def run_folder_fills_up(data: Path, work: Path) -> tuple[str, bool]:
+    """A real full filesystem: the run folder on a 64 MiB tmpfs that another writer fills
+    once the first checkpoint exists (needs root to mount; said so where refused)."""
+    disk = work / "disk"
+    disk.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        return "skipped: mount -t tmpfs refused (needs root)", True
+
+    def fill_after_first_checkpoint(proc: subprocess.Popen) -> None:
+        wait_for_step(disk / "run", 2, proc)
+        while proc.poll() is None and not list((disk / "run" / "checkpoints").glob("step-*")):
+            time.sleep(0.05)
+        with open(disk / "filler", "ab") as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 2**20)
+                filler.flush()
+
+    try:
+        r = train(data, disk / "run", "train.max_steps=400", "checkpoint.every=2",
+                  until=fill_after_first_checkpoint)
+        errors = r.errors()
+        latest = r.latest()
+        from trainer import checkpoint
+        verifies = latest is not None and bool(checkpoint.verify(r.run / "checkpoints" / latest))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    holds = r.rc == 1 and len(errors) == 1 and str(disk) in errors[0] and verifies
+    return f"rc {r.rc}, one line naming the file: {len(errors) == 1}, latest {latest} " \
+           f"verifies: {verifies}", holds
+
+
 def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
     whole = train(data, work / "whole", "checkpoint.every=0", ranks=2)
 
@@ -167,6 +199,28 @@ def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
     holds = split.rc == 0 and told and stopped not in (None, f"step-{STEPS:08d}") \
         and resumed.rc == 0 and same
     return f"rc {split.rc}, saved {stopped}, said where to resume: {told}; resumed rc " \
+           f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
+
+
+def sigterm_whole_job(data: Path, work: Path) -> tuple[str, bool]:
+    """SIGTERM to every process of the job (torchrun, both trainers, their loader workers), as
+    a scheduler does. torchrun itself exits 1 after a signal whatever its trainers did
+    (docs/training.md), so the check is the trainers' line, the checkpoint and the resume."""
+    workers = "data.num_workers=1"
+    whole = train(data, work / "whole", "checkpoint.every=0", workers, ranks=2)
+
+    def terminate_job(proc: subprocess.Popen) -> None:
+        wait_for_step(work / "split", 2, proc)
+        os.killpg(proc.pid, 15)  # start_new_session: the job's process group
+
+    split = train(data, work / "split", "checkpoint.every=0", workers, ranks=2,
+                  until=terminate_job)
+    stopped = split.latest()
+    told = "stopped by SIGTERM after step" in split.out
+    resumed = train(data, work / "split", "checkpoint.every=0", workers, ranks=2)
+    same = _same_backbone(whole.run, resumed.run, STEPS)
+    holds = told and stopped not in (None, f"step-{STEPS:08d}") and resumed.rc == 0 and same
+    return f"torchrun rc {split.rc}, saved {stopped}, trainers said so: {told}; resumed rc " \
            f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
 
 
@@ -319,8 +373,12 @@ CASES = [
          ".tmp removed", broken_latest),
     Case("disk full at the 2nd checkpoint", "rc 1, ENOSPC named, no .tmp left, previous "
          "checkpoint kept", disk_full),
+    Case("run folder on a tmpfs filled after a checkpoint", "rc 1, one line naming the "
+         "file, latest verifies", run_folder_fills_up),
     Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
          "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
+    Case("SIGTERM to every process of the job (2 ranks, loader workers)", "both trainers "
+         "save at one step and say so, resume equals an uninterrupted run", sigterm_whole_job),
     Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
          "naming the timeout and the step", stopped_rank),
     Case("kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)", "the run ends "

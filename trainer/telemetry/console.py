@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,6 +55,20 @@ class _ConsoleHandler(logging.StreamHandler):
             self.bar.write(self.format(record), file=self.stream)
 
 
+class _LogFile(logging.FileHandler):
+    """RUN/train.log; an OSError (a full disk) is kept in ``error`` for the run to stop on,
+    instead of logging's traceback on stderr for every later record."""
+
+    error: OSError | None = None
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+        elif self.error is None:
+            self.error = err
+
+
 class Console:
     """Rank 0's console and ``RUN/train.log`` (appended across resumes)."""
 
@@ -68,8 +82,9 @@ class Console:
         self._console = _ConsoleHandler()
         self._console.setFormatter(logging.Formatter("%(message)s"))
         self.log.addHandler(self._console)
+        self.file: _LogFile | None = None
         if rank == 0:
-            file = logging.FileHandler(Path(run_dir) / LOG_FILE, delay=True)
+            file = self.file = _LogFile(Path(run_dir) / LOG_FILE, delay=True)
             file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
             self.log.addHandler(file)
         self.use_bar = progress and sys.stderr.isatty()
@@ -108,6 +123,21 @@ class Console:
     def close(self) -> None:
         self.close_bar()
         close_handlers(self.log)
+
+
+def append_log(run_dir: Path, message: str) -> None:
+    """Append ``message`` to ``RUN/train.log`` with the file handler's timestamp, from any rank
+    and before or after the run's :class:`Console` exists: the config's warnings (found before
+    the run folder is made) and each rank's fatal error belong in the run's record. A failure
+    to write is ignored: it must not hide the error being reported."""
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]  # logging's asctime
+    lines = "".join(f"{stamp} {line}\n" for line in message.rstrip("\n").splitlines())
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / LOG_FILE, "a") as file:
+            file.write(lines)
+    except OSError:
+        pass
 
 
 def close_handlers(log: logging.Logger) -> None:

@@ -14,12 +14,14 @@ and continues the same W&B run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,16 @@ def _json_safe(record: dict) -> dict:
     }
 
 
+WRITE_FAILED = 1000
+"""The stop request (see ``Engine.step``) of a rank that could not write a run file: above
+every signal number, so the ranks agree on it like on a signal and stop after the same step."""
+
+
+class WriteFailed(RuntimeError):
+    """A run file (metrics, histograms, train.log, TensorBoard) could not be written, e.g.
+    ENOSPC: the run stops with the last good checkpoint as it is."""
+
+
 class RunLogger:
     """Rank-0 sink for one run; ``global_batch`` = images per optimisation step, all ranks."""
 
@@ -67,6 +79,7 @@ class RunLogger:
         self.history: list[dict] = []
         self._metrics = self._hist = None
         self._sinks: list[Sink] = []
+        self.write_error: str | None = None  # the first run file that could not be written
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = 0
         if self.active:
@@ -164,10 +177,10 @@ class RunLogger:
         if not self.active:
             return
         values = {k: v.detach().float().cpu().numpy() for k, v in angles.items()}
-        self._hist.write(json.dumps(run_files.histogram_row(step, values)) + "\n")
-        self._hist.flush()
-        for sink in self._sinks:
-            sink.histograms(step, values)
+        with self._guard(self._hist.name):
+            self._hist.write(json.dumps(run_files.histogram_row(step, values)) + "\n")
+            self._hist.flush()
+        self._to_sinks(lambda sink: sink.histograms(step, values))
 
     def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
         """Verification results of ``launch.evaluate.evaluate_bins``."""
@@ -184,12 +197,43 @@ class RunLogger:
         if not self.active:
             return
         self.history.append(record)
-        self._metrics.write(json.dumps(_json_safe(record)) + "\n")
-        self._metrics.flush()
+        with self._guard(self._metrics.name):
+            self._metrics.write(json.dumps(_json_safe(record)) + "\n")
+            self._metrics.flush()
         scalars = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
-        for sink in self._sinks:
-            sink.scalars(record["step"], scalars)
+        self._to_sinks(lambda sink: sink.scalars(record["step"], scalars))
+
+    @contextlib.contextmanager
+    def _guard(self, path) -> Iterator[None]:
+        """Keep the first OSError writing ``path`` for :meth:`stop_request`."""
+        try:
+            yield
+        except OSError as err:
+            if self.write_error is None:
+                self.write_error = f"cannot write {path}: {err.strerror or err}"
+
+    def _to_sinks(self, call: Callable[[Sink], None]) -> None:
+        """``call`` on each sink. W&B is a copy of metrics.jsonl: a W&B failure drops it with
+        one warning and the run goes on; TensorBoard's is a failed run file."""
+        for sink in list(self._sinks):
+            try:
+                call(sink)
+            except Exception as err:  # noqa: BLE001 - any W&B failure; the run goes on
+                if not isinstance(sink, WandbSink):
+                    with self._guard(self.run_dir / "tensorboard"):
+                        raise
+                    continue
+                self._sinks.remove(sink)
+                self.info(f"warning: W&B failed ({type(err).__name__}: {err}); "
+                          f"logging to W&B stops, metrics.jsonl goes on")
+
+    def stop_request(self) -> int:
+        """:data:`WRITE_FAILED` once a run file could not be written (rank 0), else 0."""
+        file = self.console.file
+        if self.write_error is None and file is not None and file.error is not None:
+            self.write_error = f"cannot write {file.baseFilename}: {file.error.strerror}"
+        return WRITE_FAILED if self.write_error else 0
 
     def close_unused(self) -> None:
         """End a logger that never started (a finished run run again): only the console."""
