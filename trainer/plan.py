@@ -19,7 +19,7 @@ GIB = 2**30
 
 # Activation bytes per image at 112x112 in training mode: partial_fc.memory.activation_bytes
 # at batch 4 minus batch 2, halved (CPU, torch 2.13, D=512); a backbone missing here is
-# measured when first asked for (measure_activations).
+# measured when first asked for (measure_activations; the ViTs at depth 2 plus their blocks).
 ACTIVATIONS = {
     ("iresnet18", "fp32"): 46_113_792, ("iresnet18", "bf16"): 23_056_896,
     ("iresnet34", "fp32"): 61_166_592, ("iresnet34", "bf16"): 30_583_296,
@@ -32,6 +32,7 @@ ACTIVATIONS = {
     ("vit_s", "fp32"): 57_453_784, ("vit_s", "bf16"): 32_455_340,
     ("vit_b", "fp32"): 108_434_936, ("vit_b", "bf16"): 61_416_348,
     ("vit_l", "fp32"): 162_495_992, ("vit_l", "bf16"): 92_006_300,
+    ("vit_h", "fp32"): 454_658_552, ("vit_h", "bf16"): 256_102_204,
 }
 # One ViT block's share of the above (measure_block_activations), for backbone.checkpointing.
 BLOCK_ACTIVATIONS = {
@@ -39,6 +40,7 @@ BLOCK_ACTIVATIONS = {
     ("vit_s", "fp32"): 4_725_512, ("vit_s", "bf16"): 2_661_124,
     ("vit_b", "fp32"): 4_462_984, ("vit_b", "bf16"): 2_513_284,
     ("vit_l", "fp32"): 6_691_208, ("vit_l", "bf16"): 3_766_660,
+    ("vit_h", "fp32"): 9_444_104, ("vit_h", "bf16"): 5_315_332,
 }
 
 # Measured on one H100 (issue 11, torch 2.11, bf16, batch 128): iresnet50 forward + backward
@@ -137,26 +139,44 @@ def _per_image(model: torch.nn.Module, precision: str) -> int:
     return (a4 - a2) // 2
 
 
+def _vit_sized(name: str, depth: int) -> torch.nn.Module:
+    """The ViT ``name`` with ``depth`` blocks and zero weights: the bytes autograd saves do
+    not depend on the values, and skipping the random initialisation of ViT-L's 85 M-weight
+    feature layer saves most of a measurement's time."""
+    with torch.device("meta"):
+        model = build_backbone(name, depth=depth)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.zero_()
+    return model
+
+
 @functools.cache
+def _vit_at_depths(name: str, precision: str) -> tuple[int, int]:
+    """Activation bytes per image of the ViT at depth 2 and at depth 3."""
+    torch.manual_seed(0)  # the same masking draws every time
+    two, three = (_per_image(_vit_sized(name, d), precision) for d in (2, 3))
+    return two, three
+
+
 def measure_block_activations(name: str, precision: str) -> int:
     """Saved-for-backward bytes per image of one ViT block: the model at depth 3 minus depth 2
     (blocks after the first are alike: same width, tokens and stochastic depth)."""
-    torch.manual_seed(0)
-    at = {d: _per_image(build_backbone(name, depth=d), precision) for d in (2, 3)}
-    return at[3] - at[2]
+    two, three = _vit_at_depths(name, precision)
+    return three - two
 
 
 @functools.cache
 def measure_activations(name: str, precision: str) -> int:
     """Activation bytes per image (:func:`_per_image`). A ViT is measured at depth 2 and
-    extended by :func:`measure_block_activations` per further block (exact, and seconds instead of
-    minutes of CPU for ViT-L/H; vit_h is left out of the table for that cost)."""
-    torch.manual_seed(0)  # the same masking draws every time
+    extended by :func:`measure_block_activations` per further block (exact: seconds instead
+    of minutes of CPU for ViT-L/H)."""
     if name.startswith("vit_"):
         with torch.device("meta"):
             depth = len(build_backbone(name).blocks)
-        two = _per_image(build_backbone(name, depth=2), precision)
-        return two + (depth - 2) * measure_block_activations(name, precision)
+        two, three = _vit_at_depths(name, precision)
+        return two + (depth - 2) * (three - two)
     return _per_image(build_backbone(name), precision)
 
 

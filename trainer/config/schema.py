@@ -84,20 +84,13 @@ class BackboneConfig(_Section):
     )
     embedding_size: PosInt = Field(512, description="length of the face embedding")
     dropout: UnitFloat = Field(0.0, description="dropout before the embedding layer, in [0, 1)")
-    checkpointing: NonNegInt = Field(
-        0, description="activation checkpointing (iresnet*, vit_*): 0 = off, k = every k-th "
-        "block keeps only its input and is recomputed in the backward (1 = every block); "
-        "exact: the same loss and gradients, for about one more forward of those blocks"
-    )
-    depth: PosInt | None = Field(
-        None, description="vit_* only: number of transformer blocks instead of the "
-        "architecture's (small CPU runs and tests); null = the architecture's"
-    )
-    weights: str | None = Field(
-        None, description="a local file of initial weights (a state_dict: the whole backbone, "
-        "or for timm:<model> the timm model's own, e.g. a timm .pth or .safetensors); "
-        "nothing is downloaded; null = random initialisation"
-    )
+    checkpointing: NonNegInt = Field(0, description="activation checkpointing (iresnet*, "
+                                     "vit_*): 0 = off, k = every k-th block recomputed in the "
+                                     "backward; exact (docs/vit.md)")
+    depth: PosInt | None = Field(None, description="vit_* only: transformer blocks instead "
+                                 "of the architecture's (small CPU runs); null = its own")
+    weights: str | None = Field(None, description="a local state_dict to start from (the "
+                                "backbone's; for timm:<model> the timm model's); null = random")
 
     def build_kwargs(self) -> dict[str, Any]:
         """``partial_fc.backbones.build_backbone``'s arguments this section sets."""
@@ -196,10 +189,8 @@ class OptimConfig(_Section):
     )
     eps: PosFloat = Field(1e-8, description="adamw: denominator epsilon")
     decay: Literal["all", "weights"] = Field(
-        "all", description="backbone parameters that take weight decay: all (insightface), or "
-        "weights = only matrices and kernels, not normalisation scales and shifts, biases, "
-        "PReLU slopes or position embeddings (the usual AdamW setting for ViTs); the head's "
-        "rows always take it"
+        "all", description="backbone weight decay on all parameters, or on weights only: not "
+        "norms, biases, PReLU slopes, position embeddings (the ViT setting); head: always"
     )
 
 
