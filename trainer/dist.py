@@ -116,6 +116,21 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def _names_this_host_only(master: str) -> bool:
+    """``MASTER_ADDR=localhost`` or a 127.x / ::1 literal: the user put every node on this
+    host (nodes on one machine, as the tests run them), where loopback is the right route. A
+    host *name* that resolves to loopback is the misconfiguration :func:`socket_interface`
+    refuses."""
+    import ipaddress
+
+    if master == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(master).is_loopback
+    except ValueError:
+        return False
+
+
 def socket_interface(backend: str, environ: Mapping[str, str], hostname: str,
                      loopback: Callable[[str], bool] = is_loopback,
                      source: Callable[[str, int], str] = route_source,
@@ -127,7 +142,8 @@ def socket_interface(backend: str, environ: Mapping[str, str], hostname: str,
     their own loopback, and a multi-node job fails (or hangs) at its first group. The one
     interface known to reach them is the one that routes to ``MASTER_ADDR``. Nothing to do
     for one node (``WORLD_SIZE == LOCAL_WORLD_SIZE``, or a loopback ``MASTER_ADDR`` without
-    torchrun), when the user named an interface, or when the name resolves elsewhere.
+    torchrun), for nodes all on this host (``MASTER_ADDR`` is ``localhost`` or a loopback
+    literal), when the user named an interface, or when the name resolves elsewhere.
     Raises :class:`~trainer.config.schema.ConfigError` naming the variable to set when no
     interface routes there (``MASTER_ADDR`` is this node's own loopback name, or no route).
     ``loopback``, ``source``, ``interface``: the OS look-ups (tests replace them).
@@ -141,7 +157,7 @@ def socket_interface(backend: str, environ: Mapping[str, str], hostname: str,
         one_node = environ["LOCAL_WORLD_SIZE"] == environ.get("WORLD_SIZE", "1")
     else:
         one_node = loopback(master)
-    if one_node or not loopback(hostname):
+    if one_node or not loopback(hostname) or _names_this_host_only(master):
         return None
     variable = SOCKET_IFNAME[backend]
     fix = f"set {variable} to this node's interface that reaches the other nodes (see `ip addr`)"

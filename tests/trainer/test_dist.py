@@ -84,6 +84,8 @@ def test_loopback_hostname_on_a_second_node_gets_the_interface_routing_to_master
     {"GLOO_SOCKET_IFNAME": "eth0"},  # the user chose
     {"NCCL_SOCKET_IFNAME": "ib0"},
     {"LOCAL_WORLD_SIZE": "2"},  # one node: loopback is right
+    {"MASTER_ADDR": "localhost"},  # several nodes, all on this host: loopback is right
+    {"MASTER_ADDR": "127.0.0.1"},
     {"MASTER_ADDR": None},  # no torchrun
 ])
 def test_nothing_to_pick(change):
