@@ -78,6 +78,12 @@ def launch_shape_error(nproc_per_node: str, nnodes: int) -> str | None:
     return None
 
 
+def _print_once_per_node(message: str) -> None:
+    """Before any process group: every rank of a node found the same, one report per node."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check and (problem := launch_shape_error(args.nproc_per_node, args.nnodes)):
@@ -91,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides, resolve=not args.print_config)
             notes = machine_notes(cfg) if args.print_config else []
     except ConfigError as err:  # every rank found the same: one report per node
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"config error:\n{err}", file=sys.stderr)
+        _print_once_per_node(f"config error:\n{err}")
         return 2
     for w in caught:
         print_main(f"warning: {w.message}")
@@ -109,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = init_distributed(cfg.device, cfg.dist.timeout_s)
     except ConfigError as err:  # this node's network set-up (no interface to the others)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"config error: {err}", file=sys.stderr)
+        _print_once_per_node(f"config error: {err}")
         return 2
     try:
         train(cfg, env)

@@ -235,6 +235,12 @@ def machine_notes(cfg: Config) -> list[str]:
     return notes
 
 
+def _launch_size(variable: str) -> int:
+    """torchrun's ``WORLD_SIZE`` or ``LOCAL_WORLD_SIZE`` (1 without torchrun; ``launch.train
+    --check`` sets them for the launch it checks), read at call time, before any group."""
+    return int(os.environ.get(variable, "1"))
+
+
 def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
     """What this node's GPUs cannot run: more ranks than GPUs (torchrun's LOCAL_WORLD_SIZE;
     two ranks cannot share one GPU under NCCL), bf16 without hardware support, several ranks
@@ -243,7 +249,7 @@ def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
 
     out = []
     gpus = torch.cuda.device_count()
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read at call time, before any group
+    ranks = _launch_size("LOCAL_WORLD_SIZE")
     if ranks > gpus:
         out.append(("device", f"device={cfg.device!r}: {ranks} ranks on this node but {gpus} "
                     f"GPU(s) visible: launch --nproc_per_node {gpus} (make NPROC_PER_NODE="
@@ -251,7 +257,7 @@ def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
     if cfg.engine.precision == "bf16" and gpus and not torch.cuda.is_bf16_supported():
         out.append(("engine.precision", "engine.precision='bf16': this GPU has no bf16 support "
                     "(before Ampere); use fp16 with engine.type=deepspeed, or fp32"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_nccl_available():
+    if _launch_size("WORLD_SIZE") > 1 and not dist.is_nccl_available():
         out.append(("device", f"device={cfg.device!r}: this torch build has no NCCL, which "
                     "multi-GPU runs need; install a CUDA build of torch with NCCL"))
     return out
@@ -262,7 +268,7 @@ def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
     from data_pipeline.epoch_plan import batches_per_rank
 
     n = cfg.data.num_samples
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # read at call time, before any group
+    world = _launch_size("WORLD_SIZE")
     batch, k = cfg.train.batch_size, cfg.train.grad_accum
     if n is None or batches_per_rank(n, world, batch) >= k:
         return []
@@ -276,7 +282,7 @@ def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
 def _class_errors(cfg: Config) -> list[tuple[str, str]]:
     """Every rank owns a contiguous block of at least one class (``PartialFC``), and a softmax
     over one class has nothing to tell apart (its loss is 0 whatever the backbone does)."""
-    classes, world = cfg.data.num_classes, int(os.environ.get("WORLD_SIZE", "1"))
+    classes, world = cfg.data.num_classes, _launch_size("WORLD_SIZE")
     if classes is None:
         return []
     if classes < 2:
