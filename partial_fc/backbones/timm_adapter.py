@@ -49,8 +49,8 @@ def build_timm(name: str, embedding_size: int = 512, dropout: float = 0.0) -> Ti
     """Build ``timm:<model>`` (``name`` with its prefix).
 
     Raises:
-        ValueError: timm is not installed, or does not know the model (the message names
-            it and how to list the valid ones).
+        ValueError: timm is not installed or its torchvision does not load, or timm does
+            not know the model (the message names it and how to list the valid ones).
     """
     model = name.removeprefix(PREFIX)
     try:
@@ -58,6 +58,11 @@ def build_timm(name: str, embedding_size: int = 512, dropout: float = 0.0) -> Ti
     except ImportError as exc:
         raise ValueError(f"backbone {name!r} needs timm: pip install 'partial-fc[timm]' "
                          f"({exc})") from None
+    except RuntimeError as exc:  # torchvision's import, when its C++ ops do not load
+        first = str(exc).strip().splitlines()[0]
+        raise ValueError(f"backbone {name!r}: importing timm failed in torchvision ({first}); "
+                         f"timm needs the torchvision built for this torch {torch.__version__} "
+                         "(a CUDA torchvision wheel does not load beside a CPU torch)") from None
     if not timm.is_model(model):
         raise ValueError(f"backbone {name!r}: timm has no model {model!r} (timm.list_models() "
                          "lists them)")

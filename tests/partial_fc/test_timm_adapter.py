@@ -1,14 +1,15 @@
-"""``timm:<model>`` backbones: the adapter on a stand-in ``timm`` module, and real timm models
-where timm is installed (``pip install 'partial-fc[timm]'``)."""
+"""``timm:<model>`` backbones: the adapter on a stand-in ``timm`` module (the choices it makes),
+and real timm models (in the test extra; ``tests/timm_env.py`` on how they import here)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 import types
 
 import pytest
 import torch
+from timm_env import import_timm
 from torch import nn
 
 from partial_fc.backbones import build_backbone
@@ -86,17 +87,30 @@ def test_unknown_model_and_missing_timm(fake_timm, monkeypatch):
         build_backbone("timm:cnn")
 
 
-_NO_TIMM = "timm is not installed (pip install 'partial-fc[timm]'; it needs a torchvision " \
-           "built for this torch)"
-
-
-@pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason=_NO_TIMM)
 @pytest.mark.parametrize("model", ["resnet18", "vit_tiny_patch16_224"])
 def test_real_timm_models(model):
-    """One CNN and one ViT of timm on 112x112 faces: shape, gradients."""
+    """One CNN and one ViT of timm on 112x112 faces: the ViT's position embedding is built for
+    112 (patch 16: 7x7 tokens), the embedding layer sits on the pooled features, every
+    parameter gets a gradient, and the ViT's own no-decay names come through under trunk."""
+    timm = import_timm()
     torch.manual_seed(0)
     net = build_backbone(f"timm:{model}", embedding_size=16).train()
+    assert net.fc.in_features == timm.create_model(model, num_classes=0).num_features
     out = net(torch.rand(2, 3, 112, 112) * 2 - 1)
     assert out.shape == (2, 16)
     out.square().sum().backward()
     assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
+    if model.startswith("vit"):
+        assert net.trunk.pos_embed.shape[1] == 1 + (112 // 16) ** 2  # class token + 7x7
+        assert "trunk.pos_embed" in net.no_weight_decay()
+
+
+def test_torchvision_that_does_not_load_is_one_line(monkeypatch):
+    """A torchvision whose import fails (its C++ ops missing) is named, with the fix."""
+    def broken(name):
+        raise RuntimeError("operator torchvision::nms does not exist\n(traceback lines)")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ValueError, match=r"torchvision built for this torch") as err:
+        build_backbone("timm:resnet18")
+    assert "\n" not in str(err.value)
