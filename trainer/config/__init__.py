@@ -56,8 +56,8 @@ __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
     "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
-    "dump_config", "load_config", "machine_notes", "resolve_config", "resume_drift",
-    "theory_warnings",
+    "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
+    "resume_drift", "theory_warnings",
 ]
 
 

@@ -13,6 +13,7 @@ another launch shape (``launch.train --check --nproc-per-node N --nnodes M``) is
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 # The optional packages a config can ask for: the engine, the logging sinks, the head's tiles.
@@ -59,8 +60,6 @@ class Machine:
         """Read this machine once: torch's devices, the installed packages, ``WANDB_MODE``,
         and the launch shape from torchrun's variables, or from ``ranks_per_node`` x
         ``nnodes`` where given (a launch being checked before torchrun starts it)."""
-        import os
-
         import torch
         import torch.distributed as dist
 
