@@ -21,6 +21,7 @@ import warnings
 from trainer.config import (
     ConfigError,
     ConfigWarning,
+    Machine,
     describe_keys,
     dump_config,
     load_config,
@@ -59,23 +60,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def launch_shape_error(nproc_per_node: str, nnodes: int) -> str | None:
-    """Set ``LOCAL_WORLD_SIZE``/``WORLD_SIZE`` as torchrun will for this launch (the config
-    checks read them), or say in one line why torchrun could not start it."""
+def launch_machine(nproc_per_node: str, nnodes: int, here: Machine) -> Machine | str:
+    """``here`` (this machine) for the launch torchrun will start with ``--nproc_per_node
+    nproc_per_node --nnodes nnodes``, or one line saying why torchrun could not start it."""
     if nproc_per_node == "gpu":
-        import torch
-
-        ranks = torch.cuda.device_count()
-        if ranks == 0:
+        if here.gpus == 0:
             return ("NPROC_PER_NODE=gpu: no GPU on this machine; give NPROC_PER_NODE=<ranks>, "
                     "and device=cpu to train on the CPU")
-    elif nproc_per_node.isdigit() and int(nproc_per_node) > 0:
-        ranks = int(nproc_per_node)
-    else:
-        return f"NPROC_PER_NODE={nproc_per_node}: a number of ranks per node, or gpu"
-    os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
-    os.environ["WORLD_SIZE"] = str(ranks * nnodes)
-    return None
+        return here.launching(here.gpus, nnodes)
+    if nproc_per_node.isdigit() and int(nproc_per_node) > 0:
+        return here.launching(int(nproc_per_node), nnodes)
+    return f"NPROC_PER_NODE={nproc_per_node}: a number of ranks per node, or gpu"
 
 
 def _print_once_per_node(message: str) -> None:
@@ -86,16 +81,23 @@ def _print_once_per_node(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.check and (problem := launch_shape_error(args.nproc_per_node, args.nnodes)):
-        print(f"launch error: {problem}", file=sys.stderr)
-        return 2
+    machine = Machine.observe()  # the one look at this machine and torchrun's launch
+    if args.check:  # the launch being checked, before torchrun starts it
+        shape = launch_machine(args.nproc_per_node, args.nnodes, machine)
+        if isinstance(shape, str):
+            print(f"launch error: {shape}", file=sys.stderr)
+            return 2
+        machine = shape
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ConfigWarning)
             # --print-config works before the data exists: what the data and the machine
             # decide (manifest, CUDA, files) is reported as notes instead of refused.
-            cfg = load_config(args.config, args.overrides, resolve=not args.print_config)
-            notes = machine_notes(cfg) if args.print_config else []
+            cfg = load_config(args.config, args.overrides, resolve=not args.print_config,
+                              machine=machine)
+            notes: list[str] = []
+            if args.print_config:
+                cfg, notes = machine_notes(cfg, machine)
     except ConfigError as err:  # every rank found the same: one report per node
         _print_once_per_node(f"config error:\n{err}")
         return 2

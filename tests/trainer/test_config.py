@@ -254,6 +254,103 @@ def test_malformed_manifest_is_a_config_error_among_others(tmp_path):
 
 
 
+def _cpu():
+    from trainer.config import Machine
+    from trainer.config.machine import OPTIONAL_PACKAGES
+
+    return Machine(installed=frozenset(OPTIONAL_PACKAGES))  # one CPU rank, every package
+
+
+def test_resolve_returns_a_new_config_and_leaves_its_input_as_it_was(tmp_path):
+    """The checks are pure: the sizes are filled in a copy, and the same config and machine
+    give the same answer twice."""
+    from trainer.config import resolve_config
+    from trainer.config.on_disk import read_data_manifest
+
+    data = _manifest(tmp_path / "data", num_classes=1000, num_samples=5000)
+    path = _write(tmp_path, "cfg.yaml", {"data": {"dir": str(data)}, "device": "cpu"})
+    cfg = load_config(path, resolve=False)
+    before = cfg.model_dump()
+    manifest, found = read_data_manifest(cfg)
+    assert found == []
+    first = resolve_config(cfg, manifest, _cpu())
+    assert cfg.model_dump() == before and cfg.data.num_classes is None  # untouched
+    assert (first.cfg.data.num_classes, first.cfg.data.num_samples) == (1000, 5000)
+    assert first.cfg.data is not cfg.data and first.cfg.train is not cfg.train  # no sharing
+    assert resolve_config(cfg, manifest, _cpu()) == first
+    synthetic = load_config(path, ["data.source=synthetic", "data.num_classes=10"],
+                            resolve=False)
+    sized = resolve_config(synthetic, None, _cpu())
+    assert sized.cfg.data.num_samples == 40 and synthetic.data.num_samples is None
+
+
+def test_the_checks_answer_for_the_machine_they_are_given(tmp_path):
+    """A snapshot of a GPU node with fewer GPUs than ranks is refused; the same config on a
+    snapshot with enough passes; classes fewer than a world of 4 are refused, with no
+    environment variable set."""
+    from trainer.config import Machine, resolve_config
+    from trainer.config.machine import OPTIONAL_PACKAGES
+
+    path = _write(tmp_path, "cfg.yaml", {"data": {"source": "synthetic", "num_classes": 3}})
+    cfg = load_config(path, ["device=cuda", "engine.type=ddp", "train.batch_size=2"],
+                      resolve=False)
+    packages = frozenset(OPTIONAL_PACKAGES)
+    two_gpus = Machine(gpus=2, bf16=True, nccl=True, installed=packages)
+    assert resolve_config(cfg, None, two_gpus.launching(2)).errors == []
+    (refused,) = resolve_config(cfg, None, two_gpus.launching(3)).errors
+    assert refused[0] == "device" and "3 ranks on this node but 2 GPU(s)" in refused[1]
+    keys = [key for key, _ in resolve_config(cfg, None, two_gpus.launching(2, 2)).errors]
+    assert keys == ["data.num_classes"]  # 4 ranks, 3 classes
+
+
+def test_load_config_observes_the_machine_only_when_given_none(tmp_path, monkeypatch):
+    from trainer.config import Machine
+
+    seen = []
+    monkeypatch.setattr(Machine, "observe", classmethod(lambda cls, *a: seen.append(a) or _cpu()))
+    path = _write(tmp_path, "cfg.yaml", {"data": {"source": "synthetic", "num_classes": 10},
+                                         "train": {"batch_size": 4}, "device": "cpu",
+                                         "output": str(tmp_path / "run")})
+    load_config(path, machine=_cpu())
+    load_config(path, resolve=False)
+    assert seen == []
+    load_config(path)
+    assert seen == [()]
+
+
+def test_observe_reads_torchruns_launch_and_wandb_mode(monkeypatch):
+    """The edge: the one place that reads the environment."""
+    import sys
+
+    from trainer.config import Machine
+
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    here = Machine.observe()
+    assert (here.world_size, here.local_ranks, here.wandb_mode) == (6, 3, "disabled")
+    assert not here.has("tensorboard")
+    assert Machine.observe(2, 4).world_size == 8 and Machine.observe(2, 4).local_ranks == 2
+
+
+def test_observe_reads_the_gpus_from_torch(monkeypatch):
+    """The edge's device calls (the one place in trainer.config that makes them), faked: what
+    torch says is what the snapshot holds."""
+    import torch
+
+    from trainer.config import Machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    here = Machine.observe()
+    assert (here.cuda, here.gpus, here.bf16, here.nccl) == (True, 8, False, True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert Machine.observe().gpus == 0 and not Machine.observe().cuda
+
+
 def test_help_lists_every_key_with_its_description(capsys):
     """``launch.train --help`` is generated from the schema: every key has a description and
     appears with its type and default."""

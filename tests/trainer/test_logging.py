@@ -262,25 +262,23 @@ def test_tensorboard_holds_the_wandb_names(tmp_path, fake_wandb):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(2, 3.0), (4, 5.0)]
 
 
-def test_missing_optional_packages_are_config_errors(synthetic_data, monkeypatch):
+def test_missing_optional_packages_are_config_errors(synthetic_data):
     from launch_helpers import ROOT
 
-    from trainer.config import ConfigError, load_config
+    from trainer.config import ConfigError, Machine, load_config
 
-    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
-    monkeypatch.setitem(sys.modules, "wandb", None)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+    bare = Machine(installed=frozenset({"deepspeed"}))  # no tensorboard, no wandb
     args = [f"data.dir={synthetic_data}", "log.tensorboard=true", "log.wandb=offline"]
     with pytest.raises(ConfigError) as err:
-        load_config(ROOT / "configs" / "smoke.yaml", args)
+        load_config(ROOT / "configs" / "smoke.yaml", args, machine=bare)
     assert str(err.value).splitlines() == [
         "command line: log.tensorboard=true: the tensorboard package is not installed "
         "(pip install 'partial-fc[tensorboard]', or log.tensorboard=false)",
         "command line: log.wandb='offline': the wandb package is not installed "
         "(pip install 'partial-fc[wandb]', or log.wandb=disabled)",
     ]
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    load_config(ROOT / "configs" / "smoke.yaml", [f"data.dir={synthetic_data}"])
+    wandb_off = Machine(installed=bare.installed, wandb_mode="disabled")  # WANDB_MODE wins
+    load_config(ROOT / "configs" / "smoke.yaml", [f"data.dir={synthetic_data}"], machine=wandb_off)
 
 
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "

@@ -3,11 +3,14 @@
 Loading is three jobs, each its own module: :mod:`trainer.config.files` reads the recipe
 (``base:`` chain, ``dotted.key=value`` overrides) and records which file set each key;
 :mod:`trainer.config.schema` validates it against the typed schema, the only source of
-defaults; :mod:`trainer.config.checks` runs the checks the schema cannot express. This module
+defaults; :mod:`trainer.config.checks` runs the checks the schema cannot express, pure
+functions of the config, the data's manifest and a :class:`Machine` snapshot. This module
 composes them so that every problem found is reported at once, in one :class:`ConfigError`,
 one line each, naming the file (or ``command line``) that set the key, the key, the value and
-the valid choices. With ``resolve=True`` the checks also read the data's ``manifest.json``
-and look at the machine (CUDA, files), so a run fails before any process group starts.
+the valid choices. With ``resolve=True`` the checks also read what is on disk
+(:mod:`trainer.config.on_disk`: ``manifest.json``, the paths the run opens) and look at the
+machine (:meth:`Machine.observe` unless one is given), so a run fails before any process
+group starts.
 
 The rest of ``launch`` (and bench/, tests/) imports configuration names from here.
 """
@@ -20,13 +23,15 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from trainer.config.checks import (
-    machine_notes,
-    resolve_errors,
+    Resolved,
+    resolve_config,
     resume_drift,
     semantic_errors,
     theory_warnings,
 )
 from trainer.config.files import apply_overrides, load_tree, schema_errors, shown, source_of
+from trainer.config.machine import Machine
+from trainer.config.on_disk import path_errors, read_data_manifest
 from trainer.config.schema import (
     BackboneConfig,
     CheckpointConfig,
@@ -49,21 +54,50 @@ from trainer.config.schema import (
 
 __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
-    "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "MarginConfig",
-    "OptimConfig", "ScheduleConfig", "TrainConfig", "describe_keys", "dump_config", "load_config",
-    "machine_notes", "resume_drift", "theory_warnings",
+    "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "Machine",
+    "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
+    "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
+    "resume_drift", "theory_warnings",
 ]
 
 
+def resolve_here(cfg: Config, machine: Machine | None = None) -> Resolved:
+    """:func:`resolve_config` over what is on disk (``data.dir``'s manifest, the paths the run
+    opens) and ``machine`` (:meth:`Machine.observe` when None): the config with the data's
+    sizes filled, and every (dotted key, message) the data, the files and the machine refuse.
+    ``cfg`` itself is left as it was."""
+    manifest, found = read_data_manifest(cfg)
+    filled, more = resolve_config(cfg, manifest, machine or Machine.observe())
+    return Resolved(filled, found + more + path_errors(cfg))
+
+
+def machine_notes(cfg: Config, machine: Machine | None = None) -> tuple[Config, list[str]]:
+    """The data and machine checks of ``load_config(..., resolve=True)`` for a config loaded
+    with ``resolve=False`` (``--print-config`` before the data exists): a copy of ``cfg`` with
+    ``data.num_classes/num_samples`` filled where the manifest is there, and the refusals as
+    lines. The theory checks run on the copy (their :class:`ConfigWarning` raised here, as
+    ``load_config`` does)."""
+    filled, found = resolve_here(cfg, machine)
+    for msg in theory_warnings(filled):
+        warnings.warn(msg, ConfigWarning, stacklevel=2)
+    return filled, [msg for _, msg in found]
+
+
 def load_config(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, resolve: bool = True
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    resolve: bool = True,
+    machine: Machine | None = None,
 ) -> Config:
     """Load ``path`` (with its ``base:`` chain), apply ``key=value`` overrides, validate.
 
     ``resolve=True`` (what ``launch.train`` does, before any process group) also reads
     ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples`` (with
     ``data.source=synthetic``: no file; ``num_samples`` from the synthetic settings), checks the
-    device, resume folder and eval files. Theory checks (known C) become :class:`ConfigWarning`.
+    device, resume folder and eval files, against ``machine`` (the launch's ranks, GPUs,
+    packages; :meth:`Machine.observe` when None). Theory checks (known C) become
+    :class:`ConfigWarning`.
     Raises :class:`ConfigError` listing every problem found.
     """
     origin: dict[str, str] = {}
@@ -81,7 +115,8 @@ def load_config(
         cfg = Config.model_validate({k: v for k, v in tree.items() if k not in broken})
     found = semantic_errors(cfg)
     if resolve:
-        found += resolve_errors(cfg)
+        cfg, more = resolve_here(cfg, machine)
+        found += more
     errors += [
         f"{source_of(origin, key, top)}: {msg}"
         for key, msg in found

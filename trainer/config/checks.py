@@ -1,27 +1,27 @@
 """The config checks the schema cannot express, each a list of (dotted key, message) pairs.
 
 Three kinds: cross-field rules (:func:`semantic_errors`, always run); checks against the data
-and this machine (:func:`resolve_errors`: the manifest, CUDA, optional packages, the run
-folder), run before any process group starts so a run fails in one report rather than on
-one rank; and the theory checks (:func:`theory_warnings`), which only warn. Returning
-pairs keyed by dotted key, not finished lines, lets :func:`trainer.config.load_config` name
-the file that set each key. :func:`resume_drift` compares a checkpoint's config with the
-current one when a run resumes.
+and the machine (:func:`resolve_config`: the manifest's sizes, the launch's ranks, CUDA, the
+optional packages), run before any process group starts so a run fails in one report rather
+than on one rank; and the theory checks (:func:`theory_warnings`), which only warn. All are
+pure: the machine is a :class:`~trainer.config.machine.Machine` snapshot and the manifest a
+value, both read at the edge (:meth:`Machine.observe`, :mod:`trainer.config.on_disk`), and
+no check changes the config it is given. Returning pairs keyed by dotted key, not finished
+lines, lets :func:`trainer.config.load_config` name the file that set each key.
+:func:`resume_drift` compares a checkpoint's config with the current one when a run resumes.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import tempfile
-import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from partial_fc.margins import margin_errors, margin_warnings
-from trainer.config.schema import Config, ConfigError, ConfigWarning
+from trainer.config.machine import Machine
+from trainer.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
 
 # The rendezvous (TCPStore) and the first collectives take seconds on a loaded node; a
 # timeout below this ends healthy runs at start-up with torch's traceback.
@@ -51,9 +51,6 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
                     f"because {'; '.join(why)} (use grad_accum=1 or a larger batch)",
                 )
             )
-    if cfg.head.kernel == "triton" and importlib.util.find_spec("triton") is None:
-        out.append(("head.kernel", "head.kernel='triton': triton is not installed "
-                    "(pip install triton, or head.kernel=auto)"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
     if (
@@ -102,173 +99,121 @@ def theory_warnings(cfg: Config) -> list[str]:
     return margin_warnings(cfg.margin_kwargs(), cfg.data.num_classes, cfg.margin.p_w)
 
 
-def _missing(package: str) -> bool:
-    """Whether ``package`` cannot be imported (checked without importing it)."""
-    try:
-        return importlib.util.find_spec(package) is None
-    except ValueError:  # in sys.modules as None: import refused
-        return True
-
-
-def _sink_errors(cfg: Config) -> list[tuple[str, str]]:
+def _sink_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
     """The optional logging packages a run will import (``WANDB_MODE`` wins, as in training)."""
     out = []
-    if cfg.log.tensorboard and _missing("tensorboard"):
+    if cfg.log.tensorboard and not machine.has("tensorboard"):
         out.append(("log.tensorboard", "log.tensorboard=true: the tensorboard package is not "
                     "installed (pip install 'partial-fc[tensorboard]', or log.tensorboard=false)"))
-    if (os.environ.get("WANDB_MODE") or cfg.log.wandb) != "disabled" and _missing("wandb"):
+    if (machine.wandb_mode or cfg.log.wandb) != "disabled" and not machine.has("wandb"):
         out.append(("log.wandb", f"log.wandb={cfg.log.wandb!r}: the wandb package is not "
                     "installed (pip install 'partial-fc[wandb]', or log.wandb=disabled)"))
     return out
 
 
-def resolve_errors(cfg: Config) -> list[tuple[str, str]]:
-    """Checks against the data and the machine; fills ``data.num_classes/num_samples``."""
-    out = _sink_errors(cfg) + _data_errors(cfg)
-    out += _batch_errors(cfg) + _class_errors(cfg) + _batch_norm_errors(cfg)
-    out += _output_errors(cfg)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        out.append(("device", "device='cuda': no CUDA device on this machine (the GPU "
-                    "recipes set it; add device=cpu to train on the CPU instead)"))
-    on_gpu = cfg.device in ("cuda", "auto") and torch.cuda.is_available()
-    if cfg.engine.precision == "fp16" and not on_gpu:
-        out.append(("engine.precision", "engine.precision='fp16': needs a CUDA device"))
-    out += _gpu_errors(cfg) if on_gpu else []
-    if cfg.engine.type == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        out.append(("engine.type", "engine.type='deepspeed': DeepSpeed is not installed "
-                    "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
-    weights = cfg.backbone.weights
-    if weights is not None and not Path(weights).is_file():
-        out.append(("backbone.weights", f"backbone.weights={weights!r}: no such file (a local "
-                    "state_dict; nothing is downloaded)"))
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not Path(resume).is_dir():
-        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
-                    "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
-    for i, b in enumerate(cfg.eval.bins):
-        if not Path(b).is_file():
-            from data_pipeline.verification_bin import MISSING_BIN_FIX
+class Resolved(NamedTuple):
+    """What :func:`resolve_config` returns: the config with the data's sizes filled in, and
+    the (dotted key, message) pairs the data and the machine refuse."""
 
-            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
-                        f"({MISSING_BIN_FIX})"))
-    return out
+    cfg: Config
+    errors: list[tuple[str, str]]
 
 
-def _data_errors(cfg: Config) -> list[tuple[str, str]]:
-    """Fill ``data.num_classes/num_samples`` from the manifest (shards) or the synthetic
-    settings, and report what contradicts them."""
-    data, out = cfg.data, []
+def resolve_config(cfg: Config, manifest: Manifest | None, machine: Machine) -> Resolved:
+    """Check ``cfg`` against the data (``manifest``: ``data.dir``'s, None for synthetic data or
+    when there is none) and ``machine``; a new config with ``data.num_classes/num_samples``
+    filled from the manifest or the synthetic settings. Pure: reads nothing else (the files
+    are :mod:`trainer.config.on_disk`'s) and leaves ``cfg`` as it was."""
+    cfg, out = _sized(cfg, manifest)
+    out += _sink_errors(cfg, machine)
+    out += _batch_errors(cfg, machine) + _class_errors(cfg, machine) + _batch_norm_errors(cfg)
+    out += _device_errors(cfg, machine)
+    return Resolved(cfg, out)
+
+
+def _sized(cfg: Config, manifest: Manifest | None) -> Resolved:
+    """A copy of ``cfg`` with ``data.num_classes/num_samples`` from the manifest (shards) or
+    the synthetic settings, and what contradicts them."""
+    data, out, fill = cfg.data, [], {}
     if data.source == "synthetic":
         if data.num_classes is None:
-            return [("data.num_classes", "data.num_classes: required with data.source="
-                     "synthetic (the identities to generate, e.g. data.num_classes=1000000)")]
+            return Resolved(cfg, [("data.num_classes", "data.num_classes: required with "
+                                   "data.source=synthetic (the identities to generate, e.g. "
+                                   "data.num_classes=1000000)")])
         if data.num_classes >= 1 << 31:
             out.append(("data.num_classes", f"data.num_classes={data.num_classes}: "
                         "data.source=synthetic generates fewer than 2^31 identities"))
         want = data.num_classes * data.synthetic_images_per_class
         if data.num_samples is None:
-            data.num_samples = want
+            fill["num_samples"] = want
         elif data.num_samples != want:
             per_class = max(1, round(data.num_samples / data.num_classes))
             out.append(("data.num_samples", f"data.num_samples={data.num_samples}: data.source="
                         f"synthetic makes num_classes x synthetic_images_per_class = {want}; "
                         "a recipe's count: add data.num_samples=null (and e.g. "
                         f"data.synthetic_images_per_class={per_class})"))
-        return out
-    if "synthetic_images_per_class" in data.model_fields_set:
-        out.append(("data.synthetic_images_per_class", "data.synthetic_images_per_class="
-                    f"{data.synthetic_images_per_class}: only read with data.source=synthetic "
-                    "(data.source='shards')"))
-    data_dir = Path(data.dir)
-    if not (data_dir / "manifest.json").is_file():
-        return [*out, ("data.dir", f"data.dir={data.dir!r}: {_no_manifest(data_dir)}")]
-    from data_pipeline import read_manifest
-    from data_pipeline.errors import DataError
+    else:
+        if "synthetic_images_per_class" in data.model_fields_set:
+            out.append(("data.synthetic_images_per_class", "data.synthetic_images_per_class="
+                        f"{data.synthetic_images_per_class}: only read with data.source="
+                        "synthetic (data.source='shards')"))
+        for key in ("num_classes", "num_samples") if manifest is not None else ():
+            have, want = getattr(data, key), getattr(manifest, key)
+            if have is None:
+                fill[key] = want
+            elif have != want:
+                out.append((f"data.{key}",
+                            f"data.{key}={have}: manifest.json in {Path(data.dir)} says {want}"))
+    if not fill:
+        return Resolved(cfg, out)
+    sized = cfg.model_copy(update={"data": data.model_copy(update=fill, deep=True)}, deep=True)
+    return Resolved(sized, out)
 
-    try:
-        man = read_manifest(data_dir)
-    except DataError as err:  # a malformed manifest is one more line of the report
-        return [*out, ("data.dir", f"data.dir={data.dir!r}: {err}")]
-    for key in ("num_classes", "num_samples"):
-        have, want = getattr(data, key), getattr(man, key)
-        if have is None:
-            setattr(data, key, want)
-        elif have != want:
-            out.append((f"data.{key}",
-                        f"data.{key}={have}: manifest.json in {data_dir} says {want}"))
+
+def _device_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
+    """What this machine cannot run: a CUDA device it does not have, fp16 off the GPU, the
+    GPU's own limits (:func:`_gpu_errors`), optional packages the config needs."""
+    out = []
+    if cfg.device == "cuda" and not machine.cuda:
+        out.append(("device", "device='cuda': no CUDA device on this machine (the GPU "
+                    "recipes set it; add device=cpu to train on the CPU instead)"))
+    on_gpu = cfg.device in ("cuda", "auto") and machine.cuda
+    if cfg.engine.precision == "fp16" and not on_gpu:
+        out.append(("engine.precision", "engine.precision='fp16': needs a CUDA device"))
+    out += _gpu_errors(cfg, machine) if on_gpu else []
+    if cfg.engine.type == "deepspeed" and not machine.has("deepspeed"):
+        out.append(("engine.type", "engine.type='deepspeed': DeepSpeed is not installed "
+                    "(pip install 'partial-fc[deepspeed]', or engine.type=ddp)"))
+    if cfg.head.kernel == "triton" and not machine.has("triton"):
+        out.append(("head.kernel", "head.kernel='triton': triton is not installed "
+                    "(pip install triton, or head.kernel=auto)"))
     return out
 
 
-MAKE_DATA = ("convert a data set with `python -m launch.convert insightface SRC DIR` (or "
-             "`imagefolder SRC DIR`), or `make train` for the synthetic set in data/synthetic")
-
-
-def _no_manifest(data_dir: Path) -> str:
-    """What is at ``data_dir`` instead of a converted data set, and what makes one. The
-    manifest is written last (data_pipeline.writer), so shards without it are a conversion
-    that did not finish."""
-    if not data_dir.exists():
-        import difflib
-
-        parent = data_dir.parent if data_dir.parent.is_dir() else None
-        sets = [p.name for p in parent.iterdir() if (p / "manifest.json").is_file()] if parent \
-            else []
-        near = difflib.get_close_matches(data_dir.name, sets, n=1)
-        hint = f" (did you mean data.dir={str(data_dir.parent / near[0])!r}?)" if near else ""
-        return f"no such folder{hint}; {MAKE_DATA}"
-    shards = len(list(data_dir.glob("*.tar"))) if data_dir.is_dir() else 0
-    if shards:
-        return (f"no manifest.json there but {shards} shard(s): the conversion did not finish; "
-                "run the same `python -m launch.convert` command again (it keeps finished "
-                "shards)")
-    return f"no manifest.json there (the folder holds no converted data set); {MAKE_DATA}"
-
-
-def machine_notes(cfg: Config) -> list[str]:
-    """The data and machine checks of ``load_config(..., resolve=True)`` as lines, for a
-    config loaded with ``resolve=False`` (``--print-config`` before the data exists). Fills
-    ``data.num_classes/num_samples`` where the manifest is there, so the theory checks run
-    (their :class:`ConfigWarning` raised here, as ``load_config`` does)."""
-    notes = [msg for _, msg in resolve_errors(cfg)]
-    for msg in theory_warnings(cfg):
-        warnings.warn(msg, ConfigWarning, stacklevel=2)
-    return notes
-
-
-def _launch_size(variable: str) -> int:
-    """torchrun's ``WORLD_SIZE`` or ``LOCAL_WORLD_SIZE`` (1 without torchrun; ``launch.train
-    --check`` sets them for the launch it checks), read at call time, before any group."""
-    return int(os.environ.get(variable, "1"))
-
-
-def _gpu_errors(cfg: Config) -> list[tuple[str, str]]:
-    """What this node's GPUs cannot run: more ranks than GPUs (torchrun's LOCAL_WORLD_SIZE;
-    two ranks cannot share one GPU under NCCL), bf16 without hardware support, several ranks
-    without NCCL."""
-    import torch.distributed as dist
-
+def _gpu_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
+    """What this node's GPUs cannot run: more ranks than GPUs (two ranks cannot share one GPU
+    under NCCL), bf16 without hardware support, several ranks without NCCL."""
     out = []
-    gpus = torch.cuda.device_count()
-    ranks = _launch_size("LOCAL_WORLD_SIZE")
+    gpus, ranks = machine.gpus, machine.local_ranks
     if ranks > gpus:
         out.append(("device", f"device={cfg.device!r}: {ranks} ranks on this node but {gpus} "
                     f"GPU(s) visible: launch --nproc_per_node {gpus} (make NPROC_PER_NODE="
                     f"{gpus}) or set device=cpu"))
-    if cfg.engine.precision == "bf16" and gpus and not torch.cuda.is_bf16_supported():
+    if cfg.engine.precision == "bf16" and gpus and not machine.bf16:
         out.append(("engine.precision", "engine.precision='bf16': this GPU has no bf16 support "
                     "(before Ampere); use fp16 with engine.type=deepspeed, or fp32"))
-    if _launch_size("WORLD_SIZE") > 1 and not dist.is_nccl_available():
+    if machine.world_size > 1 and not machine.nccl:
         out.append(("device", f"device={cfg.device!r}: this torch build has no NCCL, which "
                     "multi-GPU runs need; install a CUDA build of torch with NCCL"))
     return out
 
 
-def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
-    """A batch the data cannot fill on every rank (torchrun's WORLD_SIZE; 1 without it)."""
+def _batch_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
+    """A batch the data cannot fill on every rank of the launch."""
     from data_pipeline.epoch_plan import batches_per_rank
 
     n = cfg.data.num_samples
-    world = _launch_size("WORLD_SIZE")
+    world = machine.world_size
     batch, k = cfg.train.batch_size, cfg.train.grad_accum
     if n is None or batches_per_rank(n, world, batch) >= k:
         return []
@@ -279,10 +224,10 @@ def _batch_errors(cfg: Config) -> list[tuple[str, str]]:
                   f"{n // world} samples per rank)")]
 
 
-def _class_errors(cfg: Config) -> list[tuple[str, str]]:
+def _class_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
     """Every rank owns a contiguous block of at least one class (``PartialFC``), and a softmax
     over one class has nothing to tell apart (its loss is 0 whatever the backbone does)."""
-    classes, world = cfg.data.num_classes, _launch_size("WORLD_SIZE")
+    classes, world = cfg.data.num_classes, machine.world_size
     if classes is None:
         return []
     if classes < 2:
@@ -300,6 +245,7 @@ def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
     face backbone here): torch refuses one value per channel in training mode."""
     if cfg.train.batch_size > 1:
         return []
+    import torch
     from torch import nn
 
     from partial_fc.backbones import build_backbone, list_backbones
@@ -313,22 +259,6 @@ def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
     return [("train.batch_size", f"train.batch_size=1: backbone.name={cfg.backbone.name!r} "
              "has BatchNorm1d, which cannot train on one image per rank; use a batch of 2 or "
              "more")]
-
-
-def _output_errors(cfg: Config) -> list[tuple[str, str]]:
-    """The run folder must be creatable and writable (checked before any process group)."""
-    folder = cfg.run_dir.absolute()
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    key = "output" if cfg.output is not None else "name"
-    if not existing.is_dir():
-        return [(key, f"output={str(cfg.run_dir)!r}: {existing} is not a folder")]
-    try:  # a real write: permission bits say nothing for root, read-only mounts or NFS
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        return [(key, f"output={str(cfg.run_dir)!r}: cannot write in {existing} "
-                      f"({exc.strerror})")]
-    return []
 
 
 # Keys whose change makes a checkpoint a different model (or an incompatible optimizer

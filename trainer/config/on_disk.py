@@ -1,0 +1,95 @@
+"""The file-system facts the config checks need, read in this one place: the data's
+``manifest.json`` (and what is at ``data.dir`` instead of one), and the paths a run will open
+(``backbone.weights``, ``checkpoint.resume``, ``eval.bins``) or write (the run folder).
+
+Each function returns (dotted key, message) pairs as the checks in
+:mod:`trainer.config.checks` do; :func:`trainer.config.load_config` reports them together.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer.config.schema import Config
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
+
+MAKE_DATA = ("convert a data set with `python -m launch.convert insightface SRC DIR` (or "
+             "`imagefolder SRC DIR`), or `make train` for the synthetic set in data/synthetic")
+
+
+def read_data_manifest(cfg: Config) -> tuple[Manifest | None, list[tuple[str, str]]]:
+    """``data.dir/manifest.json`` for ``data.source=shards`` (None for synthetic data), or
+    None and one line saying what is there instead."""
+    if cfg.data.source != "shards":
+        return None, []
+    data_dir = Path(cfg.data.dir)
+    if not (data_dir / "manifest.json").is_file():
+        return None, [("data.dir", f"data.dir={cfg.data.dir!r}: {_no_manifest(data_dir)}")]
+    from data_pipeline import read_manifest
+    from data_pipeline.errors import DataError
+
+    try:
+        return read_manifest(data_dir), []
+    except DataError as err:  # a malformed manifest is one more line of the report
+        return None, [("data.dir", f"data.dir={cfg.data.dir!r}: {err}")]
+
+
+def _no_manifest(data_dir: Path) -> str:
+    """What is at ``data_dir`` instead of a converted data set, and what makes one. The
+    manifest is written last (data_pipeline.writer), so shards without it are a conversion
+    that did not finish."""
+    if not data_dir.exists():
+        import difflib
+
+        parent = data_dir.parent if data_dir.parent.is_dir() else None
+        sets = [p.name for p in parent.iterdir() if (p / "manifest.json").is_file()] if parent \
+            else []
+        near = difflib.get_close_matches(data_dir.name, sets, n=1)
+        hint = f" (did you mean data.dir={str(data_dir.parent / near[0])!r}?)" if near else ""
+        return f"no such folder{hint}; {MAKE_DATA}"
+    shards = len(list(data_dir.glob("*.tar"))) if data_dir.is_dir() else 0
+    if shards:
+        return (f"no manifest.json there but {shards} shard(s): the conversion did not finish; "
+                "run the same `python -m launch.convert` command again (it keeps finished "
+                "shards)")
+    return f"no manifest.json there (the folder holds no converted data set); {MAKE_DATA}"
+
+
+def path_errors(cfg: Config) -> list[tuple[str, str]]:
+    """The run folder must be writable; the weights, resume folder and eval sets must exist."""
+    out = _output_errors(cfg)
+    weights = cfg.backbone.weights
+    if weights is not None and not Path(weights).is_file():
+        out.append(("backbone.weights", f"backbone.weights={weights!r}: no such file (a local "
+                    "state_dict; nothing is downloaded)"))
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).is_dir():
+        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
+                    "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
+    for i, b in enumerate(cfg.eval.bins):
+        if not Path(b).is_file():
+            from data_pipeline.verification_bin import MISSING_BIN_FIX
+
+            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
+                        f"({MISSING_BIN_FIX})"))
+    return out
+
+
+def _output_errors(cfg: Config) -> list[tuple[str, str]]:
+    """The run folder must be creatable and writable (checked before any process group)."""
+    folder = cfg.run_dir.absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    key = "output" if cfg.output is not None else "name"
+    if not existing.is_dir():
+        return [(key, f"output={str(cfg.run_dir)!r}: {existing} is not a folder")]
+    try:  # a real write: permission bits say nothing for root, read-only mounts or NFS
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return [(key, f"output={str(cfg.run_dir)!r}: cannot write in {existing} "
+                      f"({exc.strerror})")]
+    return []
