@@ -39,7 +39,7 @@ from partial_fc.init import derive_seed, init_rows_
 from partial_fc.margins import Margin
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
-from partial_fc.sampling import local_targets, sample_classes
+from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
 
@@ -82,8 +82,9 @@ class PartialFC(nn.Module):
     ``defer_label_check`` (see ``forward``).
 
     State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
-    classes ``class_start ..``); ``step`` (int64, replicated: training-mode forwards so far, seeds
-    the sampler and SphereFace's lambda; the host keeps a copy: write it through
+    classes ``class_start ..``); ``step`` (int64, replicated: training forwards so far, or steps
+    announced by ``begin_step``; seeds the sampler, SphereFace's lambda, the margin warm-up;
+    the host keeps a copy: write it through
     ``load_state_dict``, or call ``resync_step()`` after writing it in place);
     ``margin.scale.s`` (fp32, replicated; AdaCos only).
 
@@ -156,6 +157,7 @@ class PartialFC(nn.Module):
         self._step_host: int | None = None  # int(self.step); None: read it at the next use
         self.register_load_state_dict_post_hook(_loaded)
         self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
+        self._plan: StepSample | None = None  # from begin_step, until the next pop
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
         # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
         self._pending_rows: Tensor | None = None
@@ -188,8 +190,37 @@ class PartialFC(nn.Module):
         else:
             index = rows
         labels, self._deferred = tuple(self._deferred), []
+        self._plan = None
         self._pops += 1
         return SampledRows(self.weight, index, forwards, self._pops, self.num_classes, labels)
+
+    def begin_step(self, labels: Tensor, sizes: Sequence[int] | None = None) -> None:
+        """Announce the labels of all micro-batches of the coming optimisation step
+        (``[k * n_local]``, this rank's, concatenated; ``sizes`` as in ``forward``), for
+        gradient accumulation; collective (one all-gather of the labels).
+
+        The training forwards until the next :meth:`pop_sampled_rows` then share one class
+        sample, drawn from the union as for one batch (all positives plus the same random
+        negatives, arXiv:2203.15565 Sec. 3), and one ``step`` value (sampler seed, SphereFace's
+        lambda, margin warm-up), advanced once for the step: k accumulated micro-batches give
+        exactly the loss and gradients of their union in one batch. Without it each forward
+        samples for its own labels and advances ``step``. The forwards' labels must be among
+        the announced ones; their count is checked (no device read), their values are not."""
+        if self._pending_forwards:
+            raise RuntimeError("PartialFC: begin_step after a forward whose rows were not "
+                               "popped; call head.pop_sampled_rows() to end the previous step")
+        sizes = [int(k) for k in sizes] if sizes is not None else \
+            dist_ops.gather_sizes(labels.shape[0], labels.device, self.process_group)
+        y = dist_ops.all_gather(labels.to(dtype=torch.int64), self.process_group, sizes)
+        step = self._step_value()
+        index = None
+        if self.training and self.sample_rate < 1.0:
+            index, _ = sample_classes(y, self.class_start, self.num_local, self.sample_rate,
+                                      self.seed, step, self.rank)
+        self._plan = StepSample(index=index, step=step, samples=sum(sizes))
+        if self.training:
+            self.step += 1
+            self._step_host = step + 1
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -253,11 +284,16 @@ class PartialFC(nn.Module):
             self._deferred.append(y)
         else:
             check_label_range(y, self.num_classes)
-        step = self._step_value()
-        if self.training and self.sample_rate < 1.0:
+        plan = self._plan if self.training else None
+        if plan is not None:
+            step, index, targets = plan.step, plan.index, plan.take(y, self.class_start,
+                                                                   self.num_local)
+        elif self.training and self.sample_rate < 1.0:
+            step = self._step_value()
             index, targets = sample_classes(y, self.class_start, self.num_local,
                                             self.sample_rate, self.seed, step, self.rank)
         else:
+            step = self._step_value()
             index, targets = None, local_targets(y, self.class_start, self.num_local)
         self._record_rows(index)
         shard = self._shard(e, index, targets)
@@ -272,7 +308,7 @@ class PartialFC(nn.Module):
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
             functools.partial(self.margin.target, step=step), s, group)
-        if self.training:
+        if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
             self._step_host = step + 1
         self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
@@ -392,3 +428,4 @@ def _loaded(head: PartialFC, _incompatible_keys) -> None:
     """``load_state_dict`` post hook (also when a parent module loads): ``step`` may have
     changed, so the host's copy of it is stale."""
     head.resync_step()
+

@@ -60,16 +60,16 @@ class Margin(nn.Module):
         self.warmup_steps = int(warmup_steps)
 
     def psi(self, cos: Tensor, step: int) -> Tensor:
-        """Target value for target cosines ``cos`` (any shape), fp32; ``step`` = training
-        forwards so far (only SphereFace's lambda schedule reads it)."""
+        """Target value for target cosines ``cos`` (any shape), fp32; ``step`` = the head's
+        training steps so far (only SphereFace's lambda schedule reads it)."""
         raise NotImplementedError
 
     def warmup_factor(self, step: int) -> float:
-        """The share ``t`` of the margin applied after ``step`` training forwards."""
+        """The share ``t`` of the margin applied after ``step`` training steps."""
         return 1.0 if step >= self.warmup_steps else step / self.warmup_steps
 
     def target(self, cos: Tensor, step: int) -> Tensor:
-        """The target logit's cosine after ``step`` forwards: ``psi`` under the warm-up."""
+        """The target logit's cosine after ``step`` steps: ``psi`` under the warm-up."""
         out = self.psi(cos, step)
         t = self.warmup_factor(step)
         return out if t == 1.0 else torch.lerp(cos.float(), out, t)
@@ -147,7 +147,7 @@ class SphereFaceMargin(Margin):
     Annealing (the paper's optimisation trick, as in its released Caffe layer): with
     ``lambda_base > 0`` the target value is ``(lambda * cos + psi) / (1 + lambda)`` where
     ``lambda = max(lambda_min, lambda_base * (1 + lambda_gamma * step) ** -lambda_power)``
-    and ``step`` counts training forwards. ``lambda_base = 0`` disables it.
+    and ``step`` counts the head's training steps. ``lambda_base = 0`` disables it.
     """
 
     def __init__(

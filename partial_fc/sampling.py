@@ -14,13 +14,14 @@ never depends on time or pid.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from partial_fc.init import derive_seed
 
-__all__ = ["local_targets", "sample_classes", "sample_size"]
+__all__ = ["StepSample", "local_targets", "sample_classes", "sample_size"]
 
 
 def sample_size(sample_rate: float, num_local: int) -> int:
@@ -71,6 +72,31 @@ def sample_classes(
     index = torch.sort(torch.cat([positives, negatives])).values
     remapped = torch.searchsorted(index, targets)  # all rows: no label-sized selection
     return index, torch.where(targets >= 0, remapped, targets)
+
+
+@dataclass
+class StepSample:
+    """One class sample shared by the forwards of an optimisation step (gradient
+    accumulation; ``PartialFC.begin_step`` draws it): the sampled rows (``None``: all), the
+    ``step`` value the forwards use, and how many gathered samples were announced, of which
+    ``taken`` have been forwarded."""
+
+    index: Tensor | None
+    step: int
+    samples: int
+    taken: int = 0
+
+    def take(self, y: Tensor, class_start: int, num_local: int) -> Tensor:
+        """The columns of the gathered labels ``y`` in the planned sample (``-1``: another
+        rank's class), counting them against the announced samples."""
+        self.taken += y.shape[0]
+        if self.taken > self.samples:
+            raise RuntimeError(f"PartialFC: the step's forwards passed {self.taken} samples, "
+                               f"more than the {self.samples} begin_step announced")
+        targets = local_targets(y, class_start, num_local)
+        if self.index is None:
+            return targets
+        return torch.where(targets >= 0, torch.searchsorted(self.index, targets), targets)
 
 
 def _distinct_rows(count: int, num_local: int, excluded: Tensor, gen: torch.Generator) -> Tensor:

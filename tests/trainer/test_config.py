@@ -56,10 +56,9 @@ def test_recipe_values():
             vit_b.optim.weight_decay, vit_b.optim.decay, vit_b.margin.type, vit_b.margin.m,
             vit_b.head.sample_rate, vit_b.train.epochs, vit_b.schedule.warmup_epochs) == (
         "vit_b", 1, "adamw", 1e-3, 0.1, "weights", "cosface", 0.4, 0.3, 40, 4.0)
-    # Its documented 8-GPU variant (accumulation, exact at the full softmax) validates.
+    # Its documented 8-GPU variant (accumulation at r = 0.3, as insightface's) validates.
     load_config(CONFIGS[0].parent / "wf42m_vit_b.yaml",
-                ["train.batch_size=256", "train.grad_accum=12", "head.sample_rate=1.0"],
-                resolve=False)
+                ["train.batch_size=256", "train.grad_accum=12"], resolve=False)
     smoke = load_config(CONFIGS[0].parent / "smoke.yaml", resolve=False)
     assert smoke.device == "cpu" and smoke.backbone.name == "iresnet_tiny"
 
@@ -100,21 +99,11 @@ BAD = [
     ({}, ["margin.m=3.2"], ["margin.m=3.2: ArcFace needs 0 <= m < pi"]),
     ({"margin": {"type": "adacos"}}, [], ["margin.adacos=None", "fixed|dynamic"]),
     (
-        {"head": {"sample_rate": 0.1}},
-        ["train.grad_accum=2"],
-        ["command line: train.grad_accum=2: not exact", "sample_rate=0.1"],
-    ),
-    (
         {"margin": {"type": "adacos", "adacos": "dynamic"}, "train": {"grad_accum": 4}},
         [],
         ["cfg.yaml: train.grad_accum=4: not exact", "dynamic AdaCos"],
     ),
     ({}, ["engine.precision=fp16"], ["engine.precision='fp16': needs engine.type=deepspeed"]),
-    (  # the ramp advances per forward, so accumulated micro-batches see different margins
-        {"margin": {"warmup_steps": 100}},
-        ["train.grad_accum=2"],
-        ["command line: train.grad_accum=2: not exact", "margin.warmup_steps=100 ramps"],
-    ),
     ({}, ["backbone.checkpointing=1", "backbone.name=mobilefacenet"],
      ["command line: backbone.checkpointing=1: 'mobilefacenet' has no checkpointed blocks"]),
     ({}, ["backbone.depth=3"], ["command line: backbone.depth=3: a positive block count for "

@@ -89,6 +89,45 @@ def test_two_ranks_equal_one_rank():
         assert any(not torch.equal(v, ref["initial"][k]) for k, v in ref["backbone"].items())
 
 
+SAMPLED = [  # (engine, zero stage, grad_accum): accumulation against one batch, r = 0.3
+    ("ddp", 0, 1), ("ddp", 0, 2), ("deepspeed", 2, 1), ("deepspeed", 2, 2),
+]
+
+
+def _sampled_run(rank: int, world: int) -> list:
+    """Three steps at sample rate 0.3 with the margin warming up, per :data:`SAMPLED`."""
+    os.environ.setdefault("LOCAL_RANK", "0")
+    results = []
+    for engine_type, stage, k in SAMPLED:
+        cfg = make_config(f"engine.type={engine_type}", f"engine.zero_stage={stage}",
+                          f"train.grad_accum={k}", f"train.batch_size={GLOBAL_BATCH // world // k}",
+                          "head.sample_rate=0.3", "margin.warmup_steps=3",
+                          "train.clip_grad_norm=null")
+        engine = build_engine(cfg)
+        losses = [engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, k)).loss
+                  for step in range(3)]
+        results.append({"losses": losses, **snapshot(engine)})
+    return results
+
+
+@pytest.mark.slow
+def test_accumulation_with_class_sampling_equals_one_batch():
+    """Two micro-batches per rank share one class sample and one head step (the margin's
+    warm-up), so they equal the same global batch in one piece; per-micro-batch sampling
+    would keep each micro-batch's positives only and ramp the margin per forward."""
+    per_rank = run_ranks(_sampled_run, 2, timeout=240)
+    for one, accumulated in ((0, 1), (2, 3)):
+        for r in range(2):
+            a, b = per_rank[r][accumulated], per_rank[r][one]
+            assert a["losses"] == pytest.approx(b["losses"], rel=1e-5), SAMPLED[accumulated]
+            assert torch.equal(a["head_state"]["step"], b["head_state"]["step"])
+            for name, value in b["backbone"].items():
+                _assert_close(a["backbone"][name], value, (SAMPLED[accumulated], name))
+            _assert_close(a["rows"], b["rows"], (SAMPLED[accumulated], "head rows"))
+            _assert_close(a["head_opt"]["momentum_buffer"], b["head_opt"]["momentum_buffer"],
+                          (SAMPLED[accumulated], "head momentum"))
+
+
 def test_lr_schedule_warmup_then_poly_or_cosine():
     from trainer.config import ScheduleConfig
     from trainer.engine import lr_factor

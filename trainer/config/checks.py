@@ -33,24 +33,13 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     m = cfg.margin
     out += margin_errors(cfg.margin_kwargs())  # partial_fc.margins owns the margin rules
-    if cfg.train.grad_accum > 1:
-        why = []
-        if cfg.head.sample_rate < 1:
-            why.append(f"head.sample_rate={cfg.head.sample_rate} samples classes per micro-batch")
-        if m.adacos == "dynamic":
-            why.append("dynamic AdaCos updates s from each micro-batch")
-        if m.type == "sphereface":
-            why.append("the SphereFace lambda schedule advances per forward")
-        if m.warmup_steps:
-            why.append(f"margin.warmup_steps={m.warmup_steps} ramps the margin per forward")
-        if why:
-            out.append(
-                (
-                    "train.grad_accum",
-                    f"train.grad_accum={cfg.train.grad_accum}: not exact with the sharded head "
-                    f"because {'; '.join(why)} (use grad_accum=1 or a larger batch)",
-                )
-            )
+    # Accumulation shares one class sample and one head step over the micro-batches
+    # (PartialFC.begin_step), so sampling, SphereFace's lambda and the margin warm-up are
+    # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes.
+    if cfg.train.grad_accum > 1 and m.adacos == "dynamic":
+        out.append(("train.grad_accum", f"train.grad_accum={cfg.train.grad_accum}: not exact "
+                    "with dynamic AdaCos, which updates s from each micro-batch (use "
+                    "grad_accum=1, a larger batch, or margin.adacos=fixed)"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
     if (

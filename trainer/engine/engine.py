@@ -239,6 +239,10 @@ class Engine:
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
+        if k > 1:  # one class sample and one head step for all k: exact accumulation
+            labels = torch.cat([y for _, y in micro_batches]).to(self.device, non_blocking=True)
+            self.head.begin_step(labels, sizes=[k * self.cfg.train.batch_size]
+                                 * self.env.world_size)
         for i, (images, labels) in enumerate(micro_batches):
             last = i == k - 1
             with self.backend.micro_batch(boundary=last):
