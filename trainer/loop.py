@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint
+from trainer import checkpoint, seams
 from trainer.config import (
     Config,
     ConfigError,
@@ -120,6 +120,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
         from trainer.checkpoint.backbone import load_initial_weights
 
         load_initial_weights(backbone, cfg.backbone.weights)
+    seams.BACKBONE_BUILT(backbone, rank=env.rank)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
                      device=env.device, **cfg.head.partial_fc_kwargs())

@@ -288,23 +288,22 @@ def test_dangling_empty_or_corrupt_latest_falls_back(tmp_path, one_rank_group, c
 def test_kill_inside_the_replacement_window_leaves_a_complete_target(tmp_path, one_rank_group,
                                                                       monkeypatch):
     """The same step saved again (a resumed run): killed after the old folder went, before
-    the rename; then after the rename, before ``latest`` names it. Both resume step 2."""
-    import shutil
-
-    from trainer import checkpoint
+    the rename (the seam ``checkpoint-replaced``); then after the rename, before ``latest``
+    names it. Both resume step 2."""
+    from trainer import checkpoint, seams
     from trainer.checkpoint import layout
     engine, (_, new) = _saved_engine(tmp_path)
-    rmtree = shutil.rmtree
 
-    def killed_after_removing_the_old_folder(path, *args, **kwargs):
-        rmtree(path, *args, **kwargs)
-        if path == new:
-            raise KeyboardInterrupt  # stands for SIGKILL: nothing after this point runs
+    def killed_after_removing_the_old_folder(final):
+        assert final == new and not final.exists()
+        raise KeyboardInterrupt  # stands for SIGKILL: nothing after this point runs
 
-    monkeypatch.setattr(shutil, "rmtree", killed_after_removing_the_old_folder)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
-    monkeypatch.undo()
+    detach = seams.attach("checkpoint-replaced", killed_after_removing_the_old_folder)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+    finally:
+        detach()
     assert not new.exists()
     resume = checkpoint.find_resume(tmp_path, "auto")
     assert resume.name == ".tmp-step-00000002"

@@ -1,7 +1,8 @@
 """``python -m tools.chaos`` (``make chaos``): run every fault case and print one table.
 
 ``python -m tools.chaos inject FAULT [FAULT ...] -- <launch.train arguments>`` is the
-subprocess form the cases use for faults that need a hand inside the trainer process.
+subprocess form the cases use for faults that need a hand inside the trainer process: each
+FAULT attaches a hook to a seam the trainer declares (``trainer/seams.py``), then the run starts.
 """
 
 from __future__ import annotations

@@ -6,25 +6,35 @@ diverging learning rate, a NaN on one rank, a planted pickle, a flipped bit, a k
 a checkpoint replacement, a signal to one rank, a full disk, bad data, a bad config — and
 checks what the run did. One table comes out (case | expected | observed | holds); the exit
 code is 0 only when every row holds. The cases are in ``tools/chaos/cases.py``;
-``tests/test_faults.py`` runs the same ones.
+``tests/e2e/test_faults.py`` runs the same ones.
 
 Faults that need a hand inside the process (a NaN on one rank at one step, a kill at one
-line of the checkpoint code, a disk that fills up) go through ``python -m tools.chaos
-inject FAULT -- <train arguments>``, which patches that one spot and then runs
-``launch.train.main``; production code carries no test hooks.
+line of the checkpoint code, a disk that fills up, a rank stopping in its backward) go
+through ``python -m tools.chaos inject FAULT -- <train arguments>``, which attaches a hook
+to one of the seams the trainer declares (``trainer/seams.py``) and then runs
+``launch.train.main``. The faults used to replace attributes of production code
+(``PartialFC.forward``, ``layout.shutil.rmtree``, ``torch.save``); a rename then broke a
+case silently or with an AttributeError deep in a run. A seam is declared once, with what
+it passes, ``seams.attach`` refuses an undeclared name, and
+``tests/trainer/test_seams.py`` checks that every fault here attaches to declared seams
+and that the training code fires each of them. Nothing here assigns to a production
+module or to torch.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer import seams
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -143,87 +153,66 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, limit: float = 1
 # ----------------------------------------------------------------------------- injection
 
 
-def _nan_once(rank: int, call: int) -> None:
-    """The head's ``call``-th forward (1-based) on ``rank`` returns a NaN loss, once."""
-    import torch.distributed as dist
+def _nan_once(on_rank: int, call: int) -> None:
+    """The head's loss of the ``call``-th training micro-batch (1-based) on ``on_rank`` becomes
+    NaN, once (seam ``head-loss``: the step's backward, its finite check and the log see it)."""
+    calls = [0]
 
-    from partial_fc import PartialFC
-
-    forward, calls = PartialFC.forward, [0]
-
-    def poisoned(self, embeddings, labels, **kwargs):
-        loss = forward(self, embeddings, labels, **kwargs)
-        if self.training and dist.get_rank() == rank:
+    def poison(loss, rank: int):
+        if rank == on_rank:
             calls[0] += 1
             if calls[0] == call:
                 return loss * float("nan")
-        return loss
+        return None
 
-    PartialFC.forward = poisoned
+    seams.attach("head-loss", poison)
 
 
 def _kill_in_replace() -> None:
-    """SIGKILL this process right after a checkpoint replacement removed the old folder."""
-    from trainer.checkpoint import layout
-    rmtree = shutil.rmtree
-
-    def rmtree_then_die(path, *args, **kwargs):
-        rmtree(path, *args, **kwargs)
-        if Path(path).name.startswith("step-"):
-            os.kill(os.getpid(), 9)
-
-    layout.shutil.rmtree = rmtree_then_die
+    """SIGKILL this process right after a checkpoint replacement removed the old folder
+    (seam ``checkpoint-replaced``, rank 0)."""
+    seams.attach("checkpoint-replaced", lambda final: os.kill(os.getpid(), 9))
 
 
 def _disk_full(at: int) -> None:
-    """From the ``at``-th checkpoint on, every ``torch.save`` fails with ENOSPC (full disk)."""
-    import errno
+    """From the ``at``-th checkpoint on, every part a rank writes fails with a real
+    ``OSError(ENOSPC)`` raised where the bytes would go (seam ``checkpoint-write``)."""
+    steps: list[int] = []
 
-    import torch
+    def no_space(path, step: int, rank: int):
+        if step not in steps:
+            steps.append(step)
+        if len(steps) >= at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    from trainer import checkpoint
-    torch_save, checkpoint_save, calls = torch.save, checkpoint.save, [0]
-
-    def no_space(obj, f, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(f))
-
-    def save_on_a_full_disk(*args, **kwargs):
-        calls[0] += 1
-        torch.save = no_space if calls[0] >= at else torch_save
-        return checkpoint_save(*args, **kwargs)
-
-    checkpoint.save = save_on_a_full_disk
+    seams.attach("checkpoint-write", no_space)
 
 
-def _stop_in_backward(rank: int, call: int) -> None:
-    """``rank`` sends itself SIGSTOP in its ``call``-th backward pass (1-based), when the
+def _stop_in_backward(on_rank: int, call: int) -> None:
+    """``on_rank`` sends itself SIGSTOP in its ``call``-th backward pass (1-based), when the
     backbone's first weight gets its gradient: its peers are then waiting in the
     data-parallel gradient reduction (DDP's buckets, ZeRO's all-reduce on DeepSpeed's own
-    group). A real signal; the patch only picks the moment."""
-    import signal
+    group). A real signal; the seam (``backbone-built``) only picks the moment."""
+    calls = [0]
 
-    from partial_fc import backbones
-
-    build, calls = backbones.build_backbone, [0]
-
-    def stopping(*args, **kwargs):
-        model = build(*args, **kwargs)
+    def stop_in_backward(backbone, rank: int):
+        if rank != on_rank:
+            return
 
         def hook(grad):
             calls[0] += 1
-            if int(os.environ.get("RANK", 0)) == rank and calls[0] == call:
+            if calls[0] == call:
                 os.kill(os.getpid(), signal.SIGSTOP)
             return grad
 
-        next(model.parameters()).register_hook(hook)
-        return model
+        next(backbone.parameters()).register_hook(hook)
 
-    backbones.build_backbone = stopping
+    seams.attach("backbone-built", stop_in_backward)
 
 
 FAULTS = {
-    "stop-rank1-in-backward-3": lambda: _stop_in_backward(rank=1, call=3),
-    "nan-rank1-step3": lambda: _nan_once(rank=1, call=3),
+    "stop-rank1-in-backward-3": lambda: _stop_in_backward(on_rank=1, call=3),
+    "nan-rank1-step3": lambda: _nan_once(on_rank=1, call=3),
     "kill-in-replace": _kill_in_replace,
     "disk-full-at-2": lambda: _disk_full(at=2),
 }

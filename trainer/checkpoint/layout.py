@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from data_pipeline.manifest import atomic_write_bytes, fsync_dir
+from trainer import seams
 from trainer.checkpoint import state
 from trainer.checkpoint.integrity import (
     META,
@@ -106,12 +107,16 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
             flat[key] = value.detach().cpu()
     hashes: dict[str, str] = {}
 
+    def to_write(name: str) -> Path:  # what this rank writes next (seams.CHECKPOINT_WRITE)
+        seams.CHECKPOINT_WRITE(tmp / name, step=step, rank=rank)
+        return tmp / name
+
     def write() -> None:
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp / "state"))
-        torch.save(_rng_state(engine.device), tmp / f"rng-{rank}.pt")
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(to_write("state")))
+        torch.save(_rng_state(engine.device), to_write(f"rng-{rank}.pt"))
         mine = [f"rng-{rank}.pt", *(f"state/{p.name}" for p in (tmp / "state").glob(f"__{rank}_*"))]
         if rank == 0:
-            torch.save(_plain_backbone(full), tmp / "backbone.pt")
+            torch.save(_plain_backbone(full), to_write("backbone.pt"))
             mine += ["backbone.pt", "state/.metadata"]
         hashes.update({name: sha256(tmp / name) for name in mine})
 
@@ -122,7 +127,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
             "files": dict(sorted(kv for part in gathered for kv in part.items()))}
 
     def publish() -> None:
-        atomic_write_bytes(tmp / META, json.dumps(info, indent=1).encode())
+        atomic_write_bytes(to_write(META), json.dumps(info, indent=1).encode())
         _replace(root, tmp, final)
         _prune(root, keep)
 
@@ -192,6 +197,7 @@ def _replace(root: Path, tmp: Path, final: Path) -> None:
     if final.exists():
         _point_latest(root, tmp.name)
         shutil.rmtree(final)
+        seams.CHECKPOINT_REPLACED(final)
     tmp.rename(final)
     fsync_dir(root)
     _point_latest(root, final.name)

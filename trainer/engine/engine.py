@@ -40,6 +40,7 @@ from partial_fc.backbones import normalize_images
 from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
 from partial_fc.rows import SampledRows
+from trainer import seams
 from trainer.config import Config, OptimConfig, ScheduleConfig
 from trainer.dist import DistEnv
 from trainer.engine.backend import BackboneBackend
@@ -285,6 +286,7 @@ class Engine:
         with self._head_operands():
             loss = self.head(e, y, sizes=[self.cfg.train.batch_size] * self.env.world_size,
                              defer_label_check=True)
+        loss = seams.HEAD_LOSS(loss, rank=self.env.rank)
         (loss / k).backward()
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
 
