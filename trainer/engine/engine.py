@@ -241,7 +241,7 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
         if k > 1:  # one class sample and one head step for all k: exact accumulation
-            labels = torch.cat([y for _, y in micro_batches]).to(self.device, non_blocking=True)
+            labels = torch.cat([self._on_device(y) for _, y in micro_batches])
             self.head.begin_step(labels, sizes=[k * self.cfg.train.batch_size]
                                  * self.env.world_size)
         for i, (images, labels) in enumerate(micro_batches):
@@ -277,9 +277,9 @@ class Engine:
         detached embeddings, and the backbone's surrogate loss (module docstring, step 2).
         Returns ``(e, labels, loss, surrogate)``: ``e`` the head's fp32 input holding
         ``dL_global/de_local`` in ``e.grad``."""
-        x = normalize_images(images.to(self.device, non_blocking=True))
+        x = normalize_images(self._on_device(images))
         x = x.to(dtype=self.backend.input_dtype, memory_format=self.memory_format)
-        y = labels.to(self.device, non_blocking=True)
+        y = self._on_device(labels)
         with self.backend.autocast():
             emb = self.backend.model(x)
         e = emb.detach().float().requires_grad_()
@@ -289,6 +289,11 @@ class Engine:
         loss = seams.HEAD_LOSS(loss, rank=self.env.rank)
         (loss / k).backward()
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
+
+    def _on_device(self, batch: Tensor) -> Tensor:
+        """``batch`` (images or labels) on the run's device; from the loader's pinned memory
+        the copy to a GPU is asynchronous, so the host does not wait for it."""
+        return batch.to(self.device, non_blocking=True)
 
     def _agree(self, finite: Tensor, rows: SampledRows, backbone_finite: Tensor | None,
                stop_request: int) -> Tensor:
