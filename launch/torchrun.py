@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "python -m launch.torchrun"
     parser.description = ("torchrun (same arguments) whose SIGTERM and SIGUSR1 go to each rank, "
                           "which saves and exits 0: the launch then exits 0, not 1.")
+    for action in parser._actions:  # torchrun's help is reST in places: --help reads plain
+        if action.help:
+            action.help = action.help.replace("``", "")
     args = parser.parse_args(argv)
     # torchrun's --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT) less ours
     args.signals_to_handle = ",".join(
