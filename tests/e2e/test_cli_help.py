@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
-            "tools.chaos.__main__", "launch.plan", "launch.report"]
+            "tools.chaos.__main__", "launch.plan", "launch.report", "launch.torchrun"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

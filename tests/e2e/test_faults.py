@@ -604,6 +604,52 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint(
     checkpoint.verify(latest)
 
 
+def test_a_full_tensorboard_disk_stops_the_run_like_a_run_file(
+        tiny_data, tmp_path, capsys, monkeypatch):
+    """RUN/tb on its own 1 MiB tmpfs, filled by another writer after the checkpoint at step
+    20: TensorBoard's writer thread meets ENOSPC; the run stops at the next step boundary with
+    exit 1 and one error line naming the events file, no thread traceback, and ``latest``
+    (step 20) verifies."""
+    import subprocess
+
+    import trainer.loop
+    from trainer import checkpoint
+
+    run = tmp_path / "run"
+    tb = run / "tb"
+    tb.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tb)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here (needs root)")
+    real_save = trainer.loop.save
+
+    def save_then_fill(r):
+        real_save(r)
+        with open(tb / "filler", "ab") as filler:  # noqa: PTH123
+            try:
+                while True:
+                    filler.write(b"\0" * 2**16)
+                    filler.flush()
+            except OSError:
+                pass
+
+    monkeypatch.setattr(trainer.loop, "save", save_then_fill)
+    try:
+        rc = _train_in_process(tiny_data, run, "train.max_steps=40", "checkpoint.every=20",
+                               "log.tensorboard=true")
+    finally:
+        subprocess.run(["umount", "-l", str(tb)], check=False)
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert f"{tb}/events.out.tfevents." in lines[0] and "No space left" in lines[0], err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    latest = checkpoint.find_resume(run, "auto")
+    assert latest is not None and latest.name == checkpoint.tag_for(20)
+    checkpoint.verify(latest)
+
+
 # `make chaos` runs every case of tools/chaos/cases.py. The suite runs end to end only the
 # cases no test above reproduces (two ranks told apart by a signal, a stopped rank): each
 # other case's fault has its own, faster test here, named below (a renamed test fails this

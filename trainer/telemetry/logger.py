@@ -220,8 +220,8 @@ class RunLogger:
             try:
                 call(sink)
             except Exception as err:  # noqa: BLE001 - any W&B failure; the run goes on
-                if not isinstance(sink, WandbSink):
-                    with self._guard(self.run_dir / "tensorboard"):
+                if not isinstance(sink, WandbSink):  # its OSError names the events file
+                    with self._guard(getattr(err, "filename", None) or self.run_dir / "tb"):
                         raise
                     continue
                 self._sinks.remove(sink)
@@ -263,8 +263,9 @@ class RunLogger:
         self._metrics.close()
         if self._hist is not None:
             self._hist.close()
-        for sink in self._sinks:
-            sink.close(summary)
+        self._to_sinks(lambda sink: sink.close(summary))
+        if self.write_error:  # after the last checkpoint: it stays, the run reports
+            raise WriteFailed(f"step {step}: {self.write_error}")
         text = json.dumps(_json_safe(summary))
         (self.run_dir / run_files.SUMMARY).write_text(text + "\n")
         self.console.log.info("summary: " + text, extra={"file_only": True})

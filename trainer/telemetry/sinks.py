@@ -16,8 +16,12 @@ metrics.jsonl); online it prints its usual lines, the run's URL among them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import secrets
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -78,7 +82,17 @@ class WandbSink:
 
 class TensorBoardSink:
     """Event files under ``RUN/tb`` (``tensorboard --logdir RUN/tb``). Resumed at ``step``,
-    it hides the older files' events after that step (``purge_step``): they are redone."""
+    it hides the older files' events after that step (``purge_step``): they are redone.
+
+    A run file like metrics.jsonl, not a copy like W&B: a write that fails (ENOSPC, EIO)
+    stops the run at the next step boundary with one line naming the file (issue 23; a run
+    whose dashboard silently ends mid-way misleads more than one that stops). TensorBoard
+    writes from its own thread (``EventFileWriter``'s ``_AsyncWriterThread``), which keeps
+    the error and re-raises it at the next ``add_*``/``flush`` of the training thread; every
+    call here flushes, so that is the same step. That thread's own traceback (Python's
+    ``threading.excepthook``) is silenced for the writer's threads only, and every error is
+    raised as an ``OSError`` naming the events file, which ``RunLogger`` turns into the stop.
+    """
 
     def __init__(self, run_dir: Path, config_yaml: str, step: int):
         try:
@@ -87,23 +101,53 @@ class TensorBoardSink:
             raise ImportError(f"log.tensorboard=true needs the tensorboard package ({err}); "
                               f"pip install 'partial-fc[tensorboard]'") from None
         self._dir = run_dir / TENSORBOARD_DIR
+        before = set(threading.enumerate())
         self.writer = SummaryWriter(log_dir=str(self._dir),
                                     purge_step=step + 1 if step else None)
-        self.writer.add_text("config", "```\n" + config_yaml + "```")
+        self._threads = set(threading.enumerate()) - before  # the event writer's
+        self._excepthook = threading.excepthook
+        threading.excepthook = self._quiet_writer_thread
+        with self._named():
+            self.writer.add_text("config", "```\n" + config_yaml + "```")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, global_step=step)
-        self.writer.flush()
+        with self._named():
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, global_step=step)
+            self.writer.flush()
 
     def histograms(self, step: int, angles: dict[str, np.ndarray]) -> None:
-        for name, values in angles.items():
-            self.writer.add_histogram(name, values, global_step=step, bins=run_files.bin_edges())
-        self.writer.flush()
+        with self._named():
+            for name, values in angles.items():
+                self.writer.add_histogram(name, values, global_step=step,
+                                          bins=run_files.bin_edges())
+            self.writer.flush()
 
     def close(self, summary: dict) -> None:
-        self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
-        self.writer.close()
+        try:
+            with self._named():
+                self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
+                self.writer.close()
+        finally:
+            if threading.excepthook == self._quiet_writer_thread:
+                threading.excepthook = self._excepthook
+
+    def _quiet_writer_thread(self, args) -> None:
+        """``threading.excepthook``: the writer thread's error is raised at the next call."""
+        if args.thread not in self._threads:
+            self._excepthook(args)
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """Any failure of the writer (this thread's or re-raised from its own) as an
+        ``OSError`` naming the newest events file."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - the writer's, from either thread
+            files = sorted(self._dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+            path = files[-1] if files else self._dir
+            code = getattr(err, "errno", None) or errno.EIO
+            raise OSError(code, getattr(err, "strerror", None) or str(err), str(path)) from err
 
     def next_step(self) -> str:
         return f"TensorBoard: tensorboard --logdir {self._dir}"
