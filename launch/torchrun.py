@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "python -m launch.torchrun"
     parser.description = ("torchrun (same arguments) whose SIGTERM and SIGUSR1 go to each rank, "
                           "which saves and exits 0: the launch then exits 0, not 1.")
-    for action in parser._actions:  # torchrun's help is reST in places: --help reads plain
-        if action.help:
-            action.help = action.help.replace("``", "")
     args = parser.parse_args(argv)
+    if not hasattr(args, "signals_to_handle"):
+        raise SystemExit("python -m launch.torchrun: this torch's torchrun has no "
+                         "--signals-to-handle to leave SIGTERM/SIGUSR1 to the ranks; use "
+                         "torchrun (it exits 1 after a preemption)")
     # torchrun's --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT) less ours
     args.signals_to_handle = ",".join(
         name for name in args.signals_to_handle.split(",")
