@@ -41,23 +41,6 @@ def _start(cmd: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _job(pid: int) -> list[int]:
-    """``pid`` and every process under it: what a scheduler signals (each by pid)."""
-    pids = [pid]
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in children.read_text().split():
-            pids += _job(int(child))
-    return pids
-
-
-def _signal_job(proc: subprocess.Popen, sig: int) -> None:
-    for pid in _job(proc.pid):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 def _finish(proc: subprocess.Popen) -> str:
     try:
         return proc.communicate(timeout=240)[0]
@@ -74,7 +57,7 @@ def test_job_wide_signal_saves_exits_0_and_resumes(tmp_path, engine, sig, comman
     data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
     proc = _start(command(data, run, engine))
     chaos.wait_for_step(run, 2, proc)
-    _signal_job(proc, sig)
+    chaos.signal_job(proc, sig)
     out = _finish(proc)
     name = signal.Signals(sig).name
     assert proc.returncode == 0, out[-3000:]

@@ -24,6 +24,7 @@ from tools.chaos.harness import (
     SMOKE,
     STEPS,
     Result,
+    signal_job,
     train,
     wait_for_step,
     worker_pids,
@@ -203,15 +204,15 @@ def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
 
 
 def sigterm_whole_job(data: Path, work: Path) -> tuple[str, bool]:
-    """SIGTERM to every process of the job (torchrun, both trainers, their loader workers), as
-    a scheduler does. torchrun itself exits 1 after a signal whatever its trainers did
-    (docs/training.md), so the check is the trainers' line, the checkpoint and the resume."""
+    """SIGTERM to every process of the job (the launcher, both trainers, their loader
+    workers), each by pid, as a scheduler does: the trainers save at one step, the launch
+    exits 0 (``launch.torchrun``), and the resume equals an uninterrupted run."""
     workers = "data.num_workers=1"
     whole = train(data, work / "whole", "checkpoint.every=0", workers, ranks=2)
 
     def terminate_job(proc: subprocess.Popen) -> None:
         wait_for_step(work / "split", 2, proc)
-        os.killpg(proc.pid, 15)  # start_new_session: the job's process group
+        signal_job(proc, 15)
 
     split = train(data, work / "split", "checkpoint.every=0", workers, ranks=2,
                   until=terminate_job)
@@ -219,8 +220,9 @@ def sigterm_whole_job(data: Path, work: Path) -> tuple[str, bool]:
     told = "stopped by SIGTERM after step" in split.out
     resumed = train(data, work / "split", "checkpoint.every=0", workers, ranks=2)
     same = _same_backbone(whole.run, resumed.run, STEPS)
-    holds = told and stopped not in (None, f"step-{STEPS:08d}") and resumed.rc == 0 and same
-    return f"torchrun rc {split.rc}, saved {stopped}, trainers said so: {told}; resumed rc " \
+    holds = split.rc == 0 and told and stopped not in (None, f"step-{STEPS:08d}") \
+        and resumed.rc == 0 and same
+    return f"launch rc {split.rc}, saved {stopped}, trainers said so: {told}; resumed rc " \
            f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
 
 
@@ -378,7 +380,8 @@ CASES = [
     Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
          "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
     Case("SIGTERM to every process of the job (2 ranks, loader workers)", "both trainers "
-         "save at one step and say so, resume equals an uninterrupted run", sigterm_whole_job),
+         "save at one step and say so, the launch exits 0, resume equals an uninterrupted run",
+         sigterm_whole_job),
     Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
          "naming the timeout and the step", stopped_rank),
     Case("kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)", "the run ends "

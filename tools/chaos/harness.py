@@ -23,6 +23,7 @@ module or to torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -106,8 +107,8 @@ def train(data: Path, run: Path, *args: str, ranks: int = 1, inject: list[str] |
     process, or ``ranks`` under torchrun; ``inject`` = ``[FAULT, ...]`` patches first.
     ``until(proc)`` runs while the training runs (e.g. to send a signal)."""
     module = ["-m", "tools.chaos", "inject", *inject, "--"] if inject else ["-m", "launch.train"]
-    if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
+    if ranks > 1:  # the README's launcher: torchrun that leaves SIGTERM/SIGUSR1 to the ranks
+        cmd = [sys.executable, "-m", "launch.torchrun", "--standalone",  # a free port
                "--nproc_per_node", str(ranks), *module]
     else:
         cmd = [sys.executable, *module]
@@ -137,6 +138,23 @@ def worker_pids(torchrun: subprocess.Popen) -> dict[int, int]:
             if ranks:
                 found[int(ranks[0])] = int(pid)
     return found
+
+
+def job_pids(pid: int) -> list[int]:
+    """``pid`` and every process under it (launcher, ranks, loader workers): what a scheduler
+    signals, each by its pid (``scancel --signal``), read from /proc."""
+    pids = [pid]
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            pids += job_pids(int(child))
+    return pids
+
+
+def signal_job(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to every process of the job ``proc`` started, as a scheduler does."""
+    for pid in job_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
