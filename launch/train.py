@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             notes = machine_notes(cfg) if args.print_config else []
     except ConfigError as err:  # every rank found the same: one report per node
         _print_once_per_node(f"config error:\n{err}")
-        return 2
+        return err.exit_code
     for w in caught:
         print_main(f"warning: {w.message}")
     if args.check:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         env = init_distributed(cfg.device, cfg.dist.timeout_s)
     except ConfigError as err:  # this node's network set-up (no interface to the others)
         _print_once_per_node(f"config error: {err}")
-        return 2
+        return err.exit_code
     try:
         train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once

@@ -116,6 +116,9 @@ def as_user_error(err: BaseException) -> UserError | None:
 
 # gloo's transport puts its source location first: "[<path>/gloo/transport/tcp/pair.cc:553] "
 _GLOO_TRANSPORT = re.compile(r"\[[^\]\n]*gloo/transport/[^\]\n]*\]")
+# ... except on the other operations of a context one of whose receives timed out: gloo
+# (transport/tcp/unbound_buffer.cc, UnboundBuffer::waitRecv) closes every pair with this text.
+_GLOO_PAIRS_CLOSED = "Application timeout caused pair closure"
 _SOURCE_LOCATION = re.compile(r"^\[[^\]\n]*\]\s*")
 
 
@@ -125,20 +128,31 @@ def is_collective_failure(err: BaseException) -> bool:
 
     torch raises :class:`torch.distributed.DistError` subclasses for NCCL
     (``DistBackendError``) and the rendezvous store (``DistStoreError``,
-    ``DistNetworkError``). gloo does not: measured on torch 2.13 with 2 CPU ranks and a 3 s
-    timeout (all_reduce, broadcast, barrier, all_gather, an async work's ``wait``, a
-    ``new_group``, DDP's gradient reduction in backward, a collective inside an autograd
-    backward), a peer that never joins gives a plain ``RuntimeError`` "[.../gloo/transport/
-    tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete" and a
-    peer that exited one with "[.../gloo/transport/tcp/pair.cc:553] Connection closed by
-    peer ...". gloo's transport errors carry no type of their own (a C++
-    ``gloo::IoException`` that pybind11 turns into ``RuntimeError``); the one mark is that
-    source location, so a plain ``RuntimeError`` counts only when its message starts with a
-    location under ``gloo/transport/``. gloo's other checks (a size mismatch) stay bugs.
+    ``DistNetworkError``). gloo does not: its transport's errors are a C++
+    ``gloo::IoException``, which reaches Python as a plain ``RuntimeError``. Measured on
+    torch 2.13 with 2 CPU ranks and a 2-3 s timeout (all_reduce, broadcast, barrier,
+    all_gather, all_gather_object, an async work's ``wait``, a ``new_group``, DDP's gradient
+    reduction in backward, a collective inside an autograd backward, DeepSpeed's
+    ``deepspeed.comm``), gloo says one of three things:
+
+    - a peer that never joins: "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out
+      waiting 3000ms for recv operation to complete";
+    - a peer that exited or closed the group: "[.../gloo/transport/tcp/pair.cc:553]
+      Connection closed by peer ...";
+    - any other operation pending on the same gloo context when one receive timed out:
+      exactly "Application timeout caused pair closure", without a location (what the
+      trainer met in a checkpoint's ``all_gather_object`` with a stopped peer).
+
+    Lacking a type, a plain ``RuntimeError`` (exactly that type) counts when its message
+    starts with a source location under ``gloo/transport/`` or is that fixed sentence;
+    gloo's other checks (e.g. a size mismatch, located elsewhere) stay bugs.
     """
     if isinstance(err, dist.DistError):
         return True
-    return type(err) is RuntimeError and _GLOO_TRANSPORT.match(str(err)) is not None
+    if type(err) is not RuntimeError:
+        return False
+    message = str(err).strip()
+    return message == _GLOO_PAIRS_CLOSED or _GLOO_TRANSPORT.match(message) is not None
 
 
 def collective_detail(err: BaseException) -> str:

@@ -15,6 +15,7 @@ import torch
 from spawn import run_ranks
 
 from data_pipeline.errors import CorruptImageError, DataError, ShardError
+from launch.report import ReportError
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.engine.deepspeed_backend import LossScaleFloor
@@ -43,6 +44,7 @@ KINDS = [
     (Diverged, Stopped, 1, Scope.ALL_RANKS),
     (LossScaleFloor, Stopped, 1, Scope.ALL_RANKS),
     (CollectiveFailed, Stopped, 1, Scope.ONE_RANK),
+    (ReportError, Refused, 2, Scope.ALL_RANKS),  # launch.report's, before any run
 ]
 
 
@@ -119,35 +121,43 @@ def test_collective_failures_are_told_by_type_not_by_words():
     assert is_collective_failure(torch.distributed.DistBackendError("NCCL watchdog"))
     assert is_collective_failure(torch.distributed.DistNetworkError("store"))
     assert is_collective_failure(RuntimeError(location + "Connection closed by peer"))
+    assert is_collective_failure(RuntimeError("Application timeout caused pair closure"))
     assert collective_detail(RuntimeError(location + "Connection closed")) == "Connection closed"
     # Words alone, another location of gloo (its own checks), or another type: not one.
     assert not is_collective_failure(RuntimeError("timeout: NCCL gloo Connection reset"))
     assert not is_collective_failure(RuntimeError("[/src/gloo/gloo/allreduce.cc:7] mismatch"))
     assert not is_collective_failure(ValueError(location + "Connection closed by peer"))
     assert not is_collective_failure(Diverged(location))
+    assert not is_collective_failure(RuntimeError("Application timeout caused pair closure: x"))
+
+
+def _failed(work) -> tuple[str, bool, type | None]:
+    """(type name, is_collective_failure, classify's kind) of what ``work()`` raises."""
+    try:
+        work()
+    except Exception as err:  # noqa: BLE001 - what torch raises is what is checked
+        return type(err).__name__, is_collective_failure(err), classify(err, 0).kind
+    raise AssertionError("the collective did not fail")
 
 
 def _gloo_failures(rank: int, world: int) -> dict:
-    """A peer that never joins (2 s group timeout), then one that closes its connections."""
+    """Rank 0's view of gloo's three failures: a peer that never joins (2 s group timeout),
+    another operation pending when that happens, and a peer that closes its connections."""
     import torch.distributed as dist
 
     out = {}
     late = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     if rank == 0:
-        try:
-            dist.all_reduce(torch.ones(2), group=late)
-        except Exception as err:  # noqa: BLE001 - what torch raises is what is checked
-            out["timeout"] = (type(err).__name__, is_collective_failure(err),
-                              classify(err, 0).kind)
+        first = dist.all_reduce(torch.ones(2), group=late, async_op=True)
+        time.sleep(0.5)
+        second = dist.all_reduce(torch.ones(2), group=late, async_op=True)
+        out["pending"] = _failed(second.wait)  # first's receive times out first
+        out["timeout"] = _failed(first.wait)
     else:
-        time.sleep(4)
+        time.sleep(5)
     gone = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     if rank == 0:
-        try:
-            dist.all_reduce(torch.ones(2), group=gone)
-        except Exception as err:  # noqa: BLE001
-            out["closed"] = (type(err).__name__, is_collective_failure(err),
-                             classify(err, 0).kind)
+        out["closed"] = _failed(lambda: dist.all_reduce(torch.ones(2), group=gone))
     else:
         time.sleep(1)
         dist.destroy_process_group(gone)  # closes rank 1's side of the group's connections
@@ -157,12 +167,11 @@ def _gloo_failures(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_real_gloo_failures_are_collective_failures():
-    """torch 2.13 raises a plain RuntimeError for both (gloo's transport has no type of its
-    own; trainer.errors.is_collective_failure says how it is told); the loop turns it into
-    CollectiveFailed. Unwrapped, it would be a bug's traceback."""
+    """torch 2.13 raises a plain RuntimeError for all three (gloo's transport has no type of
+    its own; trainer.errors.is_collective_failure says how they are told); the loop turns
+    them into CollectiveFailed. Unwrapped, they would be a bug's traceback."""
     out, _ = run_ranks(_gloo_failures, 2, timeout=90)
-    assert out["timeout"] == ("RuntimeError", True, None), out
-    assert out["closed"] == ("RuntimeError", True, None), out
+    assert out == dict.fromkeys(("pending", "timeout", "closed"), ("RuntimeError", True, None))
 
 
 def test_the_kinds_are_the_only_user_errors():
