@@ -109,7 +109,7 @@ def as_user_error(err: BaseException) -> UserError | None:
         return err
     for foreign, kind in foreign_kinds():
         if isinstance(err, foreign):
-            last = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+            last = (str(err).strip().splitlines() or [""])[-1]
             return kind(last.removeprefix(f"{type(err).__module__}.{type(err).__name__}: "))
     return None
 
