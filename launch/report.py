@@ -22,11 +22,12 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
+from trainer.errors import Refused
 from trainer.telemetry import run_files
 from trainer.telemetry.figures import FIGURES, RunData
 
 
-class ReportError(ValueError):
+class ReportError(Refused, ValueError):
     """A folder that is not a run, or a run file that cannot be read: one line."""
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.runs)
     except ReportError as err:
         print(f"report: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     figures = build_figures(runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, notes = machine_notes(cfg, machine)
     except ConfigError as err:  # every rank found the same: one report per node
         _print_once_per_node(f"config error:\n{err}")
-        return 2
+        return err.exit_code
     for w in caught:
         print_main(f"warning: {w.message}")
     if args.check:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         env = init_distributed(cfg.device, cfg.dist.timeout_s)
     except ConfigError as err:  # this node's network set-up (no interface to the others)
         _print_once_per_node(f"config error: {err}")
-        return 2
+        return err.exit_code
     try:
         train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once

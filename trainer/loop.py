@@ -8,18 +8,15 @@ checkpoints, evaluation and stop signals, and the one report of a failure.
 from __future__ import annotations
 
 import itertools
-import re
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from trainer import checkpoint, seams
 from trainer.config import (
@@ -28,6 +25,7 @@ from trainer.config import (
     resume_drift,
 )
 from trainer.dist import DistEnv
+from trainer.errors import Scope, Stopped, classify, collective_detail, is_collective_failure
 from trainer.preemption import StopSignals
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
@@ -45,30 +43,26 @@ def _groups(batches, k: int) -> Iterator[list]:
             yield group
 
 
-class Diverged(RuntimeError):
-    """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient."""
+class Diverged(Stopped, RuntimeError):
+    """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient (all ranks)."""
 
 
-class CollectiveFailed(RuntimeError):
-    """A collective timed out or lost a peer: another rank stopped, died or fell behind."""
+class CollectiveFailed(Stopped, RuntimeError):
+    """A collective timed out or lost a peer: another rank stopped, died or fell behind.
+    Each rank that waited reports it (the others may be stopped or gone)."""
+
+    scope = Scope.ONE_RANK
 
 
-def _collective_report(run: Run, err: RuntimeError) -> CollectiveFailed:
+def _collective_report(run: Run, err: BaseException) -> CollectiveFailed:
     """The one-line report of a failed collective: the step, how long it waited, why."""
-    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out ..."
-    detail = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0])
     waited = time.monotonic() - run.step_started
     return CollectiveFailed(
-        f"step {run.step + 1}: a collective failed after {waited:.0f} s ({detail}): another "
+        f"step {run.step + 1}: a collective failed after {waited:.0f} s "
+        f"({collective_detail(err)}): another "
         f"rank stopped, died or fell behind by more than the process group's timeout "
         f"(dist.timeout_s={run.cfg.dist.timeout_s:g}); resume from {run.saved or 'the start'}"
     )
-
-
-def _is_collective_failure(err: BaseException) -> bool:
-    """Whether ``err`` is a process-group failure (gloo/NCCL timeout or a closed peer)."""
-    pattern = r"Timed out|timeout|Connection (closed|reset|refused)|gloo|NCCL"
-    return isinstance(err, dist.DistError) or re.search(pattern, str(err)) is not None
 
 
 @dataclass
@@ -102,7 +96,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
         try:
             stopped_by = loop(run, signals)
         except RuntimeError as err:
-            if _is_collective_failure(err):
+            if is_collective_failure(err):
                 raise _collective_report(run, err) from None
             raise
     return finish(run, stopped_by)
@@ -311,29 +305,14 @@ def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
     """Print a failure after the process group started, and append it to ``run_dir``'s
     train.log (every rank that reports); returns the exit code.
 
-    Errors every rank raises together (config, checkpoint, divergence) are one line from
-    rank 0. Errors one rank meets alone (its data, a failed collective) are one line from
-    that rank. Anything else is a bug: its traceback, from each rank that hit it.
+    Which ranks print, what and the exit code are the error's to say
+    (:func:`trainer.errors.classify`): one line from rank 0 for an error every rank raises
+    together (config, checkpoint, divergence), one line from the rank that met it for its
+    data or a failed collective, and for anything else (a bug) the traceback from each rank.
     """
-    from data_pipeline.errors import DataError
-    from trainer.engine.deepspeed_backend import LossScaleFloor
-
-    if isinstance(err, ConfigError):
-        line, code, every_rank = f"config error: {err}", 2, False
-    elif isinstance(err, Diverged | LossScaleFloor | checkpoint.CheckpointError | WriteFailed):
-        line, code, every_rank = f"error: {err}", 1, False
-    elif isinstance(err, DataError | CollectiveFailed):
-        # A DataLoader worker's error arrives with the worker's traceback in its message,
-        # ending in "data_pipeline.errors.DataError: <the message>".
-        last = str(err).strip().splitlines()[-1]
-        last = last.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
-        line, code, every_rank = f"error on rank {rank}: {last}", 1, True
-    else:
-        text = "".join(traceback.format_exception(err))
-        print(text, end="", file=sys.stderr, flush=True)
-        append_log(run_dir, f"rank {rank}: {text}")
-        return 1
-    if every_rank or rank == 0:
-        print(line, file=sys.stderr, flush=True)
-        append_log(run_dir, line)
-    return code
+    report = classify(err, rank)
+    if report.prints:
+        print(report.text, end="" if report.text.endswith("\n") else "\n", file=sys.stderr,
+              flush=True)
+        append_log(run_dir, report.logged)
+    return report.exit_code

@@ -14,6 +14,7 @@ import torch
 
 from partial_fc import memory
 from partial_fc.backbones import build_backbone, vit
+from trainer.errors import Refused
 
 GIB = 2**30
 
@@ -50,7 +51,7 @@ R50_IMAGES_PER_S = 3513.0
 HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
 
 
-class PlanError(ValueError):
+class PlanError(Refused, ValueError):
     """An impossible input: one line naming the flag and the value."""
 
 

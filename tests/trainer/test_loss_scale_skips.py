@@ -8,7 +8,8 @@ the scale) and reports it through ``was_step_applied()``. The head lives outside
 On CPU fp16 does not run (no fp16 kernels here), so the CPU test makes DeepSpeed's ZeRO-1
 engine behave as its scaler does on an overflow - no update, ``was_step_applied() == False`` -
 and checks what this project's code does with that; likewise for the scaler's dead end (an
-overflow at its minimum scale raises a bare Exception), which must end the run with one line.
+overflow at its minimum scale raises a bare Exception), which must end the run with one line
+and is told from other failures by its type and the scaler's state, not its text.
 The cuda-marked test overflows a real fp16 scaler (initial scale 2^32).
 """
 
@@ -71,13 +72,16 @@ def _dropped_step(rank: int, world: int) -> dict:
 
 
 def _at_minimum_scale(engine) -> list[str]:
-    """What ``Engine.step`` raises when DeepSpeed's step raises its scaler's minimum-scale
-    Exception (deepspeed/runtime/fp16/loss_scaler.py's text), and when it raises another."""
-    seen = []
-    for message in ("Current loss scale already at minimum - cannot decrease scale anymore. "
-                    "Exiting run.", "some other failure"):
-        def failing_step(*args, message=message, **kwargs):
-            raise Exception(message)  # noqa: TRY002 - DeepSpeed's own exception type
+    """What ``Engine.step`` raises when DeepSpeed's step raises: its scaler's bare Exception
+    with the scale at its minimum (deepspeed/runtime/fp16/loss_scaler.py), the same above the
+    minimum, and another type at the minimum (only the first is the scaler's dead end)."""
+    engine.backend.precision = "fp16"  # the engine runs fp32 here; the check reads this
+    optimizer, seen = engine.backend.model.optimizer, []
+    for error, scale in ((Exception, 1.0), (Exception, 2.0), (RuntimeError, 1.0)):
+        def failing_step(*args, error=error, scale=scale, **kwargs):
+            optimizer.loss_scale = scale  # where the scaler stands when it raises
+            raise error("Current loss scale already at minimum - cannot decrease scale "
+                        "anymore. Exiting run.")
 
         engine.backend.model.step = failing_step
         try:
@@ -89,9 +93,11 @@ def _at_minimum_scale(engine) -> list[str]:
 
 def test_dropped_deepspeed_step_skips_the_head_too():
     (out,) = run_ranks(_dropped_step, 1)
-    floor, other = out.pop("floor")
+    floor, above, other_type = out.pop("floor")
     assert floor.startswith("LossScaleFloor: step 5: fp16 gradients overflow even at "), floor
-    assert "engine.precision=bf16" in floor and other == "Exception: some other failure", other
+    assert "engine.precision=bf16" in floor, floor
+    assert above.startswith("Exception: ") and other_type.startswith("RuntimeError: "), \
+        (above, other_type)
     for precision, (skipped, overflow, unchanged, next_skipped, moved) in out.items():
         assert skipped and unchanged, precision
         # fp16: the scaler's own skip; bf16 has no scaler, so a drop is a non-finite gradient.

@@ -20,10 +20,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from trainer.errors import Stopped
+
 META = "meta.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Stopped, ValueError):
     """A checkpoint that cannot be written or trusted; the message names the step or file."""
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from partial_fc.margins import AdaCosMode, MarginType
 from partial_fc.tiles import KERNELS
+from trainer.errors import Refused
 
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -27,8 +28,10 @@ UnitFloat = Annotated[float, Field(ge=0, lt=1)]
 MAX_SCALE = 1024.0  # margin.s: the published recipes use 30-64
 
 
-class ConfigError(ValueError):
-    """A user error in a config: one line per problem, all problems together."""
+class ConfigError(Refused, ValueError):
+    """A user error in a config: one line per problem, all problems together (exit 2)."""
+
+    label = "config error"
 
 
 class ConfigWarning(UserWarning):

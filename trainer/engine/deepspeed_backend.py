@@ -33,6 +33,7 @@ from trainer.engine.backend import (
     load_torch_optimizer_state,
     torch_optimizer_state,
 )
+from trainer.errors import Stopped
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
@@ -90,7 +91,7 @@ class _TestedHere(logging.Filter):
         return "untested optimizer" not in record.getMessage()
 
 
-class LossScaleFloor(RuntimeError):
+class LossScaleFloor(Stopped, RuntimeError):
     """fp16: the gradients overflow even at DeepSpeed's smallest loss scale (all ranks alike)."""
 
 
@@ -217,20 +218,35 @@ class DeepSpeedBackend:
     def _scaled_step(self, step: int) -> None:
         """DeepSpeed's step, its fp16 loss scaler's dead end as :class:`LossScaleFloor`.
 
-        The scaler halves its scale on each overflow and, once at its minimum (1), raises a
-        bare ``Exception`` (deepspeed/runtime/fp16/loss_scaler.py; the message is the only
-        way to tell it from a bug). Every rank reaches it on the same step.
+        The scaler halves its scale on each overflow and, on an overflow at its minimum
+        (``fp16.min_loss_scale``, 1), raises a bare ``Exception`` instead
+        (deepspeed/runtime/fp16/loss_scaler.py ``DynamicLossScaler.update_scale``; DeepSpeed
+        0.19 has no type of its own for it, and no config key turns the raise off). Told from
+        a bug by its type and the scaler's state, not its text: exactly ``Exception`` (no
+        subclass) raised while the scaler stands at its minimum (:meth:`_at_scale_floor`).
+        Every rank reaches it on the same step (the overflow check is all-reduced).
         """
         try:
             self.model.step()
         except Exception as err:
-            if "loss scale already at minimum" not in str(err):
+            if type(err) is not Exception or not self._at_scale_floor():
                 raise
             raise LossScaleFloor(
                 f"step {step + 1}: fp16 gradients overflow even at DeepSpeed's minimum loss "
                 "scale: the backbone diverges; lower optim.lr, or train with "
                 "engine.precision=bf16"
             ) from None
+
+    def _at_scale_floor(self) -> bool:
+        """Whether DeepSpeed's dynamic fp16 loss scaler stands at its minimum scale: its
+        optimizer's ``loss_scale`` (a property of DeepSpeed's fp16 and ZeRO optimizers) against
+        the engine's ``dynamic_loss_scale_args()`` (the ``fp16`` config's ``min_loss_scale``)."""
+        from deepspeed.runtime.fp16.loss_scaler import MIN_LOSS_SCALE
+
+        model = self.model
+        if self.precision != "fp16" or not model.dynamic_loss_scale():
+            return False
+        return model.optimizer.loss_scale <= model.dynamic_loss_scale_args()[MIN_LOSS_SCALE]
 
     def _checks_overflow(self) -> bool:
         """Whether DeepSpeed's optimizer checks the gradients for inf/NaN before a step."""

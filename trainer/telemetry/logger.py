@@ -30,6 +30,7 @@ import torch
 from partial_fc.metric_names import SCALE_DYNAMICS
 from trainer.config import Config, dump_config
 from trainer.dist import launcher_rank
+from trainer.errors import Stopped
 from trainer.telemetry import run_files
 from trainer.telemetry.console import Console
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
@@ -64,7 +65,7 @@ WRITE_FAILED = 1000
 every signal number, so the ranks agree on it like on a signal and stop after the same step."""
 
 
-class WriteFailed(RuntimeError):
+class WriteFailed(Stopped, RuntimeError):
     """A run file (metrics, histograms, train.log, TensorBoard) could not be written, e.g.
     ENOSPC: the run stops with the last good checkpoint as it is."""
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.errors import Refused
+
 METRICS = "metrics.jsonl"
 HISTOGRAMS = "histograms.jsonl"
 SUMMARY = "summary.json"  # the last invocation's summary (trainer.telemetry.logger)
@@ -27,7 +29,7 @@ HIST_RANGE = (0.0, 180.0)  # degrees
 HIST_BINS = 180
 
 
-class RunFileError(ValueError):
+class RunFileError(Refused, ValueError):
     """A run file that cannot be read (a malformed line that is not the last)."""
 
 
