@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "python -m launch.torchrun"
     parser.description = ("torchrun (same arguments) whose SIGTERM and SIGUSR1 go to each rank, "
                           "which saves and exits 0: the launch then exits 0, not 1.")
+    torchruns_help = parser.format_help  # reST in places: --help reads as plain text
+    parser.format_help = lambda: torchruns_help().replace("``", "")
     args = parser.parse_args(argv)
     if not hasattr(args, "signals_to_handle"):
         raise SystemExit("python -m launch.torchrun: this torch's torchrun has no "

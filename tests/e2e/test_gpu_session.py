@@ -65,7 +65,7 @@ elif argv[:1] == ["bench/head.py"]:
     print("matmuls       6.00 [5.90, 6.10]")
 elif argv[:1] == ["bench/train.py"]:
     Path(after("--json")).write_text(json.dumps({"runs": [{"run": "trainer", "img_per_s": 2e3}]}))
-elif argv[:2] == ["-m", "torch.distributed.run"]:
+elif argv[:2] == ["-m", "launch.torchrun"]:
     metrics(Path(value("output=")))
 elif argv[:1] == ["bench/scale_demo.py"]:
     for name in ("arcface_r0.1", "adacos_dynamic_r1"):
