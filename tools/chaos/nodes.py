@@ -89,7 +89,7 @@ def train_on_nodes(nodes: Nodes, data: Path, run: Path, *args: str, timeout: flo
     for rank, ns in enumerate(nodes.namespaces):
         cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
                'hostname localhost && exec "$@"', "node",
-               sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               sys.executable, "-m", "launch.torchrun", "--nnodes", "2",
                "--node_rank", str(rank), "--nproc_per_node", "1", "--max_restarts", "0",
                "--master_addr", nodes.master, "--master_port", str(PORT),
                "-m", "launch.train", "--config", str(SMOKE), f"data.dir={data}",
