@@ -571,28 +571,35 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _fill_after_each_checkpoint(monkeypatch, filler: Path, chunk: int) -> None:
+    """Another writer: after each checkpoint the run saves, append ``chunk``-byte blocks to
+    ``filler`` until its file system is full (ENOSPC)."""
+    import trainer.loop
+
+    real_save = trainer.loop.save
+
+    def save_then_fill(run):
+        real_save(run)
+        with open(filler, "ab") as out:  # noqa: PTH123
+            try:
+                while True:
+                    out.write(b"\0" * chunk)
+                    out.flush()
+            except OSError:
+                pass
+
+    monkeypatch.setattr(trainer.loop, "save", save_then_fill)
+
+
 def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint(
         tiny_data, small_disk, capsys, monkeypatch):
     """Another writer fills the run's filesystem after the checkpoint at step 20: the next
     metrics/train.log write fails (ENOSPC), the ranks stop at the next step boundary with
     exit 1, one error line naming the file, and ``latest`` (step 20) still verifies."""
-    import trainer.loop
     from trainer import checkpoint
 
     run = small_disk / "run"
-    real_save = trainer.loop.save
-
-    def save_then_fill(r):
-        real_save(r)
-        with open(small_disk / "filler", "ab") as filler:  # noqa: PTH123
-            try:
-                while True:
-                    filler.write(b"\0" * 2**20)
-                    filler.flush()
-            except OSError:
-                pass
-
-    monkeypatch.setattr(trainer.loop, "save", save_then_fill)
+    _fill_after_each_checkpoint(monkeypatch, small_disk / "filler", 2**20)
     rc = _train_in_process(tiny_data, run, "train.max_steps=40", "checkpoint.every=20")
     err = capsys.readouterr().err
     assert rc == 1, err
@@ -612,7 +619,6 @@ def test_a_full_tensorboard_disk_stops_the_run_like_a_run_file(
     (step 20) verifies."""
     import subprocess
 
-    import trainer.loop
     from trainer import checkpoint
 
     run = tmp_path / "run"
@@ -621,19 +627,7 @@ def test_a_full_tensorboard_disk_stops_the_run_like_a_run_file(
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tb)],
                       capture_output=True).returncode != 0:
         pytest.skip("mount -t tmpfs is not permitted here (needs root)")
-    real_save = trainer.loop.save
-
-    def save_then_fill(r):
-        real_save(r)
-        with open(tb / "filler", "ab") as filler:  # noqa: PTH123
-            try:
-                while True:
-                    filler.write(b"\0" * 2**16)
-                    filler.flush()
-            except OSError:
-                pass
-
-    monkeypatch.setattr(trainer.loop, "save", save_then_fill)
+    _fill_after_each_checkpoint(monkeypatch, tb / "filler", 2**16)
     try:
         rc = _train_in_process(tiny_data, run, "train.max_steps=40", "checkpoint.every=20",
                                "log.tensorboard=true")
