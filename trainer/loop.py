@@ -7,11 +7,12 @@ checkpoints, evaluation and stop signals, and the one report of a failure.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,15 +55,27 @@ class CollectiveFailed(Stopped, RuntimeError):
     scope = Scope.ONE_RANK
 
 
-def _collective_report(run: Run, err: BaseException) -> CollectiveFailed:
-    """The one-line report of a failed collective: the step, how long it waited, why."""
-    waited = time.monotonic() - run.step_started
-    return CollectiveFailed(
-        f"step {run.step + 1}: a collective failed after {waited:.0f} s "
-        f"({collective_detail(err)}): another "
-        f"rank stopped, died or fell behind by more than the process group's timeout "
-        f"(dist.timeout_s={run.cfg.dist.timeout_s:g}); resume from {run.saved or 'the start'}"
-    )
+@contextlib.contextmanager
+def _collectives_of(phase: Callable[[], str], timeout_s: float,
+                    resume_from: Callable[[], Path | None] = lambda: None,
+                    since: Callable[[], float] | None = None) -> Iterator[None]:
+    """Turn a failed collective inside the block into the one-line :class:`CollectiveFailed`
+    (any other error passes through): ``phase()`` names where the run was ("step 12",
+    "building the engine", ...), ``resume_from()`` the checkpoint a rerun resumes, and the
+    wait is counted from ``since()`` (the block's start when None; a step's own start in
+    the loop)."""
+    started = time.monotonic()
+    try:
+        yield
+    except RuntimeError as err:  # torch's DistError subclasses and gloo's plain RuntimeError
+        if not is_collective_failure(err):
+            raise
+        waited = time.monotonic() - (started if since is None else since())
+        raise CollectiveFailed(
+            f"{phase()}: a collective failed after {waited:.0f} s ({collective_detail(err)}): "
+            "another rank stopped, died or fell behind by more than the process group's "
+            f"timeout (dist.timeout_s={timeout_s:g}); resume from {resume_from() or 'the start'}"
+        ) from None
 
 
 @dataclass
@@ -87,19 +100,22 @@ class Run:
 
 
 def train(cfg: Config, env: DistEnv) -> dict:
-    """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere)."""
-    run = build(cfg, env)
-    resume(run)
+    """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere).
+    A collective that fails in any phase (a peer stopped, died or was cut off) ends this
+    rank with one :class:`CollectiveFailed` line naming the phase."""
+    timeout = cfg.dist.timeout_s
+    with _collectives_of(lambda: "building the engine", timeout):
+        run = build(cfg, env)
+    with _collectives_of(lambda: "resuming", timeout):
+        resume(run)
     if run.step >= run.total:
         return already_finished(run)
-    with StopSignals() as signals:
-        try:
-            stopped_by = loop(run, signals)
-        except RuntimeError as err:
-            if is_collective_failure(err):
-                raise _collective_report(run, err) from None
-            raise
-    return finish(run, stopped_by)
+    saved = lambda: run.saved  # noqa: E731 - read when the report is made
+    with StopSignals() as signals, _collectives_of(
+            lambda: f"step {run.step + 1}", timeout, saved, since=lambda: run.step_started):
+        stopped_by = loop(run, signals)
+    with _collectives_of(lambda: f"after step {run.step}", timeout, saved):
+        return finish(run, stopped_by)
 
 
 def build(cfg: Config, env: DistEnv) -> Run:

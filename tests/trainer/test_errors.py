@@ -179,3 +179,37 @@ def test_the_kinds_are_the_only_user_errors():
     for error, *_ in KINDS:
         assert issubclass(error, Refused) != issubclass(error, Stopped)
     assert issubclass(BadData, Stopped) and not issubclass(UserError, Refused | Stopped)
+
+
+def _peer_missing_while_building(rank: int, world: int, run: str) -> tuple | None:
+    """Rank 1 never joins the engine's first collective (DDP's parameter broadcast on a group
+    with a 3 s timeout); rank 0's ``train`` reports where it was."""
+    import torch.distributed as dist
+    from launch_helpers import ROOT
+
+    from trainer.config import load_config
+    from trainer.dist import DistEnv
+    from trainer.loop import train
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(6)
+        return None
+    cfg = load_config(ROOT / "configs" / "smoke.yaml",
+                      ["data.source=synthetic", "data.num_classes=20", "engine.type=ddp",
+                       f"output={run}", "log.wandb=disabled", "log.progress=false",
+                       "data.num_workers=0"])
+    try:
+        train(cfg, DistEnv(0, 2, 0, torch.device("cpu"), group))
+    except CollectiveFailed as err:
+        return str(err).split(":")[0], classify(err, 0).exit_code
+    raise AssertionError("train went on without its peer")
+
+
+@pytest.mark.slow
+def test_a_peer_lost_before_the_first_step_is_one_line(tmp_path):
+    """Not only the step loop: a collective failing while the engine is built (or resumed,
+    or the last checkpoint saved) is a CollectiveFailed naming that phase, not a traceback."""
+    out, _ = run_ranks(_peer_missing_while_building, 2, args=(str(tmp_path / "run"),),
+                       timeout=90)
+    assert out == ("building the engine", 1)
