@@ -85,7 +85,7 @@ class TensorBoardSink:
     it hides the older files' events after that step (``purge_step``): they are redone.
 
     A run file like metrics.jsonl, not a copy like W&B: a write that fails (ENOSPC, EIO)
-    stops the run at the next step boundary with one line naming the file (issue 23; a run
+    stops the run at the next step boundary with one line naming the file (a run
     whose dashboard silently ends mid-way misleads more than one that stops). TensorBoard
     writes from its own thread (``EventFileWriter``'s ``_AsyncWriterThread``), which keeps
     the error and re-raises it at the next ``add_*``/``flush`` of the training thread; every
