@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--scaling", help="comma-separated GPU counts: modelled H100 step time each")
     p.add_argument("--head-factor", type=float, default=2.0, help="--scaling: head time as a "
-                   "multiple of its matmuls (default 2, issue 10's target)")
+                   "multiple of its matmuls (default 2: the fused head's design target)")
     return p
 
 
