@@ -390,7 +390,8 @@ class PartialFC(nn.Module):
     def _record_rows(self, index: Tensor | None) -> None:
         """Add this forward's rows (``index``: sorted, unique; None = all) to the pending set
         in ``O(S log S)``, never an ``O(num_local)`` mask: the first forward's index is kept as
-        is, later ones (gradient accumulation) are merged by ``torch.unique`` (sorted)."""
+        is, later ones (gradient accumulation) are merged by ``torch.unique`` (sorted), except
+        the same index again (a ``begin_step`` sample, shared by the step's forwards)."""
         self.sampled_index = index
         if self.sample_rate == 1.0 or not torch.is_grad_enabled() or self._pending_all:
             return
@@ -399,7 +400,7 @@ class PartialFC(nn.Module):
             self._pending_rows, self._pending_all = None, True
         elif self._pending_rows is None:
             self._pending_rows = index
-        else:
+        elif index is not self._pending_rows:
             self._pending_rows = torch.unique(torch.cat([self._pending_rows, index]))
 
     def _shard(self, e: Tensor, index: Tensor | None, targets: Tensor) -> Shard:

@@ -70,8 +70,13 @@ def sample_classes(
         keep[positives] = False
         negatives = keep.nonzero().squeeze(1)
     index = torch.sort(torch.cat([positives, negatives])).values
-    remapped = torch.searchsorted(index, targets)  # all rows: no label-sized selection
-    return index, torch.where(targets >= 0, remapped, targets)
+    return index, columns_in(index, targets)
+
+
+def columns_in(index: Tensor, targets: Tensor) -> Tensor:
+    """Each local target row's column in the sorted sampled rows ``index`` (``-1`` stays:
+    another rank's class); all rows at once, no label-sized selection."""
+    return torch.where(targets >= 0, torch.searchsorted(index, targets), targets)
 
 
 @dataclass
@@ -94,9 +99,7 @@ class StepSample:
             raise RuntimeError(f"PartialFC: the step's forwards passed {self.taken} samples, "
                                f"more than the {self.samples} begin_step announced")
         targets = local_targets(y, class_start, num_local)
-        if self.index is None:
-            return targets
-        return torch.where(targets >= 0, torch.searchsorted(self.index, targets), targets)
+        return targets if self.index is None else columns_in(self.index, targets)
 
 
 def _distinct_rows(count: int, num_local: int, excluded: Tensor, gen: torch.Generator) -> Tensor:

@@ -320,7 +320,7 @@ def test_observe_reads_torchruns_launch_and_wandb_mode(monkeypatch):
     here = Machine.observe()
     assert (here.world_size, here.local_ranks, here.wandb_mode) == (6, 3, "disabled")
     assert not here.has("tensorboard")
-    assert Machine.observe(2, 4).world_size == 8 and Machine.observe(2, 4).local_ranks == 2
+    assert here.launching(2, 4).world_size == 8 and here.launching(2, 4).local_ranks == 2
 
 
 def test_observe_reads_the_gpus_from_torch(monkeypatch):

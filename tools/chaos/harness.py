@@ -104,7 +104,7 @@ class Result:
 def train(data: Path, run: Path, *args: str, ranks: int = 1, inject: list[str] | None = None,
           timeout: float = 240, until: Callable[[subprocess.Popen], None] | None = None) -> Result:
     """``launch.train`` on the smoke config with :data:`BASE_ARGS` and ``args``: in one
-    process, or ``ranks`` under torchrun; ``inject`` = ``[FAULT, ...]`` patches first.
+    process, or ``ranks`` under the launcher; ``inject`` = ``[FAULT, ...]`` attached first.
     ``until(proc)`` runs while the training runs (e.g. to send a signal)."""
     module = ["-m", "tools.chaos", "inject", *inject, "--"] if inject else ["-m", "launch.train"]
     if ranks > 1:  # the README's launcher: torchrun that leaves SIGTERM/SIGUSR1 to the ranks

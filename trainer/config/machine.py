@@ -56,15 +56,15 @@ class Machine:
                                    world_size=ranks_per_node * nnodes)
 
     @classmethod
-    def observe(cls, ranks_per_node: int | None = None, nnodes: int | None = None) -> Machine:
+    def observe(cls) -> Machine:
         """Read this machine once: torch's devices, the installed packages, ``WANDB_MODE``,
-        and the launch shape from torchrun's variables, or from ``ranks_per_node`` x
-        ``nnodes`` where given (a launch being checked before torchrun starts it)."""
+        and the launch shape from torchrun's variables (a launch being checked before
+        torchrun starts it: :meth:`launching`)."""
         import torch
         import torch.distributed as dist
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        machine = cls(
+        return cls(
             local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             gpus=gpus,
@@ -73,9 +73,6 @@ class Machine:
             installed=frozenset(p for p in OPTIONAL_PACKAGES if _installed(p)),
             wandb_mode=os.environ.get("WANDB_MODE") or None,
         )
-        if ranks_per_node is None and nnodes is None:
-            return machine
-        return machine.launching(ranks_per_node or 1, nnodes or 1)
 
 
 def _installed(package: str) -> bool:

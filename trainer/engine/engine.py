@@ -241,9 +241,9 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
         if k > 1:  # one class sample and one head step for all k: exact accumulation
-            labels = torch.cat([self._on_device(y) for _, y in micro_batches])
-            self.head.begin_step(labels, sizes=[k * self.cfg.train.batch_size]
-                                 * self.env.world_size)
+            micro_batches = [(x, self._on_device(y)) for x, y in micro_batches]  # copied once
+            self.head.begin_step(torch.cat([y for _, y in micro_batches]),
+                                 sizes=[k * self.cfg.train.batch_size] * self.env.world_size)
         for i, (images, labels) in enumerate(micro_batches):
             last = i == k - 1
             with self.backend.micro_batch(boundary=last):
