@@ -25,7 +25,6 @@ compensating data-parallel gradient averaging of the backbone is the engine's jo
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -34,14 +33,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partial_fc import distributed as dist_ops
+from partial_fc.aux_losses import AuxLosses
 from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
+from partial_fc.margin_step import MarginBatch
 from partial_fc.margins import Margin
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
-from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
+from partial_fc.step_terms import finish, step_terms
+from partial_fc.tiles import KERNELS, ReferenceTiles, TileBackend, select, triton_available
+from partial_fc.tiles.reference import chunk_columns
 
 __all__ = ["PartialFC"]
 
@@ -75,6 +78,8 @@ class PartialFC(nn.Module):
             Give the training device at large class counts: the rows are drawn block by
             block on the CPU and copied there, so no whole shard passes through host memory
             (8 ranks of 12.5M fp32 rows each would hold 205 GB of a node's RAM at once).
+        aux_losses: ArcFace's Intra-, Inter- and Triplet-Loss weights
+            (``partial_fc.aux_losses``); None = all off.
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
@@ -115,6 +120,7 @@ class PartialFC(nn.Module):
         max_tile_bytes: int = 32 << 20,
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        aux_losses: AuxLosses | None = None,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -151,6 +157,7 @@ class PartialFC(nn.Module):
             torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),
             self.class_start, seed))
         self.margin = margin
+        self.aux_losses = aux_losses or AuxLosses()
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.stats: Mapping[str, float] = {}
@@ -158,6 +165,7 @@ class PartialFC(nn.Module):
         self.register_load_state_dict_post_hook(_loaded)
         self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
         self._plan: StepSample | None = None  # from begin_step, until the next pop
+        self._draws = 0  # training forwards of the planned step so far (margin draws)
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
         # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
         self._pending_rows: Tensor | None = None
@@ -167,6 +175,15 @@ class PartialFC(nn.Module):
         self._pending_backward = False  # a backward reached weight.grad since the last pop
         self._hooked = None  # a weakref to the weight carrying that hook (a module attribute
         # holding the Parameter itself would register it a second time)
+
+    def path_note(self) -> str | None:
+        """One start-up line when the margin makes the class tiles take the torch path
+        although ``kernel`` allows Triton (a non-target transform), else None."""
+        reason = self.margin.torch_path_reason()
+        if reason is None or self.kernel == "torch":
+            return None
+        return (f"head: {reason}, which the Triton kernels do not apply: the class tiles "
+                f"take the torch path (head.kernel={self.kernel})")
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
@@ -218,6 +235,7 @@ class PartialFC(nn.Module):
             index, _ = sample_classes(y, self.class_start, self.num_local, self.sample_rate,
                                       self.seed, step, self.rank)
         self._plan = StepSample(index=index, step=step, samples=sum(sizes))
+        self._draws = 0
         if self.training:
             self.step += 1
             self._step_host = step + 1
@@ -278,7 +296,7 @@ class PartialFC(nn.Module):
                 "every step, also a skipped one")
         sizes = self._check_inputs(embeddings, labels, sizes)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
-        e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)  # [N, D]
+        e, norms = self._gather(embeddings.float(), sizes)  # [N, D], [N] or None
         y = dist_ops.all_gather(labels, group, sizes)  # [N]
         if defer_label_check:
             self._deferred.append(y)
@@ -303,15 +321,23 @@ class PartialFC(nn.Module):
                             self.training, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
-        if glob.log_b_avg is not None:  # the scale moved: the statistics at s_t
-            row_max, row_sum, _ = shard.stats(s)
+        start = sum(sizes[:self.rank])
+        batch = MarginBatch(glob.target_cos, norms, slice(start, start + sizes[self.rank]),
+                            step, self._draws if plan is not None else 0, self.training)
+        terms = step_terms(self.margin, self.aux_losses, batch, glob, shard, e, y,
+                           chunk_columns(e.shape[0], self.max_tile_bytes), group)
+        shard.nontarget = terms.nontarget
+        if glob.log_b_avg is not None or terms.nontarget is not None:  # the logits moved:
+            row_max, row_sum, _ = shard.stats(s)  # the statistics at s_t, of f(cos)
         loss, sum_exp, shift = margin_softmax_loss(
-            e, self.weight, shard, row_max, row_sum,
-            functools.partial(self.margin.target, step=step), s, group)
+            e, self.weight, shard, row_max, row_sum, terms.target, s, group, terms.row_term)
+        loss = finish(loss, terms, glob, group)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
             self._step_host = step + 1
-        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
+        elif self.training:
+            self._draws += 1
+        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, terms.stats)
         return loss
 
     def resync_step(self) -> None:
@@ -421,8 +447,21 @@ class PartialFC(nn.Module):
             return Shard(e_op, w, index, inv, targets, self._tiles(e.device))
 
     def _tiles(self, device: torch.device) -> TileBackend:
-        """The class-tile back-end for ``device``."""
+        """The class-tile back-end for ``device``: the torch path when the margin transforms
+        non-target cosines (:meth:`path_note`)."""
+        if self.margin.torch_path_reason() is not None:
+            return ReferenceTiles(self.max_tile_bytes)
         return select(self.kernel, device, self.max_tile_bytes)
+
+    def _gather(self, x: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor | None]:
+        """The global batch's normalised embeddings ``[N, D]`` and, when the margin reads
+        them, the norms ``||x_i||`` ``[N]`` before normalisation: one all-gather either way
+        (differentiable: MagFace's margin passes a gradient to the norms)."""
+        if not self.margin.needs_norms:
+            return dist_ops.all_gather(F.normalize(x, dim=1), self.process_group, sizes), None
+        packed = torch.cat([F.normalize(x, dim=1), x.norm(dim=1, keepdim=True)], dim=1)
+        packed = dist_ops.all_gather(packed, self.process_group, sizes)
+        return packed[:, :-1], packed[:, -1]
 
 
 def _loaded(head: PartialFC, _incompatible_keys) -> None:

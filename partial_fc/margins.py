@@ -11,6 +11,7 @@ state.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
@@ -18,6 +19,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor, nn
 
+from partial_fc.margin_step import MarginBatch, MarginStep
+from partial_fc.nontarget import NonTarget
 from partial_fc.scale import AdaCosScale, FixedScale
 
 __all__ = [
@@ -25,7 +28,8 @@ __all__ = [
     "build_margin", "margin_errors", "margin_warnings", "normface_scale_bound",
 ]
 
-MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"]
+MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos",
+                     "adaface", "curricularface", "magface", "elasticface_arc", "elasticface_cos"]
 MARGIN_TYPES: tuple[str, ...] = get_args(MarginType)
 AdaCosMode = Literal["fixed", "dynamic"]
 # The keys build_margin reads. trainer.config.MarginConfig declares each one for the user (with
@@ -33,6 +37,8 @@ AdaCosMode = Literal["fixed", "dynamic"]
 MARGIN_KEYS = frozenset(
     {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps"}
     | {"lambda_base", "lambda_gamma", "lambda_power", "lambda_min"}
+    | {"h", "ema", "l_a", "u_a", "l_m", "u_m", "lambda_g", "sigma", "elastic_sort",
+       "interclass_filter"}
 )
 _LAMBDAS = ("lambda_base", "lambda_gamma", "lambda_power", "lambda_min")
 # acos is clamped to [-1 + eps, 1 - eps]: 1 - 1e-7 rounds to the fp32 value 1 - 2**-23, where
@@ -73,6 +79,38 @@ class Margin(nn.Module):
         out = self.psi(cos, step)
         t = self.warmup_factor(step)
         return out if t == 1.0 else torch.lerp(cos.float(), out, t)
+
+    # The head's side of the protocol (partial_fc.margin_step). A margin that needs more than
+    # psi(cos, step) overrides ``needs_norms`` and ``prepare``.
+    needs_norms = False  # whether prepare reads MarginBatch.norms
+    interclass_filter: float | None = None  # arcface_torch's tau (partial_fc.nontarget)
+
+    def prepare(self, batch: MarginBatch) -> MarginStep:
+        """This forward's target transform (before the warm-up), non-target transform, loss
+        term and statistics; moves the margin's EMAs when ``batch.training``."""
+        return MarginStep(psi=lambda c, _aux: self.psi(c, batch.step))
+
+    def begin(self, batch: MarginBatch) -> MarginStep:
+        """:meth:`prepare` under the warm-up (the target's penalty scaled by
+        ``warmup_factor``) and with the inter-class filter, if any."""
+        out = self.prepare(batch)
+        t = self.warmup_factor(batch.step)
+        psi = out.psi
+        if t != 1.0:
+            def psi(c: Tensor, aux: Tensor | None, inner=out.psi) -> Tensor:
+                return torch.lerp(c.float(), inner(c, aux), t)
+        nontarget = out.nontarget
+        if self.interclass_filter is not None:
+            nontarget = NonTarget(tau=self.interclass_filter) if nontarget is None else \
+                dataclasses.replace(nontarget, tau=self.interclass_filter)
+        return dataclasses.replace(out, psi=psi, nontarget=nontarget)
+
+    def torch_path_reason(self) -> str | None:
+        """Why this margin needs the class tiles' torch path (a non-target transform, which
+        the Triton kernels do not apply), or None."""
+        if self.interclass_filter is not None:
+            return "margin.interclass_filter zeroes non-target cosines above it"
+        return None
 
 
 class CombinedMargin(Margin):
@@ -189,7 +227,15 @@ class SphereFaceMargin(Margin):
 
 
 # Per-type defaults of ``m`` (the insightface / paper values); ``s`` defaults to 64.
-_DEFAULT_M = {"sphereface": 4, "cosface": 0.35, "arcface": 0.5}
+_DEFAULT_M = {"sphereface": 4, "cosface": 0.35, "arcface": 0.5, "adaface": 0.4,
+              "curricularface": 0.5, "elasticface_arc": 0.5, "elasticface_cos": 0.35}
+_ELASTIC = ("elasticface_arc", "elasticface_cos")  # the types elastic_sort applies to
+
+
+def _adaptive_keys(get: Any) -> dict[str, Any]:
+    from partial_fc.adaptive_margins import ADAPTIVE_DEFAULTS  # subclasses of Margin
+
+    return {k: get(k, v) for k, v in ADAPTIVE_DEFAULTS.items()}
 
 # ----------------------------------------------------------------------------- the rules
 # Every rule a margin's parameters obey lives here, once: the constructors, build_margin and
@@ -281,6 +327,15 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     elif kind == "combined":
         out += _combined_errors(get("m1", 1.0), get("m2", 0.0), get("m3", 0.0),
                                 bool(get("easy_margin", False)))
+    else:
+        from partial_fc.adaptive_margins import adaptive_errors  # subclasses of Margin
+
+        out += adaptive_errors(kind, m, _adaptive_keys(get))
+    if get("elastic_sort", False) and kind not in _ELASTIC:
+        out.append(_error("elastic_sort", True, f"only for type {'|'.join(_ELASTIC)}"))
+    tau = get("interclass_filter", 0.0)
+    if not (_nonneg(tau) and tau < 1):
+        out.append(_error("interclass_filter", tau, "must be in [0, 1) (0 = off)"))
     return out
 
 
@@ -327,7 +382,8 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
     ``type=adacos``, combinable with any other type), ``easy_margin`` (ArcFace/combined),
     ``lambda_base, lambda_gamma, lambda_power, lambda_min`` (SphereFace annealing),
     ``warmup_steps`` (any type: the margin ramps in over that many forwards, see
-    :class:`Margin`). A key
+    :class:`Margin`), ``interclass_filter`` (any type; 0 = off), the adaptive margins' own
+    keys (``partial_fc.adaptive_margins.ADAPTIVE_DEFAULTS``) and ``elastic_sort``. A key
     whose value is ``None`` counts as absent; keys a type does not use are ignored, so one
     schema can pass them all. When ``adacos`` is set, ``s`` is ignored (AdaCos sets it).
     Unknown keys or values raise ``ValueError`` naming them (:func:`margin_errors`).
@@ -338,15 +394,25 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
     scale = AdaCosScale(adacos == "dynamic") if adacos else FixedScale(float(get("s", 64.0)))
     m = get("m", _DEFAULT_M.get(kind, 0.0))
     warmup = int(get("warmup_steps", 0))
+    easy = bool(get("easy_margin", False))
     if kind == "sphereface":
         anneal = {k: float(get(k)) for k in _LAMBDAS if get(k) is not None}
-        return SphereFaceMargin(scale, m=m, **anneal, warmup_steps=warmup)
-    if kind in ("normface", "adacos"):
-        return CombinedMargin(scale, warmup_steps=warmup)
-    if kind == "cosface":
-        return CombinedMargin(scale, m3=float(m), warmup_steps=warmup)
-    easy = bool(get("easy_margin", False))
-    if kind == "arcface":
-        return CombinedMargin(scale, m2=float(m), easy_margin=easy, warmup_steps=warmup)
-    return CombinedMargin(scale, float(get("m1", 1.0)), float(get("m2", 0.0)),
-                          float(get("m3", 0.0)), easy, warmup_steps=warmup)
+        margin = SphereFaceMargin(scale, m=m, **anneal, warmup_steps=warmup)
+    elif kind in ("normface", "adacos"):
+        margin = CombinedMargin(scale, warmup_steps=warmup)
+    elif kind == "cosface":
+        margin = CombinedMargin(scale, m3=float(m), warmup_steps=warmup)
+    elif kind == "arcface":
+        margin = CombinedMargin(scale, m2=float(m), easy_margin=easy, warmup_steps=warmup)
+    elif kind == "combined":
+        margin = CombinedMargin(scale, float(get("m1", 1.0)), float(get("m2", 0.0)),
+                                float(get("m3", 0.0)), easy, warmup_steps=warmup)
+    else:
+        from partial_fc.adaptive_margins import build_adaptive  # subclasses of Margin
+
+        margin = build_adaptive(kind, scale, float(m), warmup, _adaptive_keys(get),
+                                bool(get("elastic_sort", False)))
+    tau = float(get("interclass_filter", 0.0))
+    margin.interclass_filter = tau if tau > 0 else None
+    return margin
+

@@ -13,6 +13,7 @@ works (SphereFace's lambda blend, ArcFace's fallback past ``theta + m > pi``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,9 +21,31 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
 from partial_fc import distributed as pd
+from partial_fc.nontarget import NonTarget
 from partial_fc.tiles import TileBackend
 
-__all__ = ["Shard", "margin_softmax_loss"]
+__all__ = ["RowTerm", "Shard", "TargetTerms", "margin_softmax_loss"]
+
+
+@dataclass(frozen=True)
+class TargetTerms:
+    """What the loss does with the ``N`` target cosines ``c``: the target logit's cosine
+    ``psi(c, aux)`` (``aux``: a differentiable per-sample input, e.g. MagFace's norms, whose
+    gradient the loss returns; or None) and, optionally, ``extra(c)``, a per-sample term whose
+    batch mean is added to the loss (ArcFace's Intra-Loss). Both elementwise, differentiable."""
+
+    psi: Callable[[Tensor, Tensor | None], Tensor]
+    aux: Tensor | None = None
+    extra: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class RowTerm:
+    """A loss term of this rank's weight rows computed beforehand (ArcFace's Inter-Loss):
+    its value (0-d, replicated) and its gradient w.r.t. ``Shard.w`` (``[S, D]`` fp32)."""
+
+    value: Tensor
+    grad_w: Tensor
 
 
 class Shard:
@@ -31,14 +54,16 @@ class Shard:
     ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
-    back-end ``tiles``. Every row is computed and the
+    back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity; only
+    ``partial_fc.tiles.reference`` takes one). Every row is computed and the
     others masked, rather than the owned rows selected: a selection's size depends on the
     labels, and on CUDA learning it makes the host wait for the device."""
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
-                 targets: Tensor, tiles: TileBackend) -> None:
+                 targets: Tensor, tiles: TileBackend, nontarget: NonTarget | None = None
+                 ) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
-        self.targets, self.tiles = targets, tiles
+        self.targets, self.tiles, self.nontarget = targets, tiles, nontarget
         self.owned = targets >= 0
         cols = targets.clamp_min(0)
         cos_t = (e.float() * w[cols].float()).sum(dim=1) * inv_norm[cols]
@@ -46,7 +71,17 @@ class Shard:
 
     def stats(self, s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
         """``(row_max, row_sum, cos_sum)`` over this shard's non-target columns at scale ``s``."""
-        return self.tiles.class_tile_stats(self.e, self.w, self.inv_norm, self.targets, s)
+        return self.tiles.class_tile_stats(self.e, self.w, self.inv_norm, self.targets, s,
+                                           **self._nontarget())
+
+    def grads(self, s: Tensor | float, lse: Tensor, coef: Tensor,
+              target_grad: Tensor) -> tuple[Tensor, Tensor]:
+        """``class_tile_grads`` of this shard (see ``partial_fc.tiles``)."""
+        return self.tiles.class_tile_grads(self.e, self.w, self.inv_norm, self.targets, s, lse,
+                                           coef, target_grad, **self._nontarget())
+
+    def _nontarget(self) -> dict[str, NonTarget]:
+        return {} if self.nontarget is None else {"nontarget": self.nontarget}
 
 
 def margin_softmax_loss(
@@ -55,15 +90,18 @@ def margin_softmax_loss(
     shard: Shard,
     row_max: Tensor,
     row_sum: Tensor,
-    psi: Callable[[Tensor], Tensor],
+    target: TargetTerms,
     s: Tensor | float,
     process_group: pd.ProcessGroup = None,
+    row_term: RowTerm | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Mean cross-entropy of the global batch over the class shards of ``process_group``.
 
-    Logits: ``z_ik = s * cos_ik`` for ``k != y_i`` and ``z_iy = s * psi(cos_iy)`` (arXiv:1801.07698
-    Eq. 3-4); ``loss = mean_i [log sum_k exp(z_ik) - z_iy]`` over all ``N`` rows and all ranks'
-    classes. Called by every rank of ``process_group`` (``None`` = WORLD) with the same ``N``.
+    Logits: ``z_ik = s * f_i(cos_ik)`` for ``k != y_i`` (``f`` the shard's non-target
+    transform, else the identity) and ``z_iy = s * psi(cos_iy)`` (arXiv:1801.07698 Eq. 3-4);
+    ``loss = mean_i [log sum_k exp(z_ik) - z_iy + extra(cos_iy)] + row_term`` over all ``N`` rows
+    and all ranks' classes. Called by every rank of ``process_group`` (``None`` = WORLD) with
+    the same ``N``.
 
     Args:
         e: ``[N, D]`` the normalised embeddings (differentiable; ``shard.e`` is their operand).
@@ -73,62 +111,97 @@ def margin_softmax_loss(
             ``nn.Embedding(sparse=True)``; ``partial_fc.optim`` consumes it).
         shard: this rank's rows, targets and tile functions.
         row_max, row_sum: ``shard.stats(s)``'s first two outputs.
-        psi: elementwise margin transform of target cosines, ``[n] -> [n]``, differentiable.
+        target: the target transform ``psi`` (elementwise, ``[N] -> [N]``), its per-sample input
+            and the optional per-sample extra term (:class:`TargetTerms`).
         s: the scale, a constant for the step (float or 0-d tensor; no gradient flows to it).
+        row_term: a term of this rank's rows with its gradient (:class:`RowTerm`), or None.
 
     Returns:
         ``loss`` (0-d, identical on all ranks); ``sum_exp`` ``[N]``,
         ``sum_{k != y_i} exp(z_ik - shift_i)`` over all ranks; ``shift`` ``[N]``, the global
         row max of the logits. Both are replicated and carry no gradient.
     """
-    return _MarginSoftmaxLoss.apply(process_group, psi, s, shard, row_max, row_sum, e, weight)
+    return _MarginSoftmaxLoss.apply(process_group, target, s, shard, row_max, row_sum, row_term,
+                                    e, weight, target.aux)
 
 
 class _MarginSoftmaxLoss(Function):
     """forward: all-reduce MAX of the row max (a shift that cancels out of the loss), SUM of
-    the shifted sum-exp and target logit; backward: ``class_tile_grads`` with
+    the shifted sum-exp, the target logit and the extra term; backward: ``class_tile_grads``
+    with
 
-        d loss / d cos_ik = g s p_ik / N  (k != y_i),   g s (p_iy - 1) psi'(cos_iy) / N
+        d loss / d cos_ik = g s p_ik f_i'(cos_ik) / N  (k != y_i),
+        d loss / d cos_iy = g [s (p_iy - 1) psi'(cos_iy) + extra'(cos_iy)] / N
 
-    (``p`` the global softmax, ``g`` the incoming loss gradient), ``psi'`` from a small
-    autograd call on the 1-D target cosines. Saved: ``[N]`` vectors and the shard only.
+    (``p`` the global softmax, ``g`` the incoming loss gradient), ``psi'`` and ``extra'`` (and
+    ``d psi / d aux``, which is ``aux``'s gradient times ``g s (p_iy - 1) / N``) from a small
+    autograd call on the 1-D target vectors. Saved: ``[N]`` vectors and the shard only.
     """
 
     @staticmethod
-    def forward(ctx, group, psi, s, shard, row_max, row_sum, e, weight):
+    def forward(ctx, group, target, s, shard, row_max, row_sum, row_term, e, weight, aux):
         n = shard.e.shape[0]
         owned = shard.owned
-        t_logit = psi(shard.cos_t) * s  # [N]; used on the owned rows only
+        aux_value = None if aux is None else aux.detach()
+        t_logit = target.psi(shard.cos_t, aux_value) * s  # [N]; used on the owned rows only
         local_max = torch.where(owned, torch.maximum(row_max, t_logit), row_max)
         shift = pd.all_reduce_max(local_max, group)  # [N]
-        partial = torch.stack([row_sum * torch.exp(row_max - shift),
-                               torch.where(owned, t_logit - shift, 0.0)])
-        sum_exp, target = pd.all_reduce(partial, group)  # [N] each, replicated
-        log_total = torch.log(sum_exp + torch.exp(target))
-        loss = (log_total - target).mean()
-        ctx.psi, ctx.s, ctx.n, ctx.shard = psi, s, n, shard
+        parts = [row_sum * torch.exp(row_max - shift), torch.where(owned, t_logit - shift, 0.0)]
+        if target.extra is not None:
+            parts.append(torch.where(owned, target.extra(shard.cos_t), 0.0))
+        sums = pd.all_reduce(torch.stack(parts), group)  # [2 or 3, N], replicated
+        sum_exp, target_logit = sums[0], sums[1]
+        log_total = torch.log(sum_exp + torch.exp(target_logit))
+        loss = (log_total - target_logit).mean()
+        if target.extra is not None:
+            loss = loss + sums[2].mean()
+        if row_term is not None:
+            loss = loss + row_term.value
+        ctx.target, ctx.s, ctx.n, ctx.shard, ctx.row_term = target, s, n, shard, row_term
         ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
-        ctx.save_for_backward(shift + log_total, target - log_total)
+        ctx.has_aux = aux is not None
+        ctx.save_for_backward(shift + log_total, target_logit - log_total, aux_value)
         ctx.mark_non_differentiable(sum_exp, shift)
         return loss, sum_exp, shift
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_sum_exp, _grad_shift):
-        lse, log_p_target = ctx.saved_tensors
-        shard = ctx.shard
-        with torch.enable_grad():  # psi' on the 1-D target vector only
-            c = shard.cos_t.detach().requires_grad_()
-            (slope,) = torch.autograd.grad(ctx.psi(c).sum(), c)
-        coef = (grad_loss.float() * ctx.s / ctx.n).expand(ctx.n)
-        target_grad = torch.where(shard.owned, (torch.exp(log_p_target) - 1.0) * slope * coef,
-                                  0.0)
-        grad_e, grad_w = shard.tiles.class_tile_grads(
-            shard.e, shard.w, shard.inv_norm, shard.targets, ctx.s, lse, coef.contiguous(),
-            target_grad)
+        lse, log_p_target, aux = ctx.saved_tensors
+        shard, target = ctx.shard, ctx.target
+        slope, aux_slope, extra_slope = _target_slopes(target, shard.cos_t, aux)
+        g = grad_loss.float()
+        coef = (g * ctx.s / ctx.n).expand(ctx.n)
+        dpsi = torch.where(shard.owned, (torch.exp(log_p_target) - 1.0) * coef, 0.0)
+        target_grad = dpsi * slope
+        if extra_slope is not None:
+            target_grad = target_grad + torch.where(shard.owned, extra_slope * g / ctx.n, 0.0)
+        grad_e, grad_w = shard.grads(ctx.s, lse, coef.contiguous(), target_grad)
+        if ctx.row_term is not None:
+            grad_w = grad_w + g * ctx.row_term.grad_w
         grad_w = grad_w.to(ctx.weight_dtype)
         if shard.index is not None:  # row-sparse (as nn.Embedding(sparse=True)): no dense
             grad_w = torch.sparse_coo_tensor(  # [num_local, D]; index is sorted and unique
                 shard.index[None], grad_w, ctx.weight_shape, is_coalesced=True,
                 check_invariants=False)
-        return None, None, None, None, None, None, grad_e, grad_w
+        grad_aux = None
+        if ctx.has_aux:
+            grad_aux = dpsi * aux_slope if aux_slope is not None else torch.zeros_like(dpsi)
+        return None, None, None, None, None, None, None, grad_e, grad_w, grad_aux
+
+
+def _target_slopes(target: TargetTerms, cos_t: Tensor, aux: Tensor | None
+                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(psi'(c), d psi / d aux, extra'(c))`` elementwise on the ``[N]`` target cosines (None
+    where there is no such input or term)."""
+    with torch.enable_grad():
+        c = cos_t.detach().requires_grad_()
+        a = None if aux is None else aux.detach().requires_grad_()
+        inputs = [c] if a is None else [c, a]
+        grads = torch.autograd.grad(target.psi(c, a).sum(), inputs, allow_unused=True)
+        slope = torch.zeros_like(c) if grads[0] is None else grads[0]
+        aux_slope = grads[1] if a is not None else None
+        extra_slope = None
+        if target.extra is not None:
+            (extra_slope,) = torch.autograd.grad(target.extra(c).sum(), c)
+    return slope, aux_slope, extra_slope

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from partial_fc.nontarget import NonTarget
+
 __all__ = ["ReferenceTiles", "chunk_columns"]
 
 
@@ -67,30 +69,34 @@ class ReferenceTiles:
     max_tile_bytes: int
 
     def class_tile_stats(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                         s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
-        """Over the non-target columns of each row: ``row_max = max_k s cos_ik`` (``-inf`` if
-        none), ``row_sum = sum_k exp(s cos_ik - row_max_i)`` and ``cos_sum = sum_k cos_ik``,
-        ``[N]`` fp32. ``s`` is a float or a 0-d tensor."""
+                         s: Tensor | float, nontarget: NonTarget | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+        """Over the non-target columns of each row: ``row_max = max_k s f(cos_ik)`` (``-inf`` if
+        none), ``row_sum = sum_k exp(s f(cos_ik) - row_max_i)`` and ``cos_sum = sum_k cos_ik``,
+        ``[N]`` fp32, with ``f`` the identity or ``nontarget`` (``partial_fc.nontarget``, which
+        only this back-end applies). ``s`` is a float or a 0-d tensor."""
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):  # fp32 products
-            return _stats(e, w, inv_norm, target_col, s, self._chunk(e))
+            return _stats(e, w, inv_norm, target_col, s, self._chunk(e), nontarget)
 
     def class_tile_grads(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                         s: Tensor | float, lse: Tensor, coef: Tensor,
-                         target_grad: Tensor) -> tuple[Tensor, Tensor]:
-        """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s cos_ik - lse_i)`` off target and
+                         s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+                         nontarget: NonTarget | None = None) -> tuple[Tensor, Tensor]:
+        """Gradients from ``G_ik = dL/dcos_ik = coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)``
+        off target (``f`` as in :meth:`class_tile_stats`) and
         ``target_grad_i`` at ``k = target_col_i``: ``grad_e = G diag(inv) W`` ``[N, D]`` fp32
         and, w.r.t. the *unnormalised* rows, ``grad_w_k = inv_k (g_k - w_hat_k (w_hat_k . g_k))``
         with ``g = G^T E`` ``[S, D]`` in ``w.dtype`` (computed in fp32 per chunk, rounded once).
         ``w_hat_k . g_k = sum_i G_ik cos_ik`` (``r_k``), so the projection costs one column sum
         per chunk."""
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
-            return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, self._chunk(e))
+            return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, self._chunk(e),
+                          nontarget)
 
     def _chunk(self, e: Tensor) -> int:
         return chunk_columns(e.shape[0], self.max_tile_bytes)
 
 
-def _stats(e, w, inv_norm, target_col, s, chunk):
+def _stats(e, w, inv_norm, target_col, s, chunk, nontarget):
     e_f, op = _operands(e, w)
     n, cols = e.shape[0], w.shape[0]
     s = s.float() if isinstance(s, Tensor) else float(s)
@@ -102,6 +108,8 @@ def _stats(e, w, inv_norm, target_col, s, chunk):
         cos, _ = _cos_chunk(e_f, w, op, inv_norm, a, b)
         _put_targets(cos, target_col, a, 0.0)
         cos_sum += cos.sum(dim=1)
+        if nontarget is not None:
+            cos = _nontarget_stats(nontarget, cos, target_col, a)
         z = cos.mul_(s)
         _put_targets(z, target_col, a, -torch.inf)
         new_max = torch.maximum(row_max, z.amax(dim=1))
@@ -111,7 +119,18 @@ def _stats(e, w, inv_norm, target_col, s, chunk):
     return row_max, row_sum, cos_sum
 
 
-def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
+def _nontarget_stats(nontarget: NonTarget, cos: Tensor, target_col: Tensor, a: int) -> Tensor:
+    """``f(cos)`` of a forward chunk; its hard negatives (the target column excluded) are
+    added to ``nontarget.hard_rows`` when that is given."""
+    out, _, hard = nontarget.apply(cos)
+    if hard is not None and nontarget.hard_rows is not None:
+        count = hard.float()
+        _put_targets(count, target_col, a, 0.0)
+        nontarget.hard_rows += count.sum(dim=1)
+    return out
+
+
+def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, nontarget):
     e_f, op = _operands(e, w)
     cols = w.shape[0]
     s = s.float() if isinstance(s, Tensor) else float(s)
@@ -122,7 +141,11 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk):
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
         cos, w_f = _cos_chunk(e_f, w, op, inv_norm, a, b)
-        g = (cos * s).sub_(lse).exp_().mul_(coef)
+        if nontarget is None:
+            g = (cos * s).sub_(lse).exp_().mul_(coef)
+        else:
+            f, slope, _ = nontarget.apply(cos)
+            g = (f * s).sub_(lse).exp_().mul_(coef).mul_(slope)
         _put_targets(g, target_col, a, target_grad.float())
         r = cos.mul_(g).sum(dim=0)  # [b - a]: w_hat_k . g_k (cos is not needed any more)
         del cos

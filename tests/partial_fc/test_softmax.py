@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
-from partial_fc.softmax import Shard, margin_softmax_loss
+from partial_fc.softmax import Shard, TargetTerms, margin_softmax_loss
 from partial_fc.tiles import ReferenceTiles
 
 PSIS = {
@@ -44,7 +44,8 @@ def _loss(e, weight, labels, psi, s, chunk, index=None):
     targets = labels if index is None else torch.searchsorted(index, labels)
     shard = Shard(e.detach(), w, index, inv, targets, ReferenceTiles(4 * e.shape[0] * chunk))
     row_max, row_sum, _ = shard.stats(s)
-    return margin_softmax_loss(e, weight, shard, row_max, row_sum, psi, s)
+    return margin_softmax_loss(e, weight, shard, row_max, row_sum,
+                               TargetTerms(lambda c, _aux: psi(c)), s)
 
 
 @pytest.mark.parametrize("name", sorted(PSIS))
