@@ -126,7 +126,7 @@ def _nontarget_stats(nontarget: NonTarget, cos: Tensor, target_col: Tensor, a: i
     if hard is not None and nontarget.hard_rows is not None:
         count = hard.float()
         _put_targets(count, target_col, a, 0.0)
-        nontarget.hard_rows += count.sum(dim=1)
+        nontarget.hard_rows.add_(count.sum(dim=1))
     return out
 
 
