@@ -121,6 +121,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
 def build(cfg: Config, env: DistEnv) -> Run:
     """Backbone, head, loader, engine and logger, identically seeded on every rank."""
     from partial_fc import PartialFC, build_margin
+    from partial_fc.aux_losses import AuxLosses
     from partial_fc.backbones import build_backbone
     from trainer.engine import Engine
 
@@ -133,7 +134,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     seams.BACKBONE_BUILT(backbone, rank=env.rank)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
-                     device=env.device, **cfg.head.partial_fc_kwargs())
+                     device=env.device, aux_losses=AuxLosses(**cfg.loss.model_dump()),
+                     **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
@@ -145,6 +147,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
     engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
+    if head.path_note() is not None:
+        log.info(head.path_note())
     if warmup >= total:  # known only here: the steps per epoch depend on the loader
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
                  f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "

@@ -115,9 +115,11 @@ class MarginConfig(_Section):
     s: Annotated[float, Field(gt=0, le=MAX_SCALE)] = Field(
         64.0, description="fixed logit scale (ignored when margin.adacos is set)"
     )
-    m: float = Field(
-        0.5, description="the margin of sphereface (integer >= 1), cosface (>= 0, subtracted "
-        "from the cosine) or arcface (radians in [0, pi), added to the angle)"
+    m: float | None = Field(
+        None, description="the margin of sphereface (integer >= 1, default 4), cosface and "
+        "elasticface_cos (subtracted from the cosine; 0.35), arcface, curricularface, "
+        "elasticface_arc (radians added to the angle; 0.5) or adaface (0.4); null = the "
+        "type's default"
     )
     m1: PosFloat = Field(1.0, description="combined: multiplies the angle (SphereFace-like)")
     m2: float = Field(0.5, description="combined: radians added to the angle, in [0, pi)")
@@ -142,10 +144,44 @@ class MarginConfig(_Section):
         0, description="any type: the margin's penalty ramps linearly from 0 (plain cosine) to "
         "its full value over this many training steps (eases ArcFace on ViTs); 0 = none"
     )
+    h: PosFloat = Field(0.333, description="adaface: concentration of the norm's z-score")
+    ema: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.01, description="adaface and curricularface: EMA weight of the step's global batch "
+        "statistic (norm mean/std; mean target cosine)"
+    )
+    l_a: PosFloat = Field(10.0, description="magface: lower bound of the feature norm")
+    u_a: PosFloat = Field(110.0, description="magface: upper bound of the feature norm")
+    l_m: NonNegFloat = Field(0.45, description="magface: the margin at norm l_a (radians)")
+    u_m: NonNegFloat = Field(0.8, description="magface: the margin at norm u_a (radians)")
+    lambda_g: NonNegFloat = Field(35.0, description="magface: weight of the norm regulariser")
+    sigma: NonNegFloat = Field(
+        0.05, description="elasticface_arc/cos: std of the per-sample margin N(m, sigma^2)"
+    )
+    elastic_sort: bool = Field(
+        False, description="elasticface_arc/cos: ElasticFace+, the sorted margins go to the "
+        "samples by target cosine over the global batch (largest cosine, smallest margin)"
+    )
+    interclass_filter: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0, description="any type: non-target cosines above this are zeroed (arcface_torch's "
+        "interclass_filtering_threshold); 0 = off"
+    )
     p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
         "checked against (a warning only; not passed to the margin)"
     )
+
+
+class LossConfig(_Section):
+    """ArcFace's auxiliary losses (arXiv:1801.07698 Eq. 5-7), added to the margin softmax with
+    these weights (``partial_fc.aux_losses``)."""
+
+    intra: NonNegFloat = Field(0.0, description="weight of Intra-Loss, the mean target angle / "
+                               "pi; 0 = off")
+    inter: NonNegFloat = Field(0.0, description="weight of Inter-Loss, minus the mean angle "
+                               "between target centres and all other centres / pi; 0 = off")
+    triplet: NonNegFloat = Field(0.0, description="weight of the angular Triplet-Loss "
+                                 "(batch-hard over the global batch); 0 = off")
+    triplet_margin: NonNegFloat = Field(0.35, description="Triplet-Loss margin (radians)")
 
 
 class HeadConfig(_Section):
@@ -314,6 +350,7 @@ class Config(_Section):
     data: DataConfig = _section(DataConfig, "the training data")
     backbone: BackboneConfig = _section(BackboneConfig, "the embedding network")
     margin: MarginConfig = _section(MarginConfig, "the margin-softmax loss")
+    loss: LossConfig = _section(LossConfig, "auxiliary loss terms")
     head: HeadConfig = _section(HeadConfig, "the class-sharded classifier (Partial FC)")
     optim: OptimConfig = _section(OptimConfig, "the optimiser")
     schedule: ScheduleConfig = _section(ScheduleConfig, "the learning-rate schedule")

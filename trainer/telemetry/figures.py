@@ -243,6 +243,53 @@ def verification_figure(runs: list[RunData]) -> Figure | None:
     return fig
 
 
+def _keys_figure(keys: tuple[tuple[str, str], ...], ylabel: str, title: str) -> Callable:
+    """A builder for several metrics ``(key, what)``: colour per run, line style per key."""
+
+    def build(runs: list[RunData]) -> Figure | None:
+        if not any(_has(runs, key) for key, _ in keys):
+            return None
+        fig = Figure(figsize=(7, 3.6))
+        ax = fig.add_subplot()
+        for j, (key, what) in enumerate(keys):
+            for i, run in enumerate(runs):
+                steps, values = run.series(key)
+                if np.isfinite(values).any():
+                    ax.plot(steps, values, color=_colour(i), label=f"{run.label}: {what}",
+                            linestyle=("-", "--", ":", "-.")[j % 4], alpha=1 - 0.6 * j / len(keys))
+        return _finish(fig, ax, ylabel, title)
+
+    return build
+
+
+_ZHAT = tuple((key, f"[{-1 + k / 4:+.2f}, {-1 + (k + 1) / 4:+.2f})")
+              for k, key in enumerate(names.ADAFACE_ZHAT_BINS))
+# The margins' own statistics (partial_fc.metric_names.MARGIN_STATS).
+MARGIN_FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
+    "norms": (_keys_figure(((names.NORM_MEAN, "mean"), (names.NORM_STD, "std"),
+                            (names.NORM_MIN, "min"), (names.NORM_MAX, "max")),
+                           "||x||", "feature norms (global batch)"),
+              "Feature norms before normalisation: AdaFace's image-quality proxy "
+              "(arXiv:2204.00964), MagFace's magnitude (arXiv:2103.06627, kept in [l_a, u_a])."),
+    "adaface": (_keys_figure(((names.ADAFACE_EMA_MEAN, "EMA mean"),
+                              (names.ADAFACE_EMA_STD, "EMA std")),
+                             "||x||", "AdaFace norm EMAs (Eq. 12)"),
+                "AdaFace's EMAs of the batch norm mean and std, which standardise z_hat."),
+    "adaface_zhat": (_keys_figure(_ZHAT, "share of the batch", "AdaFace z_hat histogram"),
+                     "Share of the batch per z_hat bin: z_hat = -1 (the lowest-quality images) "
+                     "gets the angular margin's sign flipped, +1 the full additive one."),
+    "curricular": (_keys_figure(((names.CURRICULAR_T, "t"),
+                                 (names.HARD_NEGATIVE_SHARE, "hard-negative share")),
+                                "value", "CurricularFace t and hard negatives"),
+                   "CurricularFace's t (EMA of the mean target cosine, arXiv:2004.00288 Eq. 9) "
+                   "and the share of sampled non-target pairs it modulates."),
+    "aux": (_keys_figure(((names.LOSS_INTRA, "Intra"), (names.LOSS_INTER, "Inter"),
+                          (names.LOSS_TRIPLET, "Triplet"), (names.LOSS_MAGFACE_G, "MagFace g")),
+                         "weighted term", "auxiliary loss terms"),
+            "ArcFace's Intra-, Inter- and Triplet-Loss (arXiv:1801.07698 Eq. 5-7) and MagFace's "
+            "regulariser, each as added to the loss."),
+}
+
 # slug -> (builder, caption): the report's order.
 FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
     "loss": (_line_figure("loss", "loss", "training loss (global batch)"),
@@ -268,4 +315,5 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
     "throughput": (throughput_figure,
                    "Images per second over all ranks (between metric lines) and peak memory."),
     "verification": (verification_figure, "Verification accuracy (10-fold) per eval set."),
+    **MARGIN_FIGURES,
 }
