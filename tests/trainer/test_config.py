@@ -92,7 +92,7 @@ BAD = [
     ({}, ["train=3"], ["command line: train=3", "dictionary"]),
     ({}, ["backbone.name=resnet9"], ["backbone.name='resnet9': unknown", "iresnet50"]),
     (
-        {"margin": {"type": "sphereface"}},
+        {"margin": {"type": "sphereface", "m": 0.5}},
         [],
         ["cfg.yaml: margin.m=0.5: SphereFace needs an integer m >= 1"],
     ),
@@ -370,7 +370,7 @@ def test_help_lists_every_key_with_its_description(capsys):
     for key, description in keys.items():  # the description follows its key line
         following = " ".join(ln.strip() for ln in lines[shown[key] + 1 : shown[key] + 6])
         assert following.startswith(" ".join(description.split())[:40]), key
-    assert lines[shown["margin.type"]].endswith("arcface|combined|adacos = arcface")
+    assert lines[shown["margin.type"]].endswith("elasticface_arc|elasticface_cos = arcface")
     assert lines[shown["train.max_steps"]] == "  train.max_steps: int (> 0) | null = null"
     assert lines[shown["optim.betas"]].endswith("(length 2) = [0.9, 0.999]")
 
@@ -386,5 +386,5 @@ def test_margin_schema_holds_exactly_build_margins_keys():
     assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}
     for kind in MARGIN_TYPES:  # each listed type is accepted (a refusal raises) ...
         MarginConfig(type=kind)
-    with pytest.raises(ValidationError, match="'combined' or 'adacos'"):  # ... and no other
-        MarginConfig(type="curricularface")
+    with pytest.raises(ValidationError, match="'elasticface_cos'"):  # ... and no other
+        MarginConfig(type="focal")
