@@ -64,6 +64,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "AdaCos fixed": ("margin.type=adacos", "margin.adacos=fixed"),
     "AdaCos dynamic": ("margin.type=adacos", "margin.adacos=dynamic"),
     "ArcFace r=0.1": ("head.sample_rate=0.1",),
+    # the adaptive margins at orl.yaml's s=8 (m=0.2 where the margin is an angle, as ArcFace)
+    "AdaFace": ("margin.type=adaface",),
+    "CurricularFace": ("margin.type=curricularface",),
+    "MagFace": ("margin.type=magface",),
+    "ElasticFace-Arc": ("margin.type=elasticface_arc",),
+    "ElasticFace-Cos+": ("margin.type=elasticface_cos", "margin.m=0.35",
+                         "margin.elastic_sort=true"),
+    "ArcFace filter 0.4": ("margin.interclass_filter=0.4",),
+    "ArcFace + Intra + Inter": ("loss.intra=1.0", "loss.inter=1.0"),
+    "ArcFace + Triplet": ("loss.triplet=1.0",),
 }
 
 
