@@ -176,11 +176,11 @@ class PartialFC(nn.Module):
         self._hooked = None  # a weakref to the weight carrying that hook (a module attribute
         # holding the Parameter itself would register it a second time)
 
-    def path_note(self) -> str | None:
-        """One start-up line when the margin makes the class tiles take the torch path
-        although ``kernel`` allows Triton (a non-target transform), else None."""
+    def path_note(self, device: torch.device) -> str | None:
+        """One start-up line when the margin makes the class tiles take the torch path where
+        ``kernel`` would run Triton on ``device`` (a non-target transform), else None."""
         reason = self.margin.torch_path_reason()
-        if reason is None or self.kernel == "torch":
+        if reason is None or isinstance(select(self.kernel, device, 1), ReferenceTiles):
             return None
         return (f"head: {reason}, which the Triton kernels do not apply: the class tiles "
                 f"take the torch path (head.kernel={self.kernel})")

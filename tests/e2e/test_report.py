@@ -14,9 +14,11 @@ from matplotlib.collections import QuadMesh
 
 from launch import report
 from partial_fc.scale import fixed_adacos_scale
-from trainer.telemetry.figures import FIGURES
+from partial_fc import metric_names as names
+from trainer.telemetry.figures import FIGURES, MARGIN_FIGURES
 
 STEPS = 12
+PLAIN = [slug for slug in FIGURES if slug not in MARGIN_FIGURES]  # what ArcFace/AdaCos runs draw
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -113,7 +115,7 @@ def test_every_figure_from_a_run_with_evaluation(runs):
     arc, _ = runs
     (run,) = report.load_runs([arc])
     figures = report.build_figures([run])
-    assert list(figures) == list(FIGURES)  # all of them, in order
+    assert list(figures) == PLAIN  # all of them, in order
     for slug, fig in figures.items():
         _check_figure(slug, fig)
     ax = _plot_axes(figures["verification"])[0]
@@ -152,10 +154,10 @@ def test_html_is_self_contained_and_pngs_are_written(runs, tmp_path, capsys):
     page = out.read_text()
     images = re.findall(r'<figure id="(\w+)"><img alt="\w+" src="data:image/png;base64,([^"]+)"',
                         page)
-    assert [slug for slug, _ in images] == list(FIGURES)
+    assert [slug for slug, _ in images] == PLAIN
     assert all(base64.b64decode(data).startswith(PNG) for _, data in images)
     assert "src=\"http" not in page and "<script" not in page
-    assert sorted(p.stem for p in pngs.iterdir()) == sorted(FIGURES)
+    assert sorted(p.stem for p in pngs.iterdir()) == sorted(PLAIN)
     assert "9 figures of 2 run(s)" in capsys.readouterr().err
 
 
@@ -194,3 +196,24 @@ def test_scale_axis_turns_logarithmic_when_scales_differ_tenfold():
     build = FIGURES["scale"][0]
     assert build([run("a", 64.0), run("b", 6.5)]).axes[0].get_yscale() == "log"
     assert build([run("a", 30.0), run("b", 16.0)]).axes[0].get_yscale() == "linear"
+
+
+def test_margin_figures_draw_the_margins_statistics():
+    """Each margin figure draws from its metrics.jsonl keys; the z_hat histogram stacks the
+    eight bin shares per run."""
+    from matplotlib.collections import PolyCollection
+
+    from trainer.telemetry.figures import RunData
+
+    rows = [{"step": i, "loss": 1.0, **{k: 0.1 * i for k in names.MARGIN_STATS},
+             **{k: 1 / 8 for k in names.ADAFACE_ZHAT_BINS}} for i in (1, 2, 3)]
+    runs = [RunData("a", {}, rows, [], None), RunData("b", {}, rows, [], None)]
+    figures = report.build_figures(runs)
+    assert [slug for slug in figures if slug in MARGIN_FIGURES] == list(MARGIN_FIGURES)
+    for slug in MARGIN_FIGURES:
+        if slug != "adaface_zhat":
+            _check_figure(slug, figures[slug])
+    panels = figures["adaface_zhat"].axes
+    assert len(panels) == 2 and all(ax.get_title().endswith("z_hat histogram") for ax in panels)
+    assert all(len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 8
+               for ax in panels)

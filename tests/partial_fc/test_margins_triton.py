@@ -50,7 +50,7 @@ def test_target_only_margins_run_on_the_triton_tiles(name):
     want = _run(cfg, aux, "torch", emb, weight, labels)
     got = _run(cfg, aux, "triton", emb, weight, labels)
     assert not isinstance(got[3]._tiles(DEVICE), ReferenceTiles)
-    assert got[3].path_note() is None
+    assert got[3].path_note(DEVICE) is None
     for a, b in zip(got[:3], want[:3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
@@ -60,6 +60,8 @@ def test_target_only_margins_run_on_the_triton_tiles(name):
 def test_nontarget_transforms_take_the_torch_path_and_say_so(cfg):
     head = PartialFC(D, C, build_margin(cfg), kernel="triton")
     assert isinstance(head._tiles(DEVICE), ReferenceTiles)
-    note = head.path_note()
+    note = head.path_note(DEVICE)
     assert note.startswith("head: ") and "torch path (head.kernel=triton)" in note, note
-    assert PartialFC(D, C, build_margin(cfg), kernel="torch").path_note() is None
+    assert PartialFC(D, C, build_margin(cfg), kernel="torch").path_note(DEVICE) is None
+    cpu_auto = PartialFC(D, C, build_margin(cfg), kernel="auto")
+    assert cpu_auto.path_note(torch.device("cpu")) is None  # auto is torch there anyway

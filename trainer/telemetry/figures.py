@@ -262,8 +262,29 @@ def _keys_figure(keys: tuple[tuple[str, str], ...], ylabel: str, title: str) -> 
     return build
 
 
-_ZHAT = tuple((key, f"[{-1 + k / 4:+.2f}, {-1 + (k + 1) / 4:+.2f})")
-              for k, key in enumerate(names.ADAFACE_ZHAT_BINS))
+def zhat_figure(runs: list[RunData]) -> Figure | None:
+    """AdaFace's z_hat histogram over training: one stacked-share panel per run."""
+    keys = names.ADAFACE_ZHAT_BINS
+    shown = [run for run in runs if _has([run], keys[0])]
+    if not shown:
+        return None
+    fig = Figure(figsize=(7, 1.2 + 2.2 * len(shown)))
+    colours = [f"C{k}" for k in range(len(keys))]
+    edges = np.linspace(-1, 1, len(keys) + 1)
+    bins = [f"[{a:+.2f}, {b:+.2f})" for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    for i, run in enumerate(shown):
+        ax = fig.add_subplot(len(shown), 1, i + 1)
+        steps = run.series(keys[0])[0]
+        shares = np.nan_to_num(np.stack([run.series(k)[1] for k in keys]))
+        ax.stackplot(steps, shares, colors=colours, labels=bins)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("share")
+        ax.set_title(f"{run.label}: AdaFace z_hat histogram", fontsize="medium")
+    ax.set_xlabel("step")
+    ax.legend(fontsize="x-small", ncol=4, loc="lower left")
+    fig.tight_layout()
+    return fig
+
 # The margins' own statistics (partial_fc.metric_names.MARGIN_STATS).
 MARGIN_FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
     "norms": (_keys_figure(((names.NORM_MEAN, "mean"), (names.NORM_STD, "std"),
@@ -275,9 +296,10 @@ MARGIN_FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] 
                               (names.ADAFACE_EMA_STD, "EMA std")),
                              "||x||", "AdaFace norm EMAs (Eq. 12)"),
                 "AdaFace's EMAs of the batch norm mean and std, which standardise z_hat."),
-    "adaface_zhat": (_keys_figure(_ZHAT, "share of the batch", "AdaFace z_hat histogram"),
-                     "Share of the batch per z_hat bin: z_hat = -1 (the lowest-quality images) "
-                     "gets the angular margin's sign flipped, +1 the full additive one."),
+    "adaface_zhat": (zhat_figure,
+                     "Share of the batch per z_hat bin (eight over [-1, 1]): low z_hat (low "
+                     "norm, hard images) shifts the margin to the angle, high z_hat to the "
+                     "additive term (arXiv:2204.00964 Eq. 13)."),
     "curricular": (_keys_figure(((names.CURRICULAR_T, "t"),
                                  (names.HARD_NEGATIVE_SHARE, "hard-negative share")),
                                 "value", "CurricularFace t and hard negatives"),
