@@ -13,8 +13,8 @@ from launch_helpers import train_in_process
 from matplotlib.collections import QuadMesh
 
 from launch import report
-from partial_fc.scale import fixed_adacos_scale
 from partial_fc import metric_names as names
+from partial_fc.scale import fixed_adacos_scale
 from trainer.telemetry.figures import FIGURES, MARGIN_FIGURES
 
 STEPS = 12
