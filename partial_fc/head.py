@@ -10,6 +10,8 @@ gradient convention)::
       classes: never an [N, S_r] buffer), target cosines from the gathered target rows
     no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (partial_fc.batch_stats;
       dynamic AdaCos: the tile statistics at s_{t-1} for B_avg, then again at s_t)
+    the margin sees the global batch (partial_fc.margin_step, step_terms): its psi, EMAs,
+      optional non-target transform (then the tile statistics again, torch tiles), loss terms
     partial_fc.softmax (one autograd Function): target logits s * psi(cos_target);
       max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
       loss = mean_i [ log(sum_k exp(z_ik - m_i)) - (z_iy - m_i) ]   identical on all ranks
@@ -91,13 +93,15 @@ class PartialFC(nn.Module):
     announced by ``begin_step``; seeds the sampler, SphereFace's lambda, the margin warm-up;
     the host keeps a copy: write it through
     ``load_state_dict``, or call ``resync_step()`` after writing it in place);
-    ``margin.scale.s`` (fp32, replicated; AdaCos only).
+    ``margin.scale.s`` (fp32, replicated; AdaCos only); the margin's EMAs (fp32, replicated:
+    AdaFace's ``margin.batch_mean``, ``margin.batch_std``, CurricularFace's ``margin.t``).
 
     After each forward ``stats`` maps to floats identical on all ranks (kept on the device and
     read at the first access, ``partial_fc.readout``): ``scale``, ``theta_med``
     (median target angle, rad), ``b_avg`` (AdaCos ``B_avg``: with the previous scale when a
     dynamic AdaCos step updated ``s``, else with the current one; estimated from sampled
-    negatives), ``loss``, ``cos_target_mean``, ``cos_nontarget_mean`` (over sampled classes).
+    negatives), ``loss``, ``cos_target_mean``, ``cos_nontarget_mean`` (over sampled classes),
+    and the margin's and auxiliary losses' own (``metric_names.MARGIN_STATS``).
     ``sampled_index`` holds the local rows the last forward used (``None`` = all rows);
     ``rows = pop_sampled_rows()`` (once per step, a skipped one too) is the value the
     ``partial_fc.optim`` optimizers update from: ``head_opt.step(rows)``.
@@ -461,7 +465,7 @@ class PartialFC(nn.Module):
             return dist_ops.all_gather(F.normalize(x, dim=1), self.process_group, sizes), None
         packed = torch.cat([F.normalize(x, dim=1), x.norm(dim=1, keepdim=True)], dim=1)
         packed = dist_ops.all_gather(packed, self.process_group, sizes)
-        return packed[:, :-1], packed[:, -1]
+        return packed[:, :-1].contiguous(), packed[:, -1]
 
 
 def _loaded(head: PartialFC, _incompatible_keys) -> None:
