@@ -212,8 +212,11 @@ class ElasticMargin(Margin):
         self.kind, self.m, self.sigma, self.sort = kind, float(m), float(sigma), bool(sort)
 
     def statistic(self, batch: MarginBatch) -> Tensor:
-        """ElasticFace+'s ranking: the samples by descending target cosine (stable)."""
-        return torch.sort(batch.target_cos, descending=True, stable=True).indices
+        """ElasticFace+'s ranking: each sample's place ``[N]`` among the target cosines in
+        descending order (stable), 0 for the largest."""
+        order = torch.sort(batch.target_cos, descending=True, stable=True).indices
+        return torch.empty_like(order).scatter_(0, order, torch.arange(len(order),
+                                                                       device=order.device))
 
     def prepare(self, batch: MarginBatch) -> MarginStep:
         n = batch.target_cos.numel()
@@ -221,9 +224,7 @@ class ElasticMargin(Margin):
                             dtype=torch.float64) * self.sigma + self.m
         margins = draws.float().to(batch.target_cos.device)
         if self.sort:
-            ranked = torch.empty_like(margins)
-            ranked[self.statistic(batch)] = torch.sort(margins).values
-            margins = ranked
+            margins = torch.sort(margins).values[self.statistic(batch)]
         if self.kind == "arc":
             def psi(c: Tensor, _aux: Tensor | None) -> Tensor:
                 return torch.cos(_acos(c) + margins)

@@ -30,15 +30,16 @@ CASES = {
     "curricularface": (dict(type="curricularface", s=S, m=0.5, ema=0.01), {}),
     "magface": (dict(type="magface", s=S, l_a=10.0, u_a=110.0, l_m=0.45, u_m=0.8,
                      lambda_g=35.0), {}),
-    "elasticface_arc": (dict(type="elasticface_arc", s=S, m=0.5, sigma=0.05), {}),
-    "elasticface_cos_plus": (dict(type="elasticface_cos", s=S, m=0.35, sigma=0.05,
+    "elasticface_cos": (dict(type="elasticface_cos", s=S, m=0.35, sigma=0.05), {}),
+    "elasticface_arc_plus": (dict(type="elasticface_arc", s=S, m=0.5, sigma=0.05,
                                   elastic_sort=True), {}),
     "arcface_filter": (dict(type="arcface", s=S, m=0.5, interclass_filter=0.2), {}),
     "arcface_aux": (dict(type="arcface", s=S, m=0.5),
                     dict(intra=0.7, inter=0.9, triplet=0.8, triplet_margin=0.35)),
 }
 EMA_CASES = ("adaface", "curricularface")
-LOCAL_CASES = ("adaface", "curricularface", "magface")  # a statistic a per-GPU code gets wrong
+# a statistic a per-GPU code gets wrong
+LOCAL_CASES = ("adaface", "curricularface", "magface", "elasticface_arc_plus")
 EMA_STEPS = 5
 TILE = 4 * 2 * N * 7  # 7-column class chunks even for two micro-batches
 
@@ -48,8 +49,8 @@ def _data(seed=0, labels=LABELS):
     emb = torch.randn(N, D, generator=g)
     emb *= torch.linspace(1.5, 14.0, N)[:, None]  # norms ~6..56: MagFace's clamp at 10 bites
     weight = torch.randn(C, D, generator=g)
-    for i in (0, 3, 7, 9):  # a few targets closer
-        weight[labels[i]] += 0.3 * emb[i] / emb[i].norm() * weight[labels[i]].norm()
+    for i, pull in ((0, 0.3), (3, 0.3), (7, 1.5), (9, 2.0), (11, 1.5)):  # some well classified
+        weight[labels[i]] += pull * emb[i] / emb[i].norm() * weight[labels[i]].norm()
     return emb, weight, torch.tensor(labels)
 
 
@@ -76,16 +77,23 @@ def _forward(head, emb, labels):
     return dict(loss=loss.item(), stats=dict(head.stats), egrad=emb.grad.clone())
 
 
-def _local_statistic(head):
-    """Feed the margin's statistic this rank's rows only (a per-GPU implementation)."""
+def _local_statistic(head, world):
+    """Compute the margin's statistic from one rank's rows at a time, as a per-GPU
+    implementation does: its own (AdaFace, CurricularFace, MagFace: the EMA input, the
+    regulariser's mean), each rank's block (ElasticFace+: ranked within the block)."""
     margin, inner = head.margin, type(head.margin).statistic
 
-    def local(batch):
-        rows = batch.rows
+    def cut(batch, rows):
         norms = batch.norms[rows] if batch.norms is not None else None
-        cut = dataclasses.replace(batch, target_cos=batch.target_cos[rows], norms=norms,
-                                  rows=slice(0, rows.stop - rows.start))
-        return inner(margin, cut)
+        return dataclasses.replace(batch, target_cos=batch.target_cos[rows], norms=norms,
+                                   rows=slice(0, rows.stop - rows.start))
+
+    def local(batch):
+        if not getattr(margin, "sort", False):
+            return inner(margin, cut(batch, batch.rows))
+        n = len(batch.target_cos) // world
+        return torch.cat([inner(margin, cut(batch, slice(r * n, (r + 1) * n))) + r * n
+                          for r in range(world)])
 
     margin.statistic = local
 
@@ -124,7 +132,7 @@ def _run(rank, world):
         out[name, "steps"] = emas
     for name in LOCAL_CASES:
         head = _head(name, weight)
-        _local_statistic(head)
+        _local_statistic(head, world)
         res = _forward(head, emb[mine], labels[mine])
         res.update(wgrad=head.weight.grad.to_dense(), ema=_ema(head))
         out[name, "local"] = res
