@@ -1,8 +1,11 @@
 """Cosine-margin target transforms (NormFace, SphereFace, CosFace, ArcFace, combined).
 
 A margin maps the cosine of a sample's **target** class to the value ``psi`` that replaces
-it in the logits; non-target logits stay ``s * cos``. The head computes
-``logit_target = s * psi(cos_target)``. Every ``psi`` is computed in fp32 with its true
+it in the logits; non-target logits stay ``s * cos`` (unless the margin declares a non-target
+transform: ``partial_fc.nontarget``). The head computes ``logit_target = s * psi(cos_target)``
+through the protocol of ``partial_fc.margin_step`` (:meth:`Margin.begin`); the margins that
+read batch statistics are in ``partial_fc.adaptive_margins``, built here by
+:func:`build_margin`. Every ``psi`` is computed in fp32 with its true
 derivative by autograd (no straight-through trick); the only deviation is the clamp of
 ``acos``'s input, stated where it applies. A margin owns its scale module (``self.scale``,
 fixed or AdaCos, see ``partial_fc.scale``) so that ``head.state_dict()`` holds the scale
@@ -49,7 +52,7 @@ _ACOS_EPS = 1e-7
 class Margin(nn.Module):
     """Base class: a target transform ``psi`` plus the scale module ``scale``.
 
-    Margin warm-up (``warmup_steps > 0``): the head uses :meth:`target`, which scales the
+    Margin warm-up (``warmup_steps > 0``): the head uses :meth:`begin`, which scales the
     margin's penalty ``cos - psi(cos)`` by ``t = min(1, step / warmup_steps)``, i.e.
     ``target = (1 - t) cos + t psi(cos)``: no margin (NormFace) at the first step, the full
     margin from step ``warmup_steps`` on. For CosFace this is the margin ``t m`` exactly; for
@@ -73,12 +76,6 @@ class Margin(nn.Module):
     def warmup_factor(self, step: int) -> float:
         """The share ``t`` of the margin applied after ``step`` training steps."""
         return 1.0 if step >= self.warmup_steps else step / self.warmup_steps
-
-    def target(self, cos: Tensor, step: int) -> Tensor:
-        """The target logit's cosine after ``step`` steps: ``psi`` under the warm-up."""
-        out = self.psi(cos, step)
-        t = self.warmup_factor(step)
-        return out if t == 1.0 else torch.lerp(cos.float(), out, t)
 
     # The head's side of the protocol (partial_fc.margin_step). A margin that needs more than
     # psi(cos, step) overrides ``needs_norms`` and ``prepare``.
