@@ -217,12 +217,10 @@ def _check_accumulation(name, results, emb, emb2, weight, labels, labels2):
         assert v == pytest.approx(state[k], rel=1e-5), (name, "accum", k)
 
 
-def test_margins_one_process():
-    assert not torch.distributed.is_initialized()
-    _check(1, [_run(0, 1)])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_margins_sharded_equal_single_process(world):
-    _check(world, run_ranks(_run, world))
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(3, marks=pytest.mark.slow)])
+def test_margins_equal_one_process_on_any_rank_count(world):
+    """World size 1 runs in this process with no process group (the single-GPU user)."""
+    if world == 1:
+        assert not torch.distributed.is_initialized()
+    _check(world, [_run(0, 1)] if world == 1 else run_ranks(_run, world))
