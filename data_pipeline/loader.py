@@ -29,10 +29,12 @@ import functools
 import math
 import os
 import signal
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -40,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data_pipeline import epoch_plan, stages
 from data_pipeline.codec import resolve_decoder
 from data_pipeline.errors import DataError
+from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
 
 IMAGE_SIZE = 112
@@ -59,7 +62,8 @@ class _EpochStream(IterableDataset):
 
     def __init__(self, loader: _ShardLoader, epoch: int, skips: list[int]):
         super().__init__()
-        self.counts = loader.manifest.shard_counts
+        self.counts, self.kept = loader.manifest.shard_counts, loader.kept_counts
+        self.excluded = loader.excluded
         self.infos = list(loader.manifest.shards)
         self.paths = loader.shard_paths
         self.cfg = loader.plan_key()
@@ -75,9 +79,11 @@ class _EpochStream(IterableDataset):
     def chunks(self, worker: int):
         """The chunk stream of DataLoader worker `worker` (run in that worker, or in-process)."""
         cfg = self.cfg
-        pieces = epoch_plan.worker_pieces(self.counts, seed=cfg["seed"], epoch=self.epoch,
-                                    rank=self.rank, world_size=cfg["world_size"], worker=worker,
-                                    num_workers=cfg["num_workers"], shuffle=cfg["shuffle"])
+        pieces = epoch_plan.worker_pieces(self.kept, seed=cfg["seed"], epoch=self.epoch,
+                                          rank=self.rank, world_size=cfg["world_size"],
+                                          worker=worker, num_workers=cfg["num_workers"],
+                                          shuffle=cfg["shuffle"])
+        pieces = epoch_plan.with_exclusions(pieces, self.counts, self.excluded)
         tag = f"{cfg['seed']}-{self.epoch}-{self.rank}-{worker}"
         buffer = cfg["shuffle_buffer"] if cfg["shuffle"] else 0
         pipeline = wds.DataPipeline(
@@ -121,13 +127,16 @@ class _ShardLoader(EpochBatches):
     decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
     pin_memory: batches in page-locked memory, for asynchronous copies to a CUDA device
         (needs CUDA; the trainer sets it when it trains on one).
+    exclude: an exclusion list (data_pipeline.exclusion) of this folder's sample keys and
+        labels: those samples are left out of every epoch before it is planned (each kept
+        sample is still read once per epoch), and counted in `num_excluded`.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
                  flip: bool = True, with_keys: bool = False, shuffle: bool = True,
                  shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, exclude: str | os.PathLike | None = None):
         if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0 or world_size < 1:
             raise ValueError(f"batch_size={batch_size}, num_workers={num_workers}, "
                              f"shuffle_buffer={shuffle_buffer}, world_size={world_size}: "
@@ -145,17 +154,37 @@ class _ShardLoader(EpochBatches):
         self.shuffle_buffer, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.pin_memory = pin_memory
         self.decoder = resolve_decoder(decoder)
-        total = self.manifest.num_samples
+        self.excluded, self.exclusion_key = self._exclusions(exclude)
+        self.kept_counts = [c - len(e) for c, e in zip(self.manifest.shard_counts,
+                                                        self.excluded, strict=True)]
+        total = self.num_samples = sum(self.kept_counts)
+        self.num_excluded = self.manifest.num_samples - total
         self._len = epoch_plan.batches_per_rank(total, world_size, batch_size)
         if self._len == 0:
-            raise DataError(f"{self.data_dir}: {total} samples cannot fill one batch of "
-                            f"{batch_size} on each of {world_size} ranks")
+            raise DataError(f"{self.data_dir}: {total} samples" + (
+                f" ({self.num_excluded} excluded by {exclude})" if self.num_excluded else "")
+                + f" cannot fill one batch of {batch_size} on each of {world_size} ranks")
         self.dropped_fraction = 1.0 - self._len * batch_size * world_size / total
         self.epoch = epoch
         self._batches = 0
         self._positions = [0] * max(1, num_workers)
         self.num_skipped = 0
         self.num_padded = 0
+
+    def _exclusions(self, path: str | os.PathLike | None) -> tuple[list[np.ndarray], str]:
+        """Per shard the positions ``path``'s list leaves out, and a fingerprint of them
+        for the plan key ("" when nothing is excluded)."""
+        if path is None:
+            return [np.empty(0, np.int64) for _ in self.shard_paths], ""
+        exclusions = read_exclusions(path)
+        wrong = sorted(c for c in exclusions.classes if c >= self.manifest.num_classes)
+        if wrong:
+            raise DataError(f"{path}: class {wrong[0]} outside [0, "
+                            f"{self.manifest.num_classes}) of {self.data_dir} (an exclusion "
+                            "list names labels of the data folder it was made for)")
+        excluded = excluded_positions(self.shard_paths, exclusions)
+        digest = zlib.crc32(b"".join(e.tobytes() + b"/" for e in excluded))
+        return excluded, f"{sum(map(len, excluded))}-{digest:08x}"
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to iterate; changing it restarts at the epoch's first batch (and
@@ -171,10 +200,11 @@ class _ShardLoader(EpochBatches):
 
     def plan_key(self) -> dict:
         """Everything that fixes the epoch's sample order (saved in state_dict)."""
-        return {"seed": self.seed, "world_size": self.world_size,
-                "num_workers": len(self._positions), "batch_size": self.batch_size,
-                "num_samples": self.manifest.num_samples, "shuffle": self.shuffle,
-                "shuffle_buffer": self.shuffle_buffer}
+        key = {"seed": self.seed, "world_size": self.world_size,
+               "num_workers": len(self._positions), "batch_size": self.batch_size,
+               "num_samples": self.num_samples, "shuffle": self.shuffle,
+               "shuffle_buffer": self.shuffle_buffer}
+        return {**key, "excluded": self.exclusion_key} if self.exclusion_key else key
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches": self._batches, "rank": self.rank,
@@ -193,7 +223,7 @@ class _ShardLoader(EpochBatches):
         self.epoch = epoch
         self.num_skipped = int(state.get("num_skipped", 0))
         self.num_padded = int(state.get("num_padded", 0))
-        sizes = epoch_plan.worker_sizes(self.manifest.num_samples, self.world_size,
+        sizes = epoch_plan.worker_sizes(self.num_samples, self.world_size,
                                         len(self._positions))
         if old == self.plan_key():
             self._batches = batches
@@ -281,16 +311,7 @@ class _ShardLoader(EpochBatches):
                 pending.popleft()
             else:
                 entry.offset = offset + n
-        return self._cat(images), self._cat(labels), keys
-
-    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """One batch from chunk slices, in page-locked memory with ``pin_memory`` (a slice of
-        one pinned chunk already is) so the trainer's non_blocking copy to the GPU is async."""
-        if len(parts) == 1:
-            return parts[0]
-        shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
-        out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=self.pin_memory)
-        return torch.cat(parts, out=out)
+        return (concat(images, self.pin_memory), concat(labels, self.pin_memory), keys)
 
 
 def _outlive_stop_signals(worker: int) -> None:
@@ -301,6 +322,17 @@ def _outlive_stop_signals(worker: int) -> None:
     worker, multiprocessing's at exit) still ends it."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+def concat(parts: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
+    """One batch from slices of chunks (or of several loaders' batches), in page-locked
+    memory with ``pin_memory`` (a slice of one pinned chunk already is) so the trainer's
+    non_blocking copy to the GPU is async."""
+    if len(parts) == 1:
+        return parts[0]
+    shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+    out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=pin_memory)
+    return torch.cat(parts, out=out)
 
 
 def _as_is(chunk: stages.Chunk) -> stages.Chunk:

@@ -10,7 +10,7 @@ exactly the samples it had handed out. Sample dicts carry `__key__`, `jpg` (byte
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,11 +38,15 @@ def check_shard(path: Path, info: ShardInfo) -> None:
                          "(truncated or rewritten shard)")
 
 
-def tar_samples(path: Path, start: int = 0, stop: int | None = None) -> Iterator[dict]:
+def tar_samples(path: Path, start: int = 0, stop: int | None = None, drop: Collection[int] = (),
+                exts: Collection[str] | None = None) -> Iterator[dict]:
     """Samples [start, stop) of a tar shard (all from `start` when stop is None) as dicts
-    {"__key__": key, ext: bytes, ...}; members of earlier samples are seeked over, not read.
+    {"__key__": key, ext: bytes, ...}; members of earlier samples, of the samples numbered in
+    `drop` (positions in the shard) and, with `exts`, of other extensions are seeked over,
+    not read.
     """
     seen, current = 0, None  # samples started so far; the one being assembled (number seen-1)
+    wanted = False  # whether the sample being assembled is yielded
     try:
         with open(path, "rb") as f:
             for name, offset, size in _tar_members(f, path):
@@ -50,19 +54,20 @@ def tar_samples(path: Path, start: int = 0, stop: int | None = None) -> Iterator
                 stem, _, ext = base.partition(".")
                 key = f"{folder}/{stem}" if folder else stem  # webdataset's key convention
                 if current is None or key != current["__key__"]:
-                    if current is not None and seen > start:
+                    if wanted:
                         yield current
                     if seen == stop:
                         return
                     current, seen = {"__key__": key}, seen + 1
-                if seen > start:
+                    wanted = seen > start and seen - 1 not in drop
+                if wanted and (exts is None or ext in exts):
                     f.seek(offset)
                     current[ext] = f.read(size)
                     if len(current[ext]) != size:
                         raise ShardError(f"{path}: member {name} truncated")
     except OSError as exc:
         raise ShardError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
-    if current is not None and seen > start:
+    if wanted:
         yield current
     if stop is not None and seen < stop:
         raise ShardError(f"{path}: holds {seen} samples, expected at least {stop} "
@@ -107,10 +112,11 @@ def _tar_members(f, path: Path) -> Iterator[tuple[str, int, int]]:
 
 
 def read_pieces(pieces: list[Piece], paths: list[Path], infos: list[ShardInfo]) -> Iterator[dict]:
-    """Source stage: the raw samples of `pieces` in order; shards are checked before reading."""
+    """Source stage: the raw samples of `pieces` in order (less each piece's `drop`); shards
+    are checked before reading."""
     for piece in pieces:
         check_shard(paths[piece.shard], infos[piece.shard])
-        for sample in tar_samples(paths[piece.shard], piece.start, piece.stop):
+        for sample in tar_samples(paths[piece.shard], piece.start, piece.stop, piece.drop):
             sample["__shard__"] = paths[piece.shard]
             yield sample
 
