@@ -105,6 +105,7 @@ class EpochBatches:
 
     _len: int
     _batches: int
+    num_excluded = 0  # samples an exclusion list leaves out of every epoch
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (identical on every rank)."""
