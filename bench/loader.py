@@ -1,32 +1,35 @@
-"""Loader throughput vs bare JPEG decoding, on 112x112 JPEG shards generated in a temp dir.
+"""Loader throughput per worker vs bare JPEG decoding with the same decoder, interleaved.
 
-    .venv/bin/python bench/loader.py [--images 6000] [--max-workers N] [--batch-size 128]
+    .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5]
 
-Prints single-thread decode rates of PIL and simplejpeg on the shards' own bytes, then for
-0 (main process) .. N DataLoader workers the loader's images/s (total and per worker, timed
-from the first batch to the end of the epoch, so worker start-up is excluded) and its ratio
-to bare decoding with the decoder the loader uses. Never run by the tests.
+On 112x112 JPEG shards generated in a temp dir. Each repeat times, one after the other, bare
+single-thread decoding of the shards' own bytes (``decode_image``, the loader's decoder) and
+the loader at each worker count (images/s from the first batch to the end of the epoch, so
+worker start-up is excluded); the ratio per worker (loader img/s / workers / bare img/s, the
+main process counting as one worker at 0) is taken within each repeat, so a machine whose
+load changes between repeats shifts both sides together. Prints the median and the range
+over the repeats, and the load average. Never run by the tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
-from data_pipeline.codec import DECODERS, decode_image, resolve_decoder
+from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.stages import tar_samples
 
 
-def bare_decode_rate(blobs: list[bytes], decoder: str, repeats: int = 2) -> float:
+def bare_decode_rate(blobs: list[bytes], decoder: str) -> float:
     start = time.perf_counter()
-    for _ in range(repeats):
-        for blob in blobs:
-            decode_image(blob, 112, decoder)
-    return repeats * len(blobs) / (time.perf_counter() - start)
+    for blob in blobs:
+        decode_image(blob, 112, decoder)
+    return len(blobs) / (time.perf_counter() - start)
 
 
 def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> float:
@@ -38,14 +41,21 @@ def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> 
     return count / (time.perf_counter() - start)
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    return (f"{format(statistics.median(values), fmt)} "
+            f"[{format(min(values), fmt)}-{format(max(values), fmt)}]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=6000)
-    parser.add_argument("--max-workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--decoder", default="auto")
     args = parser.parse_args()
     decoder = resolve_decoder(args.decoder)
+    counts = [int(w) for w in args.workers.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         write_synthetic_dataset(data, num_classes=args.images // 20, images_per_class=20,
@@ -53,19 +63,23 @@ def main() -> None:
         manifest = read_manifest(data)
         blobs = [s["jpg"] for shard in manifest.shards for s in tar_samples(data / shard.name)]
         mean_kb = sum(map(len, blobs)) / len(blobs) / 1024
-        print(f"{len(blobs)} JPEGs 112x112, mean {mean_kb:.1f} KiB, {os.cpu_count()} CPUs")
-        rates = {name: bare_decode_rate(blobs, name) for name in DECODERS
-                 if name == "pil" or resolve_decoder("auto") == "simplejpeg"}
-        for name, rate in rates.items():
-            print(f"bare decode {name:>10}: {rate:8.0f} img/s (1 thread)")
-        if len(rates) == 2:
-            print(f"simplejpeg / PIL: {rates['simplejpeg'] / rates['pil']:.2f}x")
-        print(f"\nloader (decoder={decoder}, batch {args.batch_size}, flip, shuffle buffer 1000)")
-        print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'vs bare decode':>15}")
-        for workers in range(0, args.max_workers + 1):
-            rate = loader_rate(data, workers, args.batch_size, decoder)
-            per = rate / max(workers, 1)
-            print(f"{workers:>8} {rate:9.0f} {per:11.0f} {rate / rates[decoder]:14.2f}x")
+        print(f"{len(blobs)} JPEGs 112x112, mean {mean_kb:.1f} KiB, {os.cpu_count()} CPUs, "
+              f"load average before {os.getloadavg()[0]:.2f}; decoder={decoder}, batch "
+              f"{args.batch_size}, flip, shuffle buffer 1000")
+        bare, rates = [], {w: [] for w in counts}
+        for _ in range(args.repeats):
+            bare.append(bare_decode_rate(blobs, decoder))
+            for w in counts:
+                rates[w].append(loader_rate(data, w, args.batch_size, decoder))
+        print(f"bare decode: {_spread(bare, '.0f')} img/s (1 thread; median [range] over "
+              f"{args.repeats} repeats)")
+        print(f"{'workers':>8}  {'img/s':>20}  {'per worker':>20}  {'per worker / bare':>18}")
+        for w in counts:
+            per = [r / max(w, 1) for r in rates[w]]
+            ratio = [p / b for p, b in zip(per, bare, strict=True)]
+            print(f"{w:>8}  {_spread(rates[w], '.0f'):>20}  {_spread(per, '.0f'):>20}  "
+                  f"{_spread(ratio, '.2f'):>18}")
+        print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -92,8 +92,8 @@ class _EpochStream(IterableDataset):
             else None,
             stages.annotate(f"flip-{tag}", self.flip),
             stages.skip(self.skips[worker]),
-            stages.decode(IMAGE_SIZE, self.decoder, self.num_classes),
-            stages.chunk(cfg["batch_size"], worker),
+            stages.decode_chunks(IMAGE_SIZE, self.decoder, cfg["batch_size"], worker,
+                                 self.num_classes),
         )
         return iter(pipeline)
 
