@@ -44,6 +44,7 @@ from data_pipeline.codec import resolve_decoder
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
+from data_pipeline.slots import SlotPool
 
 IMAGE_SIZE = 112
 
@@ -71,13 +72,16 @@ class _EpochStream(IterableDataset):
         self.flip, self.decoder = loader.flip, loader.decoder
         self.num_classes = loader.manifest.num_classes
 
+    pool: SlotPool | None = None  # set before the DataLoader starts its workers
+
     def __iter__(self):
         info = get_worker_info()
         assert (info.num_workers if info is not None else 1) == self.cfg["num_workers"]
-        return self.chunks(info.id if info is not None else 0)
+        return self.chunks(info.id if info is not None else 0, self.pool)
 
-    def chunks(self, worker: int):
-        """The chunk stream of DataLoader worker `worker` (run in that worker, or in-process)."""
+    def chunks(self, worker: int, pool: SlotPool | None = None):
+        """The chunk stream of DataLoader worker `worker` (run in that worker, decoding into
+        ``pool``'s slots, or in-process)."""
         cfg = self.cfg
         pieces = epoch_plan.worker_pieces(self.kept, seed=cfg["seed"], epoch=self.epoch,
                                           rank=self.rank, world_size=cfg["world_size"],
@@ -93,7 +97,7 @@ class _EpochStream(IterableDataset):
             stages.annotate(f"flip-{tag}", self.flip),
             stages.skip(self.skips[worker]),
             stages.decode_chunks(IMAGE_SIZE, self.decoder, cfg["batch_size"], worker,
-                                 self.num_classes),
+                                 self.num_classes, pool),
         )
         return iter(pipeline)
 
@@ -243,15 +247,35 @@ class _ShardLoader(EpochBatches):
             self.num_skipped = 0
         stream = _EpochStream(self, self.epoch, list(self._positions))
         workers = self.num_workers
+        if workers:  # in flight per worker: prefetch_factor chunks, one being decoded
+            stream.pool = SlotPool(workers, self.prefetch_factor + 2, self.batch_size,
+                                   IMAGE_SIZE)
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
                              collate_fn=_as_is, worker_init_fn=_outlive_stop_signals,
-                             pin_memory=self.pin_memory,
                              generator=torch.Generator().manual_seed(self.seed))
+        try:
+            yield from self._batches_of(batches, stream.pool)
+        finally:
+            if stream.pool is not None:
+                stream.pool.close()
+
+    def _received(self, chunk: stages.Chunk, pool: SlotPool | None) -> stages.Chunk:
+        """A chunk as the main process keeps it: images out of the worker's pool slot (in
+        page-locked memory with ``pin_memory``), labels a tensor."""
+        images, labels = chunk.images, torch.tensor(chunk.labels, dtype=torch.int64)
+        if pool is not None:
+            images = pool.receive(chunk.worker, chunk.slot, len(chunk.keys), self.pin_memory)
+        elif self.pin_memory:
+            images = images.pin_memory()
+        return chunk._replace(images=images,
+                              labels=labels.pin_memory() if self.pin_memory else labels)
+
+    def _batches_of(self, batches, pool: SlotPool | None):
         pending: deque[_Pending] = deque()
         buffered, last = 0, None
         for chunk in batches:
-            pending.append(_Pending(chunk))
+            pending.append(_Pending(self._received(chunk, pool)))
             buffered += len(chunk.keys)
             while buffered >= self.batch_size and self._batches < self._len:
                 last = self._take(pending, self.batch_size)
@@ -286,6 +310,7 @@ class _ShardLoader(EpochBatches):
         for worker in range(len(self._positions)):
             for chunk in stream.chunks(worker):
                 if chunk.keys:
+                    chunk = self._received(chunk, None)
                     return chunk.images, chunk.labels, chunk.keys
         raise DataError(f"{self.data_dir}: no decodable sample in rank {self.rank}'s "
                         f"share of epoch {self.epoch}")
@@ -328,12 +353,20 @@ def _outlive_stop_signals(worker: int) -> None:
 def concat(parts: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
     """One batch from slices of chunks (or of several loaders' batches), in page-locked
     memory with ``pin_memory`` (a slice of one pinned chunk already is) so the trainer's
-    non_blocking copy to the GPU is async."""
+    non_blocking copy to the GPU is async. Images keep their channels_last layout.
+
+    The copy is numpy's: torch's ``cat``/``copy_`` of uint8 runs on its intra-op threads,
+    and on a CPU shared with the decoding workers (or other jobs) those threads wait on each
+    other: measured 20 ms against numpy's 0.1 ms for a 128-image batch on a loaded machine.
+    """
     if len(parts) == 1:
         return parts[0]
-    shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+    order = (0, 2, 3, 1) if parts[0].dim() == 4 else (0,)  # images: memory order NHWC
+    memory = [p.permute(order) for p in parts]
+    shape = (sum(len(p) for p in parts), *memory[0].shape[1:])
     out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=pin_memory)
-    return torch.cat(parts, out=out)
+    np.concatenate([m.numpy() for m in memory], out=out.numpy())
+    return out.permute(0, 3, 1, 2) if len(order) == 4 else out
 
 
 def _as_is(chunk: stages.Chunk) -> stages.Chunk:

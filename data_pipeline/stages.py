@@ -10,7 +10,6 @@ without decoding and skips exactly the samples it had handed out. Sample dicts c
 from __future__ import annotations
 
 import contextlib
-import math
 import mmap
 import os
 import random
@@ -18,18 +17,20 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import get_worker_info
 
 from data_pipeline.codec import decode_into
 from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError, ShardError
 from data_pipeline.manifest import ShardInfo
+from data_pipeline.slots import SlotPool
 
 CORRUPT = "__corrupt__"
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
+CHECK_EVERY = 256  # tar headers verified together
 
 
 def check_shard(path: Path, info: ShardInfo) -> None:
@@ -57,9 +58,9 @@ def tar_samples(path: Path, start: int = 0, stop: int | None = None, drop: Colle
     try:
         with open(path, "rb") as f, _mapped(f) as data:
             for name, offset, size in _tar_members(data, path):
-                folder, _, base = name.rpartition("/")
-                stem, _, ext = base.partition(".")
-                key = f"{folder}/{stem}" if folder else stem  # webdataset's key convention
+                # webdataset's key convention: folder/stem, the stem ending at the first dot
+                dot = name.find(".", name.rfind("/") + 1)
+                key, ext = (name[:dot], name[dot + 1:]) if dot >= 0 else (name, "")
                 if current is None or key != current["__key__"]:
                     if wanted:
                         yield current
@@ -95,36 +96,72 @@ def _tar_members(data: mmap.mmap | bytes, path: Path) -> Iterator[tuple[str, int
     """(name, data offset, size) of each regular file in a ustar archive held in ``data``.
 
     A small reader instead of `tarfile`, whose per-member Python overhead cost more than the
-    JPEG decode (profiled: 2.6 s of 4.6 s per 6k samples). Headers are checksum-verified;
-    member types other than regular files and directories (GNU long names, pax) are refused:
-    shards come from this package's writer.
+    JPEG decode (profiled: 2.6 s of 4.6 s per 6k samples). Headers are checksum-verified, a
+    block of them at a time with numpy (summing 512 bytes in Python cost a tenth of a
+    worker's time); member types other than regular files and directories (GNU long names,
+    pax) are refused: shards come from this package's writer.
     """
-    offset = 0
-    while True:
-        header = data[offset:offset + BLOCK]
-        if len(header) < BLOCK:
-            raise ShardError(f"{path}: truncated shard (no end-of-archive block after byte "
-                             f"{offset})")
-        if header == ZERO_BLOCK:
-            return
-        try:
-            checksum = int(header[148:156].split(b"\0")[0].strip() or b"0", 8)
-            size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
-        except ValueError:
-            checksum = size = -1
-        if checksum != sum(header) - sum(header[148:156]) + 256:
-            raise ShardError(f"{path}: corrupt tar header at byte {offset}")
-        kind = header[156:157]
-        name = header[:100].split(b"\0")[0].decode()
-        prefix = header[345:500].split(b"\0")[0].decode() if header[257:262] == b"ustar" else ""
-        if prefix:
-            name = f"{prefix}/{name}"
-        if kind in (b"0", b"\0"):
-            yield name, offset + BLOCK, size
-        elif kind != b"5":
-            raise ShardError(f"{path}: tar member {name!r} has unsupported type {kind!r} "
-                             "(write shards with launch.convert)")
-        offset += BLOCK + -(-size // BLOCK) * BLOCK
+    offset, headers, members = 0, [], []
+    try:
+        while True:
+            header = data[offset:offset + BLOCK]
+            if len(header) < BLOCK:
+                raise ShardError(f"{path}: truncated shard (no end-of-archive block after "
+                                 f"byte {offset})")
+            if header == ZERO_BLOCK:
+                break
+            headers.append(offset)
+            size = _octal(header[124:136])
+            if size is None:
+                raise ShardError(f"{path}: corrupt tar header at byte {offset}")
+            kind = header[156:157]
+            name = header[:100].split(b"\0", 1)[0].decode()
+            if header[257:262] == b"ustar" and header[345] != 0:
+                name = header[345:500].split(b"\0", 1)[0].decode() + "/" + name
+            if kind in (b"0", b"\0"):
+                members.append((name, offset + BLOCK, size))
+            elif kind != b"5":
+                raise ShardError(f"{path}: tar member {name!r} has unsupported type {kind!r} "
+                                 "(write shards with launch.convert)")
+            offset += BLOCK + -(-size // BLOCK) * BLOCK
+            if len(headers) == CHECK_EVERY:
+                _check_headers(data, headers, path)
+                yield from members
+                headers, members = [], []
+    except (ShardError, UnicodeDecodeError) as exc:  # a corrupt header explains it first
+        _check_headers(data, headers, path)
+        if isinstance(exc, ShardError):
+            raise
+        raise ShardError(f"{path}: tar member name is not UTF-8 ({exc})") from exc
+    _check_headers(data, headers, path)
+    yield from members
+
+
+def _octal(field: bytes) -> int | None:
+    """A tar number field (octal digits, NUL/space padded); None when unreadable."""
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return None
+
+
+def _check_headers(data: mmap.mmap | bytes, offsets: list[int], path: Path) -> None:
+    """ShardError naming the first header at ``offsets`` whose checksum (the unsigned sum of
+    its bytes, the checksum field counted as spaces) differs from the one it stores."""
+    if not offsets:
+        return
+    view = np.frombuffer(data, np.uint8)
+    rows = view[np.asarray(offsets)[:, None] + np.arange(BLOCK)]
+    del view  # the map cannot close while an array exports it
+    actual = rows.sum(1, dtype=np.int64) - rows[:, 148:156].sum(1, dtype=np.int64) + 256
+    digits = rows[:, 148:154].astype(np.int64) - ord("0")
+    plain = ((digits >= 0) & (digits < 8)).all(1) & (rows[:, 154] == 0)  # tarfile's "%06o\0 "
+    stored = np.where(plain, digits @ (8 ** np.arange(5, -1, -1)), -1)
+    for i in np.flatnonzero(~plain):
+        stored[i] = _octal(rows[i, 148:156].tobytes()) or -1
+    bad = np.flatnonzero(stored != actual)
+    if len(bad):
+        raise ShardError(f"{path}: corrupt tar header at byte {offsets[bad[0]]}")
 
 
 def read_pieces(pieces: list[Piece], paths: list[Path], infos: list[ShardInfo]) -> Iterator[dict]:
@@ -155,33 +192,38 @@ def _skip(data: Iterator[dict], count: int) -> Iterator[dict]:
 
 class Chunk(NamedTuple):
     """Up to `batch_size` decoded samples of one worker's stream, as a worker hands them to
-    the main process (a NamedTuple: DataLoader's pin_memory copies it field by field)."""
+    the main process (a NamedTuple: DataLoader's pin_memory copies it field by field). From a
+    worker with a :class:`SlotPool` the images stay in the pool (``images`` None, ``slot``
+    the worker's chunk number) and the labels are a list (a tensor would cost a shared-memory
+    segment); the main process turns both into tensors (``SlotPool.receive``)."""
 
-    images: torch.Tensor  # uint8 [b, 3, H, W], channels_last strides (an [b, H, W, 3] buffer)
-    labels: torch.Tensor  # int64 [b]
+    images: torch.Tensor | None  # uint8 [b, 3, H, W], channels_last strides
+    labels: torch.Tensor | list[int]  # int64 [b]
     keys: list[str]
     positions: list[int]  # stream position of each sample
     end: int  # stream position after everything the chunk accounts for
     skipped: list[int]  # stream positions of the corrupt samples dropped while filling it
     worker: int
+    slot: int = -1  # the worker's chunk number, when the images are in its SlotPool
 
 
 def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: int, worker: int,
-                   num_classes: int | None = None) -> Iterator[Chunk]:
-    """Decode `jpg` straight into the rows of a preallocated ``[batch_size, size, size, 3]``
-    buffer (mirrored where the flip was drawn: ``codec.decode_into``) and emit it as a
+                   num_classes: int | None = None, pool: SlotPool | None = None
+                   ) -> Iterator[Chunk]:
+    """Decode `jpg` straight into the rows of a ``[batch_size, size, size, 3]`` buffer
+    (mirrored where the flip was drawn: ``codec.decode_into``) and emit it as a
     :class:`Chunk` when full (the last one may be partial, or empty when it only passed over
-    corrupt samples).
+    corrupt samples). The buffers are ``pool``'s slots in a DataLoader worker, fresh
+    tensors otherwise; the stream ends early when the pool's reader has gone.
 
     Undecodable samples are dropped and their positions recorded in ``Chunk.skipped``. A label
     outside ``[0, num_classes)`` is not corruption but data that contradicts its manifest: a
-    :class:`DataError` naming the shard and the sample's key. In a DataLoader worker the
-    buffer is allocated in shared memory, so handing the chunk to the main process copies
-    nothing (torch would otherwise copy each tensor into shared memory to send it).
+    :class:`DataError` naming the shard and the sample's key.
     """
-    shared = get_worker_info() is not None
-    batch, end = _Filling(batch_size, size, shared), None
+    batch, end = _Filling(batch_size, size, pool, worker, 0), None
     for sample in data:
+        if batch.array is None:
+            return
         end = sample["__pos__"] + 1
         try:
             label = int(sample["cls"])
@@ -192,39 +234,39 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
         if num_classes is not None and not 0 <= label < num_classes:
             raise DataError(f"{sample.get('__shard__', 'shard')}: sample {sample['__key__']!r} "
                             f"has label {label}, outside [0, {num_classes}) of manifest.json")
-        batch.add(sample, label)
+        batch.labels.append(label)
+        batch.keys.append(sample["__key__"])
+        batch.positions.append(sample["__pos__"])
         if len(batch.keys) == batch_size:
-            yield batch.chunk(end, worker)
-            batch = _Filling(batch_size, size, shared)
-    if batch.keys or batch.skipped:
-        yield batch.chunk(end, worker)
+            yield batch.chunk(end)
+            batch = _Filling(batch_size, size, pool, worker, batch.index + 1)
+    if batch.array is not None and (batch.keys or batch.skipped):
+        yield batch.chunk(end)
 
 
 class _Filling:
-    """The chunk being filled: an uninitialised uint8 ``[batch_size, size, size, 3]`` buffer
-    (in shared memory if ``shared``) and the bookkeeping of its rows."""
+    """The chunk being filled: its ``[batch_size, size, size, 3]`` buffer (``array``, a view
+    for the decoder; None when ``pool`` has no reader any more) and the bookkeeping of its
+    rows. ``index`` numbers the worker's chunks (its pool slots go round in that order)."""
 
-    def __init__(self, batch_size: int, size: int, shared: bool):
-        shape = (batch_size, size, size, 3)
-        if shared:
-            storage = torch.UntypedStorage._new_shared(math.prod(shape))
-            self.images = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+    def __init__(self, batch_size: int, size: int, pool: SlotPool | None, worker: int,
+                 index: int):
+        if pool is None:
+            self.images = torch.empty((batch_size, size, size, 3), dtype=torch.uint8)
         else:
-            self.images = torch.empty(shape, dtype=torch.uint8)
-        self.array = self.images.numpy()  # the same memory, for the decoder
+            self.images = pool.acquire(worker, index)
+        self.array = self.images.numpy() if self.images is not None else None
+        self.pooled, self.worker, self.index = pool is not None, worker, index
         self.labels, self.keys, self.positions = [], [], []
         self.skipped: list[int] = []
 
-    def add(self, sample: dict, label: int) -> None:
-        self.labels.append(label)
-        self.keys.append(sample["__key__"])
-        self.positions.append(sample["__pos__"])
-
-    def chunk(self, end: int, worker: int) -> Chunk:
-        """The filled rows as a chunk (images: a channels_last view, no copy)."""
-        return Chunk(images=self.images[:len(self.keys)].permute(0, 3, 1, 2),
-                     labels=torch.tensor(self.labels, dtype=torch.int64), keys=self.keys,
-                     positions=self.positions, end=end, skipped=self.skipped, worker=worker)
+    def chunk(self, end: int) -> Chunk:
+        """The filled rows as a chunk (images: a channels_last view, no copy; or left in the
+        pool's slot)."""
+        images = None if self.pooled else self.images[:len(self.keys)].permute(0, 3, 1, 2)
+        return Chunk(images=images, labels=self.labels, keys=self.keys,
+                     positions=self.positions, end=end, skipped=self.skipped,
+                     worker=self.worker, slot=self.index if self.pooled else -1)
 
 
 annotate = wds.pipelinefilter(_annotate)
