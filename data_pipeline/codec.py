@@ -87,8 +87,8 @@ def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False) 
     path (decode, stretch) and is copied in.
 
     The mirror decodes as BGR and reverses each row's bytes, which reverses the pixels and
-    turns BGR into RGB in one byte-wise copy (measured 4-5x cheaper than numpy's pixel-wise
-    ``[:, ::-1]`` copy, which costs about as much as decoding a 112x112 JPEG).
+    turns BGR into RGB in one copy (:func:`_reverse_rows`; numpy's pixel-wise ``[:, ::-1]``
+    copy costs about as much as decoding a 112x112 JPEG).
     """
     size = out.shape[0]
     if decoder == "simplejpeg" and is_jpeg(data):
@@ -97,12 +97,24 @@ def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False) 
                 simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, buffer=out)
             if got.shape == out.shape:
                 if flip:
-                    np.copyto(out.reshape(size, -1), got.reshape(size, -1)[:, ::-1])
+                    _reverse_rows(got.reshape(size, -1), out.reshape(size, -1))
                 return
         except ValueError:  # corrupt, or larger than `out`: decode_image tells which
             pass
     image = decode_image(data, size, decoder)
     np.copyto(out, image[:, ::-1] if flip else image)
+
+
+def _reverse_rows(source: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = source[i][::-1]`` for uint8 rows: 8-byte words in reverse order, each
+    byte-swapped by numpy's cast from the foreign byte order (3x faster than a byte-wise
+    reversed copy, which numpy does not vectorise). Rows whose length is not a multiple of 8
+    take the byte-wise copy."""
+    if source.shape[1] % 8:
+        np.copyto(out, source[:, ::-1])
+        return
+    swapped = np.dtype(np.uint64).newbyteorder()
+    np.copyto(out.view(np.uint64), source.view(swapped)[:, ::-1], casting="unsafe")
 
 
 def prepare_jpeg(data: bytes, size: int | None) -> bytes:
