@@ -21,7 +21,6 @@ import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from data_pipeline.errors import DataError
 from data_pipeline.loader import EpochBatches, concat, make_loader
@@ -118,7 +117,9 @@ class MixedLoader(EpochBatches):
         while self._batches < self._len:
             parts = [next(stream) for stream in streams]
             images = concat([p[0] for p in parts], self.pin_memory)
-            labels = torch.cat([p[1] + off for p, off in zip(parts, self.offsets, strict=False)])
+            labels = concat([p[1] + off if off else p[1]
+                             for p, off in zip(parts, self.offsets, strict=False)],
+                            self.pin_memory)
             self._batches += 1
             if self.with_keys:
                 yield images, labels, [f"{i}:{k}" for i, p in enumerate(parts) for k in p[2]]

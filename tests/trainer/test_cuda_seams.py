@@ -218,6 +218,30 @@ def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synth
     assert torch.equal(concat([x[:2], x[2:]], loader.pin_memory), x) and asked == [True]
 
 
+def test_mixed_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies,
+                                                   synthetic_data):
+    """``data.dirs`` with an accelerator (faked): the folders' chunks are pinned and the
+    mixed batch is assembled in page-locked memory; the batches equal the unpinned ones."""
+    from data_pipeline.mixture import make_mixed_loader
+
+    kwargs = {"batch_size": 6, "num_workers": 0, "weights": [2, 1]}
+    plain = list(make_mixed_loader([synthetic_data, synthetic_data], **kwargs))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: CUDA0)
+    empty, asked = torch.empty, []
+
+    def fake_empty(*args, pin_memory=None, **kw):
+        asked.append(pin_memory)
+        return empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    pinned = list(make_mixed_loader([synthetic_data, synthetic_data], pin_memory=True, **kwargs))
+    assert len(pinned) == len(plain) and asked.count(True) >= 2 * len(pinned)  # images, labels
+    assert len(fake_cuda_copies.pinned) >= 2 * len(pinned)  # both folders' chunks
+    for (x, y), (xp, yp) in zip(plain, pinned, strict=True):
+        assert torch.equal(x, xp) and torch.equal(y, yp)
+
+
 def test_synthetic_stream_on_cuda_copies_pinned_indices_without_waiting(fake_cuda_copies):
     """The CUDA stream pins the sample indices and copies them with ``non_blocking``; its
     batches are the CPU stream's (``test_data_synthetic_stream.py`` renders on a real GPU)."""
