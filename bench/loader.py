@@ -9,48 +9,72 @@ the first batch to the end of the epoch, so worker start-up is excluded). The ra
 worker (loader img/s / N / bare img/s per process; the main process counts as the worker at
 N = 0) is taken right after its own baseline, so the two sides see the same machine: on a
 shared machine (Linux autogroups give a session one share of the CPU however many
-processes it runs) N decoders get what N workers get. Prints the median and the range over
-the repeats, and the load average. Never run by the tests.
+processes it runs) N decoders get what N workers get. A second ratio divides images per
+CPU-second of the workers (``os.times`` of the joined children; the main process's own at
+N = 0) by the decoders' images per CPU-second: the work per image, which the load on a shared
+machine hardly moves. Prints the median and the range over the repeats, and the load
+average. Never run by the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.stages import tar_samples
 
 
-def _decode_all(blobs: list[bytes], decoder: str) -> float:
-    start = time.perf_counter()
+class Rates(NamedTuple):
+    wall: float  # images/s of wall time (per process or worker)
+    cpu: float  # images per CPU-second of the decoding processes (the main process apart)
+
+
+def _decode_all(blobs: list[bytes], decoder: str) -> Rates:
+    start, cpu = time.perf_counter(), time.process_time()
     for blob in blobs:
         decode_image(blob, 112, decoder)
-    return len(blobs) / (time.perf_counter() - start)
+    return Rates(len(blobs) / (time.perf_counter() - start),
+                 len(blobs) / (time.process_time() - cpu))
 
 
-def bare_decode_rate(blobs: list[bytes], decoder: str, processes: int) -> float:
-    """Images/s per process of ``processes`` processes decoding at once (forked like the
-    loader's workers, so they share the CPU as those do; 0: this process)."""
+def bare_decode_rate(blobs: list[bytes], decoder: str, processes: int) -> Rates:
+    """Per process, ``processes`` processes decoding at once (forked like the loader's
+    workers, so they share the CPU as those do; 0: this process)."""
     if processes == 0:
         return _decode_all(blobs, decoder)
     with multiprocessing.get_context("fork").Pool(processes) as pool:
-        return statistics.mean(pool.starmap(_decode_all, [(blobs, decoder)] * processes))
+        rates = pool.starmap(_decode_all, [(blobs, decoder)] * processes)
+    return Rates(*(statistics.mean(r[i] for r in rates) for i in range(2)))
 
 
-def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> float:
+def _cpu(children: bool) -> float:
+    t = os.times()
+    return t.children_user + t.children_system if children else t.user + t.system
+
+
+def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> Rates:
+    """Wall images/s per worker from the first batch on (start-up excluded), and images per
+    CPU-second of the workers (all of them together) over the whole epoch (of this process at
+    0 workers)."""
+    cpu = _cpu(children=workers > 0)
     loader = make_loader(data_dir, batch_size=batch_size, num_workers=workers, decoder=decoder)
     batches = iter(loader)
     next(batches)
     start = time.perf_counter()
     count = sum(len(labels) for _, labels in batches)
-    return count / (time.perf_counter() - start)
+    wall = count / (time.perf_counter() - start) / max(workers, 1)
+    del batches  # the DataLoader joins its workers: their CPU time is then counted
+    gc.collect()
+    return Rates(wall, (count + batch_size) / (_cpu(children=workers > 0) - cpu))
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -83,15 +107,19 @@ def main() -> None:
             for w in counts:
                 bare[w].append(bare_decode_rate(blobs, decoder, w))
                 rates[w].append(loader_rate(data, w, args.batch_size, decoder))
-        print(f"median [range] over {args.repeats} repeats; bare decode per process: that many "
-              "processes decoding at once (0: in this one)")
-        print(f"{'workers':>8}  {'bare/process':>20}  {'loader img/s':>20}  {'per worker':>20}  "
-              f"{'per worker / bare':>18}")
+        print(f"median [range] over {args.repeats} repeats; bare decode: that many processes "
+              "decoding at once (0: in this one); img/s per worker (wall), and img per "
+              "CPU-second of a worker (the main process apart)")
+        print(f"{'workers':>7}  {'bare img/s':>18}  {'loader img/s':>18}  {'wall / bare':>16}  "
+              f"{'bare img/cpu-s':>18}  {'loader img/cpu-s':>18}  {'cpu / bare':>16}")
         for w in counts:
-            per = [r / max(w, 1) for r in rates[w]]
-            ratio = [p / b for p, b in zip(per, bare[w], strict=True)]
-            print(f"{w:>8}  {_spread(bare[w], '.0f'):>20}  {_spread(rates[w], '.0f'):>20}  "
-                  f"{_spread(per, '.0f'):>20}  {_spread(ratio, '.2f'):>18}")
+            row = [f"{w:>7}"]
+            for i in range(2):
+                b, r = [x[i] for x in bare[w]], [x[i] for x in rates[w]]
+                ratio = [x / y for x, y in zip(r, b, strict=True)]
+                row += [f"{_spread(b, '.0f'):>18}", f"{_spread(r, '.0f'):>18}",
+                        f"{_spread(ratio, '.2f'):>16}"]
+            print("  ".join(row))
         print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
