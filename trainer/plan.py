@@ -50,8 +50,8 @@ BLOCK_ACTIVATIONS = {
 # N = 1024, D = 512 in bf16 (issue 10).
 R50_IMAGES_PER_S = 3513.0
 # One loader worker (one CPU core): 112x112 JPEGs read, decoded, flipped and batched by
-# data_pipeline's loader, about 0.65x bare simplejpeg decoding (12.4k img/s on an idle core of
-# the project's CPU machine, an AMD EPYC; bench/loader.py, docs/benchmarks.md).
+# data_pipeline's loader: 7.9-8.1k images per CPU-second, 0.66x bare simplejpeg decoding
+# (12.0k) on the project's CPU machine, an AMD EPYC (bench/loader.py, docs/benchmarks.md).
 LOADER_IMAGES_PER_S = 8000.0
 HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
 
