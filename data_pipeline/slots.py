@@ -15,6 +15,7 @@ so one counter per worker says which slots are free.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -32,12 +33,14 @@ class SlotPool:
         self.buffers = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.slots = slots  # released[workers] = 1: the epoch's reader has gone
+        self.reader = os.getpid()
 
     def acquire(self, worker: int, index: int) -> torch.Tensor | None:
         """In worker ``worker``: the buffer for its chunk number ``index``, once the chunk
-        ``index - slots`` is released; None when the main process stopped reading."""
+        ``index - slots`` is released; None when the main process stopped reading or died
+        (a worker waiting here does not reach DataLoader's own check of its parent)."""
         while index - int(self.released[worker]) >= self.slots:
-            if self.released[-1]:
+            if self.released[-1] or os.getppid() != self.reader != os.getpid():
                 return None
             time.sleep(0.0002)
         return self.buffers[worker, index % self.slots]
