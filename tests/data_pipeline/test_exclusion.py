@@ -41,7 +41,7 @@ def test_bad_line_names_file_and_line(tmp_path, line):
 
 def test_with_exclusions_maps_kept_positions_to_shard_positions():
     counts, excluded = [6, 4], [np.array([0, 2, 3]), np.array([], np.int64)]
-    kept = [4 - 1, 4]  # shard 0 keeps positions 1, 4, 5
+    kept = [3, 4]  # shard 0 keeps positions 1, 4, 5
     pieces = epoch_plan.pieces_for_range(kept, [0, 1], 1, 5)
     mapped = epoch_plan.with_exclusions(pieces, counts, excluded)
     assert mapped == [epoch_plan.Piece(0, 4, 6), epoch_plan.Piece(1, 0, 2)]
