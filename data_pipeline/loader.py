@@ -5,10 +5,10 @@ plan (epoch_plan.py) through seeded shuffle -> decode (with the flip) and emit c
 to `batch_size`, decoded into shared-memory slots (slots.py); the main process copies them
 out, re-cuts them into exactly `batch_size` batches (uint8, channels_last strides) and stops
 after `len(loader)` batches, which is the same number on every rank (computed from the
-manifest, less the samples of an exclusion list, `exclude`). Samples beyond that (fewer than world_size + batch_size per rank) are the epoch's
-drop, reported as `dropped_fraction`. Corrupt samples are skipped and counted in
-`num_skipped` (per epoch: the same files fail every epoch); they are replaced by the rank's
-spare samples, and only if those run out is the last batch filled with repeats of the
+manifest, less the samples of an exclusion list, `exclude`). Samples beyond that (fewer
+than world_size + batch_size per rank) are the epoch's drop, reported as
+`dropped_fraction`. Corrupt samples are skipped and counted in `num_skipped` (per epoch: the
+same files fail every epoch); they are replaced by the rank's spare samples, and only if those run out is the last batch filled with repeats of the
 previous one (counted in `num_padded`; after a resume inside that padded tail, repeats of
 the epoch's first decodable chunk).
 

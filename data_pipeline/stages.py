@@ -111,11 +111,15 @@ def _tar_members(data: mmap.mmap | bytes, path: Path) -> Iterator[tuple[str, int
             if header == ZERO_BLOCK:
                 break
             headers.append(offset)
-            size = _octal(header[124:136])
+            try:  # the writer's form: 11 octal digits and a NUL
+                size = int(header[124:135], 8)
+            except ValueError:
+                size = _octal(header[124:136])
             if size is None:
                 raise ShardError(f"{path}: corrupt tar header at byte {offset}")
             kind = header[156:157]
-            name = header[:100].split(b"\0", 1)[0].decode()
+            end = header.find(b"\0", 0, 100)
+            name = header[:end if end >= 0 else 100].decode()
             if header[257:262] == b"ustar" and header[345] != 0:
                 name = header[345:500].split(b"\0", 1)[0].decode() + "/" + name
             if kind in (b"0", b"\0"):
