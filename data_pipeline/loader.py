@@ -8,9 +8,10 @@ after `len(loader)` batches, which is the same number on every rank (computed fr
 manifest, less the samples of an exclusion list, `exclude`). Samples beyond that (fewer
 than world_size + batch_size per rank) are the epoch's drop, reported as
 `dropped_fraction`. Corrupt samples are skipped and counted in `num_skipped` (per epoch: the
-same files fail every epoch); they are replaced by the rank's spare samples, and only if those run out is the last batch filled with repeats of the
-previous one (counted in `num_padded`; after a resume inside that padded tail, repeats of
-the epoch's first decodable chunk).
+same files fail every epoch); they are replaced by the rank's spare samples, and only if
+those run out is the last batch filled with repeats of the previous one (counted in
+`num_padded`; after a resume inside that padded tail, repeats of the epoch's first
+decodable chunk).
 
 Resume (`state_dict` / `load_state_dict`): the state is the epoch, the batches handed out and
 each worker's stream position. Restored with the same seed, world size, workers, batch size,
