@@ -66,10 +66,16 @@ def _batches(items: Iterator[tuple], batch_size: int) -> Iterator[tuple[list, np
         yield [t for t, _ in batch], np.stack([x for _, x in batch])
 
 
-def _labelled(path: Path) -> Iterator[tuple[int, bytes]]:
+def _labelled(path: Path, num_classes: int) -> Iterator[tuple[int, bytes]]:
+    """(label, JPEG) of each sample of the shard with a label in ``[0, num_classes)`` (what
+    the training loader would refuse or skip is left out here too)."""
     for sample in tar_samples(path, exts=("jpg", "cls")):
-        if "jpg" in sample and "cls" in sample:
-            yield int(sample["cls"]), sample["jpg"]
+        try:
+            label = int(sample.get("cls", b"-1"))
+        except ValueError:
+            continue
+        if "jpg" in sample and 0 <= label < num_classes:
+            yield label, sample["jpg"]
 
 
 @torch.no_grad()
@@ -87,7 +93,8 @@ def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
         sums = torch.zeros(manifest.num_classes, dim, device=device)
         counts = torch.zeros(manifest.num_classes, device=device)
         for shard in manifest.shards[rank::world]:
-            samples = _decoded(_labelled(Path(data_dir) / shard.name), decoder)
+            samples = _decoded(_labelled(Path(data_dir) / shard.name, manifest.num_classes),
+                               decoder)
             for labels, images in _batches(samples, batch_size):
                 idx = torch.tensor(labels, device=device)
                 sums.index_add_(0, idx, embed_images(backbone, images, batch_size, device))

@@ -50,8 +50,9 @@ BLOCK_ACTIVATIONS = {
 # N = 1024, D = 512 in bf16 (issue 10).
 R50_IMAGES_PER_S = 3513.0
 # One loader worker (one CPU core): 112x112 JPEGs read, decoded, flipped and batched by
-# data_pipeline's loader: 7.9-8.1k images per CPU-second, 0.66x bare simplejpeg decoding
-# (12.0k) on the project's CPU machine, an AMD EPYC (bench/loader.py, docs/benchmarks.md).
+# data_pipeline's loader: 8.2-8.5k images per CPU-second, 0.66-0.69x bare simplejpeg
+# decoding (12.2-12.5k) on the project's CPU machine, an AMD EPYC (bench/loader.py,
+# docs/benchmarks.md).
 LOADER_IMAGES_PER_S = 8000.0
 HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
 
