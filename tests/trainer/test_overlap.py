@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from eval_helpers import make_run
+from eval_helpers import make_run, write_ijb
 from spawn import run_ranks
 from torch import nn
 
@@ -96,3 +97,30 @@ def test_cli_writes_an_exclusion_list(synthetic_data, tmp_path, capsys):
     listed = read_exclusions(out)
     assert listed.classes == frozenset(range(20)) and not listed.samples
     assert out.read_text().startswith(f"# launch.overlap checkpoint={run} data=")
+
+
+def test_planted_identities_are_found_in_an_ijb_folder(synthetic_data, tmp_path):
+    """IJB faces are aligned from their landmarks first (``write_ijb`` puts the 112x112 face
+    at 1.5x scale into a 250x250 crop): the planted identities 3 and 7 are still found."""
+    from PIL import Image
+
+    from data_pipeline.codec import decode_image
+    from data_pipeline.ijb import read_ijb_meta
+    from trainer.overlap import ijb_images
+
+    def crop(blob: bytes) -> np.ndarray:
+        canvas = np.zeros((250, 250, 3), np.uint8)
+        face = Image.fromarray(decode_image(blob)).resize((168, 168), Image.BILINEAR)
+        canvas[30:198, 20:188] = np.asarray(face)
+        return canvas
+
+    images = evaluation_images()
+    blobs = images[0:2] + images[4:6] + images[20:28]  # identities 3 and 7, then 8 others
+    faces = [(f"{i}.png", i, i, crop(b), 1.0) for i, b in enumerate(blobs)]
+    write_ijb(tmp_path / "IJBC", faces, [(0, 1, 1)])
+    meta = read_ijb_meta(tmp_path / "IJBC", "IJBC")
+    model = ColourFeatures()
+    centres, _ = class_centres(model, synthetic_data, 32, "cpu")
+    found = set_overlap("IJBC", ijb_images(meta, 5), len(meta.names), model, centres,
+                        DEFAULT_THRESHOLD, 5, "cpu")
+    assert found.classes == {3, 7} and found.matched_images == 4 and found.images == 12
