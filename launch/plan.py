@@ -97,10 +97,10 @@ def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
             for part in path.split("."):
                 flag = getattr(flag, part)
         values[key] = flag
-    if values["classes"] is None and cfg.data.source == "shards":  # the data's, if at hand
+    if values["classes"] is None and cfg.data.dirs:  # the sum of their classes, if at hand
         from trainer.config.on_disk import read_data_manifest
 
-        manifest, _ = read_data_manifest(cfg)  # data.dirs: the sum of their classes
+        manifest, _ = read_data_manifest(cfg)
         values["classes"] = manifest.num_classes if manifest is not None else None
     if values["classes"] is None:
         raise PlanError("--classes: required (the recipe's data.num_classes is not set)")

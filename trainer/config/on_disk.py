@@ -84,9 +84,10 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
                     "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
-    for i, x in enumerate(cfg.data.exclusions() if cfg.data.source == "shards" else []):
+    listed = isinstance(cfg.data.exclude, list)
+    lists = cfg.data.exclude if listed else [cfg.data.exclude]
+    for i, x in enumerate(lists if cfg.data.source == "shards" else []):
         if x is not None and not Path(x).is_file():
-            listed = isinstance(cfg.data.exclude, list)
             key, name = (f"data.exclude.{i}", f"data.exclude[{i}]") if listed else \
                 ("data.exclude", "data.exclude")
             out.append((key, f"{name}={x!r}: no such file (an exclusion list: python -m "
