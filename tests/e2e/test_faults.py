@@ -399,7 +399,7 @@ def test_resume_refuses_another_margin_and_accepts_a_new_lr(tiny_data, tmp_path,
 def _signal_after_step(monkeypatch, step: int, sig) -> None:
     """Deliver ``sig`` to this process so that the run stops after optimisation step
     ``step``: when step ``step - 1`` ends, before the trainer hands the signal to the next
-    step's agreement (``Engine.step``'s ``stop_request``)."""
+    step's agreement (``Engine.step``'s ``stop``)."""
     import signal
 
     from trainer.engine import Engine

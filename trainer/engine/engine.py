@@ -27,13 +27,11 @@ module keeps the head, the step's order and what every engine shares.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from partial_fc.backbones import normalize_images
@@ -43,9 +41,10 @@ from partial_fc.rows import SampledRows
 from trainer import seams
 from trainer.config import Config, OptimConfig, ScheduleConfig
 from trainer.dist import DistEnv
-from trainer.engine.backend import BackboneBackend
+from trainer.engine.backend import BackboneBackend, Verdict
 from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
+from trainer.stopping import NO_STOP, StopRequest
 
 BACKENDS: dict[str, Callable[..., BackboneBackend]] = {
     "ddp": DDPBackend,
@@ -119,7 +118,7 @@ class StepResult:
     lr: float
     skipped: bool  # neither the backbone nor the head was updated (see Engine.step)
     overflow: bool  # skipped for DeepSpeed's fp16 loss scaler alone: not a bad step
-    stop_request: int  # the largest stop_request any rank passed (0: none)
+    stop: StopRequest  # the stop request agreed over the ranks (the largest reason)
     numbers: Mapping[str, float] = field(repr=False)  # {"loss", "grad_norm"}, read lazily
     angles: dict[str, Tensor] | None = None  # PartialFC.angle_sample, when asked for
 
@@ -211,17 +210,17 @@ class Engine:
         step: int,
         micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         angles: bool = False,
-        stop_request: int = 0,
+        stop: StopRequest = NO_STOP,
     ) -> StepResult:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
-        ``stop_request`` (e.g. the number of a signal asking the run to stop) is agreed over
-        the ranks in the same all-reduce as the step's flags, so every rank stops after the
-        same step at no extra host read. ``angles=True`` also samples
+        ``stop`` (this rank's request, ``trainer.stopping``) is agreed over the ranks in the
+        step's one all-reduce with its flags (``trainer.engine.backend.Verdict``), so every
+        rank stops after the same step at no extra host read. ``angles=True`` also samples
         ``PartialFC.angle_sample`` on the last micro-batch (collective).
 
         The step is skipped, on every rank alike, when the loss, an embedding gradient, the
-        head gradient or the backbone gradient norm was not finite (:meth:`_agree`, or the
+        head gradient or the backbone gradient norm was not finite (the verdict, or the
         backend's own overflow check: ``trainer.engine.backend``): then neither the backbone
         nor the head is updated, both optimizers' states and every buffer (BatchNorm
         statistics, the AdaCos scale) are as before the step, and the gradients are cleared.
@@ -229,8 +228,8 @@ class Engine:
         update.
 
         Host reads (each makes the CPU wait for the device; tests/trainer/test_engine_syncs.py
-        holds the budget): one, the agreed flags, read after the backbone's backward to
-        decide whether the optimizers step. The head gets the batch sizes from
+        holds the budget): one, the verdict, read after the backbone's backward to decide
+        whether the optimizers step. The head gets the batch sizes from
         ``train.batch_size`` (the loader's batches are equal), not from an exchange.
         ``r < 1`` adds the sampler's (its size depends on the labels); DeepSpeed reads its
         overflow flag in its ``step()``.
@@ -259,17 +258,19 @@ class Engine:
                     finite &= torch.isfinite(grad.sum())
                 if angles:
                     sample = self.head.angle_sample(e.detach(), y)
-                agree = functools.partial(self._agree, finite, rows, stop_request=stop_request)
-                pending = self.backend.last_backward(surrogate, step, agree)
-        all_finite, labels_ok, minus_stop = pending.flags.tolist()  # the step's one host read
+                backbone_finite = self.backend.last_backward(surrogate)
+        if backbone_finite is not None:
+            finite &= backbone_finite
+        verdict = Verdict.agree(finite, rows.labels_ok(), stop, self.env.group)
+        update = self.backend.update(verdict, step)
+        _, labels_ok, agreed_stop = verdict.read()  # the step's one host read
         if not labels_ok:
             rows.raise_label_error()
-        update = self.backend.update(pending, bool(all_finite))
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
-                          stop_request=-minus_stop, angles=sample,
+                          stop=agreed_stop, angles=sample,
                           numbers=DeviceScalars({"loss": loss_sum / k,
-                                                 "grad_norm": pending.grad_norm}))
+                                                 "grad_norm": update.grad_norm}))
 
     def _forward(self, images: Tensor, labels: Tensor, k: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -294,23 +295,6 @@ class Engine:
         """``batch`` (images or labels) on the run's device; from the loader's pinned memory
         the copy to a GPU is asynchronous, so the host does not wait for it."""
         return batch.to(self.device, non_blocking=True)
-
-    def _agree(self, finite: Tensor, rows: SampledRows, backbone_finite: Tensor | None,
-               stop_request: int) -> Tensor:
-        """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
-        0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN) on
-        ``env.group``, no host read (``trainer.engine.backend.Agree``). The label flag is the
-        deferred check of this step's forwards carried by ``rows`` (the same on all ranks:
-        gathered labels). ``stop_request`` enters negated, so MIN agrees on the largest;
-        ``torch.full`` writes it on the device (a tensor made from a host value would be a
-        blocking copy)."""
-        if backbone_finite is not None:
-            finite = finite & backbone_finite
-        request = torch.full((), -stop_request, dtype=torch.int32, device=self.device)
-        flags = torch.stack([finite.to(torch.int32), rows.labels_ok().to(torch.int32),
-                             request])
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.env.group)
-        return flags
 
     def _update_head(self, applied: bool, rows: SampledRows, saved: dict[str, Tensor]) -> None:
         """The head follows the backbone: its optimizer steps on this step's ``rows`` when the

@@ -60,11 +60,6 @@ def _json_safe(record: dict) -> dict:
     }
 
 
-WRITE_FAILED = 1000
-"""The stop request (see ``Engine.step``) of a rank that could not write a run file: above
-every signal number, so the ranks agree on it like on a signal and stop after the same step."""
-
-
 class WriteFailed(Stopped, RuntimeError):
     """A run file (metrics, histograms, train.log, TensorBoard) could not be written, e.g.
     ENOSPC: the run stops with the last good checkpoint as it is."""
@@ -207,7 +202,7 @@ class RunLogger:
 
     @contextlib.contextmanager
     def _guard(self, path) -> Iterator[None]:
-        """Keep the first OSError writing ``path`` for :meth:`stop_request`."""
+        """Keep the first OSError writing ``path`` for :meth:`write_failed`."""
         try:
             yield
         except OSError as err:
@@ -229,12 +224,13 @@ class RunLogger:
                 self.info(f"warning: W&B failed ({type(err).__name__}: {err}); "
                           f"logging to W&B stops, metrics.jsonl goes on")
 
-    def stop_request(self) -> int:
-        """:data:`WRITE_FAILED` once a run file could not be written (rank 0), else 0."""
+    def write_failed(self) -> bool:
+        """Whether a run file could not be written (rank 0; :attr:`write_error` says which):
+        the loop then asks every rank to stop (``trainer.stopping.StopReason.DISK_FULL``)."""
         file = self.console.file
         if self.write_error is None and file is not None and file.error is not None:
             self.write_error = f"cannot write {file.baseFilename}: {file.error.strerror}"
-        return WRITE_FAILED if self.write_error else 0
+        return self.write_error is not None
 
     def close_unused(self) -> None:
         """End a logger that never started (a finished run run again): only the console."""
