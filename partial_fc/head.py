@@ -82,10 +82,10 @@ class PartialFC(nn.Module):
     ``defer_label_check`` (see ``forward``).
 
     State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
-    classes ``class_start ..``); ``step`` (int64, replicated: training forwards so far, or steps
-    announced by ``begin_step``; seeds the sampler, SphereFace's lambda, the margin warm-up;
-    the host keeps a copy: write it through
-    ``load_state_dict``, or call ``resync_step()`` after writing it in place);
+    classes ``class_start ..``); ``step`` (the int attribute ``head.step``, saved as an int64
+    tensor; replicated: training forwards so far, or steps announced by ``begin_step``; seeds
+    the sampler, SphereFace's lambda, the margin warm-up; on the host, so no forward reads it
+    from the device);
     ``margin.scale.s`` (fp32, replicated; AdaCos only).
 
     After each forward ``stats`` maps to floats identical on all ranks (kept on the device and
@@ -152,10 +152,10 @@ class PartialFC(nn.Module):
             self.class_start, seed))
         self.margin = margin
         margin.scale.reset(num_classes)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.step = 0  # training forwards (or begin_step steps) so far; "step" in state_dict
+        self.register_state_dict_post_hook(_save_step)
+        self.register_load_state_dict_pre_hook(_load_step)
         self.stats: Mapping[str, float] = {}
-        self._step_host: int | None = None  # int(self.step); None: read it at the next use
-        self.register_load_state_dict_post_hook(_loaded)
         self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
         self._plan: StepSample | None = None  # from begin_step, until the next pop
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
@@ -212,7 +212,7 @@ class PartialFC(nn.Module):
         sizes = [int(k) for k in sizes] if sizes is not None else \
             dist_ops.gather_sizes(labels.shape[0], labels.device, self.process_group)
         y = dist_ops.all_gather(labels.to(dtype=torch.int64), self.process_group, sizes)
-        step = self._step_value()
+        step = self.step
         index = None
         if self.training and self.sample_rate < 1.0:
             index, _ = sample_classes(y, self.class_start, self.num_local, self.sample_rate,
@@ -220,7 +220,6 @@ class PartialFC(nn.Module):
         self._plan = StepSample(index=index, step=step, samples=sum(sizes))
         if self.training:
             self.step += 1
-            self._step_host = step + 1
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -241,7 +240,7 @@ class PartialFC(nn.Module):
         targets = local_targets(y, self.class_start, self.num_local)
         owned = (targets >= 0).nonzero().squeeze(1)
         gen = torch.Generator(device=device).manual_seed(
-            derive_seed(self.seed, self._step_value(), self.rank))
+            derive_seed(self.seed, self.step, self.rank))
         pick_i = torch.randint(len(y), (per_rank,), generator=gen, device=device)
         pick_k = torch.randint(self.num_local, (per_rank,), generator=gen, device=device)
         keep = pick_k != targets[pick_i]
@@ -289,11 +288,11 @@ class PartialFC(nn.Module):
             step, index, targets = plan.step, plan.index, plan.take(y, self.class_start,
                                                                    self.num_local)
         elif self.training and self.sample_rate < 1.0:
-            step = self._step_value()
+            step = self.step
             index, targets = sample_classes(y, self.class_start, self.num_local,
                                             self.sample_rate, self.seed, step, self.rank)
         else:
-            step = self._step_value()
+            step = self.step
             index, targets = None, local_targets(y, self.class_start, self.num_local)
         self._record_rows(index)
         shard = self._shard(e, index, targets)
@@ -310,27 +309,10 @@ class PartialFC(nn.Module):
             functools.partial(self.margin.target, step=step), s, group)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
-            self._step_host = step + 1
         self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
         return loss
 
-    def resync_step(self) -> None:
-        """Forget the host's copy of ``step`` (it seeds the sampler and SphereFace's lambda),
-        so that the next forward reads the buffer once from the device. Call it after writing
-        ``step`` in place other than through ``load_state_dict``, which calls it itself (a
-        post hook): e.g. the engine's restore of every buffer after a skipped step. Moving
-        the module (``.to()``) keeps the value, and so the copy."""
-        self._step_host = None
-
     # ------------------------------------------------------------------ helpers
-
-    def _step_value(self) -> int:
-        """``self.step`` as an int: the host's copy, which a training forward advances with
-        the buffer, read from the device only after :meth:`resync_step` (first use,
-        ``load_state_dict``, an outside in-place write)."""
-        if self._step_host is None:
-            self._step_host = int(self.step)
-        return self._step_host
 
     def _check_inputs(self, embeddings: Tensor, labels: Tensor,
                       sizes: Sequence[int] | None) -> list[int]:
@@ -425,8 +407,16 @@ class PartialFC(nn.Module):
         return select(self.kernel, device, self.max_tile_bytes)
 
 
-def _loaded(head: PartialFC, _incompatible_keys) -> None:
-    """``load_state_dict`` post hook (also when a parent module loads): ``step`` may have
-    changed, so the host's copy of it is stale."""
-    head.resync_step()
+def _save_step(head: PartialFC, state: dict, prefix: str, _metadata) -> None:
+    """``state_dict`` post hook: ``step`` as an int64 tensor, where a buffer would be."""
+    state[prefix + "step"] = torch.tensor(head.step, dtype=torch.int64)
 
+
+def _load_step(head: PartialFC, state: dict, prefix: str, _metadata, strict: bool,
+               missing: list, _unexpected: list, _errors: list) -> None:
+    """``load_state_dict`` pre hook: take ``step`` out of ``state`` into ``head.step``."""
+    value = state.pop(prefix + "step", None)
+    if value is not None:
+        head.step = int(value)
+    elif strict:
+        missing.append(prefix + "step")

@@ -44,6 +44,7 @@ from trainer.dist import DistEnv
 from trainer.engine.backend import BackboneBackend, Verdict
 from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
+from trainer.engine.snapshot import Snapshot
 from trainer.stopping import NO_STOP, StopRequest
 
 BACKENDS: dict[str, Callable[..., BackboneBackend]] = {
@@ -235,7 +236,7 @@ class Engine:
         overflow flag in its ``step()``.
         """
         lr = self.set_lr(step)
-        saved = self._buffers()
+        saved = Snapshot((self.backbone, self.head), self.head)  # what a skip puts back
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
@@ -296,35 +297,15 @@ class Engine:
         the copy to a GPU is asynchronous, so the host does not wait for it."""
         return batch.to(self.device, non_blocking=True)
 
-    def _update_head(self, applied: bool, rows: SampledRows, saved: dict[str, Tensor]) -> None:
+    def _update_head(self, applied: bool, rows: SampledRows, saved: Snapshot) -> None:
         """The head follows the backbone: its optimizer steps on this step's ``rows`` when the
         backbone's update was applied; otherwise those rows are not updated (the value is
-        dropped) and every buffer is put back (:meth:`_buffers`)."""
+        dropped) and every buffer and the head's step are put back (``saved``)."""
         if applied:
             self.head_optimizer.step(rows)
         else:
-            self._restore_buffers(saved)
+            saved.restore()
         self.head_optimizer.zero_grad(set_to_none=True)
-
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        """Copies of the backbone's and the head's buffers (BatchNorm statistics, the
-        AdaCos scale, the head's step): a forward updates them, a skipped step puts them back."""
-        modules = {"backbone": self.backbone, "head": self.head}
-        return {
-            f"{name}.{key}": value.detach().clone()
-            for name, module in modules.items()
-            for key, value in module.named_buffers()
-        }
-
-    def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
-        """Put back :meth:`_buffers`' copies; the head re-reads its ``step`` (the host copy
-        it keeps to seed the sampler would otherwise be one ahead)."""
-        modules = {"backbone": self.backbone, "head": self.head}
-        with torch.no_grad():
-            for name, module in modules.items():
-                for key, value in module.named_buffers():
-                    value.copy_(saved[f"{name}.{key}"])
-        self.head.resync_step()
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""
