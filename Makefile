@@ -54,6 +54,7 @@ test-gpu:
 
 lint: setup
 	$(PY) -m ruff check partial_fc data_pipeline trainer launch tools tests bench
+	$(PY) -m tools.text_lint  # no issue numbers in code, no test paths that do not exist
 
 # Every Triton kernel the head launches, compiled for sm_80 and sm_90 without a GPU
 # (tools/kernels_aot.py): registers, spills, shared memory, occupancy; the table goes to

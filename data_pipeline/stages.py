@@ -73,7 +73,7 @@ def _tar_members(f, path: Path) -> Iterator[tuple[str, int, int]]:
     """(name, data offset, size) of each regular file in a ustar archive.
 
     A small reader instead of `tarfile`, whose per-member Python overhead cost more than the
-    JPEG decode (profiled: 2.6 s of 4.6 s per 6k samples). Headers are checksum-verified;
+    JPEG decode (docs/benchmarks.md, "Loader"). Headers are checksum-verified;
     member types other than regular files and directories (GNU long names, pax) are refused:
     shards come from this package's writer.
     """

@@ -1,4 +1,4 @@
-"""Fault injection: what a run does when something goes wrong (issue 12's list, case by case).
+"""Fault injection: what a run does when something goes wrong, case by case.
 
 1. Non-finite loss/gradients: the step is skipped on every rank for backbone and head,
    counted, and ``train.max_bad_steps`` in a row end the run; non-finite values never reach
@@ -555,7 +555,7 @@ def chaos_data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 
 
-# ------------------------------------------------------------------ issue 23 item 5: a full disk
+# ------------------------------------------------------------------ a full disk
 
 
 @pytest.fixture

@@ -197,7 +197,7 @@ def test_make_recipes_pass_their_variables_to_torchrun(tmp_path):
 @pytest.mark.slow
 def test_smoke_recipe_trains_a_vit_on_two_ranks(tmp_path):
     """``backbone.name=vit_t`` (2 blocks: the CPU budget) on the smoke recipe, 2 torchrun
-    ranks, DeepSpeed and DDP: the loss falls. The full-depth run (issue 21's done-when) is in
+    ranks, DeepSpeed and DDP: the loss falls. The full-depth run is in
     docs/vit.md."""
     from data_pipeline import write_synthetic_dataset
 

@@ -1,4 +1,4 @@
-"""The CUDA-only branches of the trainer, the loaders and the head, reached on CPU (issue 20).
+"""The CUDA-only branches of the trainer, the loaders and the head, reached on CPU.
 
 Each test fakes the one device call its branch makes (``torch.cuda.is_available``, the CUDA
 RNG get/set pair, ``Tensor.pin_memory``, a copy to a CUDA device, ``torch.compile``...) and

@@ -60,8 +60,9 @@ def test_each_user_error_has_its_exit_code_and_scope(error, kind, code, scope):
         assert (f"on rank {rank}:" in report.text) == (scope is Scope.ONE_RANK)
 
 
-def test_old_bases_still_catch_them():
-    """Callers that caught the builtin bases before the kinds existed still do."""
+def test_the_builtin_bases_catch_them():
+    """Each kind is also the builtin exception its cause is (a bad value, a failed run), so
+    code that catches ``ValueError`` or ``RuntimeError`` catches it."""
     assert issubclass(ConfigError, ValueError) and issubclass(CheckpointError, ValueError)
     assert issubclass(Diverged, RuntimeError) and issubclass(CollectiveFailed, RuntimeError)
 

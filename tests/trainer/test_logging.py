@@ -286,7 +286,7 @@ _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
 
 
 def test_warnings_and_the_fatal_error_land_in_train_log(synthetic_data, tmp_path, capsys):
-    """Item 7 of issue 23: what rank 0 says on stderr (a config warning, found before the run
+    """What rank 0 says on stderr (a config warning, found before the run
     folder exists; the error that ends the run) is also in RUN/train.log, timestamped."""
     run = tmp_path / "run"
     rc = train_in_process(synthetic_data, run, "margin.s=1.0", "optim.lr=1e30",

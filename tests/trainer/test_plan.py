@@ -171,7 +171,7 @@ def test_zero_stages_shard_state_then_gradients():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_table_matches_a_fresh_measurement(precision):
     assert plan.measure_activations.__wrapped__("iresnet_tiny", precision) == \
-        plan.ACTIVATIONS[("iresnet_tiny", precision)]
+        plan.figures().activations[("iresnet_tiny", precision)]
 
 
 def test_vit_activations_extend_by_whole_blocks():
@@ -179,15 +179,16 @@ def test_vit_activations_extend_by_whole_blocks():
     measurement (vit_t at full depth costs ~1 s), and its block entry is that increment."""
     full = plan._per_image(build_backbone("vit_t"), "fp32")
     assert plan.measure_activations.__wrapped__("vit_t", "fp32") == full
-    assert plan.ACTIVATIONS[("vit_t", "fp32")] == full
+    assert plan.figures().activations[("vit_t", "fp32")] == full
     assert plan.measure_block_activations("vit_t", "fp32") == \
-        plan.BLOCK_ACTIVATIONS[("vit_t", "fp32")]
+        plan.figures().block_activations[("vit_t", "fp32")]
 
 
 def test_checkpointing_keeps_block_inputs_instead_of_block_activations():
     """Every block checkpointed: 12 block inputs (144 x 256 fp32) and one recomputed block
     instead of 12 blocks' saved tensors; every 2nd: 6 of them."""
-    plain, block = plan.ACTIVATIONS[("vit_t", "fp32")], plan.BLOCK_ACTIVATIONS[("vit_t", "fp32")]
+    known = plan.figures()
+    plain, block = known.activations[("vit_t", "fp32")], known.block_activations[("vit_t", "fp32")]
     token_bytes = 144 * 256 * 4
     assert plan.activations_per_image("vit_t", "fp32", 1) == \
         plain - 12 * (block - token_bytes) + block
@@ -202,12 +203,13 @@ def test_every_activation_entry_matches_a_fresh_measurement():
     """The whole table the planner prints its r50/r100/r200 figures from (~15 s of CPU
     forwards), so a backbone change that moves its activations cannot leave a stale entry."""
     plan._vit_at_depths.cache_clear()  # ViT entries: measured now, once per (name, precision)
-    measured = {key: plan.measure_activations.__wrapped__(*key) for key in plan.ACTIVATIONS}
-    stale = {key: (value, measured[key]) for key, value in plan.ACTIVATIONS.items()
+    known = plan.figures()
+    measured = {key: plan.measure_activations.__wrapped__(*key) for key in known.activations}
+    stale = {key: (value, measured[key]) for key, value in known.activations.items()
              if measured[key] != value}
     assert not stale, stale  # key: (table, measured)
-    blocks = {key: plan.measure_block_activations(*key) for key in plan.BLOCK_ACTIVATIONS}
-    assert blocks == plan.BLOCK_ACTIVATIONS
+    blocks = {key: plan.measure_block_activations(*key) for key in known.block_activations}
+    assert blocks == known.block_activations
 
 
 def test_ring_traffic():

@@ -181,7 +181,7 @@ class Engine:
         DeepSpeed's ``engine.compile()`` would compile ``self.backbone`` in place, evaluation
         included; this keeps it eager, its state_dict keys free of ``_orig_mod.``. Off CUDA,
         inductor's layout optimisation is off: it would pick channels_last for the
-        convolutions, whose CPU backward crashes as :meth:`_memory_format` says (seen again
+        convolutions, whose CPU backward crashes as :meth:`_cuda_settings` says (seen again
         under inductor, a segfault in the 2-rank compile test on an AMX Xeon, torch 2.13)."""
         if self.device.type != "cuda":
             return torch.compile(self.backbone, options={"layout_optimization": False})
@@ -198,10 +198,10 @@ class Engine:
     def _head_operands(self):
         """A bf16 run gives the head bf16 matmul operands (fp32 accumulation; its softmax,
         loss and statistics stay fp32: ``PartialFC`` under autocast), as insightface's
-        autocast head does; fp32 operands would cost the Triton kernels IEEE fp32 dots, about
-        15x the bf16 time on an H100. An fp16 run keeps fp32 operands: the head's backward is
-        not loss-scaled, and fp16 flushes ``dL/dcos`` entries below 2^-24 to zero (``s p / N``
-        of a non-target at a million classes is about that)."""
+        autocast head does; fp32 operands would cost the Triton kernels IEEE fp32 dots on the
+        CUDA cores (docs/kernels.md, "Calling for speed"). An fp16 run keeps fp32 operands:
+        the head's backward is not loss-scaled, and fp16 flushes ``dL/dcos`` entries below
+        2^-24 to zero (``s p / N`` of a non-target at a million classes is about that)."""
         if self.cfg.engine.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()

@@ -179,7 +179,7 @@ class RunLogger:
         self._to_sinks(lambda sink: sink.histograms(step, values))
 
     def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
-        """Verification results of ``launch.evaluate.evaluate_bins``."""
+        """Verification results of ``trainer.evaluation.evaluate_bins``."""
         flat = {
             f"val/{name}/{k}": v
             for name, r in results.items()
