@@ -186,9 +186,9 @@ def test_deepspeed_bf16_equals_ddp_bf16():
     what autocast computes, tests/partial_fc/test_backbones.py), so the first losses are
     equal. Then the gradients differ by bf16 rounding (DeepSpeed keeps, averages and clips
     them in bf16, DDP in fp32, both backpropagate through bf16 activations), which compounds
-    over the layers and the second step. The yardstick for "agree within bf16 precision": DeepSpeed bf16's
-    update is closer to DDP bf16's than DDP bf16's is to the fp32 run's (a scaling or dtype
-    bug gives differences of the update's own size)."""
+    over the layers and the second step. The yardstick for "agree within bf16 precision":
+    DeepSpeed bf16's update is closer to DDP bf16's than DDP bf16's is to the fp32 run's (a
+    scaling or dtype bug gives differences of the update's own size)."""
     per_rank = run_ranks(_bf16_engines, 2, timeout=240)
     for rank, res in enumerate(per_rank):
         ddp, ds, fp32 = res["ddp-bf16"], res["deepspeed-bf16"], res["ddp-fp32"]
