@@ -79,9 +79,13 @@ def _contract(rank: int, world: int) -> dict:
         again = fresh.backend.optimizer_state()
         same = state.keys() == again.keys() and all(torch.equal(state[k], again[k])
                                                      for k in state)
+        master = engine.backend.master_weights(state)
+        trainable = {n: p for n, p in engine.backbone.named_parameters() if p.requires_grad}
         out[name] = {"protocol": isinstance(engine.backend, BackboneBackend), "against": against,
                      "kept": kept, "for": voted, "moved": moved, "state": sorted(state),
-                     "round_trip": same}
+                     "round_trip": same, "master": sorted(master) == sorted(trainable)
+                     and all(torch.equal(master[n].float(), p.detach().float().cpu())
+                             for n, p in trainable.items()), "no_master": master == {}}
     return out
 
 
@@ -99,8 +103,9 @@ def test_every_backend_keeps_the_contract():
         assert r["moved"], name
         assert r["state"] and r["round_trip"], (name, r["state"])
     # ZeRO-1 keeps full fp32 master weights beside the torch optimizer's state; DDP does not
-    assert any(k.startswith("backbone_fp32.") for k in out["deepspeed"]["state"])
-    assert all(k.startswith("backbone_opt.") for k in out["ddp"]["state"])
+    assert any(k.startswith("fp32.") for k in out["deepspeed"]["state"])
+    assert out["deepspeed"]["master"] and out["ddp"]["no_master"]  # ZeRO's master = the fp32
+    assert all(k.startswith("opt.") for k in out["ddp"]["state"])
 
 
 def _result(skipped=False, overflow=False, stop=NO_STOP) -> StepResult:

@@ -62,6 +62,7 @@ from trainer.checkpoint.integrity import (
     verify,
 )
 from trainer.dist import DistEnv
+from trainer.engine.state import EngineState
 
 LATEST = "latest"
 _BLOCK = re.compile(r"^(?P<key>.+)/rows\.(?P<start>\d+)\.(?P<stop>\d+)$")
@@ -116,7 +117,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
         torch.save(_rng_state(engine.device), to_write(f"rng-{rank}.pt"))
         mine = [f"rng-{rank}.pt", *(f"state/{p.name}" for p in (tmp / "state").glob(f"__{rank}_*"))]
         if rank == 0:
-            torch.save(_plain_backbone(full), to_write("backbone.pt"))
+            torch.save(_plain_backbone(full, engine), to_write("backbone.pt"))
             mine += ["backbone.pt", "state/.metadata"]
         hashes.update({name: sha256(tmp / name) for name in mine})
 
@@ -235,15 +236,13 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return rng
 
 
-def _plain_backbone(full: dict) -> dict[str, torch.Tensor]:
-    """The backbone state_dict, with DeepSpeed's fp32 master weights where it keeps them."""
-    out = {}
-    for key, value in full.items():
-        if key.startswith("backbone."):
-            name = key[len("backbone.") :]
-            master = full.get(f"backbone_fp32.{name}")
-            out[name] = (master if master is not None else value).detach().cpu().clone()
-    return out
+def _plain_backbone(full: dict, engine) -> dict[str, torch.Tensor]:
+    """The backbone state_dict, with the fp32 master weights where its engine keeps them."""
+    sections = EngineState.from_flat({k: v for k, v in full.items()
+                                      if not isinstance(v, state.Rows)})
+    master = engine.backend.master_weights(sections.backbone_optimizer)
+    return {name: master.get(name, value).detach().cpu().clone()
+            for name, value in sections.backbone.items()}
 
 
 # ----------------------------------------------------------------------------- find, verify

@@ -131,20 +131,26 @@ class BackboneBackend(Protocol):
         ...
 
     def optimizer_state(self) -> dict[str, Tensor]:
-        """The backbone optimizer's state in full (un-partitioned) form, replicated, as flat
-        checkpoint entries (``trainer.checkpoint.state``); collective."""
+        """The backbone optimizer's state in full (un-partitioned) form, replicated, under
+        names this backend chooses (``trainer.engine.state.EngineState.backbone_optimizer``);
+        collective."""
         ...
 
     def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
-        """Load what :meth:`optimizer_state` named (``state`` may hold other entries too);
-        collective."""
+        """Load what :meth:`optimizer_state` named; collective."""
+        ...
+
+    def master_weights(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The fp32 master copy of the backbone's parameters held in ``state`` (what
+        :meth:`optimizer_state` returned), by parameter name; empty where the parameters are
+        their own master."""
         ...
 
 
 def torch_optimizer_state(backbone: nn.Module, optimizer: torch.optim.Optimizer
                           ) -> dict[str, Tensor]:
-    """A plain torch optimizer's per-parameter state as ``backbone_opt.<param>.<key>``."""
-    return {f"backbone_opt.{name}.{key}": torch.as_tensor(value)
+    """A plain torch optimizer's per-parameter state as ``opt.<param>.<key>``."""
+    return {f"opt.{name}.{key}": torch.as_tensor(value)
             for name, p in backbone.named_parameters()
             for key, value in optimizer.state.get(p, {}).items()}
 
@@ -153,7 +159,7 @@ def load_torch_optimizer_state(backbone: nn.Module, optimizer: torch.optim.Optim
                                state: Mapping[str, Tensor]) -> None:
     """Put :func:`torch_optimizer_state`'s entries back, on each parameter's device."""
     for name, p in backbone.named_parameters():
-        prefix = f"backbone_opt.{name}."
+        prefix = f"opt.{name}."
         mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if mine:
             optimizer.state[p] = {k: v.to(p.device) for k, v in mine.items()}

@@ -70,6 +70,9 @@ class DDPBackend:
     def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
         load_torch_optimizer_state(self.backbone, self.optimizer, state)
 
+    def master_weights(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {}  # fp32 parameters: their own master
+
     def _clip(self) -> Tensor:
         """The backbone's gradient norm, a 0-d fp32 tensor (no host read), after clipping the
         gradients to ``train.clip_grad_norm`` when it is set."""

@@ -272,8 +272,8 @@ class DeepSpeedBackend:
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """The plain torch optimizer's state, or with ZeRO/bf16 the fp32 master weights
-        (``backbone_fp32.<param>``), the per-element optimizer state gathered in full form
-        (``backbone_opt.<param>.<key>``) and its scalars (``backbone_opt_scalar.<key>``)
+        (``fp32.<param>``), the per-element optimizer state gathered in full form
+        (``opt.<param>.<key>``) and its scalars (``opt_scalar.<key>``)
         through DeepSpeed's tensor-fragment API (collective). Full form is what makes
         ZeRO-1/2 state reshardable."""
         zero = ZeroPartitions.of(self)
@@ -283,11 +283,11 @@ class DeepSpeedBackend:
 
         zero.link_state()
         keys, scalars = zero.state_keys()
-        out = {f"backbone_opt_scalar.{k}": v for k, v in scalars.items()}
+        out = {f"opt_scalar.{k}": v for k, v in scalars.items()}
         for name, p in self.trainable().items():
-            out[f"backbone_fp32.{name}"] = safe_get_full_fp32_param(p).cpu()
+            out[f"fp32.{name}"] = safe_get_full_fp32_param(p).cpu()
             for key in keys:
-                out[f"backbone_opt.{name}.{key}"] = safe_get_full_optimizer_state(p, key).cpu()
+                out[f"opt.{name}.{key}"] = safe_get_full_optimizer_state(p, key).cpu()
         return out
 
     def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
@@ -300,15 +300,18 @@ class DeepSpeedBackend:
             return
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        prefix = "backbone_opt_scalar."
+        prefix = "opt_scalar."
         scalars = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        keys = sorted({k.rsplit(".", 1)[1] for k in state if k.startswith("backbone_opt.")})
+        keys = sorted({k.rsplit(".", 1)[1] for k in state if k.startswith("opt.")})
         zero.create_state(keys, scalars)
         for name, p in self.trainable().items():
-            safe_set_full_fp32_param(p, state[f"backbone_fp32.{name}"].to(p.device))
+            safe_set_full_fp32_param(p, state[f"fp32.{name}"].to(p.device))
             for key in keys:
-                safe_set_full_optimizer_state(p, state[f"backbone_opt.{name}.{key}"].to(p.device),
-                                              key)
+                safe_set_full_optimizer_state(p, state[f"opt.{name}.{key}"].to(p.device), key)
+
+    def master_weights(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """With ZeRO/bf16/fp16 the fp32 master weights (``fp32.<param>``); none otherwise."""
+        return {k[len("fp32."):]: v for k, v in state.items() if k.startswith("fp32.")}
 
     def trainable(self) -> dict[str, nn.Parameter]:
         """Backbone parameters the optimizer owns (frozen ones live in the state_dict only)."""

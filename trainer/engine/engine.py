@@ -45,6 +45,7 @@ from trainer.engine.backend import BackboneBackend, Verdict
 from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
 from trainer.engine.snapshot import Snapshot
+from trainer.engine.state import EngineState, Rows
 from trainer.stopping import NO_STOP, StopRequest
 
 BACKENDS: dict[str, Callable[..., BackboneBackend]] = {
@@ -306,6 +307,35 @@ class Engine:
         else:
             saved.restore()
         self.head_optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> EngineState:
+        """The training state by section (``trainer.engine.state``); collective (the backend
+        gathers a partitioned optimizer state into full form)."""
+        head = self.head
+
+        def rows(value: Tensor) -> Tensor | Rows:
+            value = torch.as_tensor(value)
+            per_row = value.ndim >= 1 and value.shape[0] == head.num_local
+            return Rows(value, head.class_start, head.num_classes) if per_row else value
+
+        return EngineState(
+            head={k: rows(v) if k == "weight" else v for k, v in head.state_dict().items()},
+            head_optimizer={k: rows(v) for k, v in self._head_optimizer_state().items()},
+            backbone=dict(self.backbone.state_dict()),
+            backbone_optimizer=self.backend.optimizer_state())
+
+    def load_state_dict(self, state: EngineState) -> None:
+        """Load :meth:`state_dict`'s sections, rows already this rank's; collective."""
+        self.head.load_state_dict(state.head)
+        head_opt = self._head_optimizer_state()
+        head_opt.clear()
+        head_opt.update({k: v.to(self.head.weight.device)
+                         for k, v in state.head_optimizer.items()})
+        self.backbone.load_state_dict(state.backbone)
+        self.backend.load_optimizer_state(state.backbone_optimizer)
+
+    def _head_optimizer_state(self) -> dict:
+        return self.head_optimizer.state.setdefault(self.head.weight, {})
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""
