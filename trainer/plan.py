@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -187,8 +187,59 @@ def measure_activations(name: str, precision: str) -> int:
     return _per_image(build_backbone(name), precision)
 
 
-def plan(inp: Inputs) -> dict:
-    """Everything the CLI prints, as one JSON-ready dict (bytes, seconds)."""
+@dataclass(frozen=True)
+class CollectiveTime:
+    """One collective of a step: ``partial_fc.memory.Collective`` with its modelled time."""
+
+    name: str
+    kind: str
+    bytes: int
+    traffic_bytes_per_gpu: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What :func:`plan` finds for ``inputs`` (bytes per GPU, seconds); ``--json`` prints it."""
+
+    inputs: Inputs
+    backbone_params: int
+    classes_per_gpu: int
+    sampled_classes_per_gpu: int
+    weight_bytes_per_gpu: int
+    head_state_bytes_per_gpu: int
+    head_grad_bytes_per_gpu: int
+    head_working_bytes_per_gpu: int
+    backbone_param_bytes_per_gpu: int
+    backbone_grad_bytes_per_gpu: int
+    backbone_state_bytes_per_gpu: int
+    activation_bytes_per_gpu: int
+    reserve_bytes_per_gpu: int
+    peak_bytes_per_gpu: int
+    gpu_memory_bytes: int
+    fits: bool
+    max_classes: int
+    link: str  # "intra-node" or "inter-node"
+    link_bytes_per_s: float
+    collectives: list[CollectiveTime]
+    comm_seconds: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """:func:`step_model`'s modelled step on H100s (seconds; images/s; backbone share)."""
+
+    backbone_s: float
+    head_s: float
+    head_comm_s: float
+    grad_sync_exposed_s: float
+    step_s: float
+    images_per_s: float
+    efficiency: float
+
+
+def plan(inp: Inputs) -> PlanResult:
+    """Memory, collectives and the largest class count that fits, for ``inp``."""
     params, trainable = backbone_params(inp.backbone, inp.dim)
     act = activations_per_image(inp.backbone, inp.precision, inp.checkpointing) * inp.batch
     bb = memory.backbone_state_bytes(params, inp.gpus, trainable=trainable, engine=inp.engine,
@@ -208,56 +259,43 @@ def plan(inp: Inputs) -> dict:
     peak = fixed + h.total
     multi_node = inp.gpus > inp.gpus_per_node
     bw = (inp.inter_bw if multi_node else inp.intra_bw) * 1e9
-    colls = []
-    for c in memory.step_collectives(inp.batch, inp.gpus, inp.dim, trainable, engine=inp.engine,
-                                     precision=inp.precision, zero_stage=inp.zero_stage):
-        colls.append({"name": c.name, "kind": c.kind, "bytes": c.nbytes,
-                      "traffic_bytes_per_gpu": round(c.traffic(inp.gpus)),
-                      "seconds": memory.collective_seconds(c, inp.gpus, bw,
-                                                           inp.latency_us * 1e-6)})
-    return {
-        "inputs": asdict(inp),
-        "backbone_params": params,
-        "classes_per_gpu": h.num_local,
-        "sampled_classes_per_gpu": h.sampled,
-        "weight_bytes_per_gpu": h.weight,
-        "head_state_bytes_per_gpu": h.optimizer_state,
-        "head_grad_bytes_per_gpu": h.gradient,
-        "head_working_bytes_per_gpu": h.working,
-        "backbone_param_bytes_per_gpu": bb["parameters"],
-        "backbone_grad_bytes_per_gpu": bb["gradients"],
-        "backbone_state_bytes_per_gpu": bb["optimizer_state"],
-        "activation_bytes_per_gpu": act,
-        "reserve_bytes_per_gpu": int(inp.reserve * GIB),
-        "peak_bytes_per_gpu": peak,
-        "gpu_memory_bytes": limit,
-        "fits": peak <= limit,
-        "max_classes": memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
-        "link": "inter-node" if multi_node else "intra-node",
-        "link_bytes_per_s": bw,
-        "collectives": colls,
-        "comm_seconds": sum(c["seconds"] for c in colls),
-    }
+    colls = [CollectiveTime(c.name, c.kind, c.nbytes, round(c.traffic(inp.gpus)),
+                            memory.collective_seconds(c, inp.gpus, bw, inp.latency_us * 1e-6))
+             for c in memory.step_collectives(inp.batch, inp.gpus, inp.dim, trainable,
+                                              engine=inp.engine, precision=inp.precision,
+                                              zero_stage=inp.zero_stage)]
+    return PlanResult(
+        inputs=inp, backbone_params=params, classes_per_gpu=h.num_local,
+        sampled_classes_per_gpu=h.sampled, weight_bytes_per_gpu=h.weight,
+        head_state_bytes_per_gpu=h.optimizer_state, head_grad_bytes_per_gpu=h.gradient,
+        head_working_bytes_per_gpu=h.working, backbone_param_bytes_per_gpu=bb["parameters"],
+        backbone_grad_bytes_per_gpu=bb["gradients"],
+        backbone_state_bytes_per_gpu=bb["optimizer_state"], activation_bytes_per_gpu=act,
+        reserve_bytes_per_gpu=int(inp.reserve * GIB), peak_bytes_per_gpu=peak,
+        gpu_memory_bytes=limit, fits=peak <= limit,
+        max_classes=memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
+        link="inter-node" if multi_node else "intra-node", link_bytes_per_s=bw,
+        collectives=colls, comm_seconds=sum(c.seconds for c in colls))
 
 
-def step_model(result: dict, head_factor: float) -> dict:
+def step_model(result: PlanResult, head_factor: float) -> StepTime:
     """Modelled step time on H100s: the backbone's measured single-GPU step (scaled by flops
     from iresnet50 and by batch), the head at ``head_factor`` x its matmul time, the head's
     collectives in full, and the backbone's gradient sync minus the backward it overlaps
     (DDP buckets; backward ~ 2/3 of the backbone step); checkpointed blocks run their
     forward twice."""
-    inp = result["inputs"]
-    per_image = backbone_flops(inp["backbone"], inp["dim"]) / backbone_flops("iresnet50")
-    t_bb = inp["batch"] * per_image / figures().r50_images_per_s
-    if inp["checkpointing"]:  # a recomputed block: one more forward, ~1/3 of its step
-        t_bb *= 1 + recomputed_share(inp["backbone"], inp["checkpointing"]) / 3
-    flops = memory.head_matmul_flops(inp["batch"] * inp["gpus"],
-                                     result["sampled_classes_per_gpu"], inp["dim"])
+    inp = result.inputs
+    per_image = backbone_flops(inp.backbone, inp.dim) / backbone_flops("iresnet50")
+    t_bb = inp.batch * per_image / figures().r50_images_per_s
+    if inp.checkpointing:  # a recomputed block: one more forward, ~1/3 of its step
+        t_bb *= 1 + recomputed_share(inp.backbone, inp.checkpointing) / 3
+    flops = memory.head_matmul_flops(inp.batch * inp.gpus, result.sampled_classes_per_gpu,
+                                     inp.dim)
     t_head = head_factor * flops / figures().head_matmul_flops_per_s
-    grads = [c["seconds"] for c in result["collectives"] if c["name"].startswith("backbone")]
-    t_head_comm = result["comm_seconds"] - sum(grads)
+    grads = [c.seconds for c in result.collectives if c.name.startswith("backbone")]
+    t_head_comm = result.comm_seconds - sum(grads)
     t_sync = max(0.0, sum(grads) - 2 / 3 * t_bb)
     step = t_bb + t_head + t_head_comm + t_sync
-    return {"backbone_s": t_bb, "head_s": t_head, "head_comm_s": t_head_comm,
-            "grad_sync_exposed_s": t_sync, "step_s": step,
-            "images_per_s": inp["batch"] * inp["gpus"] / step, "efficiency": t_bb / step}
+    return StepTime(backbone_s=t_bb, head_s=t_head, head_comm_s=t_head_comm,
+                    grad_sync_exposed_s=t_sync, step_s=step,
+                    images_per_s=inp.batch * inp.gpus / step, efficiency=t_bb / step)
