@@ -176,21 +176,21 @@ def resume(run: Run) -> None:
     if path is None:
         torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), from the seed
     else:
-        changed = resume_drift(checkpoint.read_meta(path).get("config"), cfg, str(path))
+        changed = resume_drift(checkpoint.read_meta(path).config, cfg, str(path))
         if changed:
             run.log.info(f"resuming with changed settings: {', '.join(changed)}")
         meta = checkpoint.load(path, run.engine)
-        run.step, run.saved = meta["step"], path
-        run.bad_steps = meta.get("bad_steps", 0)
-        run.skipped_steps = meta.get("skipped_steps", 0)
-        run.skipped_samples = meta.get("skipped_samples", 0)
-        loader.load_state_dict(meta["loader"])
+        run.step, run.saved = meta.step, path
+        run.bad_steps = meta.bad_steps
+        run.skipped_steps = meta.skipped_steps
+        run.skipped_samples = meta.skipped_samples
+        loader.load_state_dict(meta.loader_for(env.rank))
         finished = len(loader) - loader.batches_done < cfg.train.grad_accum
         run.epoch = loader.epoch + 1 if finished else loader.epoch
         if run.step >= run.total:
             return  # already_finished says so
         run.log.info(f"resumed from {path} at step {run.step} "
-                     f"(saved on {meta['world_size']} ranks)")
+                     f"(saved on {meta.world_size} ranks)")
     run.log.info(
         f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
@@ -308,10 +308,11 @@ def data_counts(run: Run) -> dict[str, int]:
 def save(run: Run) -> None:
     """Checkpoint step ``run.step`` (collective)."""
     cfg = run.cfg
-    meta = {"loader": run.loader.state_dict(), "name": cfg.name,
-            "config": cfg.model_dump(mode="json"), "bad_steps": run.bad_steps,
-            "skipped_steps": run.skipped_steps, "skipped_samples": run.skipped_samples}
-    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, meta, cfg.checkpoint.keep)
+    record = checkpoint.RunRecord(
+        loader=run.loader.state_dict(), name=cfg.name, config=cfg.model_dump(mode="json"),
+        bad_steps=run.bad_steps, skipped_steps=run.skipped_steps,
+        skipped_samples=run.skipped_samples)
+    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, record, cfg.checkpoint.keep)
 
 
 def evaluate(run: Run) -> None:

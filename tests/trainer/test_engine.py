@@ -270,7 +270,8 @@ def _compiled_and_eager(rank: int, world: int, root: str) -> dict:
         engine = engines[compiled] = build_engine(cfg, backbone="iresnet_tiny")
         losses = [engine.step(s, batches[s]).loss for s in range(2)]
         out[compiled] = {"losses": losses, **snapshot(engine)}
-        saved = checkpoint.save(Path(root) / str(compiled), 2, engine, {}, keep=1)
+        saved = checkpoint.save(Path(root) / str(compiled), 2, engine, checkpoint.RunRecord(),
+                                keep=1)
         out[compiled]["saved"] = snapshot(engine)  # BatchNorm statistics averaged by the save
         out[compiled]["keys"] = sorted(torch.load(saved / "backbone.pt", weights_only=True))
     for compiled, engine in engines.items():

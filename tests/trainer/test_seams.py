@@ -108,7 +108,7 @@ def test_a_short_run_fires_every_seam(clean_seams, one_rank_group, tmp_path):
     images, labels = next(iter(run.loader))
     run.engine.step(0, [(images, labels)])
     for _ in range(2):
-        checkpoint.save(cfg.run_dir, 1, run.engine, {"loader": None}, keep=2)
+        checkpoint.save(cfg.run_dir, 1, run.engine, checkpoint.RunRecord(), keep=2)
 
     ((backbone, ctx),) = fired["backbone-built"]
     assert backbone is run.engine.backbone and ctx == {"rank": 0}

@@ -37,7 +37,6 @@ on a file system every node sees.
 from __future__ import annotations
 
 import errno
-import json
 import re
 import shutil
 import sys
@@ -61,6 +60,7 @@ from trainer.checkpoint.integrity import (
     sha256,
     verify,
 )
+from trainer.checkpoint.meta import CheckpointMeta, RunRecord
 from trainer.dist import DistEnv
 from trainer.engine.state import EngineState
 
@@ -75,13 +75,13 @@ def tag_for(step: int) -> str:
 # ----------------------------------------------------------------------------- save
 
 
-def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
+def save(run_dir: Path, step: int, engine, record: RunRecord, keep: int) -> Path:
     """Write checkpoint ``step`` of ``engine`` (collective); returns its folder.
 
-    ``meta`` must be JSON-able; ``meta["loader"]`` (this rank's loader position) is gathered
-    into a per-rank list. Raises :class:`CheckpointError` on every rank when the state is
-    not finite (nothing is written or pruned) or when any rank fails to write. The ranks
-    are ``engine.env``'s.
+    ``record`` must be JSON-able; its ``loader`` (this rank's loader position) is gathered
+    into a per-rank list (:class:`~trainer.checkpoint.meta.CheckpointMeta`). Raises
+    :class:`CheckpointError` on every rank when the state is not finite (nothing is written
+    or pruned) or when any rank fails to write. The ranks are ``engine.env``'s.
     """
     env = engine.env
     rank, world = env.rank, env.world_size
@@ -92,7 +92,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
     _refuse_non_finite(full, step, env)
     rows = sorted(k for k, v in full.items() if isinstance(v, state.Rows))
     loaders: list = [None] * world
-    dist.all_gather_object(loaders, meta.get("loader"), group=env.group)
+    dist.all_gather_object(loaders, record.loader, group=env.group)
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,11 +124,11 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
     _on_every_rank(write, f"saving step {step}", tmp, env)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, hashes, group=env.group)
-    info = {**meta, "loader": loaders, "step": step, "world_size": world, "rows": rows,
-            "files": dict(sorted(kv for part in gathered for kv in part.items()))}
+    info = CheckpointMeta.of(record, step=step, world_size=world, loaders=loaders, rows=rows,
+                             files=dict(sorted(kv for part in gathered for kv in part.items())))
 
     def publish() -> None:
-        atomic_write_bytes(to_write(META), json.dumps(info, indent=1).encode())
+        atomic_write_bytes(to_write(META), info.to_json().encode())
         _replace(root, tmp, final)
         _prune(root, keep)
 
@@ -338,13 +338,11 @@ def _candidates(root: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- load
 
 
-def load(path: Path, engine) -> dict:
+def load(path: Path, engine) -> CheckpointMeta:
     """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective over
-    ``engine.env``'s ranks).
+    ``engine.env``'s ranks); returns its meta (``loader_for(rank)``: this rank's loader).
 
-    ``path`` should come from :func:`find_resume` (verified). Returns the meta dict, with
-    ``meta["loader"]`` narrowed to this rank's loader state (rank 0's when the checkpoint
-    had fewer ranks; the loader converts it).
+    ``path`` should come from :func:`find_resume` (verified).
     """
     path = Path(path)
     meta = read_meta(path)
@@ -361,7 +359,7 @@ def load(path: Path, engine) -> dict:
             template[key] = torch.zeros(md.size, dtype=md.properties.dtype)
     dcp.load(template, storage_reader=reader)
     flat = {k: v for k, v in template.items() if _BLOCK.match(k) is None}
-    for key in meta["rows"]:
+    for key in meta.rows:
         flat[key] = _my_rows(template, key, lo, hi)
     state.restore(engine, flat)
     rank = engine.env.rank
@@ -371,8 +369,6 @@ def load(path: Path, engine) -> dict:
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved and engine.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda"], engine.device)
-    loaders = meta["loader"]
-    meta["loader"] = loaders[rank] if rank < len(loaders) else loaders[0]
     return meta
 
 
