@@ -338,3 +338,17 @@ def test_a_wandb_failure_drops_wandb_with_one_warning_and_the_run_goes_on(
     assert len(warned) == 1 and warned[0].startswith("warning:"), warned
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
+
+
+def test_a_step_record_flattens_into_its_metrics_row():
+    from partial_fc.metric_names import SCALE_DYNAMICS
+    from trainer.telemetry.logger import StepRecord
+
+    head = dict.fromkeys(SCALE_DYNAMICS, 1.5)
+    record = StepRecord(step=3, loss=2.0, lr=0.1, grad_norm=0.5, head=head, img_per_s=10.0,
+                        memory_mb=1.0, data={"bad_steps": 1}, time_s=4.0, epoch=0)
+    row = record.row()
+    assert list(row) == ["step", "loss", "lr", "grad_norm", *SCALE_DYNAMICS, "img_per_s",
+                         "memory_mb", "bad_steps", "time_s", "epoch"]
+    assert row["step"] == 3 and row["bad_steps"] == 1 and row[SCALE_DYNAMICS[0]] == 1.5
+    assert "epoch" not in StepRecord(**{**record.__dict__, "epoch": None}).row()
