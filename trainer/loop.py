@@ -273,7 +273,7 @@ def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> Stop
     else:
         run.bad_in_a_row = 0
     counts = data_counts(run) if log.due(run.step) else None
-    log.step(run.step, result, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
+    log.step(run.step, result, result.head_stats, counts, run.env.device, epoch=run.epoch)
     if hist:
         log.histograms(run.step, result.angles)
     if not result.skipped or result.overflow:

@@ -117,7 +117,7 @@ class _Scripted:
     """An engine whose steps return the given results in turn."""
 
     def __init__(self, results):
-        self.results, self.head = list(results), type("Head", (), {"stats": {}})()
+        self.results = list(results)
 
     def step(self, step, micro_batches, angles=False, stop=NO_STOP):
         return self.results.pop(0)

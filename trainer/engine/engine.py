@@ -123,6 +123,7 @@ class StepResult:
     stop: StopRequest  # the stop request agreed over the ranks (the largest reason)
     numbers: Mapping[str, float] = field(repr=False)  # {"loss", "grad_norm"}, read lazily
     angles: dict[str, Tensor] | None = None  # PartialFC.angle_sample, when asked for
+    head_stats: Mapping[str, float] = field(default_factory=dict, repr=False)  # head.stats
 
     @property
     def loss(self) -> float:
@@ -270,7 +271,7 @@ class Engine:
             rows.raise_label_error()
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
-                          stop=agreed_stop, angles=sample,
+                          stop=agreed_stop, angles=sample, head_stats=self.head.stats,
                           numbers=DeviceScalars({"loss": loss_sum / k,
                                                  "grad_norm": update.grad_norm}))
 
