@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 
@@ -111,6 +112,10 @@ def format_table(r: PlanResult) -> str:
         lines.append(f"  {c.name:<38}{c.kind:<15}{c.bytes / 2**20:10.2f} MiB"
                      f"{c.seconds * 1e3:9.3f} ms")
     lines.append(f"  {'total':<53}{r.comm_seconds * 1e3:19.3f} ms")
+    lines += ["", f"loader: {r.loader_images_per_s_per_gpu:,.0f} img/s per GPU (H100 step) "
+              f"needs {r.loader_workers_per_gpu:.2f} decoding cores per GPU, "
+              f"{r.loader_workers_per_node} per node of {i.gpus_per_node} (data.num_workers"
+              f"={math.ceil(r.loader_workers_per_gpu)} per rank)"]
     return "\n".join(lines)
 
 

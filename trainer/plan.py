@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,20 +32,22 @@ class Figures:
     ``activations`` / ``block_activations``: bytes saved for backward per image (one ViT
     block's share), keyed ``(backbone, "fp32"|"bf16")``; a backbone missing here is measured
     when first asked for (:func:`measure_activations`). ``r50_images_per_s``: iresnet50's
-    single-H100 training throughput; ``head_matmul_flops_per_s``: the head's three matmuls'.
+    single-H100 training throughput; ``head_matmul_flops_per_s``: the head's three matmuls';
+    ``loader_images_per_s``: one loader worker's (one CPU core) images per second.
     """
 
     activations: dict[tuple[str, str], int]
     block_activations: dict[tuple[str, str], int]
     r50_images_per_s: float
     head_matmul_flops_per_s: float
+    loader_images_per_s: float
 
 
 @functools.cache
 def figures() -> Figures:
     """:data:`FIGURES`, read once."""
     data = json.loads(FIGURES.read_text())
-    act, h100 = data["activations"], data["h100"]
+    act, h100, loader = data["activations"], data["h100"], data["loader"]
 
     def table(entries: dict[str, int]) -> dict[tuple[str, str], int]:
         return {tuple(key.split("/")): value for key, value in entries.items()}
@@ -52,7 +55,8 @@ def figures() -> Figures:
     shape = h100["head_matmul_shape"]
     flops = memory.head_matmul_flops(shape["n"], shape["classes"], shape["dim"])
     return Figures(table(act["per_image"]), table(act["per_vit_block"]),
-                   h100["iresnet50_images_per_s"], flops / h100["head_matmul_seconds"])
+                   h100["iresnet50_images_per_s"], flops / h100["head_matmul_seconds"],
+                   loader["images_per_cpu_s"])
 
 
 class PlanError(Refused, ValueError):
@@ -223,6 +227,9 @@ class PlanResult:
     link_bytes_per_s: float
     collectives: list[CollectiveTime]
     comm_seconds: float
+    loader_images_per_s_per_gpu: float  # the images/s one GPU's backbone takes (H100 step)
+    loader_workers_per_gpu: float  # loader workers (CPU cores) that feed it
+    loader_workers_per_node: int
 
 
 @dataclass(frozen=True)
@@ -275,7 +282,18 @@ def plan(inp: Inputs) -> PlanResult:
         gpu_memory_bytes=limit, fits=peak <= limit,
         max_classes=memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
         link="inter-node" if multi_node else "intra-node", link_bytes_per_s=bw,
-        collectives=colls, comm_seconds=sum(c.seconds for c in colls))
+        collectives=colls, comm_seconds=sum(c.seconds for c in colls), **loader_need(inp))
+
+
+def loader_need(inp: Inputs) -> dict:
+    """The CPU loader that keeps one GPU busy: the backbone's modelled images/s on an H100
+    (iresnet50's measured step, scaled by flops) over one worker's rate; per GPU (a fraction:
+    ``data.num_workers`` is its ceiling) and per node."""
+    per_image = backbone_flops(inp.backbone, inp.dim) / backbone_flops("iresnet50")
+    rate = figures().r50_images_per_s / per_image
+    workers = rate / figures().loader_images_per_s
+    return {"loader_images_per_s_per_gpu": rate, "loader_workers_per_gpu": workers,
+            "loader_workers_per_node": math.ceil(workers * inp.gpus_per_node)}
 
 
 def step_model(result: PlanResult, head_factor: float) -> StepTime:

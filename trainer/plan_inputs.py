@@ -49,6 +49,11 @@ def resolve_inputs(config: str | None, given: Mapping[str, object],
                 value = getattr(value, part)
         values[key] = value
     machine = {k: given[k] if given.get(k) is not None else v for k, v in MACHINE.items()}
+    if values["classes"] is None and cfg.data.dirs:  # the sum of their classes, if at hand
+        from trainer.config.on_disk import read_data_manifest
+
+        manifest, _ = read_data_manifest(cfg)
+        values["classes"] = manifest.num_classes if manifest is not None else None
     if values["classes"] is None:
         raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
     asked, nodes, per_node = given.get("gpus"), given.get("nodes"), machine["gpus_per_node"]
