@@ -48,8 +48,7 @@ def test_a_truncated_kernel_in_the_default_cache_is_not_loaded(tmp_path):
 
     broken = _compile(shared)
     assert broken.returncode != 0, "the truncated kernels were not loaded: the check is void"
-    assert "file too short" in broken.stderr or "precompiled header" in broken.stderr, \
-        broken.stderr[-3000:]
+    assert str(default) in broken.stderr, broken.stderr[-3000:]  # it failed on a planted file
 
     fresh = _compile(private)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
