@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -38,8 +39,9 @@ def private_caches(tmp_path, monkeypatch):
     for variable, folder in PRIVATE_CACHES.items():
         monkeypatch.setenv(variable, str(tmp_path / "caches" / folder))
     monkeypatch.setenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")  # read at import
-    if (inductor := sys.modules.get("torch._inductor.config")) is not None:
-        monkeypatch.setattr(inductor, "cpp_cache_precompile_headers", False)
+    inductor = sys.modules.get("torch._inductor.config")  # already imported: its own patch
+    with inductor.patch(cpp_cache_precompile_headers=False) if inductor else nullcontext():
+        yield
 
 
 @pytest.fixture(autouse=True)
