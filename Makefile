@@ -70,9 +70,13 @@ $(SMOKE_DATA)/manifest.json: | setup
 	m = w('$(SMOKE_DATA)', $(SMOKE_CLASSES), $(SMOKE_IMAGES), seed=0); \
 	print(f'synthetic data: {m.num_classes} classes, {m.num_samples} images in $(SMOKE_DATA)')"
 
+# The config, the data folder and the batch are checked once, in one process, before torchrun
+# starts (as the recipes do): an error is then printed once, never lost to another rank's exit.
 # `exec`: no shell stays between make and the launcher, so a signal sent to every process of
 # the job reaches make and the launcher only (docs/training.md: make and SIGTERM).
 train: setup $(SMOKE_DATA)/manifest.json
+	@$(PY) -m launch.train --check --nproc-per-node $(SMOKE_NPROC) \
+	  --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
 	export OMP_NUM_THREADS=1; exec $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
 	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
 
@@ -82,10 +86,13 @@ ORL_BIN  := data/orl_s31-s40.bin
 
 $(ORL_DATA)/manifest.json: | setup
 	$(PY) -c "from data_pipeline.orl import write_orl_shards as w; \
-	w('$(ORL_DATA)', identities=[f's{i}' for i in range(1, 31)])"
+	m = w('$(ORL_DATA)', identities=[f's{i}' for i in range(1, 31)]); \
+	print(f'ORL faces: {m.num_classes} identities, {m.num_samples} images in $(ORL_DATA)')"
 
 $(ORL_BIN): | setup
-	$(PY) -c "from data_pipeline.orl_pairs import write_orl_verification_bin as w; w('$@')"
+	$(PY) -c "from data_pipeline.orl_pairs import write_orl_verification_bin as w; \
+	from data_pipeline.verification_bin import read_bin; p = w('$@'); n = len(read_bin(p)[1]); \
+	print(f'ORL verification pairs: {n} pairs of s31-s40 in {p}')"
 
 train-orl: $(ORL_DATA)/manifest.json $(ORL_BIN)
 	OMP_NUM_THREADS=1 $(PY) -m launch.train --config configs/orl.yaml \

@@ -28,6 +28,7 @@ from trainer.config import (
     machine_notes,
 )
 from trainer.dist import init_distributed, launcher_rank, shutdown
+from trainer.errors import yield_to_reporter
 from trainer.loop import report_failure, train
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
@@ -74,9 +75,12 @@ def launch_machine(nproc_per_node: str, nnodes: int, here: Machine) -> Machine |
 
 
 def _print_once_per_node(message: str) -> None:
-    """Before any process group: every rank of a node found the same, one report per node."""
+    """Before any process group: every rank of a node found the same, one report per node,
+    from its local rank 0, which the others let exit first."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(message, file=sys.stderr)
+        print(message, file=sys.stderr, flush=True)
+    else:
+        yield_to_reporter()
 
 
 def main(argv: list[str] | None = None) -> int:

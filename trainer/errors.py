@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import re
+import time
 import traceback
 from dataclasses import dataclass
 from typing import ClassVar
@@ -97,6 +98,18 @@ def classify(err: BaseException, rank: int) -> Report:
     line = f"{kind.label}{where}: {user}"
     prints = kind.scope is Scope.ONE_RANK or rank == 0
     return Report(kind, kind.exit_code, kind.scope, prints, line, line)
+
+
+# How long a rank that does not print a failure every rank met waits before it exits.
+REPORTER_HEAD_START_S = 15.0
+
+
+def yield_to_reporter() -> None:
+    """Wait before exiting on a failure that another rank reports. A launcher (torchrun,
+    srun) ends a job's other processes as soon as one exits with an error; the rank that
+    prints must exit first, or its line is lost with it. The wait costs nothing when the
+    reporter exits first: the launcher then ends this rank in its wait."""
+    time.sleep(REPORTER_HEAD_START_S)
 
 
 def as_user_error(err: BaseException) -> UserError | None:

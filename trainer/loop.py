@@ -26,7 +26,14 @@ from trainer.config import (
     resume_drift,
 )
 from trainer.dist import DistEnv
-from trainer.errors import Scope, Stopped, classify, collective_detail, is_collective_failure
+from trainer.errors import (
+    Scope,
+    Stopped,
+    classify,
+    collective_detail,
+    is_collective_failure,
+    yield_to_reporter,
+)
 from trainer.preemption import StopSignals
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
@@ -331,4 +338,6 @@ def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
         print(report.text, end="" if report.text.endswith("\n") else "\n", file=sys.stderr,
               flush=True)
         append_log(run_dir, report.logged)
+    else:
+        yield_to_reporter()
     return report.exit_code

@@ -464,6 +464,7 @@ def test_batch_too_large_and_unwritable_output_fail_before_any_group(tiny_data, 
     err = capsys.readouterr().err
     assert rc == 2 and not dist.is_initialized()
     assert "train.batch_size=81 x grad_accum=1 on 2 rank(s): the 160 samples" in err
+    assert "train.batch_size=80 is the largest that fits" in err  # what the run below uses
     assert f"output='{blocker / 'run'}': {blocker} is not a folder" in err
     monkeypatch.setenv("WORLD_SIZE", "1")
     ok = _train_in_process(tiny_data, tmp_path / "run", "train.batch_size=80", "train.max_steps=1")

@@ -57,7 +57,7 @@ __all__ = [
     "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
     "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
-    "resume_drift", "theory_warnings",
+    "resume_drift", "run_folder", "theory_warnings",
 ]
 
 
@@ -81,6 +81,21 @@ def machine_notes(cfg: Config, machine: Machine | None = None) -> tuple[Config, 
     for msg in theory_warnings(filled):
         warnings.warn(msg, ConfigWarning, stacklevel=2)
     return filled, [msg for _, msg in found]
+
+
+def run_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path | None:
+    """The run folder ``path`` plus ``overrides`` names (``output``, else ``runs/<name>``), read
+    from the merged YAML without validating the rest: a launcher reports a failed rank's log
+    there even when the config was refused. None when the recipe cannot be read."""
+    try:
+        tree = load_tree(Path(path), {})
+    except (ConfigError, OSError):
+        return None
+    apply_overrides(tree, list(overrides), {})
+    fields = Config.model_fields
+    output = tree.get("output", fields["output"].default)
+    name = tree.get("name", fields["name"].default)
+    return Path(output if output is not None else f"runs/{name}")
 
 
 def load_config(

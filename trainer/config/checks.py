@@ -152,7 +152,8 @@ def _sized(cfg: Config, manifest: Manifest | None) -> Resolved:
                 fill[key] = want
             elif have != want:
                 out.append((f"data.{key}",
-                            f"data.{key}={have}: manifest.json in {Path(data.dir)} says {want}"))
+                            f"data.{key}={have}: manifest.json in {Path(data.dir)} says {want}; "
+                            f"set data.{key}={want} or drop the key (the manifest fills it)"))
     if not fill:
         return Resolved(cfg, out)
     sized = cfg.model_copy(update={"data": data.model_copy(update=fill, deep=True)}, deep=True)
@@ -208,9 +209,12 @@ def _batch_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
         return []
     key = "train.batch_size" if batches_per_rank(n, world, batch) == 0 else "train.grad_accum"
     where = "the synthetic data" if cfg.data.source == "synthetic" else cfg.data.dir
+    fits = next((b for b in range(batch - 1, 0, -1) if batches_per_rank(n, world, b) >= k), 0)
+    fix = (f"train.batch_size={fits} is the largest that fits" if fits else
+           f"even train.batch_size=1 needs {world * k} samples")
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
                   f"{n} samples in {where} cannot fill one step (at most "
-                  f"{n // world} samples per rank)")]
+                  f"{n // world} samples per rank); {fix}, or add data or launch fewer ranks")]
 
 
 def _class_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
