@@ -1,0 +1,79 @@
+"""Every launch error is seen once, in one line: ``make train`` checks the config, the data
+folder and the batch in one process before torchrun starts (no rank can be killed before it
+prints), and ``launch.torchrun`` ends a failed job with one line (the rank, its exit code,
+where torchrun's report went) instead of torchrun's ``ChildFailedError`` block."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.chaos import harness as chaos
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT),
+       "WANDB_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """12 samples: one step of batch 2 fits on 2 ranks, the smoke recipe's batch 32 does not."""
+    return chaos.write_data(tmp_path_factory.mktemp("tiny"), num_classes=3, per_class=4)
+
+
+def _make_train(data: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = ["make", "--no-print-directory", "train", f"PY={sys.executable}", "SETUP=",
+           f"SMOKE_DATA={data}", "ARGS=" + " ".join(args)]
+    return subprocess.run(cmd, cwd=chaos.ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _lines(out: str, start: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(start)]
+
+
+@pytest.mark.slow
+def test_make_train_shows_each_bad_input_once_without_a_traceback(tiny, tmp_path):
+    """10 tries over a bad key, a missing data folder and a batch the data cannot fill: each
+    prints the project's line once and nothing of torchrun (it never starts)."""
+    cases = [
+        (["optim.lrr=0.1", "train.batch_size=2"], "optim.lrr: unknown key (did you mean optim.lr?"),
+        ([f"data.dir={tmp_path / 'nowhere'}", "train.batch_size=2"],
+         f"data.dir='{tmp_path / 'nowhere'}': no such folder"),
+        ([], "(at most 6 samples per rank); train.batch_size=6 is the largest that fits"),
+    ]
+    for attempt in range(10):
+        args, expected = cases[attempt % len(cases)]
+        done = _make_train(tiny, f"output={tmp_path / 'run'}", *args)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0, out
+        assert sum(expected in line for line in out.splitlines()) == 1, out
+        assert "Traceback" not in out and "ChildFailedError" not in out, out
+        assert "torchrun" not in done.stderr and not (tmp_path / "run").exists(), out
+
+
+def _launch(data: Path, run: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node", "2",
+           "-m", "launch.train", "--config", str(chaos.SMOKE), f"data.dir={data}",
+           f"output={run}", *chaos.BASE_ARGS, *args]
+    return subprocess.run(cmd, cwd=chaos.ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_plain_launcher_prints_the_refusal_once_and_one_line_of_its_own(tiny, tmp_path):
+    """No ``--check`` first: both ranks refuse the config; local rank 0 prints it (rank 1
+    lets it exit first), and the launch adds one line and exits 2, making no run folder."""
+    run = tmp_path / "run"
+    done = _launch(tiny, run, "optim.lrr=0.1", "train.batch_size=2")
+    err = done.stderr
+    assert done.returncode == 2, err
+    assert len(_lines(err, "command line: optim.lrr: unknown key")) == 1, err
+    ours = _lines(err, "launch: ")
+    assert len(ours) == 1 and ours[0].startswith("launch: rank 0 (pid "), err
+    assert ours[0].endswith("ended the job with exit code 2 (its input was refused; nothing "
+                            "started)"), err
+    assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err
+    assert not run.exists()
