@@ -30,8 +30,12 @@ from trainer.config import (
 from trainer.dist import init_distributed, launcher_rank, shutdown
 from trainer.errors import yield_to_reporter
 from trainer.loop import report_failure, train
+from trainer.preemption import LAUNCHER_WATCH, forget_requests
+from trainer.run_lock import run_folder_lock
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
+
+LAUNCHER_GRACE_S = 20.0  # beyond dist.timeout_s, how long a rank may outlive its launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,6 +89,7 @@ def _print_once_per_node(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    forget_requests()
     machine = Machine.observe()  # the one look at this machine and torchrun's launch
     if args.check:  # the launch being checked, before torchrun starts it
         shape = launch_machine(args.nproc_per_node, args.nnodes, machine)
@@ -117,13 +122,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)
         print(dump_config(cfg), end="")
         return 0
+    # torchrun's ranks stop when it dies: a checkpoint at the next step boundary, or an
+    # exit within the process group's timeout when the group no longer works
+    LAUNCHER_WATCH.start(cfg.dist.timeout_s + LAUNCHER_GRACE_S)
     try:
         env = init_distributed(cfg.device, cfg.dist.timeout_s)
     except ConfigError as err:  # this node's network set-up (no interface to the others)
         _print_once_per_node(f"config error: {err}")
         return err.exit_code
     try:
-        train(cfg, env)
+        with run_folder_lock(cfg.run_dir, env):  # one job per run folder
+            train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
         return report_failure(err, env.rank, cfg.run_dir)
     finally:

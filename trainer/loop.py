@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +33,8 @@ from trainer.errors import (
     is_collective_failure,
     yield_to_reporter,
 )
-from trainer.preemption import StopSignals
+from trainer.preemption import LOCK_LOST, StopSignals, stop_reason
+from trainer.run_lock import RunLockLost
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
 
@@ -118,7 +118,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
     if run.step >= run.total:
         return already_finished(run)
     saved = lambda: run.saved  # noqa: E731 - read when the report is made
-    with StopSignals() as signals, _collectives_of(
+    with StopSignals(lambda: (run.step, run.step_started)) as signals, _collectives_of(
             lambda: f"step {run.step + 1}", timeout, saved, since=lambda: run.step_started):
         stopped_by = loop(run, signals)
     with _collectives_of(lambda: f"after step {run.step}", timeout, saved):
@@ -219,7 +219,8 @@ def already_finished(run: Run) -> dict:
 
 
 def loop(run: Run, signals: StopSignals) -> str | None:
-    """Train until ``run.total`` steps; returns the signal's name when one stopped it early."""
+    """Train until ``run.total`` steps; returns what stopped it early (a signal's name, the
+    launcher's death), None when it ran to the end."""
     cfg = run.cfg
     run.log.start(run.step)
     while run.step < run.total:
@@ -230,6 +231,8 @@ def loop(run: Run, signals: StopSignals) -> str | None:
                 what = run.log.write_error or "rank 0 could not write a run file"
                 raise WriteFailed(f"step {run.step}: {what}; free space and run the same "
                                   f"command again to resume from the last checkpoint")
+            if stop == LOCK_LOST:  # another job writes the folder now: no checkpoint
+                raise RunLockLost(f"step {run.step}: {stop_reason(stop)}")
             if run.step >= run.total:
                 return None
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
@@ -237,7 +240,7 @@ def loop(run: Run, signals: StopSignals) -> str | None:
             if cfg.eval.bins and run.step % cfg.eval.every == 0:
                 evaluate(run)
             if stop:  # agreed in the step: every rank stops after this same step
-                return signal.Signals(stop).name
+                return stop_reason(stop)
         run.epoch += 1
     return None
 

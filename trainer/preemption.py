@@ -1,31 +1,97 @@
-"""Preemption: SIGTERM or SIGUSR1 ends the run at the next step boundary with a checkpoint.
+"""Stopping a run: signals, the launcher's death and a lost run-folder lock all end it at the
+next step boundary with a checkpoint (the lock: without one), or at once when waiting would
+take too long.
 
 Cluster schedulers announce the end of a job with SIGTERM (SLURM: ``scancel``, a time limit
 with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user signal, and
-kill it a grace period later. The handler only records the signal; ``launch.train`` hands
-``received`` to every step, whose one agreement all-reduce (``trainer.engine.Engine.step``'s
-``stop_request``) takes the largest over the ranks, so that every rank stops after the same
-step even when the signal reached only some of them (at no host read of its own), saves
-there and exits 0. DataLoader workers ignore SIGUSR1 and their first SIGTERM
-(``data_pipeline.loader``), so a signal sent to every process of the job (``scancel``) does
-not kill them before the trainer has stopped; the trainer then ends them itself.
+kill it a grace period later; Ctrl-C sends SIGINT. The handler only records the signal;
+``launch.train`` hands ``received`` to every step, whose one agreement all-reduce
+(``trainer.engine.Engine.step``'s ``stop_request``) takes the largest over the ranks, so that
+every rank stops after the same step even when the signal reached only some of them (at no
+host read of its own), saves there and exits 0. DataLoader workers ignore SIGINT, SIGUSR1
+and their first SIGTERM (``data_pipeline.loader``), so a signal sent to every process of the
+job (``scancel``, Ctrl-C) does not kill them before the trainer has stopped; the trainer then
+ends them itself.
+
+A signal does not wait for the step boundary when waiting cannot help: a second signal (the
+user insists, or the grace period is running out), one arriving in the first step this
+process runs (nothing new to save: the run resumes where it began), or one arriving while the
+step, at the pace of the steps before it, has more than :data:`WAIT_FOR_STEP_S` left (a
+CPU-sized step of minutes). The run then raises :class:`Interrupted` in the step: the last
+checkpoint stays and the line says so.
+
+Watchers on other threads (the launcher's death here, the run lock's heartbeat in
+``trainer.run_lock``) ask for a stop with :func:`request_stop`; their codes lie above any
+signal number, so the agreement's maximum keeps them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from data_pipeline.parent_death import die_with_parent
+from trainer.errors import Stopped
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+LAUNCHER_GONE = 1001  # the process that started this rank (torchrun) died: save and stop
+LOCK_LOST = 1002  # another job took the run folder over: stop without a checkpoint
+WAIT_FOR_STEP_S = 30.0  # a stop signal waits this long at most for the step to end
+LAUNCHER_POLL_S = 1.0
+
+_requests: dict[int, str] = {}  # code -> why, from this process's watcher threads
+
+
+class Interrupted(Stopped):
+    """A stop signal the step's end could not wait for (a second one, or a long step)."""
+
+
+def request_stop(code: int, why: str) -> None:
+    """Ask the run to stop after the current step (any thread): ``code`` (:data:`LAUNCHER_GONE`,
+    :data:`LOCK_LOST`) enters the next step's agreement; ``why`` is what the run reports."""
+    _requests.setdefault(code, why)
+
+
+def forget_requests() -> None:
+    """Start a run with no watcher's stop request (a test runs several in one process)."""
+    _requests.clear()
+
+
+def stop_reason(code: int) -> str:
+    """What stopped the run, for its last line: a signal's name or a watcher's reason."""
+    if code in _requests:
+        return _requests[code]
+    if code == LAUNCHER_GONE:
+        return "the launcher's death (on another rank)"
+    if code == LOCK_LOST:
+        return "the loss of the run folder's lock (on rank 0)"
+    return signal.Signals(code).name
 
 
 class StopSignals:
-    """Context manager: while active, SIGTERM/SIGUSR1 request a stop instead of killing."""
+    """Context manager around the step loop: while active, SIGTERM/SIGUSR1/SIGINT request a
+    stop instead of killing. ``progress()`` gives ``(steps done, time.monotonic() at the
+    current step's start)``; it decides whether a signal may wait for the step's end."""
 
-    def __init__(self):
-        self.received = 0  # signal number, 0 = none
+    def __init__(self, progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)):
+        self._signal = 0  # signal number, 0 = none
+        self._progress = progress
+        self._entered: tuple[int, float] = (0, 0.0)
         self._previous: dict[int, object] = {}
 
+    @property
+    def received(self) -> int:
+        """The stop request this rank brings to the next step: the largest of its signal and
+        its watchers' codes, 0 for none."""
+        return max([self._signal, *_requests])
+
     def __enter__(self) -> StopSignals:
+        self._entered = (self._progress()[0], time.monotonic())
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
         return self
@@ -35,4 +101,71 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _record(self, signum: int, frame) -> None:
-        self.received = signum
+        if LAUNCHER_WATCH.gone():  # PR_SET_PDEATHSIG's SIGTERM: the launcher died
+            LAUNCHER_WATCH.report()
+            return
+        name = signal.Signals(signum).name
+        steps, started = self._progress()
+        first_steps, entered = self._entered
+        done_here = steps - first_steps
+        now = time.monotonic()
+        if self._signal:
+            why = f"a second stop signal ({name})"
+        elif done_here == 0:
+            why = f"{name} in the first step this process runs (nothing new to save)"
+        elif started + (started - entered) / done_here - now > WAIT_FOR_STEP_S:
+            left = started + (started - entered) / done_here - now
+            why = (f"{name} about {left:.0f} s before the step's end (more than "
+                   f"{WAIT_FOR_STEP_S:.0f} s to wait)")
+        else:
+            self._signal = signum
+            return
+        raise Interrupted(f"step {steps + 1}: interrupted by {why}; the step in progress "
+                          "cannot be saved, the last checkpoint stays: run the same command "
+                          "again to resume from it")
+
+
+class LauncherWatch:
+    """A rank that outlives its launcher stops: the kernel sends it SIGTERM when its parent
+    dies (``PR_SET_PDEATHSIG``), and a thread watching the parent pid asks for a stop
+    (:data:`LAUNCHER_GONE`: a checkpoint at the next step boundary) and, should the rank
+    still run ``grace_s`` later (its group broken, a collective stuck until
+    ``dist.timeout_s``), ends the process."""
+
+    def __init__(self):
+        self.parent = 0  # the launcher's pid, 0 while not watching
+        self.grace_s = 0.0
+
+    def start(self, grace_s: float) -> bool:
+        """Watch this process's parent when a launcher started it (torchrun exports
+        ``TORCHELASTIC_RUN_ID``); returns whether it watches. ``grace_s``: how long the rank
+        may outlive the launcher."""
+        self.grace_s = grace_s
+        if self.parent or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return bool(self.parent)
+        self.parent = os.getppid()
+        die_with_parent(signal.SIGTERM)  # not Linux: the thread alone
+        threading.Thread(target=self._watch, name="launcher-watch", daemon=True).start()
+        if self.gone():  # died before the prctl: no signal will come
+            self.report()
+        return True
+
+    def gone(self) -> bool:
+        return bool(self.parent) and os.getppid() != self.parent
+
+    def report(self) -> None:
+        request_stop(LAUNCHER_GONE, f"the launcher's death (pid {self.parent})")
+
+    def _watch(self) -> None:
+        while not self.gone():
+            time.sleep(LAUNCHER_POLL_S)
+        self.report()
+        time.sleep(self.grace_s)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"error: the launcher (pid {self.parent}) died {self.grace_s:.0f} s ago and "
+                  f"this rank (pid {os.getpid()}) has not stopped; ending it", file=sys.stderr,
+                  flush=True)
+        os._exit(1)
+
+
+LAUNCHER_WATCH = LauncherWatch()  # one per process: the process has one parent
