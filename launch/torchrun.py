@@ -7,15 +7,17 @@ whole process group (the rank and its DataLoader workers), waits for them and ex
 traceback whatever the ranks did; SIGUSR1 kills it outright (rc 138, its ranks orphaned).
 A scheduler then records a failed job after a clean save (torch 2.13, measured).
 
-This program runs torchrun (``torch.distributed.run``) in its own process with SIGTERM and
-SIGUSR1 taken from it: each one it receives is passed on to every rank's own process, never
-to the rank's group, so a loader worker meets a job-wide signal once, which it outlives
-(``data_pipeline.loader``). The ranks save at the next step boundary and exit 0
-(``trainer.preemption``), and torchrun, which never saw the signal, exits as its ranks did:
+This program runs torchrun (``torch.distributed.run``) in its own process with SIGTERM,
+SIGUSR1 and SIGINT taken from it: each one it receives is passed on to every rank's own
+process, never to the rank's group, so a loader worker meets a job-wide signal once, which it
+outlives (``data_pipeline.loader``); a rank that gets the same signal twice (from the
+scheduler or the terminal, and from here) counts it once. The ranks save at the next step
+boundary and exit 0 (``trainer.preemption``), and torchrun, which never saw the signal, exits as its ranks did:
 0 when every rank saved and exited 0, its usual non-zero code (or a restart, with
 ``--max-restarts``) when one failed or was killed. No state outlives the launch, so an
-earlier launch's save cannot explain away this one's failure. SIGINT, SIGHUP and SIGQUIT
-stay torchrun's: Ctrl-C ends the job at once, as before.
+earlier launch's save cannot explain away this one's failure. Ctrl-C is a stop like SIGTERM;
+a second one, or a stop signal the step's end is too far away for, ends the job at once
+(``trainer.preemption``). SIGHUP and SIGQUIT stay torchrun's.
 
 Signals that arrive while no rank runs (rendezvous, a restart) reach no rank.
 
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def rank_pids(parent: int) -> list[int]:
@@ -143,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = get_args_parser()
     parser.prog = "python -m launch.torchrun"
-    parser.description = ("torchrun (same arguments) whose SIGTERM and SIGUSR1 go to each rank, "
-                          "which saves and exits 0: the launch then exits 0, not 1. A failed "
+    parser.description = ("torchrun (same arguments) whose SIGTERM, SIGUSR1 and SIGINT go to "
+                          "each rank, which saves and exits 0: the launch then exits 0, not 1 "
+                          "(a second signal stops the ranks at once). A failed "
                           "rank ends it with one line (rank, exit code, RUN/train.log) and its "
                           "exit code: 2 for refused input, 1 for a runtime failure.")
     torchruns_help = parser.format_help  # reST in places: --help reads as plain text

@@ -13,8 +13,9 @@ and their first SIGTERM (``data_pipeline.loader``), so a signal sent to every pr
 job (``scancel``, Ctrl-C) does not kill them before the trainer has stopped; the trainer then
 ends them itself.
 
-A signal does not wait for the step boundary when waiting cannot help: a second signal (the
-user insists, or the grace period is running out), one arriving in the first step this
+A signal does not wait for the step boundary when waiting cannot help: a second signal
+(the user insists, or the grace period is running out; one within :data:`SAME_SIGNAL_S` of
+the first is the same signal delivered twice), one arriving in the first step this
 process runs (nothing new to save: the run resumes where it began), or one arriving while the
 step, at the pace of the steps before it, has more than :data:`WAIT_FOR_STEP_S` left (a
 CPU-sized step of minutes). The run then raises :class:`Interrupted` in the step: the last
@@ -42,6 +43,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LAUNCHER_GONE = 1001  # the process that started this rank (torchrun) died: save and stop
 LOCK_LOST = 1002  # another job took the run folder over: stop without a checkpoint
 WAIT_FOR_STEP_S = 30.0  # a stop signal waits this long at most for the step to end
+# Signals this close to the first are the same one: a job-wide signal reaches a rank twice,
+# from the scheduler (or the terminal's Ctrl-C) and forwarded by launch.torchrun.
+SAME_SIGNAL_S = 2.0
 LAUNCHER_POLL_S = 1.0
 
 _requests: dict[int, str] = {}  # code -> why, from this process's watcher threads
@@ -80,6 +84,7 @@ class StopSignals:
 
     def __init__(self, progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)):
         self._signal = 0  # signal number, 0 = none
+        self._signalled = 0.0  # time.monotonic() when it came
         self._progress = progress
         self._entered: tuple[int, float] = (0, 0.0)
         self._previous: dict[int, object] = {}
@@ -109,6 +114,8 @@ class StopSignals:
         first_steps, entered = self._entered
         done_here = steps - first_steps
         now = time.monotonic()
+        if self._signal and now - self._signalled < SAME_SIGNAL_S:
+            return  # one job-wide signal reaching the rank twice (directly and forwarded)
         if self._signal:
             why = f"a second stop signal ({name})"
         elif done_here == 0:
@@ -118,7 +125,7 @@ class StopSignals:
             why = (f"{name} about {left:.0f} s before the step's end (more than "
                    f"{WAIT_FOR_STEP_S:.0f} s to wait)")
         else:
-            self._signal = signum
+            self._signal, self._signalled = signum, now
             return
         raise Interrupted(f"step {steps + 1}: interrupted by {why}; the step in progress "
                           "cannot be saved, the last checkpoint stays: run the same command "

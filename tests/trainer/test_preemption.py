@@ -33,12 +33,17 @@ class Clock:
         return self.steps, self.started
 
 
-def test_a_signal_near_the_step_end_waits_for_it_a_second_stops_now():
+def test_a_signal_near_the_step_end_waits_for_it_a_second_stops_now(monkeypatch):
+    from trainer import preemption
+
+    monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.2)
     clock = Clock()
     with StopSignals(clock) as signals:
         clock.steps, clock.started = 3, time.monotonic()  # 3 quick steps done, the 4th runs
         signal.raise_signal(signal.SIGTERM)
         assert signals.received == signal.SIGTERM  # kept for the step's agreement
+        signal.raise_signal(signal.SIGTERM)  # the same job-wide signal, forwarded: no effect
+        time.sleep(0.3)
         with pytest.raises(Interrupted, match=r"step 4: interrupted by a second stop signal "
                                               r"\(SIGINT\); .* the last checkpoint stays"):
             signal.raise_signal(signal.SIGINT)

@@ -32,6 +32,7 @@ from trainer.config.checks import (
 from trainer.config.files import apply_overrides, load_tree, schema_errors, shown, source_of
 from trainer.config.machine import Machine
 from trainer.config.on_disk import path_errors, read_data_manifest
+from trainer.config.pace import cpu_pace_warning
 from trainer.config.schema import (
     BackboneConfig,
     CheckpointConfig,
@@ -111,8 +112,8 @@ def load_config(
     ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples`` (with
     ``data.source=synthetic``: no file; ``num_samples`` from the synthetic settings), checks the
     device, resume folder and eval files, against ``machine`` (the launch's ranks, GPUs,
-    packages; :meth:`Machine.observe` when None). Theory checks (known C) become
-    :class:`ConfigWarning`.
+    packages; :meth:`Machine.observe` when None). Theory checks (known C) and a step that
+    would take minutes on this machine's CPU become :class:`ConfigWarning`.
     Raises :class:`ConfigError` listing every problem found.
     """
     origin: dict[str, str] = {}
@@ -129,9 +130,12 @@ def load_config(
         broken = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
         cfg = Config.model_validate({k: v for k, v in tree.items() if k not in broken})
     found = semantic_errors(cfg)
+    pace: list[str] = []
     if resolve:
+        machine = machine or Machine.observe()
         cfg, more = resolve_here(cfg, machine)
         found += more
+        pace = [msg for msg in [cpu_pace_warning(cfg, machine)] if msg]
     errors += [
         f"{source_of(origin, key, top)}: {msg}"
         for key, msg in found
@@ -139,7 +143,7 @@ def load_config(
     ]
     if errors:
         raise ConfigError("\n".join(errors))
-    for msg in theory_warnings(cfg):
+    for msg in theory_warnings(cfg) + pace:
         warnings.warn(msg, ConfigWarning, stacklevel=2)
     return cfg
 
