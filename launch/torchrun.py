@@ -9,15 +9,15 @@ A scheduler then records a failed job after a clean save (torch 2.13, measured).
 
 This program runs torchrun (``torch.distributed.run``) in its own process with SIGTERM,
 SIGUSR1 and SIGINT taken from it: each one it receives is passed on to every rank's own
-process, never to the rank's group, so a loader worker meets a job-wide signal once, which it
-outlives (``data_pipeline.loader``); a rank that gets the same signal twice (from the
+process, never to the rank's group, so a loader worker meets a job-wide signal once, which
+it outlives (``data_pipeline.loader``); a rank that gets the same signal twice (from the
 scheduler or the terminal, and from here) counts it once. The ranks save at the next step
 boundary and exit 0 (``trainer.preemption``), and torchrun, which never saw the signal,
 exits as its ranks did: 0 when every rank saved and exited 0, its usual non-zero code (or
-a restart, with ``--max-restarts``) when one failed or was killed. No state outlives the launch, so an
-earlier launch's save cannot explain away this one's failure. Ctrl-C is a stop like SIGTERM;
-a second one, or a stop signal the step's end is too far away for, ends the job at once
-(``trainer.preemption``). SIGHUP and SIGQUIT stay torchrun's.
+a restart, with ``--max-restarts``) when one failed or was killed. No state outlives the
+launch, so an earlier launch's save cannot explain away this one's failure. Ctrl-C is a
+stop like SIGTERM; a second one, or a stop signal the step's end is too far away for, ends
+the job at once (``trainer.preemption``). SIGHUP and SIGQUIT stay torchrun's.
 
 Signals that arrive while no rank runs (rendezvous, a restart) reach no rank.
 
