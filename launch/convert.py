@@ -21,13 +21,14 @@ from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.manifest import read_manifest
 from data_pipeline.verify import verify_dataset
 from data_pipeline.writer import DEFAULT_SAMPLES_PER_SHARD, write_dataset
-from launch.cli import plain_help
+from launch.cli import EXIT_STATUS, plain_help
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch.convert",
                                      description=plain_help(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EXIT_STATUS)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("imagefolder", "SRC/<identity>/<image> folders"),
                         ("insightface", "insightface train.rec/train.idx/property")):

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from launch.cli import plain_help
+from launch.cli import EXIT_STATUS, plain_help
 from partial_fc.backbones import list_backbones
 from trainer.config import Config, ConfigError, load_config
 from trainer.plan import GIB, Inputs, PlanError, plan, step_model
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launch.plan", description=plain_help(__doc__.split("\n\n")[0]),
         epilog="Values not given come from --config, else from trainer.config's schema defaults "
-        "(launch.train --help lists them).")
+        f"(launch.train --help lists them). {EXIT_STATUS}.")
     p.add_argument("--config", help="a recipe (configs/*.yaml) supplying the values below; "
                    "its data folder need not exist")
     p.add_argument("--classes", type=int, help="identities C (default: the recipe's "

@@ -143,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from trainer.errors import EXIT_STATUS
+
     parser = get_args_parser()
     parser.prog = "python -m launch.torchrun"
     parser.description = ("torchrun (same arguments) whose SIGTERM, SIGUSR1 and SIGINT go to "
                           "each rank, which saves and exits 0: the launch then exits 0, not 1 "
                           "(a second signal stops the ranks at once). A failed "
                           "rank ends it with one line (rank, exit code, RUN/train.log) and its "
-                          "exit code: 2 for refused input, 1 for a runtime failure.")
+                          f"exit code. {EXIT_STATUS}.")
     torchruns_help = parser.format_help  # reST in places: --help reads as plain text
     parser.format_help = lambda: torchruns_help().replace("``", "")
     args = parser.parse_args(argv)

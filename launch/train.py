@@ -28,7 +28,7 @@ from trainer.config import (
     machine_notes,
 )
 from trainer.dist import init_distributed, launcher_rank, shutdown
-from trainer.errors import yield_to_reporter
+from trainer.errors import EXIT_STATUS, yield_to_reporter
 from trainer.loop import report_failure, train
 from trainer.preemption import LAUNCHER_WATCH, forget_requests
 from trainer.run_lock import run_folder_lock
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Overrides are dotted keys of the schema below, values in YAML syntax, e.g.\n"
         "  margin.type=cosface margin.m=0.35 optim.lr=0.05 eval.bins=[lfw.bin,cfp_fp.bin]\n"
         "Recipes: configs/*.yaml (a recipe holds only differences from these defaults).\n\n"
-        "config keys (key: type = default):\n" + describe_keys(),
+        "config keys (key: type = default):\n" + describe_keys() + "\n\n" + EXIT_STATUS,
     )
     parser.add_argument("--config", required=True, help="YAML recipe (may say base: FILE)")
     parser.add_argument(

@@ -25,6 +25,11 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
+# Every program's --help ends with this (launch/*.py); docs/training.md says the same.
+EXIT_STATUS = ("exit status: 0 done; 2 bad input, refused before anything ran (arguments, "
+               "config, data folder, checkpoint path, a run folder in use); 1 a runtime "
+               "failure (a stopped or interrupted run, a failed write, a bug)")
+
 
 class Scope(enum.Enum):
     """Which ranks report an error; it follows from which ranks raise it."""
