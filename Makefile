@@ -13,6 +13,8 @@ NNODES   ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
+# torchrun's restarts for `make <recipe>`: on a machine of your own no scheduler retries a rank
+# the OOM killer took; the recipe's --check refuses a bad config first (docs/cluster.md: Restarts).
 MAX_RESTARTS ?= 3
 DATA     ?=
 OUT      ?=
