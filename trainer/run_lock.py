@@ -47,6 +47,7 @@ from trainer.preemption import LOCK_LOST, request_stop
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # a lease unrenewed this long belongs to a dead or hung job
+_REREAD_S = 0.05
 _NO_FCNTL = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -162,6 +163,9 @@ class RunLock:
             return False
         with contextlib.suppress(OSError):  # a full disk: the lease ages, the run goes on
             found = _read(self._fd)
+            if found is None:  # another job's lease half written? look again before renewing
+                time.sleep(_REREAD_S)
+                found = _read(self._fd)
             if found is not None and not self.lease.same_job(found):
                 request_stop(LOCK_LOST, f"{self.path.parent} was taken over by another job "
                              f"({found.names()}) while this one was not renewing its lease "
@@ -226,7 +230,8 @@ def _read(fd: int) -> Lease | None:
 
 
 def _write(fd: int, lease: Lease) -> None:
+    """Over the old lease, then cut to length: a reader never meets an empty file."""
     data = (json.dumps(asdict(lease)) + "\n").encode()
-    os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
     os.fsync(fd)

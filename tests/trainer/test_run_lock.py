@@ -133,3 +133,35 @@ def test_the_same_command_twice_refuses_the_second_before_any_step(tmp_path):
         "since "), second.stderr
     assert errors[0].endswith("wait for it to end, or give this run its own folder (output=...)")
     assert "Traceback" not in second.stderr and "resumed" not in second.stderr
+
+
+def test_a_run_whose_lease_is_taken_over_stops_after_the_step_without_a_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """Another job's lease appears in RUN/.lock during step 3 (this one hung, was taken over
+    and woke up): the heartbeat sees it, the next step's agreement stops the run after step 4
+    before its checkpoint, and nothing more is written to the folder that now belongs to the
+    other job."""
+    from launch_helpers import train_in_process
+
+    from trainer.engine import Engine
+
+    data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.01)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    original = Engine.step
+
+    def step_while_taken_over(self, index, micro_batches, **kwargs):
+        if index == 2:
+            now = time.time()
+            (run / ".lock").write_text(json.dumps(
+                {"host": "node-b", "pid": 9, "started": now, "heartbeat": now}))
+            time.sleep(0.3)  # the heartbeat's turn
+        return original(self, index, micro_batches, **kwargs)
+
+    monkeypatch.setattr(Engine, "step", step_while_taken_over)
+    assert train_in_process(data, run, "train.max_steps=6", "checkpoint.every=2") == 1
+    err = capsys.readouterr().err
+    assert f"error: step 4: {run} was taken over by another job (pid 9 on node-b, since " in err
+    assert "this job stops without a checkpoint" in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert json.loads((run / ".lock").read_text())["host"] == "node-b"  # left to its owner
