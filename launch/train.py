@@ -30,7 +30,7 @@ from trainer.config import (
 from trainer.dist import init_distributed, launcher_rank, shutdown
 from trainer.errors import EXIT_STATUS, yield_to_reporter
 from trainer.loop import report_failure, train
-from trainer.preemption import LAUNCHER_WATCH, forget_requests
+from trainer.preemption import LAUNCHER_WATCH, Interrupted, forget_requests
 from trainer.run_lock import run_folder_lock
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
@@ -90,6 +90,15 @@ def _print_once_per_node(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     forget_requests()
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the step loop (start-up, the last save)
+        print("error: interrupted by SIGINT outside the step loop; the last checkpoint stays: "
+              "run the same command again to resume from it", file=sys.stderr)
+        return Interrupted.exit_code
+
+
+def _main(args: argparse.Namespace) -> int:
     machine = Machine.observe()  # the one look at this machine and torchrun's launch
     if args.check:  # the launch being checked, before torchrun starts it
         shape = launch_machine(args.nproc_per_node, args.nnodes, machine)

@@ -121,3 +121,21 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_ctrl_c_before_the_step_loop_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import launch.train
+    from tools.chaos.harness import write_data
+
+    def interrupted(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C while the process group starts
+
+    monkeypatch.setattr(launch.train, "init_distributed", interrupted)
+    rc = launch.train.main(["--config", str(ROOT / "configs" / "smoke.yaml"),
+                            f"data.dir={write_data(tmp_path / 'data', per_class=1)}",
+                            f"output={tmp_path / 'run'}", "log.wandb=disabled",
+                            "train.batch_size=4"])
+    assert rc == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: interrupted by SIGINT outside the step loop; the last checkpoint stays: run the "
+        "same command again to resume from it")
