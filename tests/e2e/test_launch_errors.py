@@ -77,3 +77,42 @@ def test_plain_launcher_prints_the_refusal_once_and_one_line_of_its_own(tiny, tm
                             "started)"), err
     assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err
     assert not run.exists()
+
+
+HOLDER = """
+import sys, time
+from trainer.run_lock import RunLock
+RunLock(sys.argv[1], host="node-a").acquire()
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_job_refused_after_its_group_started_leaves_torchruns_report_in_the_log(tiny,
+                                                                                  tmp_path):
+    """The run folder is held by another job (on "node-a"): rank 0 refuses in one line, the
+    launch adds its own line pointing at RUN/train.log, where torchrun's report went, and
+    exits 2; the other job's lease stays."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], env=ENV,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        done = _launch(tiny, run, "train.batch_size=2")
+    finally:
+        holder.kill()
+        holder.wait()
+    err = done.stderr
+    assert done.returncode == 2, err
+    errors = _lines(err, "error")
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: {run} is in use by another job (pid {holder.pid} on node-a, since "), err
+    ours = _lines(err, "launch: ")
+    assert len(ours) == 1 and ours[0].startswith("launch: rank 0 (pid "), err
+    assert ours[0].endswith(f"ended the job with exit code 2; torchrun's report is in "
+                            f"{run / 'train.log'}"), err
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    log = (run / "train.log").read_text()
+    assert "launch.torchrun: torchrun's report" in log and "launch.train FAILED" in log
+    assert '"host": "node-a"' in (run / ".lock").read_text()
