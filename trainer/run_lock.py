@@ -113,10 +113,10 @@ class RunLock:
         try:
             locked = self._lock(fd)
             old, now = _read(fd), time.time()
-            if locked is False or (old is not None and old.host != self.host
-                                   and old.alive(self.host, now)):
-                raise RunFolderInUse(self._refusal(old))
-            if locked is None and old is not None and old.alive(self.host, now):
+            # the lease decides where the fcntl lock cannot: no fcntl, or another node's
+            lease_lives = old is not None and old.alive(self.host, now) and (
+                locked is None or old.host != self.host)
+            if locked is False or lease_lives:
                 raise RunFolderInUse(self._refusal(old))
         except BaseException:
             os.close(fd)  # drops the fcntl lock taken above, if any
