@@ -106,17 +106,15 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _record(self, signum: int, frame) -> None:
-        if LAUNCHER_WATCH.gone():  # PR_SET_PDEATHSIG's SIGTERM: the launcher died
-            LAUNCHER_WATCH.report()
-            return
-        name = signal.Signals(signum).name
+        launcher_gone = LAUNCHER_WATCH.gone()  # this SIGTERM is PR_SET_PDEATHSIG's
+        name = "the launcher's death" if launcher_gone else signal.Signals(signum).name
         steps, started = self._progress()
         first_steps, entered = self._entered
         done_here = steps - first_steps
         now = time.monotonic()
-        if self._signal and now - self._signalled < SAME_SIGNAL_S:
+        if self._signal and not launcher_gone and now - self._signalled < SAME_SIGNAL_S:
             return  # one job-wide signal reaching the rank twice (directly and forwarded)
-        if self._signal:
+        if self._signal and not launcher_gone:
             why = f"a second stop signal ({name})"
         elif done_here == 0:
             why = f"{name} in the first step this process runs (nothing new to save)"
@@ -124,6 +122,9 @@ class StopSignals:
             left = started + (started - entered) / done_here - now
             why = (f"{name} about {left:.0f} s before the step's end (more than "
                    f"{WAIT_FOR_STEP_S:.0f} s to wait)")
+        elif launcher_gone:
+            LAUNCHER_WATCH.report()
+            return
         else:
             self._signal, self._signalled = signum, now
             return
@@ -134,10 +135,11 @@ class StopSignals:
 
 class LauncherWatch:
     """A rank that outlives its launcher stops: the kernel sends it SIGTERM when its parent
-    dies (``PR_SET_PDEATHSIG``), and a thread watching the parent pid asks for a stop
-    (:data:`LAUNCHER_GONE`: a checkpoint at the next step boundary) and, should the rank
-    still run ``grace_s`` later (its group broken, a collective stuck until
-    ``dist.timeout_s``), ends the process."""
+    dies (``PR_SET_PDEATHSIG``; a thread watching the parent pid sends it where the kernel
+    cannot), which :class:`StopSignals` turns into :data:`LAUNCHER_GONE` (a checkpoint at the
+    next step boundary, or at once by the rules of any signal) and which ends the process
+    outside the step loop. Should the rank still run ``grace_s`` after the death (its group
+    broken, a collective stuck until ``dist.timeout_s``), the thread ends the process."""
 
     def __init__(self):
         self.parent = 0  # the launcher's pid, 0 while not watching
@@ -153,8 +155,6 @@ class LauncherWatch:
         self.parent = os.getppid()
         die_with_parent(signal.SIGTERM)  # not Linux: the thread alone
         threading.Thread(target=self._watch, name="launcher-watch", daemon=True).start()
-        if self.gone():  # died before the prctl: no signal will come
-            self.report()
         return True
 
     def gone(self) -> bool:
@@ -164,9 +164,12 @@ class LauncherWatch:
         request_stop(LAUNCHER_GONE, f"the launcher's death (pid {self.parent})")
 
     def _watch(self) -> None:
+        """The parent's death as PR_SET_PDEATHSIG signals it, also where that signal cannot
+        come (it died before the prctl, not Linux); then the bound on this rank's life."""
         while not self.gone():
             time.sleep(LAUNCHER_POLL_S)
-        self.report()
+        if LAUNCHER_GONE not in _requests:  # else the step loop has it: no SIGTERM in the save
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(self.grace_s)
         with contextlib.suppress(OSError, ValueError):
             print(f"error: the launcher (pid {self.parent}) died {self.grace_s:.0f} s ago and "
