@@ -270,7 +270,8 @@ class DistConfig(_Section):
     timeout_s: PosFloat = Field(
         300.0, description="seconds a collective may wait for the other ranks before the run "
         "ends with a message naming the step (a stopped or hung rank); raise it for evaluation "
-        "or checkpoints that take longer on one rank"
+        "or checkpoints that take longer on one rank. A rank outlives a dead launcher by at "
+        "most this + 20 s"
     )
 
 
