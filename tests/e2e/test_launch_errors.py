@@ -116,3 +116,17 @@ def test_a_job_refused_after_its_group_started_leaves_torchruns_report_in_the_lo
     log = (run / "train.log").read_text()
     assert "launch.torchrun: torchrun's report" in log and "launch.train FAILED" in log
     assert '"host": "node-a"' in (run / ".lock").read_text()
+
+
+def test_a_resume_folder_without_a_checkpoint_is_bad_input(tiny, tmp_path, capsys, monkeypatch):
+    """``checkpoint.resume=PATH`` naming a folder that holds no checkpoint exits 2, as every
+    bad input, in one line."""
+    from launch_helpers import train_in_process
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    rc = train_in_process(tiny, tmp_path / "run", "train.batch_size=4",
+                          f"checkpoint.resume={empty}")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert rc == 2 and errors == [f"error: checkpoint.resume='{empty}': no checkpoint there"]

@@ -20,13 +20,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from trainer.errors import Stopped
+from trainer.errors import Refused, Stopped
 
 META = "meta.json"
 
 
 class CheckpointError(Stopped, ValueError):
     """A checkpoint that cannot be written or trusted; the message names the step or file."""
+
+
+class CheckpointNotFound(Refused, CheckpointError):
+    """A checkpoint path the user gave (``checkpoint.resume``) holds none: bad input."""
 
 
 def sha256(path: Path) -> str:

@@ -56,6 +56,7 @@ from trainer.checkpoint import state
 from trainer.checkpoint.integrity import (
     META,
     CheckpointError,
+    CheckpointNotFound,
     SafeReader,
     read_meta,
     sha256,
@@ -267,10 +268,10 @@ def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None) -> Path 
         try:
             answer[0] = _choose(run_dir, resume)
         except CheckpointError as err:
-            answer[1] = str(err)
+            answer[1] = err  # its kind decides the exit code on every rank
     dist.broadcast_object_list(answer, src=0, group=env.group)
     if answer[1] is not None:
-        raise CheckpointError(answer[1])
+        raise answer[1]
     return answer[0]
 
 
@@ -278,7 +279,7 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
     found = find_verified(Path(run_dir) if resume == "auto" else Path(resume),
                           remedy="; start over with checkpoint.resume=none or another name")
     if found is None and resume != "auto":
-        raise CheckpointError(f"checkpoint.resume={resume!r}: no checkpoint there")
+        raise CheckpointNotFound(f"checkpoint.resume={resume!r}: no checkpoint there")
     return found
 
 
