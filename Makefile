@@ -77,7 +77,7 @@ $(SMOKE_DATA)/manifest.json: | setup
 # `exec`: no shell stays between make and the launcher, so a signal sent to every process of
 # the job reaches make and the launcher only (docs/training.md: make and SIGTERM).
 train: setup $(SMOKE_DATA)/manifest.json
-	@$(PY) -m launch.train --check --nproc-per-node $(SMOKE_NPROC) \
+	@$(PY) -m launch.train --check --errors-only --nproc-per-node $(SMOKE_NPROC) \
 	  --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
 	export OMP_NUM_THREADS=1; exec $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
 	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
@@ -129,8 +129,8 @@ DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER
 # The config is checked once for the launch's shape before torchrun starts: torchrun would
 # restart a refused config MAX_RESTARTS times and print it each time.
 $(RECIPES): setup
-	@$(PY) -m launch.train --check --nproc-per-node $(NPROC_PER_NODE) --nnodes $(NNODES) \
-	  --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
+	@$(PY) -m launch.train --check --errors-only --nproc-per-node $(NPROC_PER_NODE) \
+	  --nnodes $(NNODES) --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 	exec $(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
 	  $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 

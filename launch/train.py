@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", default="1", metavar="N|gpu",
                         help="--check: ranks per node, as torchrun's --nproc_per_node")
     parser.add_argument("--nnodes", type=int, default=1, help="--check: nodes")
+    parser.add_argument("--errors-only", action="store_true",
+                        help="--check: print no warnings (the run that follows prints them)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
 
@@ -119,7 +121,7 @@ def _main(args: argparse.Namespace) -> int:
     except ConfigError as err:  # every rank found the same: one report per node
         _print_once_per_node(f"config error:\n{err}")
         return err.exit_code
-    for w in caught:
+    for w in caught if not args.errors_only else ():
         print_main(f"warning: {w.message}")
     if args.check:
         return 0

@@ -130,3 +130,16 @@ def test_a_resume_folder_without_a_checkpoint_is_bad_input(tiny, tmp_path, capsy
                           f"checkpoint.resume={empty}")
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert rc == 2 and errors == [f"error: checkpoint.resume='{empty}': no checkpoint there"]
+
+
+def test_the_check_before_a_launch_leaves_the_warnings_to_the_run(tiny, capsys):
+    """``make train`` / ``make <recipe>`` run ``--check --errors-only``: the run that follows
+    prints the config's warnings, so they are not printed twice."""
+    from launch.train import main
+
+    args = ["--config", str(chaos.SMOKE), f"data.dir={tiny}", "train.batch_size=2",
+            "margin.s=1.0"]  # below the NormFace bound: a theory warning
+    assert main(["--check", *args]) == 0
+    assert "warning: margin.s=1.0" in capsys.readouterr().err
+    assert main(["--check", "--errors-only", *args]) == 0
+    assert capsys.readouterr().err == ""
