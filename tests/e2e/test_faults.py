@@ -681,7 +681,10 @@ CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
               "rank 1 stops in step 3's backward, ddp (2 ranks, 10 s timeout)",
               # tests/e2e (slow, skips without ip netns): `make chaos` only for now.
               "2 nodes x 1 rank on 2 netns, link cut, ddp",
-              "2 nodes x 1 rank on 2 netns, link cut, deepspeed"]
+              "2 nodes x 1 rank on 2 netns, link cut, deepspeed",
+              # pytest twins: tests/e2e/test_launcher_death.py, tests/trainer/test_run_lock.py
+              "kill -9 of the launcher (2 ranks, loader workers)",
+              "the same command twice on one run folder"]
 
 
 def test_every_chaos_case_is_covered_once():
