@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -19,14 +18,6 @@ from tools.chaos import harness as chaos
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 15  # dist.timeout_s of the run
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper that never comes (PID 1 in a container)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
@@ -50,9 +41,9 @@ def test_ranks_save_and_end_when_the_launcher_is_killed(tmp_path, engine):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + TIMEOUT_S + 30
-        while any(map(_alive, job)) and time.monotonic() < deadline:
+        while any(map(chaos.running, job)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        survivors = [pid for pid in job if _alive(pid)]
+        survivors = [pid for pid in job if chaos.running(pid)]
     finally:  # whatever the outcome, nothing of the job stays
         for pid in [*job, *chaos.job_pids(proc.pid)]:
             with contextlib.suppress(ProcessLookupError):

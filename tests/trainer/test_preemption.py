@@ -13,6 +13,7 @@ import time
 import pytest
 from launch_helpers import ROOT
 
+from tools.chaos.harness import running
 from trainer.preemption import (
     LAUNCHER_GONE,
     Interrupted,
@@ -104,23 +105,15 @@ def test_a_rank_that_cannot_stop_ends_itself_after_the_grace_period():
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
     killed = time.monotonic()
-    while time.monotonic() - killed < 30 and _running(rank):
+    while time.monotonic() - killed < 30 and running(rank):
         time.sleep(0.2)
-    ended = not _running(rank)
+    ended = not running(rank)
     if not ended:
         os.kill(rank, signal.SIGKILL)
     err = launcher.stderr.read()
     assert ended, err
     assert f"error: the launcher (pid {launcher.pid}) died 2 s ago and this rank (pid {rank}) " \
            "has not stopped; ending it" in err
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_ctrl_c_before_the_step_loop_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):

@@ -10,18 +10,10 @@ import signal
 import time
 from pathlib import Path
 
-from tools.chaos.harness import Result, job_pids, train, wait_for_step
+from tools.chaos.harness import Result, job_pids, running, train, wait_for_step
 
 TIMEOUT_S = 15  # dist.timeout_s of the runs here
 LONG = ["train.max_steps=null", "train.epochs=100", "checkpoint.every=0"]
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie that no reaper collects."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def launcher_killed(data: Path, work: Path) -> tuple[str, bool]:
@@ -37,9 +29,9 @@ def launcher_killed(data: Path, work: Path) -> tuple[str, bool]:
 
     train(data, run, *LONG, "data.num_workers=1", f"dist.timeout_s={TIMEOUT_S}", ranks=2,
           until=kill_launcher)  # returns when the ranks close the output
-    while any(map(_alive, job)) and time.monotonic() - killed[0] < TIMEOUT_S + 30:
+    while any(map(running, job)) and time.monotonic() - killed[0] < TIMEOUT_S + 30:
         time.sleep(0.5)
-    survivors = [pid for pid in job if _alive(pid)]
+    survivors = [pid for pid in job if running(pid)]
     for pid in survivors:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
