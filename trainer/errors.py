@@ -17,6 +17,7 @@ collective (torch's types, and gloo's plain ``RuntimeError``: :func:`is_collecti
 from __future__ import annotations
 
 import enum
+import os
 import re
 import time
 import traceback
@@ -105,16 +106,20 @@ def classify(err: BaseException, rank: int) -> Report:
     return Report(kind, kind.exit_code, kind.scope, prints, line, line)
 
 
-# How long a rank that does not print a failure every rank met waits before it exits.
+# How long a rank that does not print a failure every rank met waits before it exits, and
+# what torchrun and srun export to the processes they start.
 REPORTER_HEAD_START_S = 15.0
+LAUNCHER_ENV = frozenset({"TORCHELASTIC_RUN_ID", "SLURM_PROCID"})
 
 
 def yield_to_reporter() -> None:
-    """Wait before exiting on a failure that another rank reports. A launcher (torchrun,
-    srun) ends a job's other processes as soon as one exits with an error; the rank that
-    prints must exit first, or its line is lost with it. The wait costs nothing when the
-    reporter exits first: the launcher then ends this rank in its wait."""
-    time.sleep(REPORTER_HEAD_START_S)
+    """Wait before exiting on a failure that another rank reports, when a launcher started
+    this process. A launcher (torchrun, srun) ends a job's other processes as soon as one
+    exits with an error; the rank that prints must exit first, or its line is lost with it.
+    The wait costs nothing when the reporter exits first: the launcher then ends this rank
+    in its wait."""
+    if LAUNCHER_ENV.intersection(os.environ):
+        time.sleep(REPORTER_HEAD_START_S)
 
 
 def as_user_error(err: BaseException) -> UserError | None:
