@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted by SIGINT outside the step loop; the last checkpoint stays: "
               "run the same command again to resume from it", file=sys.stderr)
         return Interrupted.exit_code
+    finally:
+        forget_requests()  # a watcher's request belongs to this run only
 
 
 def _main(args: argparse.Namespace) -> int:

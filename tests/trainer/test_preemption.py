@@ -24,6 +24,14 @@ from trainer.preemption import (
 )
 
 
+@pytest.fixture(autouse=True)
+def no_requests():
+    """No stop request of another test's run (the requests are the process's)."""
+    forget_requests()
+    yield
+    forget_requests()
+
+
 class Clock:
     """``(steps done, start of the current step)`` as the loop reports them."""
 
