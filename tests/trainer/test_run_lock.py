@@ -165,3 +165,23 @@ def test_a_run_whose_lease_is_taken_over_stops_after_the_step_without_a_checkpoi
     assert "this job stops without a checkpoint" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
     assert json.loads((run / ".lock").read_text())["host"] == "node-b"  # left to its owner
+
+
+def test_a_run_on_a_dead_jobs_folder_says_it_took_the_lock_over(tmp_path, monkeypatch,
+                                                                 capsys):
+    """The lease of a job that died (kill -9: no clean release) is in RUN/.lock: the next run
+    says it takes over, in one line on the console and in train.log, and trains."""
+    from launch_helpers import train_in_process
+
+    data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    run.mkdir()
+    (run / ".lock").write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead),
+                                           "started": 0.0, "heartbeat": 0.0}))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert train_in_process(data, run, "train.max_steps=1") == 0
+    line = (f"run lock: took over {run / '.lock'} from pid {dead} on {os.uname().nodename}, "
+            "since 1970-01-01 00:00:00 UTC")
+    assert line in capsys.readouterr().err and line in (run / "train.log").read_text()
+    assert (run / ".lock").read_text() == ""
