@@ -40,6 +40,10 @@ from data_pipeline.parent_death import die_with_parent
 from trainer.errors import Stopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# PR_SET_PDEATHSIG's signal: the launcher died. Not SIGTERM: the kernel sends it when the
+# launcher's forking thread exits, which under SIGKILL can come before the rank is reparented,
+# so the parent pid cannot tell it from a scheduler's SIGTERM. No scheduler sends SIGUSR2.
+LAUNCHER_SIGNAL = signal.SIGUSR2
 LAUNCHER_GONE = 1001  # the process that started this rank (torchrun) died: save and stop
 LOCK_LOST = 1002  # another job took the run folder over: stop without a checkpoint
 WAIT_FOR_STEP_S = 30.0  # a stop signal waits this long at most for the step to end
@@ -97,7 +101,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         self._entered = (self._progress()[0], time.monotonic())
-        for sig in SIGNALS:
+        for sig in (*SIGNALS, LAUNCHER_SIGNAL):
             self._previous[sig] = signal.signal(sig, self._record)
         return self
 
@@ -106,7 +110,7 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _record(self, signum: int, frame) -> None:
-        launcher_gone = LAUNCHER_WATCH.gone()  # this SIGTERM is PR_SET_PDEATHSIG's
+        launcher_gone = signum == LAUNCHER_SIGNAL
         name = "the launcher's death" if launcher_gone else signal.Signals(signum).name
         steps, started = self._progress()
         first_steps, entered = self._entered
@@ -134,9 +138,9 @@ class StopSignals:
 
 
 class LauncherWatch:
-    """A rank that outlives its launcher stops: the kernel sends it SIGTERM when its parent
-    dies (``PR_SET_PDEATHSIG``; a thread watching the parent pid sends it where the kernel
-    cannot), which :class:`StopSignals` turns into :data:`LAUNCHER_GONE` (a checkpoint at the
+    """A rank that outlives its launcher stops: the kernel sends it :data:`LAUNCHER_SIGNAL`
+    when its parent dies (``PR_SET_PDEATHSIG``; a thread watching the parent pid sends it
+    where the kernel cannot), which :class:`StopSignals` turns into :data:`LAUNCHER_GONE` (a checkpoint at the
     next step boundary, or at once by the rules of any signal) and which ends the process
     outside the step loop. Should the rank still run ``grace_s`` after the death (its group
     broken, a collective stuck until ``dist.timeout_s``), the thread ends the process."""
@@ -153,7 +157,7 @@ class LauncherWatch:
         if self.parent or "TORCHELASTIC_RUN_ID" not in os.environ:
             return bool(self.parent)
         self.parent = os.getppid()
-        die_with_parent(signal.SIGTERM)  # not Linux: the thread alone
+        die_with_parent(LAUNCHER_SIGNAL)  # not Linux: the thread alone
         threading.Thread(target=self._watch, name="launcher-watch", daemon=True).start()
         return True
 
@@ -168,8 +172,8 @@ class LauncherWatch:
         come (it died before the prctl, not Linux); then the bound on this rank's life."""
         while not self.gone():
             time.sleep(LAUNCHER_POLL_S)
-        if LAUNCHER_GONE not in _requests:  # else the step loop has it: no SIGTERM in the save
-            os.kill(os.getpid(), signal.SIGTERM)
+        if LAUNCHER_GONE not in _requests:  # else the step loop has it: no signal in the save
+            os.kill(os.getpid(), LAUNCHER_SIGNAL)
         time.sleep(self.grace_s)
         with contextlib.suppress(OSError, ValueError):
             print(f"error: the launcher (pid {self.parent}) died {self.grace_s:.0f} s ago and "

@@ -86,11 +86,12 @@ def test_a_watchers_request_joins_the_agreement_with_its_reason():
 
 
 # A "launcher" that starts a "rank" and waits; the rank watches it, and cannot stop by itself:
-# it ignores SIGTERM (PR_SET_PDEATHSIG's signal) as a rank stuck in a collective would.
+# it ignores the launcher's death signal (PR_SET_PDEATHSIG's) as a rank stuck in a
+# collective would.
 RANK = """
 import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-from trainer.preemption import LAUNCHER_WATCH
+from trainer.preemption import LAUNCHER_SIGNAL, LAUNCHER_WATCH
+signal.signal(LAUNCHER_SIGNAL, signal.SIG_IGN)
 assert LAUNCHER_WATCH.start(grace_s=2.0)
 print("watching", flush=True)
 time.sleep(120)
