@@ -140,10 +140,11 @@ class StopSignals:
 class LauncherWatch:
     """A rank that outlives its launcher stops: the kernel sends it :data:`LAUNCHER_SIGNAL`
     when its parent dies (``PR_SET_PDEATHSIG``; a thread watching the parent pid sends it
-    where the kernel cannot), which :class:`StopSignals` turns into :data:`LAUNCHER_GONE` (a checkpoint at the
-    next step boundary, or at once by the rules of any signal) and which ends the process
-    outside the step loop. Should the rank still run ``grace_s`` after the death (its group
-    broken, a collective stuck until ``dist.timeout_s``), the thread ends the process."""
+    where the kernel cannot), which :class:`StopSignals` turns into :data:`LAUNCHER_GONE`
+    (a checkpoint at the next step boundary, or at once by the rules of any signal) and which
+    ends the process outside the step loop. Should the rank still run ``grace_s`` after the
+    death (its group broken, a collective stuck until ``dist.timeout_s``), the thread ends
+    the process."""
 
     def __init__(self):
         self.parent = 0  # the launcher's pid, 0 while not watching
