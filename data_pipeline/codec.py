@@ -1,9 +1,8 @@
 """JPEG decoding for the loader and JPEG normalisation for the converters.
 
-Decoder choice (measured on the project's 2-core CPU machine, 112x112 JPEGs, one thread,
-`bench/loader.py`): simplejpeg (libjpeg-turbo, accurate DCT) 6.9k-11.6k img/s, PIL
-2.7k-5.6k img/s, simplejpeg/PIL 1.5x-3.0x in the same run (the machine was shared, hence the
-ranges). `"auto"` therefore picks simplejpeg when it is importable and falls back to PIL.
+Decoder choice: simplejpeg (libjpeg-turbo, accurate DCT) decodes 112x112 JPEGs faster than
+PIL (docs/benchmarks.md, "Loader"; `bench/loader.py`), so `"auto"` picks simplejpeg when it
+is importable and falls back to PIL.
 Non-JPEG bytes (a PNG stored by hand) go through PIL. simplejpeg runs with strict=True, so
 a JPEG libjpeg-turbo reports as corrupt (e.g. truncated) counts as undecodable.
 
@@ -78,6 +77,43 @@ def decode_image(data: bytes, size: int = 112, decoder: str = "auto") -> np.ndar
     except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
         raise CorruptImageError(f"undecodable image ({type(exc).__name__}: {exc})") from exc
     return resize_square(image, size)
+
+
+def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False) -> None:
+    """Decode into ``out`` (uint8 ``[size, size, 3]``, C-contiguous), mirrored left-right if
+    ``flip``; CorruptImageError if undecodable. Writing into the caller's batch saves the
+    copy of a returned array; a JPEG of another size (or a PNG) takes :func:`decode_image`'s
+    path (decode, stretch) and is copied in.
+
+    The mirror decodes as BGR and reverses each row's bytes, which reverses the pixels and
+    turns BGR into RGB in one copy (:func:`_reverse_rows`; numpy's pixel-wise ``[:, ::-1]``
+    copy costs about as much as decoding a 112x112 JPEG).
+    """
+    size = out.shape[0]
+    if decoder == "simplejpeg" and is_jpeg(data):
+        try:
+            got = simplejpeg.decode_jpeg(data, colorspace="BGR", strict=True) if flip else \
+                simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, buffer=out)
+            if got.shape == out.shape:
+                if flip:
+                    _reverse_rows(got.reshape(size, -1), out.reshape(size, -1))
+                return
+        except ValueError:  # corrupt, or larger than `out`: decode_image tells which
+            pass
+    image = decode_image(data, size, decoder)
+    np.copyto(out, image[:, ::-1] if flip else image)
+
+
+def _reverse_rows(source: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = source[i][::-1]`` for uint8 rows: 8-byte words in reverse order, each
+    byte-swapped by numpy's cast from the foreign byte order (3x faster than a byte-wise
+    reversed copy, which numpy does not vectorise). Rows whose length is not a multiple of 8
+    take the byte-wise copy."""
+    if source.shape[1] % 8:
+        np.copyto(out, source[:, ::-1])
+        return
+    swapped = np.dtype(np.uint64).newbyteorder()
+    np.copyto(out.view(np.uint64), source.view(swapped)[:, ::-1], casting="unsafe")
 
 
 def prepare_jpeg(data: bytes, size: int | None) -> bytes:

@@ -6,11 +6,11 @@ Cluster schedulers announce the end of a job with SIGTERM (SLURM: ``scancel``, a
 with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user signal, and
 kill it a grace period later; Ctrl-C sends SIGINT. The handler only records the signal;
 ``launch.train`` hands ``received`` to every step, whose one agreement all-reduce
-(``trainer.engine.Engine.step``'s ``stop_request``) takes the largest over the ranks, so that
-every rank stops after the same step even when the signal reached only some of them (at no
-host read of its own), saves there and exits 0. DataLoader workers ignore SIGINT, SIGUSR1
-and their first SIGTERM (``data_pipeline.loader``), so a signal sent to every process of the
-job (``scancel``, Ctrl-C) does not kill them before the trainer has stopped; the trainer then
+(``trainer.stopping``) takes the largest request over the ranks, so that every rank stops
+after the same step even when the signal reached only some of them (at no host read of its
+own), saves there and exits 0. DataLoader workers ignore SIGINT, SIGUSR1 and their first
+SIGTERM (``data_pipeline.loader``), so a signal sent to every process of the job
+(``scancel``, Ctrl-C) does not kill them before the trainer has stopped; the trainer then
 ends them itself.
 
 A signal does not wait for the step boundary when waiting cannot help: a second signal
@@ -22,8 +22,9 @@ CPU-sized step of minutes). The run then raises :class:`Interrupted` in the step
 checkpoint stays and the line says so.
 
 Watchers on other threads (the launcher's death here, the run lock's heartbeat in
-``trainer.run_lock``) ask for a stop with :func:`request_stop`; their codes lie above any
-signal number, so the agreement's maximum keeps them.
+``trainer.run_lock``) ask for a stop with :func:`request_stop` (a
+:class:`trainer.stopping.StopReason`), which the loop hands to the next step with the
+signal (:meth:`StopSignals.watched`).
 """
 
 from __future__ import annotations
@@ -38,47 +39,35 @@ from collections.abc import Callable
 
 from data_pipeline.parent_death import die_with_parent
 from trainer.errors import Stopped
+from trainer.stopping import StopReason
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # PR_SET_PDEATHSIG's signal: the launcher died. Not SIGTERM: the kernel sends it when the
 # launcher's forking thread exits, which under SIGKILL can come before the rank is reparented,
 # so the parent pid cannot tell it from a scheduler's SIGTERM. No scheduler sends SIGUSR2.
 LAUNCHER_SIGNAL = signal.SIGUSR2
-LAUNCHER_GONE = 1001  # the process that started this rank (torchrun) died: save and stop
-LOCK_LOST = 1002  # another job took the run folder over: stop without a checkpoint
 WAIT_FOR_STEP_S = 30.0  # a stop signal waits this long at most for the step to end
 # Signals this close to the first are the same one: a job-wide signal reaches a rank twice,
 # from the scheduler (or the terminal's Ctrl-C) and forwarded by launch.torchrun.
 SAME_SIGNAL_S = 2.0
 LAUNCHER_POLL_S = 1.0
 
-_requests: dict[int, str] = {}  # code -> why, from this process's watcher threads
+_requests: dict[StopReason, str] = {}  # reason -> what happened, from watcher threads
 
 
 class Interrupted(Stopped):
     """A stop signal the step's end could not wait for (a second one, or a long step)."""
 
 
-def request_stop(code: int, why: str) -> None:
-    """Ask the run to stop after the current step (any thread): ``code`` (:data:`LAUNCHER_GONE`,
-    :data:`LOCK_LOST`) enters the next step's agreement; ``why`` is what the run reports."""
-    _requests.setdefault(code, why)
+def request_stop(reason: StopReason, why: str) -> None:
+    """Ask the run to stop after the current step (any thread): ``reason`` enters the next
+    step's agreement; ``why`` is what the run reports."""
+    _requests.setdefault(reason, why)
 
 
 def forget_requests() -> None:
     """Start a run with no watcher's stop request (a test runs several in one process)."""
     _requests.clear()
-
-
-def stop_reason(code: int) -> str:
-    """What stopped the run, for its last line: a signal's name or a watcher's reason."""
-    if code in _requests:
-        return _requests[code]
-    if code == LAUNCHER_GONE:
-        return "the launcher's death (on another rank)"
-    if code == LOCK_LOST:
-        return "the loss of the run folder's lock (on rank 0)"
-    return signal.Signals(code).name
 
 
 class StopSignals:
@@ -95,9 +84,13 @@ class StopSignals:
 
     @property
     def received(self) -> int:
-        """The stop request this rank brings to the next step: the largest of its signal and
-        its watchers' codes, 0 for none."""
-        return max([self._signal, *_requests])
+        """The stop signal this rank received, 0 for none."""
+        return self._signal
+
+    @staticmethod
+    def watched() -> dict[StopReason, str]:
+        """The stops this process's watchers asked for, with what happened."""
+        return dict(_requests)
 
     def __enter__(self) -> StopSignals:
         self._entered = (self._progress()[0], time.monotonic())
@@ -140,7 +133,7 @@ class StopSignals:
 class LauncherWatch:
     """A rank that outlives its launcher stops: the kernel sends it :data:`LAUNCHER_SIGNAL`
     when its parent dies (``PR_SET_PDEATHSIG``; a thread watching the parent pid sends it
-    where the kernel cannot), which :class:`StopSignals` turns into :data:`LAUNCHER_GONE`
+    where the kernel cannot), which :class:`StopSignals` turns into ``StopReason.LAUNCHER_GONE``
     (a checkpoint at the next step boundary, or at once by the rules of any signal) and which
     ends the process outside the step loop. Should the rank still run ``grace_s`` after the
     death (its group broken, a collective stuck until ``dist.timeout_s``), the thread ends
@@ -166,14 +159,14 @@ class LauncherWatch:
         return bool(self.parent) and os.getppid() != self.parent
 
     def report(self) -> None:
-        request_stop(LAUNCHER_GONE, f"the launcher's death (pid {self.parent})")
+        request_stop(StopReason.LAUNCHER_GONE, f"the launcher's death (pid {self.parent})")
 
     def _watch(self) -> None:
         """The parent's death as PR_SET_PDEATHSIG signals it, also where that signal cannot
         come (it died before the prctl, not Linux); then the bound on this rank's life."""
         while not self.gone():
             time.sleep(LAUNCHER_POLL_S)
-        if LAUNCHER_GONE not in _requests:  # else the step loop has it: no signal in the save
+        if StopReason.LAUNCHER_GONE not in _requests:  # else the loop has it: no signal in a save
             os.kill(os.getpid(), LAUNCHER_SIGNAL)
         time.sleep(self.grace_s)
         with contextlib.suppress(OSError, ValueError):

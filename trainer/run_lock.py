@@ -20,7 +20,7 @@ node of a shared file system:
 A holder that died leaves its lease behind: the next job takes the lock over and says so in
 one line. A clean end empties the file. The heartbeat also checks that the file still names
 this job; a job that finds another's lease there (it hung past :data:`STALE_S` and was taken
-over) stops without a checkpoint (:data:`trainer.preemption.LOCK_LOST`).
+over) stops without a checkpoint (``trainer.stopping.StopReason.LOCK_LOST``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainer.dist import DistEnv
-from trainer.errors import Refused, Stopped
-from trainer.preemption import LOCK_LOST, request_stop
+from trainer.errors import Refused
+from trainer.preemption import request_stop
+from trainer.stopping import StopReason
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 10.0
@@ -53,10 +54,6 @@ _NO_FCNTL = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 class RunFolderInUse(Refused):
     """Another live job holds the run folder's lock."""
-
-
-class RunLockLost(Stopped):
-    """This job's lease was taken over by another job while it ran."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +164,10 @@ class RunLock:
                 time.sleep(_REREAD_S)
                 found = _read(self._fd)
             if found is not None and not self.lease.same_job(found):
-                request_stop(LOCK_LOST, f"{self.path.parent} was taken over by another job "
-                             f"({found.names()}) while this one was not renewing its lease "
-                             f"for {STALE_S:.0f} s; this job stops without a checkpoint")
+                request_stop(StopReason.LOCK_LOST, f"{self.path.parent} was taken over by "
+                             f"another job ({found.names()}) while this one was not renewing "
+                             f"its lease for {STALE_S:.0f} s; this job stops without a "
+                             "checkpoint")
                 self._stop.set()
                 return False
             self.lease = Lease(self.lease.host, self.lease.pid, self.lease.started,

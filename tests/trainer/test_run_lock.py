@@ -16,8 +16,9 @@ from launch_helpers import ROOT
 
 from tools.chaos import harness as chaos
 from trainer import run_lock
-from trainer.preemption import LOCK_LOST, StopSignals, forget_requests, stop_reason
+from trainer.preemption import StopSignals, forget_requests
 from trainer.run_lock import RunFolderInUse, RunLock
+from trainer.stopping import StopReason
 
 HOLDER = """
 import sys, time
@@ -94,9 +95,10 @@ def test_a_job_whose_lease_was_taken_over_asks_to_stop_without_a_checkpoint(tmp_
         (tmp_path / ".lock").write_text(json.dumps(
             {"host": "node-b", "pid": 9, "started": now, "heartbeat": now}))
         assert not lock.beat()
-        assert StopSignals().received == LOCK_LOST
-        assert stop_reason(LOCK_LOST).startswith(f"{tmp_path} was taken over by another job "
-                                                 "(pid 9 on node-b, since ")
+        [(reason, why)] = StopSignals.watched().items()
+        assert reason is StopReason.LOCK_LOST
+        assert why.startswith(f"{tmp_path} was taken over by another job (pid 9 on node-b, "
+                              "since ")
     finally:
         lock.release()
         forget_requests()

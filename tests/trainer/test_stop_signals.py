@@ -14,14 +14,8 @@ import pytest
 from launch_helpers import ROOT
 
 from tools.chaos.harness import running
-from trainer.preemption import (
-    LAUNCHER_GONE,
-    Interrupted,
-    StopSignals,
-    forget_requests,
-    request_stop,
-    stop_reason,
-)
+from trainer.preemption import Interrupted, StopSignals, forget_requests, request_stop
+from trainer.stopping import StopReason
 
 
 @pytest.fixture(autouse=True)
@@ -74,15 +68,14 @@ def test_a_signal_in_the_first_step_or_far_from_the_step_end_stops_now():
             signal.raise_signal(signal.SIGTERM)
 
 
-def test_a_watchers_request_joins_the_agreement_with_its_reason():
-    forget_requests()
+def test_a_watchers_request_reaches_the_loop_with_what_happened():
     with StopSignals() as signals:
-        request_stop(LAUNCHER_GONE, "the launcher's death (pid 7)")
-        assert signals.received == LAUNCHER_GONE
-    assert stop_reason(LAUNCHER_GONE) == "the launcher's death (pid 7)"
-    assert stop_reason(signal.SIGTERM) == "SIGTERM"
+        request_stop(StopReason.LAUNCHER_GONE, "the launcher's death (pid 7)")
+        request_stop(StopReason.LAUNCHER_GONE, "a later report")  # the first one stays
+        assert signals.received == 0  # no signal: the request is the watcher's
+        assert signals.watched() == {StopReason.LAUNCHER_GONE: "the launcher's death (pid 7)"}
     forget_requests()
-    assert StopSignals().received == 0
+    assert StopSignals.watched() == {}
 
 
 # A "launcher" that starts a "rank" and waits; the rank watches it, and cannot stop by itself:
