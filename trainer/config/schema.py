@@ -16,7 +16,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from partial_fc.margins import AdaCosMode, MarginType
+from partial_fc.margins import AdaCosMode, MarginGradient, MarginType
 from partial_fc.tiles import KERNELS
 from trainer.errors import Refused
 
@@ -141,6 +141,11 @@ class MarginConfig(_Section):
     warmup_steps: NonNegInt = Field(
         0, description="any type: the margin's penalty ramps linearly from 0 (plain cosine) to "
         "its full value over this many training steps (eases ArcFace on ViTs); 0 = none"
+    )
+    gradient: MarginGradient = Field(
+        "exact", description="exact: the margin's true derivative; straight_through: forward "
+        "unchanged, d psi/d cos = 1 (insightface arcface_torch's gradient, which its published "
+        "ArcFace numbers used)"
     )
     p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
