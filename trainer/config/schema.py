@@ -176,10 +176,25 @@ class HeadConfig(_Section):
         "fp32", description="dtype of the head's weight, gradient and optimizer state; bf16 "
         "halves them (bf16 matmul operands, fp32 accumulation, softmax and update arithmetic)"
     )
+    update: Literal["sampled", "dense"] = Field(
+        "sampled", description="head optimizer at sample_rate < 1: sampled = only the rows "
+        "of the step's sample move; dense = every row, unsampled ones by momentum and weight "
+        "decay (insightface arcface_torch's single SGD over the shard)"
+    )
+    init: Literal["per_class", "per_rank"] = Field(
+        "per_class", description="initial rows: per_class = a function of (seed, class), "
+        "the same on any number of ranks; per_rank = every rank draws its block from one "
+        "stream seeded by seed, so all ranks start from the same rows (arcface_torch)"
+    )
+    loss_cap: PosFloat | None = Field(
+        None, description="report each sample's loss as at most this (arcface_torch: "
+        "-ln 1e-30 = 69.08); the gradient is not changed, as there; null = no cap"
+    )
 
     def partial_fc_kwargs(self) -> dict[str, Any]:
         """``PartialFC``'s keyword arguments this section sets (bytes, a torch dtype)."""
         return {"sample_rate": self.sample_rate, "kernel": self.kernel,
+                "init": self.init, "loss_cap": self.loss_cap,
                 "max_tile_bytes": self.max_tile_mib << 20,
                 "state_dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[self.state_dtype]}
 
@@ -242,6 +257,14 @@ class EngineConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="backbone compute precision (margins and softmax stay fp32); fp16 "
         "needs deepspeed and a GPU"
+    )
+    broadcast_buffers: bool = Field(
+        True, description="ddp: copy rank 0's buffers (BatchNorm statistics) to every rank "
+        "before each forward; false keeps each rank's own (arcface_torch), averaged at saves"
+    )
+    grad_compression: Literal["none", "fp16"] = Field(
+        "none", description="ddp: all-reduce the backbone's gradients in fp16 (torch's "
+        "fp16_compress_hook, as arcface_torch registers it): half the traffic, fp16 rounding"
     )
     cpu_shm_comm: bool = Field(
         False, description="deepspeed on CPU: use its shared-memory all-reduce (costs a ~30-50 "

@@ -14,6 +14,7 @@ decay power 1, gradient clipping at 5 and the arcface_torch-behaviour options.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 from trainer.insightface.backbones import ImportRefused, our_network
 
+LOSS_CAP = -math.log(1e-30)  # DistCrossEntropyFunc: loss.clamp_min_(1e-30).log_()
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -145,9 +147,13 @@ def margin_of(margin_list: Any, where: str, notes: list[str]) -> dict[str, Any]:
 
 
 def arcface_torch_behaviour() -> dict[str, Any]:
-    """What train_v2.py fixes in code, as partial-fc keys (dotted)."""
+    """What train_v2.py, partial_fc_v2.py and losses.py fix in code, as partial-fc keys
+    (dotted; docs/insightface.md says which of them matter for its numbers)."""
     return {"margin.gradient": "straight_through", "schedule.type": "poly",
-            "schedule.power": 1.0, "train.clip_grad_norm": 5.0, "optim.decay": "all"}
+            "schedule.power": 1.0, "train.clip_grad_norm": 5.0, "optim.decay": "all",
+            "head.update": "dense", "head.init": "per_rank", "head.loss_cap": LOSS_CAP,
+            "engine.type": "ddp", "engine.broadcast_buffers": False,
+            "engine.grad_compression": "fp16"}
 
 
 def _put(tree: dict, dotted: str, value: Any) -> None:
@@ -191,6 +197,10 @@ def read_config(path: Path) -> Converted:
         out.notes.append("fp16 = True (autocast fp16 with a GradScaler): engine.precision=bf16, "
                          "which needs no loss scale; engine.precision=fp16 needs "
                          "engine.type=deepspeed")
+    if (values.get("gradient_acc") or 1) > 1:
+        out.notes.append(f"gradient_acc = {values['gradient_acc']}: arcface_torch sums the "
+                         "micro-batches' gradients (an SGD step k times larger); "
+                         "train.grad_accum averages them")
     if values.get("dali"):
         out.notes.append("dali = True: partial-fc's loader decodes the webdataset shards itself "
                          "(no DALI); nothing to set")
