@@ -156,7 +156,8 @@ def arcface_torch_behaviour() -> dict[str, Any]:
             "engine.grad_compression": "fp16"}
 
 
-def _put(tree: dict, dotted: str, value: Any) -> None:
+def put(tree: dict, dotted: str, value: Any) -> None:
+    """``tree[a][b] = value`` for ``dotted = "a.b"``, creating sections."""
     *parents, leaf = dotted.split(".")
     for key in parents:
         tree = tree.setdefault(key, {})
@@ -180,10 +181,10 @@ def read_config(path: Path) -> Converted:
     values = merged(path)
     out = Converted()
     for key, value in arcface_torch_behaviour().items():
-        _put(out.tree, key, value)
+        put(out.tree, key, value)
     for key, value in values.items():
         if key in MAPPED and value is not None:
-            _put(out.tree, MAPPED[key], _typed(MAPPED[key], value))
+            put(out.tree, MAPPED[key], _typed(MAPPED[key], value))
         elif key not in _CONVERTED and key not in MAPPED:
             out.unmapped.append(f"{key} = {value!r}")
     if "margin_list" in values:
@@ -191,9 +192,9 @@ def read_config(path: Path) -> Converted:
                               **margin_of(values["margin_list"], str(path), out.notes)}
     if values.get("network") is not None:
         out.network = values["network"]
-        _put(out.tree, "backbone.name", our_network(out.network, str(path)))
+        put(out.tree, "backbone.name", our_network(out.network, str(path)))
     if values.get("fp16"):
-        _put(out.tree, "engine.precision", "bf16")
+        put(out.tree, "engine.precision", "bf16")
         out.notes.append("fp16 = True (autocast fp16 with a GradScaler): engine.precision=bf16, "
                          "which needs no loss scale; engine.precision=fp16 needs "
                          "engine.type=deepspeed")

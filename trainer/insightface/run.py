@@ -20,14 +20,7 @@ from trainer.config.files import CLI, apply_overrides, load_tree, schema_errors,
 from trainer.config.schema import dump_config
 from trainer.insightface import checkpoint as shards_io
 from trainer.insightface.backbones import ImportRefused, convert_state
-from trainer.insightface.config import read_config
-
-
-def _set(tree: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        tree = tree.setdefault(key, {})
-    tree[leaf] = value
+from trainer.insightface.config import put, read_config
 
 
 def _get(tree: dict, dotted: str) -> Any:
@@ -56,9 +49,9 @@ def finish_config(tree: dict, origin: dict[str, str], facts: dict[str, Any],
     """``facts`` (from the files: they win over the config file) and ``overrides`` (win over
     both) applied to ``tree``, validated; refuses with every problem at once."""
     for key, value in facts.items():
-        _set(tree, key, value)
+        put(tree, key, value)
         origin[key] = "the imported files"
-    _set(tree, "margin.gradient", _get(tree, "margin.gradient") or "straight_through")
+    put(tree, "margin.gradient", _get(tree, "margin.gradient") or "straight_through")
     errors = apply_overrides(tree, overrides, origin)
     try:
         cfg = Config.model_validate(tree)
