@@ -176,3 +176,31 @@ def test_a_vit_model_alone_becomes_a_run_to_evaluate_and_fine_tune(tmp_path):
         assert torch.equal(v, vit.state_dict()[k]), k
     cfg = load_config(out / "config.yaml", resolve=False)
     assert cfg.backbone.weights is not None and cfg.run_dir == out / "finetune"
+
+
+@pytest.mark.slow
+def test_model_alone_with_its_py_config_and_without_any(tmp_path):
+    """The network comes from its config (``r18``), or from the keys alone (a ViT-T)."""
+    from trainer.checkpoint.backbone import load_backbone
+
+    torch.manual_seed(0)
+    r18 = build_backbone("iresnet18", embedding_size=D)
+    (tmp_path / "r18").mkdir()
+    torch.save(r18.state_dict(), tmp_path / "r18" / "model.pt")
+    config = tmp_path / "configs" / "r18.py"
+    config.parent.mkdir()
+    config.write_text(f"config = dict()\nconfig.network = 'r18'\nconfig.embedding_size = {D}\n"
+                      "config.margin_list = (1.0, 0.5, 0.0)\n")
+    assert convert(["insightface-checkpoint", str(tmp_path / "r18"), str(tmp_path / "a"),
+                    "--config", str(config)]) == 0
+    model, cfg = load_backbone(tmp_path / "a")
+    assert cfg["backbone"]["name"] == "iresnet18" and cfg["margin"]["type"] == "arcface"
+    assert all(torch.equal(v, r18.state_dict()[k]) for k, v in model.state_dict().items())
+
+    vit = build_backbone("vit_t", embedding_size=D)
+    theirs = {**_their_keys(vit.state_dict()), "mask_token": torch.zeros(1, 1, 256)}
+    (tmp_path / "vit").mkdir()
+    torch.save(theirs, tmp_path / "vit" / "model.pt")
+    assert convert(["insightface-checkpoint", str(tmp_path / "vit"), str(tmp_path / "b")]) == 0
+    model, cfg = load_backbone(tmp_path / "b")
+    assert cfg["backbone"]["name"] == "vit_t" and cfg["margin"]["gradient"] == "straight_through"
