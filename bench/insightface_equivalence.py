@@ -1,7 +1,7 @@
 """Benchmark: partial-fc against insightface arcface_torch's own code, step for step.
 
     .venv/bin/python bench/insightface_equivalence.py --insightface DIR [--steps 30]
-        [--batch 2] [--classes 32] [--configs NAME ...] [--json FILE]
+        [--batch 4] [--classes 32] [--size 112] [--configs NAME ...] [--json FILE]
 
 DIR is a checkout of https://github.com/deepinsight/insightface (fetched by the user; nothing
 is downloaded). On 2 gloo CPU ranks, each configuration trains three models from the same
@@ -18,7 +18,9 @@ initial weights on the same batches:
 
 Their source files are loaded with only these changes, each printed: ``.cuda()`` removed
 (CPU), and ``PolynomialLRWarmup``'s ``verbose=`` argument dropped (torch 2.13's
-``_LRScheduler`` no longer takes it). Deviations from train_v2.py: no ``fp16_compress_hook``
+``_LRScheduler`` no longer takes it). ``--size 16`` sets the class attribute
+``IResNet.fc_scale = 1`` (and partial-fc's ``_FEATURE_MAP`` to 1): the same networks on 16 x 16
+images, whose last feature map is 1 x 1, 49x cheaper than 112 x 112 on a loaded CPU. Deviations from train_v2.py: no ``fp16_compress_hook``
 on either side (its fp16 rounding of two implementations' gradients, which differ in the
 last fp32 bits, would dominate the comparison; ``engine.grad_compression=fp16`` is the
 option), fp32 instead of fp16 autocast. At r < 1 both sides use the sample arcface_torch
@@ -26,8 +28,8 @@ drew (partial-fc's sampler is patched to return ``PartialFC_V2.weight_index``): 
 ``aligned sample``.
 
 Reported per configuration: the relative difference of the step-1 gradients (backbone,
-head), the largest relative loss difference over the steps and the final backbone and head
-weight cosines, for partial-fc against arcface_torch and partial-fc against its perturbed
+head), the largest relative loss difference over the steps and ``1 -`` the cosine of the
+final backbone and head weights, for partial-fc against arcface_torch and partial-fc against its perturbed
 self; then both loss-difference curves. Prints markdown; asserts nothing; not a test.
 """
 
@@ -83,10 +85,10 @@ def load_arcface_torch(root: Path) -> tuple[dict[str, types.ModuleType], list[st
     return modules, patches
 
 
-def _batch(step: int, rank: int, world: int, per_rank: int, classes: int):
+def _batch(step: int, rank: int, world: int, per_rank: int, classes: int, size: int):
     """This rank's slice of global batch ``step``: uint8 images and labels."""
     gen = torch.Generator().manual_seed(1000 + step)
-    images = torch.randint(0, 256, (world * per_rank, 3, 112, 112), generator=gen,
+    images = torch.randint(0, 256, (world * per_rank, 3, size, size), generator=gen,
                            dtype=torch.uint8)
     labels = torch.randint(0, classes, (world * per_rank,), generator=gen)
     lo = rank * per_rank
@@ -188,7 +190,7 @@ def _run_config(name, modules, args, rank, world):
     losses = {"theirs": [], "ours": [], "perturbed": []}
     theirs_grads = None
     for step in range(args.steps):
-        images, labels = _batch(step, rank, world, args.batch, args.classes)
+        images, labels = _batch(step, rank, world, args.batch, args.classes, args.size)
         loss = their_head(ddp(images.float() / 127.5 - 1.0), labels.clone())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
@@ -244,6 +246,12 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     modules, _ = load_arcface_torch(Path(args.insightface))
+    if args.size != 112:
+        import partial_fc.backbones.iresnet as ours
+
+        side = args.size // 16  # four stride-2 stages after a stride-1 stem
+        modules["iresnet"].IResNet.fc_scale = side * side
+        ours._FEATURE_MAP = side
     results = {}
     for name in args.configs:
         results[name] = _run_config(name, modules, args, rank, world)
@@ -261,21 +269,25 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 def report(results: dict, patches: list[str], args) -> str:
     lines = ["Patches to arcface_torch's files (nothing else changed):"]
     lines += [f"- {p}" for p in patches]
-    lines += ["", f"2 gloo CPU ranks, {args.batch} images per rank, {args.classes} classes, "
+    if args.size != 112:
+        lines.append(f"- backbones/iresnet.py: IResNet.fc_scale = {(args.size // 16) ** 2} "
+                     f"(class attribute; {args.size} x {args.size} images)")
+    lines += ["", f"2 gloo CPU ranks, {args.batch} images per rank ({args.size} x {args.size}), "
+              f"{args.classes} classes, "
               f"{args.steps} steps, lr {LR} (poly power 1), SGD momentum {MOMENTUM}, "
               f"weight decay {DECAY}, clip {CLIP}; iresnet [1, 1, 1, 1], D = {EMBEDDING}.", "",
               "| configuration | step-1 grad rel. diff backbone / head | max rel. loss diff "
-              "| final cosine backbone / head | vs itself perturbed 5e-7: max rel. loss diff "
-              "| cosine backbone / head |",
+              "| final 1 - cosine backbone / head | vs itself perturbed 5e-7: max rel. loss "
+              "diff | 1 - cosine backbone / head |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         g, c, loss = r["grad"]["ours"], r["cosine"], r["losses"]
         lines.append(
             f"| {name} | {g['backbone']:.1e} / {g['head']:.1e} "
             f"| {_max_rel(loss['ours'], loss['theirs']):.2e} "
-            f"| {c['ours']['backbone']:.7f} / {c['ours']['head']:.7f} "
+            f"| {1 - c['ours']['backbone']:.1e} / {1 - c['ours']['head']:.1e} "
             f"| {_max_rel(loss['perturbed'], loss['ours']):.2e} "
-            f"| {c['perturbed']['backbone']:.7f} / {c['perturbed']['head']:.7f} |")
+            f"| {1 - c['perturbed']['backbone']:.1e} / {1 - c['perturbed']['head']:.1e} |")
     lines += ["", "Per-step relative loss difference (partial-fc vs arcface_torch; partial-fc "
               "vs its perturbed self):"]
     for name, r in results.items():
@@ -293,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insightface", required=True, type=Path,
                         help="a checkout of deepinsight/insightface")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=2, help="images per rank (>= 2: BN)")
+    parser.add_argument("--batch", type=int, default=4, help="images per rank (>= 2: BN)")
+    parser.add_argument("--size", type=int, default=112, choices=(16, 32, 48, 64, 112),
+                        help="image side; below 112 the last feature map shrinks with it")
     parser.add_argument("--classes", type=int, default=32, help="even: equal shards")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--json", type=Path, help="also write the raw results here")
