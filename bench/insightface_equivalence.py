@@ -19,18 +19,19 @@ initial weights on the same batches:
 Their source files are loaded with only these changes, each printed: ``.cuda()`` removed
 (CPU), and ``PolynomialLRWarmup``'s ``verbose=`` argument dropped (torch 2.13's
 ``_LRScheduler`` no longer takes it). ``--size 16`` sets the class attribute
-``IResNet.fc_scale = 1`` (and partial-fc's ``_FEATURE_MAP`` to 1): the same networks on 16 x 16
-images, whose last feature map is 1 x 1, 49x cheaper than 112 x 112 on a loaded CPU. Deviations from train_v2.py: no ``fp16_compress_hook``
-on either side (its fp16 rounding of two implementations' gradients, which differ in the
-last fp32 bits, would dominate the comparison; ``engine.grad_compression=fp16`` is the
-option), fp32 instead of fp16 autocast. At r < 1 both sides use the sample arcface_torch
-drew (partial-fc's sampler is patched to return ``PartialFC_V2.weight_index``): the
-``aligned sample``.
+``IResNet.fc_scale = 1`` (and partial-fc's ``_FEATURE_MAP`` to 1): the same networks on
+16 x 16 images, whose last feature map is 1 x 1, 49x cheaper than 112 x 112 on a loaded CPU.
+Deviations from train_v2.py: no ``fp16_compress_hook`` on either side (its fp16 rounding of
+two implementations' gradients, which differ in the last fp32 bits, would dominate the
+comparison; ``engine.grad_compression=fp16`` is the option), fp32 instead of fp16 autocast.
+At r < 1 both sides use the sample arcface_torch drew (partial-fc's sampler is patched to
+return ``PartialFC_V2.weight_index``): the aligned sample.
 
 Reported per configuration: the relative difference of the step-1 gradients (backbone,
 head), the largest relative loss difference over the steps and ``1 -`` the cosine of the
-final backbone and head weights, for partial-fc against arcface_torch and partial-fc against its perturbed
-self; then both loss-difference curves. Prints markdown; asserts nothing; not a test.
+final backbone and head weights, for partial-fc against arcface_torch and partial-fc against
+its perturbed self; then both loss-difference curves. Prints markdown; asserts nothing; not
+a test.
 """
 
 from __future__ import annotations
