@@ -138,7 +138,7 @@ def _watch(engine, shared) -> None:
         def step(*a, **k):
             if key not in shared["grads"]:
                 params = [p for p in engine.backbone.parameters() if p.grad is not None]
-                if shared.get("perturb") is key:
+                if shared.get("perturb") == key:
                     gen = torch.Generator().manual_seed(7)
                     for p in params:
                         sign = torch.randint(0, 2, p.shape, generator=gen) * 2 - 1
@@ -152,7 +152,7 @@ def _watch(engine, shared) -> None:
             grads = shared["grads"].get(key)
             if grads is not None and "head" not in grads:
                 grad = engine.head.weight.grad
-                if shared.get("perturb") is key:
+                if shared.get("perturb") == key:
                     grad.mul_(1 + PERTURB)
                 grads["head"] = grad.to_dense().clone()
             return orig(rows, *a, **k)
