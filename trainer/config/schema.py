@@ -82,8 +82,8 @@ class DataConfig(_Section):
 class BackboneConfig(_Section):
     name: str = Field(
         "iresnet50", description="backbone architecture (partial_fc.backbones.list_backbones():"
-        " iresnet*, mobilefacenet, vit_t|s|b|l|h), or timm:<model> for a timm model (pip "
-        "install 'partial-fc[timm]')"
+        " iresnet*, mobilefacenet, mbf, mbf_large, vit_t|s|b|l|h), or timm:<model> for a timm "
+        "model (pip install 'partial-fc[timm]')"
     )
     embedding_size: PosInt = Field(512, description="length of the face embedding")
     dropout: UnitFloat = Field(0.0, description="dropout before the embedding layer, in [0, 1)")

@@ -4,9 +4,9 @@ arcface_torch (``recognition/arcface_torch/backbones``) and ``partial_fc.backbon
 same iResNets key for key. Its ViTs differ in three names (``patch_embed.proj`` is our
 ``patch_embed``, ``mlp.fc1/fc2`` our ``mlp.0/2``) and always hold a ``mask_token``, which ours
 create only where the recipe masks tokens (it is unused at inference, so an unmasked ViT drops
-it). Its ``mbf`` (width scale 2, blocks 1-4-6-2, grouped rather than depthwise convolutions)
-is another network than ours, the MobileFaceNet of arXiv:1804.07573 Table 1, and is refused
-by name, as are ``r2060`` and ``mbf_large``.
+it). Its ``mbf`` and ``mbf_large`` are ``partial_fc.backbones.mbf`` (not ``mobilefacenet``, the
+paper's narrower network), whose modules are named otherwise: their parameters map position by
+position, each shape checked. ``r2060`` is refused by name.
 """
 
 from __future__ import annotations
@@ -26,14 +26,10 @@ NETWORKS = {
     "r200": "iresnet200",
     "vit_t": "vit_t", "vit_t_dp005_mask0": "vit_t", "vit_s": "vit_s",
     "vit_s_dp005_mask_0": "vit_s", "vit_b": "vit_b", "vit_b_dp005_mask_005": "vit_b",
-    "vit_l_dp005_mask_005": "vit_l", "vit_h": "vit_h",
+    "vit_l_dp005_mask_005": "vit_l", "vit_h": "vit_h", "mbf": "mbf", "mbf_large": "mbf_large",
 }
-UNSUPPORTED = {
-    "mbf": "its MobileFaceNet (width x2, grouped convolutions) is another network than "
-           "partial-fc's mobilefacenet (arXiv:1804.07573 Table 1)",
-    "mbf_large": "its MobileFaceNet (width x4) has no counterpart here",
-    "r2060": "iresnet2060 has no counterpart here",
-}
+UNSUPPORTED = {"r2060": "iresnet2060 has no counterpart here"}
+POSITIONAL = frozenset({"mbf", "mbf_large"})  # same parameters in the same order, other names
 _RENAMES = ((re.compile(r"^patch_embed\.proj\."), "patch_embed."),
             (re.compile(r"\.mlp\.fc1\."), ".mlp.0."), (re.compile(r"\.mlp\.fc2\."), ".mlp.2."))
 _BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -84,11 +80,11 @@ def _shapes(name: str, embedding_size: int, depth: int | None
 
 def convert_state(state: Mapping[str, Tensor], where: str, network: str | None = None,
                   ours: str | None = None, depth: int | None = None
-                  ) -> tuple[str, int, dict[str, Tensor]]:
-    """``(our backbone name, embedding size, our state_dict)`` of an arcface_torch backbone
-    state_dict read from ``where``. ``network`` (its config's name) or ``ours`` (a partial-fc
-    backbone name, with ``depth`` for a ViT) picks the architecture; without either, the one
-    whose keys and shapes the file matches exactly is found.
+                  ) -> tuple[str, int, dict[str, Tensor], dict[str, str]]:
+    """``(our backbone name, embedding size, our state_dict, {its key: our key})`` of an
+    arcface_torch backbone state_dict read from ``where``. ``network`` (its config's name) or
+    ``ours`` (a partial-fc backbone name, with ``depth`` for a ViT) picks the architecture;
+    without either, the one whose keys and shapes the file matches exactly is found.
 
     Raises :class:`ImportRefused` naming ``where`` when no architecture matches (another
     network's state_dict), with the first missing and unexpected keys."""
@@ -104,11 +100,15 @@ def convert_state(state: Mapping[str, Tensor], where: str, network: str | None =
         if shapes is None:
             continue
         mine = {k: v for k, v in renamed.items() if k in shapes or k != "mask_token"}
+        keys = {k: our_key(k) for k in state}
+        if name in POSITIONAL and [v.shape for v in mine.values()] == list(shapes.values()):
+            keys = dict(zip(state, shapes, strict=True))
+            mine = dict(zip(shapes, mine.values(), strict=True))
         missing = [k for k in shapes if k not in mine]
         unexpected = [k for k in mine if k not in shapes]
         wrong = [k for k in shapes if k in mine and mine[k].shape != shapes[k]]
         if not (missing or unexpected or wrong):
-            return name, size, mine
+            return name, size, mine, keys
         score = len(missing) + len(unexpected) + len(wrong)
         if best is None or score < best[0]:
             best = (score, name, missing, unexpected, wrong)

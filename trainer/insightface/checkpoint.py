@@ -34,7 +34,7 @@ from data_pipeline.manifest import atomic_write_bytes
 from partial_fc.partition import split_evenly
 from trainer.checkpoint import LATEST, tag_for
 from trainer.checkpoint.integrity import META, sha256
-from trainer.insightface.backbones import ImportRefused, convert_state, is_parameter, our_key
+from trainer.insightface.backbones import ImportRefused, convert_state, is_parameter
 
 SHARD = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
@@ -93,8 +93,8 @@ def read_shards(paths: list[Path], num_classes: int | None, architecture: dict[s
             raise ImportRefused(f"{path}: state_dict_softmax_fc has no 'weight' tensor")
     rows = [c["state_dict_softmax_fc"]["weight"] for c in ckpts]
     total = num_classes if num_classes is not None else sum(r.shape[0] for r in rows)
-    name, size, backbone = convert_state(ckpts[0]["state_dict_backbone"], str(paths[0]),
-                                         **architecture)
+    name, size, backbone, keys = convert_state(ckpts[0]["state_dict_backbone"],
+                                               str(paths[0]), **architecture)
     for rank, (path, w) in enumerate(zip(paths, rows, strict=True)):
         start, stop = split_evenly(total, world, rank)
         if w.ndim != 2 or w.shape != (stop - start, size):
@@ -107,24 +107,25 @@ def read_shards(paths: list[Path], num_classes: int | None, architecture: dict[s
         if len(values) > 1:
             raise ImportRefused(f"{paths[0].parent}: the shards disagree on {key} "
                                 f"({sorted(values)}); they come from different saves")
-    optimizer, head_state, backbone_state = _optimizer_state(paths, ckpts)
+    optimizer, head_state, backbone_state = _optimizer_state(paths, ckpts, keys)
     return Shards(name, size, backbone, torch.cat(rows), head_state, backbone_state, optimizer,
                   dict(ckpts[0]["state_lr_scheduler"]), int(ckpts[0]["epoch"]),
                   int(ckpts[0]["global_step"]))
 
 
-def _optimizer_state(paths: list[Path], ckpts: list[dict]
+def _optimizer_state(paths: list[Path], ckpts: list[dict], keys: dict[str, str]
                      ) -> tuple[str, dict[str, Tensor], dict[str, Tensor]]:
     """``(sgd|adamw, head per-row state, backbone state)``. train_v2 builds one optimizer over
     ``[{backbone.parameters()}, {head.parameters()}]``, so group 0 indexes the backbone's
-    parameters in order and group 1 the head's ``weight``."""
+    parameters in order and group 1 the head's ``weight``; ``keys``: its backbone keys ->
+    ours (``convert_state``)."""
     first = ckpts[0]["state_optimizer"]
     groups = first.get("param_groups", []) if isinstance(first, dict) else []
     if len(groups) != 2 or len(groups[1].get("params", [])) != 1:
         raise ImportRefused(f"{paths[0]}: state_optimizer is not train_v2's (two parameter "
                             "groups: the backbone's, then the head's weight)")
     optimizer = "adamw" if "betas" in groups[0] else "sgd"
-    names = [our_key(k) for k in ckpts[0]["state_dict_backbone"] if is_parameter(k)]
+    names = [keys[k] for k in ckpts[0]["state_dict_backbone"] if is_parameter(k)]
     if len(names) != len(groups[0]["params"]):
         raise ImportRefused(f"{paths[0]}: state_optimizer indexes {len(groups[0]['params'])} "
                             f"backbone parameters, state_dict_backbone has {len(names)}")

@@ -100,8 +100,8 @@ def import_model(src: Path, out: Path, config: Path | None, overrides: list[str]
     launch.export) whose config.yaml fine-tunes it with a new head into ``out/finetune``."""
     tree, origin, network = start_tree(config)
     model = src / "model.pt"
-    name, size, state = convert_state(shards_io.load(model), str(model),
-                                      **_architecture(tree, network))
+    name, size, state, _ = convert_state(shards_io.load(model), str(model),
+                                         **_architecture(tree, network))
     weights = shards_io.write_backbone_only(out, state, model)
     facts = {"backbone.name": name, "backbone.embedding_size": size,
              "backbone.weights": os.path.abspath(weights), "output": str(out / "finetune"),
