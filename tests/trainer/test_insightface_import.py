@@ -29,11 +29,13 @@ def _their_keys(state: dict) -> dict:
     return out
 
 
-def write_arcface_torch_run(folder, world, step=6, epoch=2, seed=0):
+def write_arcface_torch_run(folder, world, step=6, epoch=2, seed=0, network="iresnet_tiny",
+                            rename=lambda k: k):
     """What train_v2.py (save_all_states=True) leaves after ``epoch`` epochs of ``step`` steps,
-    ranks 0..world-1; returns (backbone state, head [C, D], head momentum [C, D])."""
+    ranks 0..world-1, backbone keys as ``rename`` gives them; returns (backbone state, head
+    [C, D], head momentum [C, D]); every backbone momentum is the parameter's index."""
     torch.manual_seed(seed)
-    backbone = build_backbone("iresnet_tiny", embedding_size=D)
+    backbone = build_backbone(network, embedding_size=D)
     head = torch.randn(C, D)
     momentum = torch.randn(C, D)
     folder.mkdir(parents=True, exist_ok=True)
@@ -45,12 +47,12 @@ def write_arcface_torch_run(folder, world, step=6, epoch=2, seed=0):
         for p in [*backbone.parameters(), weight]:
             p.grad = torch.zeros_like(p)
         opt.step()  # lr 0: creates every momentum buffer, in torch's own format, moves nothing
-        for p in backbone.parameters():
-            opt.state[p]["momentum_buffer"].copy_(torch.full_like(p, 0.5))
+        for i, p in enumerate(backbone.parameters()):
+            opt.state[p]["momentum_buffer"].copy_(torch.full_like(p, float(i)))
         opt.state[weight]["momentum_buffer"].copy_(momentum[start:stop])
         torch.save({
             "epoch": epoch, "global_step": step,
-            "state_dict_backbone": backbone.state_dict(),
+            "state_dict_backbone": {rename(k): v for k, v in backbone.state_dict().items()},
             "state_dict_softmax_fc": {"weight": weight.detach()},
             "state_optimizer": opt.state_dict(),
             "state_lr_scheduler": {"total_iters": step + 4, "warmup_iters": 0, "power": 1.0,
@@ -89,8 +91,8 @@ def test_shards_import_in_class_order_with_their_momentum(tmp_path, world, one_r
                        momentum)
     for k, v in engine.backbone.state_dict().items():
         assert torch.equal(v, backbone[k]), k
-    assert all(torch.all(s["momentum_buffer"] == 0.5) for s in engine.optimizer.state.values())
-    assert len(engine.optimizer.state) == len(list(engine.backbone.parameters()))
+    for i, p in enumerate(engine.backbone.parameters()):
+        assert torch.all(engine.optimizer.state[p]["momentum_buffer"] == i)
 
 
 def _engine(cfg):
@@ -204,3 +206,26 @@ def test_model_alone_with_its_py_config_and_without_any(tmp_path):
     assert convert(["insightface-checkpoint", str(tmp_path / "vit"), str(tmp_path / "b")]) == 0
     model, cfg = load_backbone(tmp_path / "b")
     assert cfg["backbone"]["name"] == "vit_t" and cfg["margin"]["gradient"] == "straight_through"
+
+
+def test_its_mbf_maps_position_by_position_with_its_momentum(tmp_path, one_rank_group):
+    """Its MobileFaceNet names its modules otherwise (``layers.N.layers...``); only the order
+    and the shapes carry over, here under made-up names."""
+    from trainer import checkpoint
+    from trainer.config import load_config
+
+    src, out = tmp_path / "mbf", tmp_path / "run"
+    def rename(key):  # body.0.0.weight -> theirs.body_0_0.weight: the last name kept
+        return "theirs." + key.replace(".", "_", key.count(".") - 1)
+
+    backbone, head, _ = write_arcface_torch_run(src, 2, network="mbf", rename=rename)
+    recipe = tmp_path / "mbf.yaml"
+    recipe.write_text(_recipe(tmp_path).read_text().replace("iresnet_tiny", "mbf"))
+    assert convert(["insightface-checkpoint", str(src), str(out), "--config", str(recipe)]) == 0
+    engine = _engine(load_config(out / "config.yaml", resolve=False))
+    checkpoint.load(checkpoint.find_verified(out), engine)
+    assert torch.equal(engine.head.weight.detach(), head)
+    for k, v in engine.backbone.state_dict().items():
+        assert torch.equal(v, backbone[k]), k
+    for i, p in enumerate(engine.backbone.parameters()):
+        assert torch.all(engine.optimizer.state[p]["momentum_buffer"] == i)
