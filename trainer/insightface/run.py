@@ -110,8 +110,9 @@ def import_model(src: Path, out: Path, config: Path | None, overrides: list[str]
     (out / "config.yaml").write_text(dump_config(cfg))
     return [f"{model}: {name}, embedding size {size}",
             f"wrote {weights} and {out / 'config.yaml'}",
-            f"evaluate: python -m launch.evaluate {out} --bin ...; export: python -m "
-            f"launch.export {out} --out model.onnx; fine-tune: python -m launch.train "
+            f"evaluate: python -m launch.evaluate --checkpoint {out} --bin ...; export: python "
+            f"-m launch.export --checkpoint {out} --out model.onnx; fine-tune: python -m "
+            f"launch.train "
             f"--config {out / 'config.yaml'} data.dir=YOUR_SHARDS"]
 
 
