@@ -183,8 +183,8 @@ class HeadConfig(_Section):
     )
     init: Literal["per_class", "per_rank"] = Field(
         "per_class", description="initial rows: per_class = a function of (seed, class), "
-        "the same on any number of ranks; per_rank = every rank draws its block from one "
-        "stream seeded by seed, so all ranks start from the same rows (arcface_torch)"
+        "the same on any number of ranks; per_rank = every rank starts from rank 0's rows "
+        "(arcface_torch: one seed, the same draw on every rank)"
     )
     loss_cap: PosFloat | None = Field(
         None, description="report each sample's loss as at most this (arcface_torch: "
