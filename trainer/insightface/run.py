@@ -20,7 +20,7 @@ from trainer.config.files import CLI, apply_overrides, load_tree, schema_errors,
 from trainer.config.schema import dump_config
 from trainer.insightface import checkpoint as shards_io
 from trainer.insightface.backbones import ImportRefused, convert_state
-from trainer.insightface.config import put, read_config
+from trainer.insightface.config import arcface_torch_behaviour, put, read_config
 
 
 def _get(tree: dict, dotted: str) -> Any:
@@ -34,10 +34,14 @@ def _get(tree: dict, dotted: str) -> Any:
 def start_tree(config: Path | None) -> tuple[dict, dict[str, str], str | None]:
     """``(config tree, origin of each key, arcface_torch network name or None)`` from
     ``--config``: an arcface_torch ``.py`` (converted without running it) or a partial-fc
-    YAML; an empty tree without one."""
+    YAML; without one, arcface_torch's fixed behaviour (its base.py margin, ArcFace 0.5 at
+    scale 64, is the schema's default)."""
     origin: dict[str, str] = {}
     if config is None:
-        return {}, origin, None
+        tree: dict = {}
+        for key, value in arcface_torch_behaviour().items():
+            put(tree, key, value)
+        return tree, origin, None
     if config.suffix == ".py":
         converted = read_config(config)
         return converted.tree, origin, converted.network
@@ -74,7 +78,8 @@ def import_run(src: Path, out: Path, config: Path | None, overrides: list[str]) 
     """``src``'s arcface_torch checkpoints -> run folder ``out`` (its config.yaml and one
     checkpoint at arcface_torch's step); returns the lines to print."""
     tree, origin, network = start_tree(config)
-    shards = shards_io.read_shards(shards_io.shard_paths(src), _get(tree, "data.num_classes"),
+    paths = shards_io.shard_paths(src)
+    shards = shards_io.read_shards(paths, _get(tree, "data.num_classes"),
                                    _architecture(tree, network))
     grad_accum = _get(tree, "train.grad_accum") or 1
     facts = {"backbone.name": shards.network, "backbone.embedding_size": shards.embedding_size,
@@ -87,7 +92,7 @@ def import_run(src: Path, out: Path, config: Path | None, overrides: list[str]) 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     moments = ", ".join(sorted(shards.head_state)) or "none (fresh)"
-    return [f"{src}: {len(shards_io.shard_paths(src))} shard(s), {cfg.data.num_classes} classes, "
+    return [f"{src}: {len(paths)} shard(s), {cfg.data.num_classes} classes, "
             f"{shards.network}, step {step}, epoch {shards.epoch}; head optimizer state: "
             f"{moments}",
             f"wrote {path} and {out / 'config.yaml'}",
