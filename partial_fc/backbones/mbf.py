@@ -12,19 +12,16 @@ maps onto it position by position (``trainer.insightface``).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from partial_fc.backbones.mobilefacenet import Bottleneck, conv_bn
-from partial_fc.backbones.norm import BatchNorm1d
+from partial_fc.backbones.mobilefacenet import Bottleneck, GDConvEmbedding, conv_bn
 
 
-class WideMobileFaceNet(nn.Module):
+class WideMobileFaceNet(GDConvEmbedding):
     """Float ``[N, 3, 112, 112]`` in [-1, 1] -> ``[N, embedding_size]``."""
 
     def __init__(self, embedding_size: int = 512, dropout: float = 0.0,
                  blocks: tuple[int, int, int, int] = (1, 4, 6, 2), scale: int = 2) -> None:
-        super().__init__()
         c1, c2 = 64 * scale, 128 * scale
         layers: list[nn.Module] = [conv_bn(3, c1, 3, 2, 1, act=True)]
         if blocks[0] == 1:
@@ -37,19 +34,7 @@ class WideMobileFaceNet(nn.Module):
                                                    (c2, c2, 512, 256, blocks[3])):
             layers.append(Bottleneck(cin, cout, 1, 2, hidden=opener))
             layers += [Bottleneck(cout, cout, 1, 1, hidden=hidden) for _ in range(repeats)]
-        layers.append(conv_bn(c2, 512, 1, 1, 1, act=True))
-        layers.append(conv_bn(512, 512, 7, 1, 512, act=False))  # GDConv: 7x7 -> 1x1
-        self.body = nn.Sequential(*layers)
-        self.dropout = nn.Dropout(p=dropout)
-        self.fc = nn.Linear(512, embedding_size, bias=False)
-        self.features = BatchNorm1d(embedding_size)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d | nn.Linear):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(torch.flatten(self.body(x), 1))
-        return self.features(self.fc(x))
+        super().__init__(layers, c2, embedding_size, dropout, init_linear=True)
 
 
 def mbf(embedding_size: int = 512, dropout: float = 0.0) -> WideMobileFaceNet:
