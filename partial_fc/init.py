@@ -60,4 +60,3 @@ def init_rows_(weight: Tensor, class_start: int, seed: int, std: float = 0.01) -
                 weight[lo - class_start: hi - class_start] = rows[lo - block * BLOCK:
                                                                   hi - block * BLOCK]
     return weight
-
