@@ -84,7 +84,16 @@ def test_lr_decay_power_one_is_polynomial_lr_warmup():
         assert factor(step) == pytest.approx(1.0 - step / 100)
 
 
-def _ddp_work(rank, world, broadcast, compression):
+def _ddp_work(rank, world):
+    """Both settings (broadcast + no compression; neither + fp16), and the heads' rows."""
+    out = {setting: _ddp_setting(rank, *setting) for setting in ((True, "none"),
+                                                                   (False, "fp16"))}
+    heads = {init: PartialFC(D, C + 1, build_margin(dict(type="arcface")), seed=7, init=init)
+             for init in ("per_rank", "per_class")}
+    return {**out, **{init: head.weight.detach().clone() for init, head in heads.items()}}
+
+
+def _ddp_setting(rank, broadcast, compression):
     from trainer.config import Config
     from trainer.dist import attach
     from trainer.engine.ddp import DDPBackend
@@ -112,18 +121,14 @@ def _ddp_work(rank, world, broadcast, compression):
     copy.load_state_dict(model.state_dict())
     ((copy(x) * torch.linspace(0.3, 1.1, 3)).sum()).backward()
     mine = [p.grad.clone() for p in copy.parameters()]
-    heads = {init: PartialFC(D, C + 1, build_margin(dict(type="arcface")), seed=7, init=init)
-             for init in ("per_rank", "per_class")}
-    return {"mean": mean, "reduced": local, "mine": mine,
-            **{init: head.weight.detach().clone() for init, head in heads.items()}}
+    return {"mean": mean, "reduced": local, "mine": mine}
 
 
 @pytest.mark.slow
 def test_ddp_buffer_broadcast_fp16_gradient_compression_and_per_rank_init():
-    runs = {(b, c): run_ranks(_ddp_work, world_size=2, args=(b, c))
-            for b, c in ((True, "none"), (False, "fp16"))}
-    kept, compressed = runs[(True, "none")], runs[(False, "fp16")]
-    rank0, rank1 = kept
+    rank0, rank1 = run_ranks(_ddp_work, world_size=2)
+    kept = [r[(True, "none")] for r in (rank0, rank1)]
+    compressed = [r[(False, "fp16")] for r in (rank0, rank1)]
     assert torch.equal(rank1["per_rank"], rank0["per_rank"][:20])  # 21 + 20 rows
     assert torch.equal(rank1["per_class"], init_rows_(torch.empty(20, D), 21, seed=7))
     assert torch.equal(kept[0]["mean"], kept[1]["mean"])  # rank 0's, broadcast
