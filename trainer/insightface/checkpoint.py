@@ -89,7 +89,8 @@ def read_shards(paths: list[Path], num_classes: int | None, architecture: dict[s
         if missing:
             raise ImportRefused(f"{path}: missing {missing}; not an arcface_torch checkpoint "
                                 "(train_v2.py with save_all_states=True writes them)")
-        if not isinstance(ckpt["state_dict_softmax_fc"].get("weight"), Tensor):
+        head = ckpt["state_dict_softmax_fc"]
+        if not (isinstance(head, dict) and isinstance(head.get("weight"), Tensor)):
             raise ImportRefused(f"{path}: state_dict_softmax_fc has no 'weight' tensor")
     rows = [c["state_dict_softmax_fc"]["weight"] for c in ckpts]
     total = num_classes if num_classes is not None else sum(r.shape[0] for r in rows)
