@@ -21,7 +21,6 @@ folder holding only ``model.pt``: a backbone-only checkpoint that ``launch.evalu
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import Tensor
 
 from data_pipeline.manifest import atomic_write_bytes
 from partial_fc.partition import split_evenly
-from trainer.checkpoint import LATEST, tag_for
+from trainer.checkpoint import LATEST, CheckpointMeta, tag_for
 from trainer.checkpoint.integrity import META, sha256
 from trainer.insightface.backbones import ImportRefused, convert_state, is_parameter
 
@@ -178,8 +177,8 @@ def write_backbone_only(out: Path, backbone: dict[str, Tensor], source: Path) ->
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / "backbone.pt"
     torch.save(backbone, weights)
-    meta = {"step": 0, "world_size": 1, "rows": [], "loader": [], "imported_from": str(source),
-            "files": {"backbone.pt": sha256(weights)}}
-    atomic_write_bytes(folder / META, json.dumps(meta, indent=1).encode())
+    meta = CheckpointMeta(step=0, world_size=1, loaders=[], rows=[], name=f"{source}",
+                          files={"backbone.pt": sha256(weights)})
+    atomic_write_bytes(folder / META, meta.to_json().encode())
     atomic_write_bytes(out / "checkpoints" / LATEST, (folder.name + "\n").encode())
     return weights

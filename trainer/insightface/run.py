@@ -154,11 +154,11 @@ def _save(cfg: Config, shards: shards_io.Shards, step: int) -> Path:
         except RuntimeError as exc:
             raise ImportRefused(f"the imported state does not fit {cfg.backbone.name}: "
                                 f"{str(exc).splitlines()[0]}") from None
-        meta = {"loader": shards_io.loader_position(shards.epoch), "name": cfg.name,
-                "imported_from": "insightface arcface_torch"}
-        if cfg.data.num_samples is not None:  # else the training run fills it: not comparable
-            meta["config"] = cfg.model_dump(mode="json")
-        return checkpoint.save(cfg.run_dir, step, engine, meta, cfg.checkpoint.keep)
+        # Without data.num_samples the training run fills it, so the configs would not compare.
+        config = cfg.model_dump(mode="json") if cfg.data.num_samples is not None else None
+        record = checkpoint.RunRecord(loader=shards_io.loader_position(shards.epoch),
+                                      name=cfg.name, config=config)
+        return checkpoint.save(cfg.run_dir, step, engine, record, cfg.checkpoint.keep)
     finally:
         if started:
             dist.destroy_process_group()
