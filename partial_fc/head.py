@@ -46,6 +46,7 @@ from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
 __all__ = ["PartialFC"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+INITS = ("per_class", "per_rank")
 
 
 class PartialFC(nn.Module):
@@ -65,6 +66,10 @@ class PartialFC(nn.Module):
         max_tile_bytes: the torch path's budget of fp32 ``[N, chunk]`` cosines per chunk.
         state_dtype: dtype of ``weight``, its gradient and optimizer state: ``torch.float32``
             or ``torch.bfloat16`` (half the memory; bf16 matmul operands, fp32 softmax).
+        init: ``"per_class"`` (a class's initial row depends on ``(seed, class)`` only) or
+            ``"per_rank"`` (every rank starts from rank 0's rows: insightface's arcface_torch).
+        loss_cap: report each sample's loss as at most this (arcface_torch clamps
+            ``p_target`` at 1e-30: ``-ln 1e-30``); the gradient stays the uncapped one.
         device: where ``weight`` is created (default: the CPU); give the training device at
             large class counts, so no whole shard passes through host memory.
 
@@ -98,6 +103,8 @@ class PartialFC(nn.Module):
         max_tile_bytes: int = 32 << 20,
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        init: str = "per_class",
+        loss_cap: float | None = None,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -130,9 +137,15 @@ class PartialFC(nn.Module):
         self.world_size, self.rank = world, rank
         self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
-        self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
-            torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),
-            self.class_start, seed))
+        if init not in INITS:
+            raise ValueError(f"PartialFC: init={init!r} must be one of {INITS}")
+        if loss_cap is not None and not loss_cap > 0:
+            raise ValueError(f"PartialFC: loss_cap={loss_cap} must be > 0 or None")
+        self.loss_cap = loss_cap
+        rows = torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device)
+        # per_rank: every rank draws the rows rank 0 would (its block is their prefix).
+        first = self.class_start if init == "per_class" else 0
+        self.weight = nn.Parameter(init_rows_(rows, first, seed))  # bf16: fp32 draws rounded
         self.margin = margin
         margin.scale.reset(num_classes)
         self.step = 0  # training forwards (or begin_step steps) so far; "step" in state_dict
@@ -265,7 +278,7 @@ class PartialFC(nn.Module):
             row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
-            functools.partial(self.margin.target, step=step), s, group)
+            functools.partial(self.margin.target, step=step), s, group, self.loss_cap)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
         self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)

@@ -3,8 +3,9 @@
 A margin maps the cosine of a sample's **target** class to the value ``psi`` that replaces
 it in the logits; non-target logits stay ``s * cos``. The head computes
 ``logit_target = s * psi(cos_target)``. Every ``psi`` is computed in fp32 with its true
-derivative by autograd (no straight-through trick); the only deviation is the clamp of
-``acos``'s input, stated where it applies. A margin owns its scale module (``self.scale``,
+derivative by autograd; the deviations are the clamp of ``acos``'s input, stated where it
+applies, and the opt-in straight-through gradient (``gradient="straight_through"``, see
+:class:`Margin`). A margin owns its scale module (``self.scale``,
 fixed or AdaCos, see ``partial_fc.scale``) so that ``head.state_dict()`` holds the scale
 state.
 """
@@ -21,17 +22,18 @@ from torch import Tensor, nn
 from partial_fc.scale import AdaCosScale, FixedScale
 
 __all__ = [
-    "MARGIN_KEYS", "MARGIN_TYPES", "CombinedMargin", "Margin", "MarginType", "SphereFaceMargin",
-    "build_margin", "margin_errors", "margin_warnings", "normface_scale_bound",
+    "MARGIN_KEYS", "MARGIN_TYPES", "CombinedMargin", "Margin", "MarginGradient", "MarginType",
+    "SphereFaceMargin", "build_margin", "margin_errors", "margin_warnings", "normface_scale_bound",
 ]
 
 MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos"]
 MARGIN_TYPES: tuple[str, ...] = get_args(MarginType)
 AdaCosMode = Literal["fixed", "dynamic"]
+MarginGradient = Literal["exact", "straight_through"]
 # The keys build_margin reads. trainer.config.MarginConfig declares each one for the user (with
 # its default and description, plus the validation-only p_w); a test holds the two equal.
 MARGIN_KEYS = frozenset(
-    {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps"}
+    {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps", "gradient"}
     | {"lambda_base", "lambda_gamma", "lambda_power", "lambda_min"}
 )
 _LAMBDAS = ("lambda_base", "lambda_gamma", "lambda_power", "lambda_min")
@@ -51,7 +53,16 @@ class Margin(nn.Module):
     the angle as both ends are. It eases the start of training where a full angular margin
     stalls or diverges (ArcFace on ViTs: insightface issues #2144, #2043). The position in the
     ramp is the head's ``step`` buffer, so checkpoints (the head's state_dict) carry it.
+
+    Gradient (``gradient``): ``"exact"`` differentiates ``target`` as written.
+    ``"straight_through"`` keeps the forward value and takes ``d target / d cos = 1``: the
+    margin term ``target(cos) - cos`` is a constant in the backward. That is what insightface's
+    arcface_torch computes (``CombinedMarginLoss`` applies the angular margin in place under
+    ``torch.no_grad``), so its published ArcFace numbers were trained with it; for CosFace
+    and NormFace the two coincide (``docs/insightface.md`` has the measured difference).
     """
+
+    gradient: MarginGradient = "exact"  # build_margin sets it from the config
 
     def __init__(self, scale: FixedScale | AdaCosScale, warmup_steps: int = 0) -> None:
         super().__init__()
@@ -72,7 +83,11 @@ class Margin(nn.Module):
         """The target logit's cosine after ``step`` steps: ``psi`` under the warm-up."""
         out = self.psi(cos, step)
         t = self.warmup_factor(step)
-        return out if t == 1.0 else torch.lerp(cos.float(), out, t)
+        out = out if t == 1.0 else torch.lerp(cos.float(), out, t)
+        if self.gradient == "straight_through":
+            c = cos.float()
+            return c + (out - c).detach()
+        return out
 
 
 class CombinedMargin(Margin):
@@ -264,6 +279,8 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     out = _warmup_errors(get("warmup_steps", 0))
     if kind not in MARGIN_TYPES:
         out.append(_error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}"))
+    if get("gradient", "exact") not in get_args(MarginGradient):
+        out.append(_error("gradient", get("gradient"), "not one of exact|straight_through"))
     if adacos not in (None, *get_args(AdaCosMode)):
         out.append(_error("adacos", adacos, "not one of fixed|dynamic"))
     if kind == "adacos" and adacos is None:
@@ -320,6 +337,15 @@ def margin_warnings(cfg: Mapping[str, Any], num_classes: int, p_w: float) -> lis
 
 
 def build_margin(cfg: Mapping[str, Any]) -> Margin:
+    """Build a margin from a config dict: :func:`_build_type`'s margin with the gradient
+    ``cfg["gradient"]`` (``exact`` | ``straight_through``, default exact; see :class:`Margin`).
+    """
+    margin = _build_type(cfg)
+    margin.gradient = cfg.get("gradient") or "exact"
+    return margin
+
+
+def _build_type(cfg: Mapping[str, Any]) -> Margin:
     """Build a margin from a config dict.
 
     Keys: ``type`` (one of ``MARGIN_TYPES``), ``s``, ``m`` (SphereFace/CosFace/ArcFace),

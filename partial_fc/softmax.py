@@ -58,6 +58,7 @@ def margin_softmax_loss(
     psi: Callable[[Tensor], Tensor],
     s: Tensor | float,
     process_group: pd.ProcessGroup = None,
+    loss_cap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Mean cross-entropy of the global batch over the class shards of ``process_group``.
 
@@ -75,13 +76,17 @@ def margin_softmax_loss(
         row_max, row_sum: ``shard.stats(s)``'s first two outputs.
         psi: elementwise margin transform of target cosines, ``[n] -> [n]``, differentiable.
         s: the scale, a constant for the step (float or 0-d tensor; no gradient flows to it).
+        loss_cap: each row's loss is reported as at most this; the backward is the uncapped
+            loss's (insightface's ``DistCrossEntropy`` clamps ``p_target`` at 1e-30 in its
+            forward only). ``None``: no cap.
 
     Returns:
         ``loss`` (0-d, identical on all ranks); ``sum_exp`` ``[N]``,
         ``sum_{k != y_i} exp(z_ik - shift_i)`` over all ranks; ``shift`` ``[N]``, the global
         row max of the logits. Both are replicated and carry no gradient.
     """
-    return _MarginSoftmaxLoss.apply(process_group, psi, s, shard, row_max, row_sum, e, weight)
+    return _MarginSoftmaxLoss.apply(process_group, psi, s, shard, row_max, row_sum, e, weight,
+                                    loss_cap)
 
 
 class _MarginSoftmaxLoss(Function):
@@ -95,7 +100,7 @@ class _MarginSoftmaxLoss(Function):
     """
 
     @staticmethod
-    def forward(ctx, group, psi, s, shard, row_max, row_sum, e, weight):
+    def forward(ctx, group, psi, s, shard, row_max, row_sum, e, weight, loss_cap):
         n = shard.e.shape[0]
         owned = shard.owned
         t_logit = psi(shard.cos_t) * s  # [N]; used on the owned rows only
@@ -105,7 +110,8 @@ class _MarginSoftmaxLoss(Function):
                                torch.where(owned, t_logit - shift, 0.0)])
         sum_exp, target = pd.all_reduce(partial, group)  # [N] each, replicated
         log_total = torch.log(sum_exp + torch.exp(target))
-        loss = (log_total - target).mean()
+        per_row = log_total - target
+        loss = (per_row if loss_cap is None else per_row.clamp_max(loss_cap)).mean()
         ctx.psi, ctx.s, ctx.n, ctx.shard = psi, s, n, shard
         ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
         ctx.save_for_backward(shift + log_total, target - log_total)
@@ -131,4 +137,4 @@ class _MarginSoftmaxLoss(Function):
             grad_w = torch.sparse_coo_tensor(  # [num_local, D]; index is sorted and unique
                 shard.index[None], grad_w, ctx.weight_shape, is_coalesced=True,
                 check_invariants=False)
-        return None, None, None, None, None, None, grad_e, grad_w
+        return None, None, None, None, None, None, grad_e, grad_w, None

@@ -40,6 +40,11 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("train.grad_accum", f"train.grad_accum={cfg.train.grad_accum}: not exact "
                     "with dynamic AdaCos, which updates s from each micro-batch (use "
                     "grad_accum=1, a larger batch, or margin.adacos=fixed)"))
+    for key, value, default in (("broadcast_buffers", cfg.engine.broadcast_buffers, True),
+                                ("grad_compression", cfg.engine.grad_compression, "none")):
+        if cfg.engine.type != "ddp" and value != default:
+            out.append((f"engine.{key}", f"engine.{key}={value!r}: a DDP setting; needs "
+                        f"engine.type=ddp (or {key}={default!r})"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
     if (

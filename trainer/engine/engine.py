@@ -99,11 +99,13 @@ def make_optimizer(optim: OptimConfig, backbone: nn.Module) -> torch.optim.Optim
 
 
 def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
-                        max_update_bytes: int) -> torch.optim.Optimizer:
+                        max_update_bytes: int, dense: bool = False) -> torch.optim.Optimizer:
     """The optimizer of the head's ``weight``, row-sampling (unsampled rows get no momentum,
-    no decay): it steps from the head's ``pop_sampled_rows()``."""
+    no decay, unless ``dense``: ``head.update``): it steps from the head's
+    ``pop_sampled_rows()``."""
     cls = SampledSGD if optim.name == "sgd" else SampledAdamW
-    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
+    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes,
+               dense=dense)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ class Engine:
         self.backbone = backbone.to(self.device, memory_format=self.memory_format)
         self.head = head.to(self.device)
         self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
-                                                  cfg.head.max_update_mib << 20)
+                                                  cfg.head.max_update_mib << 20,
+                                                  dense=cfg.head.update == "dense")
         self.optimizer = make_optimizer(cfg.optim, self.backbone)
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
