@@ -36,12 +36,14 @@ from torch import Tensor, nn
 from partial_fc import distributed as dist_ops
 from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
+from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.margins import Margin
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
-from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
+from partial_fc.subcenters import DominantShare, expand_rows
+from partial_fc.tiles import KERNELS, ReferenceTiles, TileBackend, select, triton_available
 
 __all__ = ["PartialFC"]
 
@@ -75,6 +77,11 @@ class PartialFC(nn.Module):
             Give the training device at large class counts: the rows are drawn block by
             block on the CPU and copied there, so no whole shard passes through host memory
             (8 ranks of 12.5M fp32 rows each would hold 205 GB of a node's RAM at once).
+        subcenters: ``K`` centres per class (sub-center ArcFace, ``partial_fc.subcenters``):
+            ``weight`` is ``[K * num_local, D]``, class-major, a class's cosine the largest of
+            its ``K``; the sampler samples classes (all ``K`` rows of each); the class-tile
+            passes take the torch path (the Triton kernels have no ``K``-way max; ``notes``
+            says so); ``stats`` adds ``subcenter_dominant_share``.
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
@@ -115,6 +122,7 @@ class PartialFC(nn.Module):
         max_tile_bytes: int = 32 << 20,
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        subcenters: int = 1,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -138,6 +146,8 @@ class PartialFC(nn.Module):
                              "use kernel='torch' or 'auto'")
         if max_tile_bytes < 1:
             raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
+        if not isinstance(subcenters, int) or subcenters < 1:
+            raise ValueError(f"PartialFC: subcenters={subcenters!r} must be an int >= 1")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
                              f"{STATE_DTYPES}")
@@ -147,9 +157,18 @@ class PartialFC(nn.Module):
         self.world_size, self.rank = world, rank
         self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
-        self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
-            torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),
-            self.class_start, seed))
+        self.subcenters = k = subcenters
+        weight = torch.empty(k * self.num_local, embedding_size, dtype=state_dtype,
+                             device=device)  # a class's K rows drawn as one row of K * D
+        init_rows_(weight.view(self.num_local, k * embedding_size), self.class_start, seed)
+        self.weight = nn.Parameter(weight)  # bf16: the fp32 draws rounded to nearest
+        # One line for each choice the head made that a user should know of (trainer logs).
+        self.notes: list[str] = []
+        if k > 1 and kernel != "torch":
+            self.notes.append(f"head: margin.subcenters={k} runs the class tiles on the torch "
+                              "path (head.kernel=torch): the Triton kernels have no K-way max")
+        self._notes_taken = 0
+        self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         margin.scale.reset(num_classes)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
@@ -168,10 +187,21 @@ class PartialFC(nn.Module):
         self._hooked = None  # a weakref to the weight carrying that hook (a module attribute
         # holding the Parameter itself would register it a second time)
 
+    @property
+    def row_start(self) -> int:
+        """The global index of this rank's first weight row (``K`` rows per class)."""
+        return self.class_start * self.subcenters
+
+    def take_notes(self) -> list[str]:
+        """The lines of :attr:`notes` not taken yet (each once): choices a user should see."""
+        new, self._notes_taken = self.notes[self._notes_taken:], len(self.notes)
+        return new
+
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
-                f"sample_rate={self.sample_rate}")
+                f"sample_rate={self.sample_rate}"
+                + (f", subcenters={self.subcenters}" if self.subcenters > 1 else ""))
 
     def pop_sampled_rows(self) -> SampledRows:
         """The rows the forwards (with grad enabled) since the last call used, and the labels
@@ -183,7 +213,8 @@ class PartialFC(nn.Module):
         rows, every, forwards = self._pending_rows, self._pending_all, self._pending_forwards
         self._pending_rows, self._pending_all, self._pending_forwards = None, False, 0
         self._pending_backward = False
-        if self.sample_rate == 1.0 or every or (rows is not None and len(rows) == self.num_local):
+        if self.sample_rate == 1.0 or every or (rows is not None
+                                                and len(rows) == self.weight.shape[0]):
             index = None
         elif rows is None:
             index = torch.zeros(0, dtype=torch.int64, device=self.weight.device)
@@ -249,8 +280,9 @@ class PartialFC(nn.Module):
         out = {}
         for name, i, k in (("theta_target", owned, targets[owned]),
                            ("theta_nontarget", pick_i, pick_k)):
-            w = F.normalize(self.weight.detach()[k].float(), dim=1)
-            cos = (e[i] * w).sum(dim=1).clamp(-1.0, 1.0)
+            rows = k[:, None] * self.subcenters + torch.arange(self.subcenters, device=device)
+            w = F.normalize(self.weight.detach()[rows].float(), dim=2)  # [M, K, D]
+            cos = (e[i][:, None] * w).sum(dim=2).amax(dim=1).clamp(-1.0, 1.0)
             out[name] = torch.rad2deg(torch.acos(dist_ops.all_gather(cos, group)))
         return out
 
@@ -295,8 +327,9 @@ class PartialFC(nn.Module):
         else:
             step = self._step_value()
             index, targets = None, local_targets(y, self.class_start, self.num_local)
-        self._record_rows(index)
-        shard = self._shard(e, index, targets)
+        rows = expand_rows(index, self.subcenters)  # a sampled class brings its K rows
+        self._record_rows(rows)
+        shard = self._shard(e, rows, targets)
         scale = self.margin.scale
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
@@ -311,7 +344,9 @@ class PartialFC(nn.Module):
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
             self._step_host = step + 1
-        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
+        extra = {} if self._dominant is None else {
+            SUBCENTER_SHARE: self._dominant.update(targets, shard.nearest, index, group)}
+        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, extra)
         return loss
 
     def resync_step(self) -> None:
@@ -418,10 +453,12 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(self.weight.dtype)
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
-            return Shard(e_op, w, index, inv, targets, self._tiles(e.device))
+            return Shard(e_op, w, index, inv, targets, self._tiles(e.device), self.subcenters)
 
     def _tiles(self, device: torch.device) -> TileBackend:
-        """The class-tile back-end for ``device``."""
+        """The class-tile back-end for ``device`` (the torch path for sub-centers)."""
+        if self.subcenters > 1:
+            return ReferenceTiles(self.max_tile_bytes, self.subcenters)
         return select(self.kernel, device, self.max_tile_bytes)
 
 

@@ -133,7 +133,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     seams.BACKBONE_BUILT(backbone, rank=env.rank)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
-                     device=env.device, **cfg.head.partial_fc_kwargs())
+                     device=env.device, subcenters=cfg.margin.subcenters,
+                     **cfg.head.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
@@ -244,6 +245,8 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
     result = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
+    for note in run.engine.head.take_notes():  # the head's choices, once each
+        log.info(note)
     run.step += 1
     if result.overflow:  # fp16 loss scale too high: skipped, not diverging
         run.skipped_steps += 1

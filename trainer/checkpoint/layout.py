@@ -351,7 +351,7 @@ def load(path: Path, engine) -> dict:
     meta = read_meta(path)
     reader = SafeReader(path / "state")
     head = engine.head
-    lo, hi = head.class_start, head.class_start + head.num_local
+    lo, hi = head.row_start, head.row_start + head.weight.shape[0]
     template: dict[str, torch.Tensor] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):

@@ -2,8 +2,8 @@
 
 Every piece of training state becomes one flat name -> tensor entry of one of two kinds:
 
-* :class:`Rows` — this rank's block ``[offset, offset + n)`` of a ``[num_classes, ...]``
-  tensor: the head's weight rows and every per-row tensor of the head's optimizer. Saved
+* :class:`Rows` — this rank's block ``[offset, offset + n)`` of a ``[num_classes * K, ...]``
+  tensor (``K`` sub-centers per class, class-major: a class's rows stay together): the head's weight rows and every per-row tensor of the head's optimizer. Saved
   as one logical tensor, so a run resumed on any number of ranks reads exactly its rows.
 * a plain tensor, identical on every rank (replicated): the backbone's weights, its fp32
   master copy and optimizer state in *full* (un-partitioned) form, the head's scale state
@@ -62,16 +62,13 @@ def collect(engine) -> dict[str, torch.Tensor | Rows]:
     with torch.no_grad():
         average_buffers(engine.backbone, engine.env)
     out: dict[str, torch.Tensor | Rows] = {}
+    start, total = head.row_start, head.num_classes * head.subcenters  # weight rows
     for key, value in head.state_dict().items():
-        out[f"head.{key}"] = (
-            Rows(value, head.class_start, head.num_classes) if key == "weight" else value
-        )
+        out[f"head.{key}"] = Rows(value, start, total) if key == "weight" else value
     for key, value in _head_opt_state(engine).items():
         value = torch.as_tensor(value)
-        per_row = value.ndim >= 1 and value.shape[0] == head.num_local
-        out[f"head_opt.{key}"] = (
-            Rows(value, head.class_start, head.num_classes) if per_row else value
-        )
+        per_row = value.ndim >= 1 and value.shape[0] == head.weight.shape[0]
+        out[f"head_opt.{key}"] = Rows(value, start, total) if per_row else value
     for key, value in engine.backbone.state_dict().items():
         out[f"backbone.{key}"] = value
     out.update(engine.backend.optimizer_state())

@@ -142,6 +142,12 @@ class MarginConfig(_Section):
         0, description="any type: the margin's penalty ramps linearly from 0 (plain cosine) to "
         "its full value over this many training steps (eases ArcFace on ViTs); 0 = none"
     )
+    subcenters: PosInt = Field(
+        1, description="sub-center ArcFace (Deng et al., ECCV 2020): K centres per class, a "
+        "class's cosine the largest of its K, with any margin type; 1 = off, the paper's K is "
+        "3; the head holds K x the rows (launch.plan counts them); launch.clean lists the "
+        "samples far from their class's dominant centre"
+    )
     p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
         "checked against (a warning only; not passed to the margin)"

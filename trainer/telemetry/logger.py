@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from partial_fc.metric_names import SCALE_DYNAMICS
+from partial_fc.metric_names import OPTIONAL_STATS, SCALE_DYNAMICS
 from trainer.config import Config, dump_config
 from trainer.dist import launcher_rank
 from trainer.errors import Stopped
@@ -153,6 +153,7 @@ class RunLogger:
             "lr": result.lr,
             "grad_norm": result.grad_norm,
             **{name: head_stats.get(name) for name in SCALE_DYNAMICS},
+            **{name: head_stats[name] for name in OPTIONAL_STATS if name in head_stats},
             "img_per_s": img_s,
             "memory_mb": memory_mb(device),
             **(data or {}),
