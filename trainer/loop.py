@@ -133,8 +133,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     seams.BACKBONE_BUILT(backbone, rank=env.rank)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
-                     device=env.device, subcenters=cfg.margin.subcenters,
-                     **cfg.head.partial_fc_kwargs())
+                     device=env.device, **cfg.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k

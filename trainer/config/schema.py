@@ -334,6 +334,11 @@ class Config(_Section):
     def run_dir(self) -> Path:
         return Path(self.output if self.output is not None else f"runs/{self.name}")
 
+    def partial_fc_kwargs(self) -> dict[str, Any]:
+        """``PartialFC``'s keyword arguments: the head section's, and the margin's
+        sub-centers (the weight's shape)."""
+        return {**self.head.partial_fc_kwargs(), "subcenters": self.margin.subcenters}
+
     def margin_kwargs(self) -> dict[str, Any]:
         """The dict for ``partial_fc.build_margin``."""
         return self.margin.model_dump(exclude={"p_w"})
