@@ -33,6 +33,7 @@ _FLAGS = {  # flag -> the recipe key supplying it (trainer.config's schema: the 
     "max_update_mib": "head.max_update_mib",
     "state_dtype": "head.state_dtype",
     "checkpointing": "backbone.checkpointing",
+    "subcenters": "margin.subcenters",
 }
 
 
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporaries of one chunk of updated rows")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"],
                    help="dtype of head weight, gradient and optimizer state")
+    p.add_argument("--subcenters", type=int, help="sub-center ArcFace: K weight rows per "
+                   "class (K x the head's weight, state, gradient and matmuls)")
     p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="the head's weight gradient holds only the sampled rows, as PartialFC "
                    "keeps it (default); --no-row-sparse-grad models a dense one")
@@ -117,6 +120,7 @@ def _check(inp: Inputs) -> None:
          f"{inp.gpus} (every GPU holds at least one class)"),
         (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
         (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
+        (inp.subcenters < 1, f"--subcenters={inp.subcenters}: must be >= 1 (1 = off)"),
         (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
         (inp.max_update_mib < 1, f"--max-update-mib={inp.max_update_mib}: must be >= 1"),
         (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
@@ -144,7 +148,9 @@ def format_table(r: dict) -> str:
         f"{i['classes']:,} classes on {i['gpus']} GPU{'s' * (i['gpus'] > 1)} "
         f"({i['gpus_per_node']}/node): "
         f"{r['classes_per_gpu']:,} per GPU, {r['sampled_classes_per_gpu']:,} sampled (r="
-        f"{i['sample_rate']}); D={i['dim']}, batch {i['batch']}/GPU; {i['backbone']} "
+        f"{i['sample_rate']})"
+        + (f", {i['subcenters']} sub-centers each" if i["subcenters"] > 1 else "")
+        + f"; D={i['dim']}, batch {i['batch']}/GPU; {i['backbone']} "
         f"({r['backbone_params'] / 1e6:.1f}M params"
         + (f", checkpointing every {i['checkpointing']}" if i["checkpointing"] else "")
         + f"), {i['engine']} {i['precision']}"

@@ -78,6 +78,7 @@ class Inputs:
     latency_us: float
     row_sparse_grad: bool
     checkpointing: int = 0
+    subcenters: int = 1
 
 
 def backbone_params(name: str, dim: int) -> tuple[int, int]:
@@ -196,7 +197,7 @@ def plan(inp: Inputs) -> dict:
             classes, inp.gpus, inp.dim, inp.batch * inp.gpus, inp.sample_rate,
             max_tile_bytes=inp.max_tile_mib << 20, max_update_bytes=inp.max_update_mib << 20,
             state_dtype=inp.state_dtype, optimizer=inp.optimizer, precision=inp.precision,
-            row_sparse_grad=inp.row_sparse_grad)
+            row_sparse_grad=inp.row_sparse_grad, subcenters=inp.subcenters)
 
     h = head(inp.classes)
     peak = fixed + h.total
@@ -214,6 +215,7 @@ def plan(inp: Inputs) -> dict:
         "backbone_params": params,
         "classes_per_gpu": h.num_local,
         "sampled_classes_per_gpu": h.sampled,
+        "sampled_rows_per_gpu": h.rows,
         "weight_bytes_per_gpu": h.weight,
         "head_state_bytes_per_gpu": h.optimizer_state,
         "head_grad_bytes_per_gpu": h.gradient,
@@ -246,7 +248,7 @@ def step_model(result: dict, head_factor: float) -> dict:
     if inp["checkpointing"]:  # a recomputed block: one more forward, ~1/3 of its step
         t_bb *= 1 + recomputed_share(inp["backbone"], inp["checkpointing"]) / 3
     flops = memory.head_matmul_flops(inp["batch"] * inp["gpus"],
-                                     result["sampled_classes_per_gpu"], inp["dim"])
+                                     result["sampled_rows_per_gpu"], inp["dim"])
     t_head = head_factor * flops / HEAD_MATMUL_FLOPS_PER_S
     grads = [c["seconds"] for c in result["collectives"] if c["name"].startswith("backbone")]
     t_head_comm = result["comm_seconds"] - sum(grads)
