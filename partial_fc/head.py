@@ -36,14 +36,21 @@ from torch import Tensor, nn
 from partial_fc import distributed as dist_ops
 from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
-from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.margins import Margin
+from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.subcenters import DominantShare, expand_rows
-from partial_fc.tiles import KERNELS, ReferenceTiles, TileBackend, select, triton_available
+from partial_fc.tiles import (
+    KERNELS,
+    ReferenceTiles,
+    TileBackend,
+    select,
+    selfcheck,
+    triton_available,
+)
 
 __all__ = ["PartialFC"]
 
@@ -64,7 +71,11 @@ class PartialFC(nn.Module):
         seed: seeds the weight init (per global class) and the negative sampling.
         kernel: the class-tile passes: ``"torch"`` (``partial_fc.tiles.reference``), ``"triton"``
             (``partial_fc.tiles.triton``, CUDA), ``"auto"`` = triton for CUDA
-            tensors when triton is installed, else torch.
+            tensors when triton is installed, else torch. The first forward on a device
+            that runs the Triton kernels checks them against the torch reference on a slice
+            of that step (``partial_fc.tiles.selfcheck``, collective): on a failure
+            ``"auto"`` goes on with the torch path there (``notes`` says so), ``"triton"``
+            raises ``KernelCheckFailed``.
         max_tile_bytes: memory budget of the torch path: at most this many bytes of fp32
             ``[N, chunk]`` cosines per class chunk (the Triton kernels hold tiles only).
         state_dtype: dtype of ``weight`` (and so of its gradient and of the ``partial_fc.optim``
@@ -168,6 +179,8 @@ class PartialFC(nn.Module):
             self.notes.append(f"head: margin.subcenters={k} runs the class tiles on the torch "
                               "path (head.kernel=torch): the Triton kernels have no K-way max")
         self._notes_taken = 0
+        self._checked: set[torch.device] = set()  # devices whose kernels were checked
+        self._torch_path: set[torch.device] = set()  # ... and failed: the reference there
         self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         margin.scale.reset(num_classes)
@@ -331,6 +344,9 @@ class PartialFC(nn.Module):
         self._record_rows(rows)
         shard = self._shard(e, rows, targets)
         scale = self.margin.scale
+        psi = functools.partial(self.margin.target, step=step)
+        if e.device not in self._checked and not isinstance(shard.tiles, ReferenceTiles):
+            shard.tiles = self._check_kernels(shard, psi, scale.value())
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
                             self.training, group)
@@ -340,7 +356,7 @@ class PartialFC(nn.Module):
             row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
-            functools.partial(self.margin.target, step=step), s, group)
+            psi, s, group)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
             self._step_host = step + 1
@@ -456,10 +472,28 @@ class PartialFC(nn.Module):
             return Shard(e_op, w, index, inv, targets, self._tiles(e.device), self.subcenters)
 
     def _tiles(self, device: torch.device) -> TileBackend:
-        """The class-tile back-end for ``device`` (the torch path for sub-centers)."""
-        if self.subcenters > 1:
+        """The class-tile back-end for ``device``: the torch path for sub-centers and where
+        the kernels failed their first-use check."""
+        if self.subcenters > 1 or device in self._torch_path:
             return ReferenceTiles(self.max_tile_bytes, self.subcenters)
         return select(self.kernel, device, self.max_tile_bytes)
+
+    def _check_kernels(self, shard: Shard, psi, s: Tensor | float) -> TileBackend:
+        """The first forward on a device that runs the Triton kernels checks them on a
+        slice of this step against the torch reference (``partial_fc.tiles.selfcheck``;
+        collective). On a failure anywhere: ``kernel="triton"`` raises; otherwise this
+        device takes the torch path from now on, and ``notes`` says why."""
+        device = shard.e.device
+        self._checked.add(device)
+        note = selfcheck.first_use(shard.tiles, ReferenceTiles(self.max_tile_bytes), shard.e,
+                                   shard.w, shard.inv_norm, shard.targets, s, psi,
+                                   strict=self.kernel == "triton",
+                                   process_group=self.process_group)
+        if note is None:
+            return shard.tiles
+        self.notes.append(note)
+        self._torch_path.add(device)
+        return self._tiles(device)
 
 
 def _loaded(head: PartialFC, _incompatible_keys) -> None:

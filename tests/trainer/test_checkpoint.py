@@ -2,7 +2,8 @@
 
 Three set-ups in one spawned group each: DeepSpeed ZeRO-1 + SGD (backbone optimizer state
 partitioned, read back through DeepSpeed's fragment API), DDP + AdamW on a sub-center head
-(3 rows per class, per-row head ``step`` counts: a class's rows must move together) and DDP + SGD with bf16 head weight and momentum (``head.state_dtype``).
+(3 rows per class, per-row head ``step`` counts: a class's rows must move together) and
+DDP + SGD with bf16 head weight and momentum (``head.state_dtype``).
 After the load, head rows, head optimizer state (in their saved dtype), head buffers and the
 backbone equal what was saved; one more step on the same global batch then equals the
 2-rank run's own next step (bf16 rows and momentum: within one bf16 rounding).

@@ -3,8 +3,9 @@
 Every piece of training state becomes one flat name -> tensor entry of one of two kinds:
 
 * :class:`Rows` — this rank's block ``[offset, offset + n)`` of a ``[num_classes * K, ...]``
-  tensor (``K`` sub-centers per class, class-major: a class's rows stay together): the head's weight rows and every per-row tensor of the head's optimizer. Saved
-  as one logical tensor, so a run resumed on any number of ranks reads exactly its rows.
+  tensor (``K`` sub-centers per class, class-major: a class's rows stay together): the
+  head's weight rows and every per-row tensor of the head's optimizer. Saved as one logical
+  tensor, so a run resumed on any number of ranks reads exactly its rows.
 * a plain tensor, identical on every rank (replicated): the backbone's weights, its fp32
   master copy and optimizer state in *full* (un-partitioned) form, the head's scale state
   and any scalar optimizer state. Full form is what makes ZeRO-1/2 state reshardable.
