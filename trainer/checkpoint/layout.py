@@ -377,6 +377,23 @@ def load(path: Path, engine) -> dict:
     return meta
 
 
+def read_rows(path: Path, key: str) -> torch.Tensor:
+    """Every row of the row-sharded entry ``key`` (``head.weight``: ``[K * C, D]``) of the
+    verified checkpoint folder ``path``, joined from the blocks of all ranks that saved it, on
+    the CPU: for a tool that needs the whole matrix (``launch.clean``). Collective when a
+    process group is up (DCP's load): every rank calls it."""
+    reader = SafeReader(Path(path) / "state")
+    template = {}
+    for name, md in reader.read_metadata().state_dict_metadata.items():
+        block = _BLOCK.match(name)
+        if block is not None and block["key"] == key and isinstance(md, TensorStorageMetadata):
+            template[name] = torch.zeros(md.size, dtype=md.properties.dtype)
+    if not template:
+        raise CheckpointError(f"{path}: holds no rows of {key!r}; not a partial-fc checkpoint")
+    dcp.load(template, storage_reader=reader)
+    return _my_rows(template, key, 0, max(int(_BLOCK.match(n)["stop"]) for n in template))
+
+
 def _my_rows(blocks: dict[str, torch.Tensor], key: str, lo: int, hi: int) -> torch.Tensor:
     """Rows ``[lo, hi)`` of ``key`` cut from the saved blocks that overlap them."""
     parts = []

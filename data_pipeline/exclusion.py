@@ -1,0 +1,84 @@
+"""Exclusion lists: samples and identities a run must not train on.
+
+One text format shared by the tools that find what to leave out (``launch.overlap``:
+training identities that also appear in an evaluation set; the sub-center cleaning) and by
+the loader that leaves it out (``data.exclude``)::
+
+    # launch.overlap checkpoint=runs/r50 threshold=0.35 2026-11-25T18:00:00Z
+    class 1042
+    sample 000123456
+
+UTF-8; a line starting with ``#`` is a comment (the writing tool, its inputs and when), blank
+lines are ignored, every other line is ``sample <key>`` (a webdataset ``__key__`` as
+data_pipeline's writer stores it) or ``class <label>`` (a label in that data folder's own
+class space, before any offset ``data.dirs`` applies).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_pipeline.errors import DataError
+from data_pipeline.manifest import atomic_write_bytes
+
+KINDS = ("sample", "class")
+
+
+@dataclass(frozen=True)
+class Exclusions:
+    """What to leave out of one data folder: sample keys and whole classes."""
+
+    samples: frozenset[str] = frozenset()
+    classes: frozenset[int] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.samples or self.classes)
+
+    def excludes(self, key: str, label: int) -> bool:
+        """Whether the sample ``key`` of class ``label`` is left out."""
+        return label in self.classes or key in self.samples
+
+
+def read_exclusions(path: str | os.PathLike) -> Exclusions:
+    """Parse an exclusion list; :class:`DataError` naming the file (and the line number of a
+    bad line) when it is missing or malformed."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read the exclusion list ({type(exc).__name__}: "
+                        f"{exc}); write one with python -m launch.overlap") from exc
+    samples, classes = set(), set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        kind, _, value = line.partition(" ")
+        value = value.strip()
+        if kind == "sample" and value and " " not in value:
+            samples.add(value)
+        elif kind == "class" and value.isdigit():
+            classes.add(int(value))
+        else:
+            raise DataError(f"{path}:{number}: {line[:80]!r} is neither 'sample <key>' nor "
+                            "'class <label>' (a label is an integer >= 0; comments start "
+                            "with #)")
+    return Exclusions(frozenset(samples), frozenset(classes))
+
+
+def write_exclusions(path: str | os.PathLike, exclusions: Exclusions, header: str = "") -> None:
+    """Write ``exclusions`` (classes, then samples, each sorted) atomically; every line of
+    ``header`` becomes a ``#`` comment (say which tool, checkpoint, threshold and when)."""
+    for key in exclusions.samples:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError(f"sample key {key!r}: empty or holds whitespace (not a "
+                             "webdataset key)")
+    if any(label < 0 for label in exclusions.classes):
+        raise ValueError(f"class labels {sorted(exclusions.classes)[:3]}...: must be >= 0")
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += [f"class {label}" for label in sorted(exclusions.classes)]
+    lines += [f"sample {key}" for key in sorted(exclusions.samples)]
+    atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode("utf-8"))
+
