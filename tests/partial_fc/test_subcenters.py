@@ -175,15 +175,11 @@ def test_the_data_uses_every_centre():
     assert nearest[7] == 2 and set(nearest.tolist()) == set(range(K))
 
 
-def test_one_rank_equals_reference():
-    assert not torch.distributed.is_initialized()
-    _check(1, [_run(0, 1)])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_subcenters_equal_reference(world):
-    _check(world, run_ranks(_run, world))
+    """One rank runs in this process, with no process group (the single-GPU user)."""
+    _check(world, [_run(0, 1)] if world == 1 else run_ranks(_run, world))
 
 
 def test_k_rows_stay_together_in_a_checkpoint_row_block():
