@@ -161,7 +161,9 @@ class HeadConfig(_Section):
     )
     kernel: Literal[KERNELS] = Field(
         "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "
-        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch"
+        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch; the "
+        "first step checks the kernels against torch on a slice: auto goes on with torch after "
+        "a mismatch (one line says so), triton stops the run"
     )
     max_tile_mib: PosInt = Field(
         32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "
