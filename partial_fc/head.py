@@ -43,14 +43,8 @@ from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.subcenters import DominantShare, expand_rows
-from partial_fc.tiles import (
-    KERNELS,
-    ReferenceTiles,
-    TileBackend,
-    select,
-    selfcheck,
-    triton_available,
-)
+from partial_fc.tiles import KERNELS, triton_available
+from partial_fc.tiles.selfcheck import CheckedTiles
 
 __all__ = ["PartialFC"]
 
@@ -74,7 +68,7 @@ class PartialFC(nn.Module):
             tensors when triton is installed, else torch. The first forward on a device
             that runs the Triton kernels checks them against the torch reference on a slice
             of that step (``partial_fc.tiles.selfcheck``, collective): on a failure
-            ``"auto"`` goes on with the torch path there (``notes`` says so), ``"triton"``
+            ``"auto"`` goes on with the torch path there (``take_notes`` says so), ``"triton"``
             raises ``KernelCheckFailed``.
         max_tile_bytes: memory budget of the torch path: at most this many bytes of fp32
             ``[N, chunk]`` cosines per class chunk (the Triton kernels hold tiles only).
@@ -91,8 +85,8 @@ class PartialFC(nn.Module):
         subcenters: ``K`` centres per class (sub-center ArcFace, ``partial_fc.subcenters``):
             ``weight`` is ``[K * num_local, D]``, class-major, a class's cosine the largest of
             its ``K``; the sampler samples classes (all ``K`` rows of each); the class-tile
-            passes take the torch path (the Triton kernels have no ``K``-way max; ``notes``
-            says so); ``stats`` adds ``subcenter_dominant_share``.
+            passes take the torch path (the Triton kernels have no ``K``-way max;
+            ``take_notes`` says so); ``stats`` adds ``subcenter_dominant_share``.
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
@@ -173,14 +167,7 @@ class PartialFC(nn.Module):
                              device=device)  # a class's K rows drawn as one row of K * D
         init_rows_(weight.view(self.num_local, k * embedding_size), self.class_start, seed)
         self.weight = nn.Parameter(weight)  # bf16: the fp32 draws rounded to nearest
-        # One line for each choice the head made that a user should know of (trainer logs).
-        self.notes: list[str] = []
-        if k > 1 and kernel != "torch":
-            self.notes.append(f"head: margin.subcenters={k} runs the class tiles on the torch "
-                              "path (head.kernel=torch): the Triton kernels have no K-way max")
-        self._notes_taken = 0
-        self._checked: set[torch.device] = set()  # devices whose kernels were checked
-        self._torch_path: set[torch.device] = set()  # ... and failed: the reference there
+        self.tiles = CheckedTiles(kernel, self.max_tile_bytes, k)  # the back-end per device
         self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         margin.scale.reset(num_classes)
@@ -206,9 +193,9 @@ class PartialFC(nn.Module):
         return self.class_start * self.subcenters
 
     def take_notes(self) -> list[str]:
-        """The lines of :attr:`notes` not taken yet (each once): choices a user should see."""
-        new, self._notes_taken = self.notes[self._notes_taken:], len(self.notes)
-        return new
+        """One line for each choice of the head's a user should see (the torch path for
+        sub-centers, a failed kernel check), each once; the trainer logs them."""
+        return self.tiles.take_notes()
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
@@ -345,8 +332,8 @@ class PartialFC(nn.Module):
         shard = self._shard(e, rows, targets)
         scale = self.margin.scale
         psi = functools.partial(self.margin.target, step=step)
-        if e.device not in self._checked and not isinstance(shard.tiles, ReferenceTiles):
-            shard.tiles = self._check_kernels(shard, psi, scale.value())
+        shard.tiles = self.tiles.checked(shard.tiles, shard.e, shard.w, shard.inv_norm,
+                                         shard.targets, scale.value(), psi, group)
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
                             self.training, group)
@@ -469,31 +456,8 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(self.weight.dtype)
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
-            return Shard(e_op, w, index, inv, targets, self._tiles(e.device), self.subcenters)
-
-    def _tiles(self, device: torch.device) -> TileBackend:
-        """The class-tile back-end for ``device``: the torch path for sub-centers and where
-        the kernels failed their first-use check."""
-        if self.subcenters > 1 or device in self._torch_path:
-            return ReferenceTiles(self.max_tile_bytes, self.subcenters)
-        return select(self.kernel, device, self.max_tile_bytes)
-
-    def _check_kernels(self, shard: Shard, psi, s: Tensor | float) -> TileBackend:
-        """The first forward on a device that runs the Triton kernels checks them on a
-        slice of this step against the torch reference (``partial_fc.tiles.selfcheck``;
-        collective). On a failure anywhere: ``kernel="triton"`` raises; otherwise this
-        device takes the torch path from now on, and ``notes`` says why."""
-        device = shard.e.device
-        self._checked.add(device)
-        note = selfcheck.first_use(shard.tiles, ReferenceTiles(self.max_tile_bytes), shard.e,
-                                   shard.w, shard.inv_norm, shard.targets, s, psi,
-                                   strict=self.kernel == "triton",
-                                   process_group=self.process_group)
-        if note is None:
-            return shard.tiles
-        self.notes.append(note)
-        self._torch_path.add(device)
-        return self._tiles(device)
+            return Shard(e_op, w, index, inv, targets, self.tiles.for_device(e.device),
+                         self.subcenters)
 
 
 def _loaded(head: PartialFC, _incompatible_keys) -> None:

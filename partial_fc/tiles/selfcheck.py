@@ -26,10 +26,10 @@ import torch
 from torch import Tensor
 
 from partial_fc import distributed as dist_ops
-from partial_fc.tiles import TileBackend
+from partial_fc.tiles import ReferenceTiles, TileBackend, select
 
-__all__ = ["COLS", "ROWS", "Disagreement", "KernelCheckFailed", "compare", "first_use",
-           "tolerance"]
+__all__ = ["COLS", "ROWS", "CheckedTiles", "Disagreement", "KernelCheckFailed", "compare",
+           "first_use", "tolerance"]
 
 ROWS, COLS = 256, 256
 _EXACT, _ROUNDED = 1e-3, 3e-2
@@ -185,3 +185,51 @@ def first_use(candidate: TileBackend, reference: TileBackend, e: Tensor, w: Tens
                                 f"head.kernel=auto to go on with the torch path")
     return (f"head: the Triton kernels failed their first-use check on {where}: {what}; "
             f"going on with the torch path (head.kernel=torch)")
+
+
+class CheckedTiles:
+    """The class-tile back-end a head runs on each device: ``partial_fc.tiles.select``'s
+    choice for ``kernel``, checked on its first use on a device (:func:`first_use`) unless it
+    is the torch reference, and the reference there from then on if the check failed.
+    Sub-centers (``subcenters > 1``) always take the reference: the kernels have no K-way max.
+    ``notes``: one line for each of these choices a user should see."""
+
+    def __init__(self, kernel: str, max_tile_bytes: int, subcenters: int = 1) -> None:
+        self.kernel, self.max_tile_bytes, self.subcenters = kernel, max_tile_bytes, subcenters
+        self.notes: list[str] = []
+        self._taken = 0
+        self._checked: set[torch.device] = set()
+        self._failed: set[torch.device] = set()
+        if subcenters > 1 and kernel != "torch":
+            self.notes.append(f"head: margin.subcenters={subcenters} runs the class tiles on "
+                              "the torch path (head.kernel=torch): the Triton kernels have no "
+                              "K-way max")
+
+    def for_device(self, device: torch.device) -> TileBackend:
+        if self.subcenters > 1 or device in self._failed:
+            return ReferenceTiles(self.max_tile_bytes, self.subcenters)
+        return select(self.kernel, device, self.max_tile_bytes)
+
+    def checked(self, tiles: TileBackend, e: Tensor, w: Tensor, inv_norm: Tensor,
+                targets: Tensor, s: Tensor | float, psi: Callable[[Tensor], Tensor],
+                process_group=None) -> TileBackend:
+        """``tiles`` (:meth:`for_device`'s, for this step's ``TileBackend`` arguments), or the
+        reference when this is the first use of the kernels on ``e``'s device and they fail
+        the check (then a note says so; ``kernel="triton"``: :class:`KernelCheckFailed`).
+        Collective on that first use, on every rank of ``process_group``."""
+        device = e.device
+        if device in self._checked or isinstance(tiles, ReferenceTiles):
+            return tiles
+        self._checked.add(device)
+        note = first_use(tiles, ReferenceTiles(self.max_tile_bytes), e, w, inv_norm, targets,
+                         s, psi, strict=self.kernel == "triton", process_group=process_group)
+        if note is None:
+            return tiles
+        self.notes.append(note)
+        self._failed.add(device)
+        return self.for_device(device)
+
+    def take_notes(self) -> list[str]:
+        """The :attr:`notes` not taken yet, each once."""
+        new, self._taken = self.notes[self._taken:], len(self.notes)
+        return new

@@ -47,10 +47,8 @@ def _step(head):
 @pytest.fixture
 def auto_picks_triton(monkeypatch):
     """``head.kernel=auto`` as on a CUDA device: the Triton back-end."""
-    import partial_fc.head as head_module
-
-    real = head_module.select
-    monkeypatch.setattr(head_module, "select", lambda kernel, device, budget:
+    real = selfcheck.select
+    monkeypatch.setattr(selfcheck, "select", lambda kernel, device, budget:
                         tm if kernel == "auto" else real(kernel, device, budget))
 
 
@@ -70,7 +68,7 @@ def test_honest_kernels_pass_and_keep_running(margin):
     head = _head("triton", margin)
     got = _step(head)
     assert head.take_notes() == []
-    assert head._tiles(torch.device("cpu")) is tm  # still the kernels
+    assert head.tiles.for_device(torch.device("cpu")) is tm  # still the kernels
     want = _step(_head("torch", margin))
     assert got[0] == pytest.approx(want[0], rel=1e-5)
     for a, b in zip(got[1:], want[1:], strict=True):
@@ -88,7 +86,7 @@ def test_a_corrupted_kernel_falls_back_to_torch_with_one_line(monkeypatch, auto_
     assert len(notes) == 1 and "\n" not in notes[0], notes
     assert "class_tile_grads" in notes[0] and "grad_w differs by 0.5" in notes[0]
     assert "head.kernel=torch" in notes[0] and "rank 0" in notes[0]
-    assert isinstance(head._tiles(torch.device("cpu")), ReferenceTiles)
+    assert isinstance(head.tiles.for_device(torch.device("cpu")), ReferenceTiles)
     want = _step(_head("torch"))  # the step itself already ran on the torch path: identical
     assert got[0] == want[0]
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
@@ -148,7 +146,7 @@ def _one_rank_corrupted(rank: int, world: int, kernel: str) -> dict:
     except selfcheck.KernelCheckFailed as err:
         return {"error": str(err)}
     return {"notes": head.take_notes(),
-            "torch_path": isinstance(head._tiles(torch.device("cpu")), ReferenceTiles)}
+            "torch_path": isinstance(head.tiles.for_device(torch.device("cpu")), ReferenceTiles)}
 
 
 @pytest.mark.slow

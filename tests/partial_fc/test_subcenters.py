@@ -22,6 +22,7 @@ from spawn import run_ranks
 
 from partial_fc import PartialFC, build_margin
 from partial_fc.metric_names import SUBCENTER_SHARE
+from partial_fc.tiles import ReferenceTiles
 
 C, K, D = 31, 3, 8  # 31 classes: uneven over 2 and 3 ranks
 LABELS = [0, 10, 11, 20, 21, 30, 10, 5, 11, 29, 0, 15]
@@ -191,5 +192,6 @@ def test_k_rows_stay_together_in_a_checkpoint_row_block():
     assert head.take_notes() == []  # kernel="torch": nothing to say
     auto = PartialFC(D, C, build_margin(ARC), subcenters=K)
     assert [n for n in auto.take_notes() if "K-way max" in n] and auto.take_notes() == []
+    assert auto.tiles.for_device(torch.device("cuda", 0)) == ReferenceTiles(auto.max_tile_bytes, K)
     with pytest.raises(ValueError, match="subcenters=0"):
         PartialFC(D, C, build_margin(ARC), subcenters=0)
