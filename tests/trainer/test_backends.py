@@ -106,7 +106,8 @@ class _Scripted:
     """An engine whose steps return the given results in turn."""
 
     def __init__(self, results):
-        self.results, self.head = list(results), type("Head", (), {"stats": {}})()
+        self.results = list(results)
+        self.head = type("Head", (), {"stats": {}, "take_notes": lambda self: []})()
 
     def step(self, step, micro_batches, angles=False, stop_request=0):
         return self.results.pop(0)
