@@ -195,3 +195,15 @@ def test_k_rows_stay_together_in_a_checkpoint_row_block():
     assert auto.tiles.for_device(torch.device("cuda", 0)) == ReferenceTiles(auto.max_tile_bytes, K)
     with pytest.raises(ValueError, match="subcenters=0"):
         PartialFC(D, C, build_margin(ARC), subcenters=0)
+
+
+def test_angle_sample_measures_each_class_by_its_best_centre():
+    emb, centres, labels = _data()
+    angles = _head(ARC, centres).angle_sample(emb, labels, per_rank=100)
+    cos, _ = torch.einsum("nd,ckd->nck", F.normalize(emb, dim=1),
+                          F.normalize(centres, dim=2)).max(dim=2)
+    theta = torch.rad2deg(torch.acos(cos.clamp(-1, 1)))
+    torch.testing.assert_close(angles["theta_target"].sort().values,
+                               theta[torch.arange(N), labels].sort().values, rtol=0, atol=1e-3)
+    gap = (angles["theta_nontarget"][:, None] - theta.flatten()[None]).abs()
+    assert gap.min(dim=1).values.max() < 1e-3
