@@ -153,6 +153,9 @@ class PartialFC(nn.Module):
             raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
         if not isinstance(subcenters, int) or subcenters < 1:
             raise ValueError(f"PartialFC: subcenters={subcenters!r} must be an int >= 1")
+        if subcenters > 1 and kernel == "triton":
+            raise ValueError(f"PartialFC: kernel='triton' has no K-way max for subcenters="
+                             f"{subcenters}; use kernel='auto' or 'torch'")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
                              f"{STATE_DTYPES}")

@@ -200,7 +200,7 @@ class CheckedTiles:
         self._taken = 0
         self._checked: set[torch.device] = set()
         self._failed: set[torch.device] = set()
-        if subcenters > 1 and kernel != "torch":
+        if subcenters > 1 and kernel == "auto":
             self.notes.append(f"head: margin.subcenters={subcenters} runs the class tiles on "
                               "the torch path (head.kernel=torch): the Triton kernels have no "
                               "K-way max")

@@ -195,6 +195,8 @@ def test_k_rows_stay_together_in_a_checkpoint_row_block():
     assert auto.tiles.for_device(torch.device("cuda", 0)) == ReferenceTiles(auto.max_tile_bytes, K)
     with pytest.raises(ValueError, match="subcenters=0"):
         PartialFC(D, C, build_margin(ARC), subcenters=0)
+    with pytest.raises(ValueError, match="kernel='triton' has no K-way max"):
+        PartialFC(D, C, build_margin(ARC), subcenters=K, kernel="triton")
 
 
 def test_angle_sample_measures_each_class_by_its_best_centre():

@@ -42,6 +42,9 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
                     "grad_accum=1, a larger batch, or margin.adacos=fixed)"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
+    if m.subcenters > 1 and cfg.head.kernel == "triton":
+        out.append(("head.kernel", f"head.kernel='triton': the Triton kernels have no K-way max "
+                    f"for margin.subcenters={m.subcenters} (use head.kernel=auto or torch)"))
     if (
         cfg.engine.type == "deepspeed"
         and cfg.engine.precision in ("fp16", "bf16")
