@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU issues owe, as two device calls of under 9 minutes each (wheels included).
 #
-# A lent GPU machine gives a session 30 minutes and 10 minutes per command, and starts bare:
+# A lent GPU machine gives a session 15 minutes in all and 10 minutes per command, and starts
+# bare (stage 1 fits; stage 2 takes GPU_SESSION_BUDGET from what is left, docs/gpu.md):
 # this script is what such a session runs, so none of it is improvised under the clock. On
 # this machine first: `../shared/gpu/wheels.sh` (fills .gpu/), then one device `run` per stage,
 # each with `carry: [".gpu"]` and the command `bash bench/gpu_session.sh 1` (then `2`):
