@@ -1,51 +1,97 @@
-"""Loader throughput vs bare JPEG decoding, on 112x112 JPEG shards generated in a temp dir.
+"""Loader throughput per worker vs bare JPEG decoding with the same decoder, interleaved.
 
-    .venv/bin/python bench/loader.py [--images 6000] [--max-workers N] [--batch-size 128]
+    .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5]
 
-Prints single-thread decode rates of PIL and simplejpeg on the shards' own bytes, then for
-0 (main process) .. N DataLoader workers the loader's images/s (total and per worker, timed
-from the first batch to the end of the epoch, so worker start-up is excluded) and its ratio
-to bare decoding with the decoder the loader uses. Never run by the tests.
+On 112x112 JPEG shards generated in a temp dir. For each worker count N, each repeat times
+bare decoding of the shards' own bytes (``decode_image``, the loader's decoder) in N forked
+processes at once (in this process for N = 0), then the loader with N workers (images/s from
+the first batch to the end of the epoch, so worker start-up is excluded). The ratio per
+worker (loader img/s / N / bare img/s per process; the main process counts as the worker at
+N = 0) is taken right after its own baseline, so the two sides see the same machine: on a
+shared machine (Linux autogroups give a session one share of the CPU however many
+processes it runs) N decoders get what N workers get. A second ratio divides images per
+CPU-second of the workers (``os.times`` of the joined children; the main process's own at
+N = 0) by the decoders' images per CPU-second: the work per image, which the load on a shared
+machine hardly moves. Prints the median and the range over the repeats, and the load
+average. Never run by the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
-from data_pipeline.codec import DECODERS, decode_image, resolve_decoder
+from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.stages import tar_samples
 
 
-def bare_decode_rate(blobs: list[bytes], decoder: str, repeats: int = 2) -> float:
-    start = time.perf_counter()
-    for _ in range(repeats):
-        for blob in blobs:
-            decode_image(blob, 112, decoder)
-    return repeats * len(blobs) / (time.perf_counter() - start)
+class Rates(NamedTuple):
+    wall: float  # images/s of wall time (per process or worker)
+    cpu: float  # images per CPU-second of the decoding processes (the main process apart)
 
 
-def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> float:
+def _decode_all(blobs: list[bytes], decoder: str) -> Rates:
+    start, cpu = time.perf_counter(), time.process_time()
+    for blob in blobs:
+        decode_image(blob, 112, decoder)
+    return Rates(len(blobs) / (time.perf_counter() - start),
+                 len(blobs) / (time.process_time() - cpu))
+
+
+def bare_decode_rate(blobs: list[bytes], decoder: str, processes: int) -> Rates:
+    """Per process, ``processes`` processes decoding at once (forked like the loader's
+    workers, so they share the CPU as those do; 0: this process)."""
+    if processes == 0:
+        return _decode_all(blobs, decoder)
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        rates = pool.starmap(_decode_all, [(blobs, decoder)] * processes)
+    return Rates(*(statistics.mean(r[i] for r in rates) for i in range(2)))
+
+
+def _cpu(children: bool) -> float:
+    t = os.times()
+    return t.children_user + t.children_system if children else t.user + t.system
+
+
+def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> Rates:
+    """Wall images/s per worker from the first batch on (start-up excluded), and images per
+    CPU-second of the workers (all of them together) over the whole epoch (of this process at
+    0 workers)."""
+    cpu = _cpu(children=workers > 0)
     loader = make_loader(data_dir, batch_size=batch_size, num_workers=workers, decoder=decoder)
     batches = iter(loader)
     next(batches)
     start = time.perf_counter()
     count = sum(len(labels) for _, labels in batches)
-    return count / (time.perf_counter() - start)
+    wall = count / (time.perf_counter() - start) / max(workers, 1)
+    del batches  # the DataLoader joins its workers: their CPU time is then counted
+    gc.collect()
+    return Rates(wall, (count + batch_size) / (_cpu(children=workers > 0) - cpu))
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return (f"{format(statistics.median(values), fmt)} "
+            f"[{format(min(values), fmt)}-{format(max(values), fmt)}]")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=6000)
-    parser.add_argument("--max-workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--decoder", default="auto")
     args = parser.parse_args()
     decoder = resolve_decoder(args.decoder)
+    counts = [int(w) for w in args.workers.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         write_synthetic_dataset(data, num_classes=args.images // 20, images_per_class=20,
@@ -53,19 +99,28 @@ def main() -> None:
         manifest = read_manifest(data)
         blobs = [s["jpg"] for shard in manifest.shards for s in tar_samples(data / shard.name)]
         mean_kb = sum(map(len, blobs)) / len(blobs) / 1024
-        print(f"{len(blobs)} JPEGs 112x112, mean {mean_kb:.1f} KiB, {os.cpu_count()} CPUs")
-        rates = {name: bare_decode_rate(blobs, name) for name in DECODERS
-                 if name == "pil" or resolve_decoder("auto") == "simplejpeg"}
-        for name, rate in rates.items():
-            print(f"bare decode {name:>10}: {rate:8.0f} img/s (1 thread)")
-        if len(rates) == 2:
-            print(f"simplejpeg / PIL: {rates['simplejpeg'] / rates['pil']:.2f}x")
-        print(f"\nloader (decoder={decoder}, batch {args.batch_size}, flip, shuffle buffer 1000)")
-        print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'vs bare decode':>15}")
-        for workers in range(0, args.max_workers + 1):
-            rate = loader_rate(data, workers, args.batch_size, decoder)
-            per = rate / max(workers, 1)
-            print(f"{workers:>8} {rate:9.0f} {per:11.0f} {rate / rates[decoder]:14.2f}x")
+        print(f"{len(blobs)} JPEGs 112x112, mean {mean_kb:.1f} KiB, {os.cpu_count()} CPUs, "
+              f"load average before {os.getloadavg()[0]:.2f}; decoder={decoder}, batch "
+              f"{args.batch_size}, flip, shuffle buffer 1000")
+        bare, rates = {w: [] for w in counts}, {w: [] for w in counts}
+        for _ in range(args.repeats):
+            for w in counts:
+                bare[w].append(bare_decode_rate(blobs, decoder, w))
+                rates[w].append(loader_rate(data, w, args.batch_size, decoder))
+        print(f"median [range] over {args.repeats} repeats; bare decode: that many processes "
+              "decoding at once (0: in this one); img/s per worker (wall), and img per "
+              "CPU-second of a worker (the main process apart)")
+        print(f"{'workers':>7}  {'bare img/s':>18}  {'loader img/s':>18}  {'wall / bare':>16}  "
+              f"{'bare img/cpu-s':>18}  {'loader img/cpu-s':>18}  {'cpu / bare':>16}")
+        for w in counts:
+            row = [f"{w:>7}"]
+            for i in range(2):
+                b, r = [x[i] for x in bare[w]], [x[i] for x in rates[w]]
+                ratio = [x / y for x, y in zip(r, b, strict=True)]
+                row += [f"{_spread(b, '.0f'):>18}", f"{_spread(r, '.0f'):>18}",
+                        f"{_spread(ratio, '.2f'):>16}"]
+            print("  ".join(row))
+        print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

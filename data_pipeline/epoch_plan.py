@@ -23,11 +23,13 @@ from partial_fc.partition import split_evenly
 
 @dataclass(frozen=True)
 class Piece:
-    """Samples [start, stop) (positions inside one shard) of shard number `shard`."""
+    """Samples [start, stop) (positions inside one shard) of shard number `shard`, less the
+    positions in `drop` (excluded samples)."""
 
     shard: int
     start: int
     stop: int
+    drop: frozenset[int] = frozenset()
 
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -93,3 +95,21 @@ def consumed_positions(sizes: list[int], batch_size: int, samples: int) -> list[
                 positions[worker] += take
                 left -= take
     return positions
+
+
+def with_exclusions(pieces: list[Piece], counts: list[int],
+                    excluded: list[np.ndarray]) -> list[Piece]:
+    """Pieces planned over kept samples (shard ``s`` holds ``counts[s] - len(excluded[s])``)
+    as pieces over the shards' own positions: kept sample ``k`` of shard ``s`` is the
+    ``k``-th position not in the sorted array ``excluded[s]``."""
+    out = []
+    for piece in pieces:
+        gone = excluded[piece.shard]
+        if not len(gone):
+            out.append(piece)
+            continue
+        kept = np.setdiff1d(np.arange(counts[piece.shard]), gone, assume_unique=True)
+        start, stop = int(kept[piece.start]), int(kept[piece.stop - 1]) + 1
+        drop = gone[(gone >= start) & (gone < stop)]
+        out.append(Piece(piece.shard, start, stop, frozenset(int(i) for i in drop)))
+    return out

@@ -20,8 +20,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from data_pipeline.errors import DataError
 from data_pipeline.manifest import atomic_write_bytes
+from data_pipeline.stages import tar_samples
 
 KINDS = ("sample", "class")
 
@@ -82,3 +85,21 @@ def write_exclusions(path: str | os.PathLike, exclusions: Exclusions, header: st
     lines += [f"sample {key}" for key in sorted(exclusions.samples)]
     atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode("utf-8"))
 
+
+def excluded_positions(paths: list[Path], exclusions: Exclusions) -> list[np.ndarray]:
+    """Per shard, the sorted positions (sample numbers inside the shard) that ``exclusions``
+    leaves out. Reads every sample's key and ``.cls`` member, not its image: one pass over
+    the tar headers when the loader starts. A sample without a readable label is excluded
+    only by its key (the loader counts it as corrupt otherwise)."""
+    out = []
+    for path in paths:
+        gone = []
+        for position, sample in enumerate(tar_samples(path, exts=("cls",))):
+            try:
+                label = int(sample.get("cls", b"-1"))
+            except ValueError:
+                label = -1
+            if exclusions.excludes(sample["__key__"], label):
+                gone.append(position)
+        out.append(np.asarray(gone, dtype=np.int64))
+    return out

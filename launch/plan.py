@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from launch.cli import plain_help
@@ -99,6 +100,11 @@ def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
             for part in path.split("."):
                 flag = getattr(flag, part)
         values[key] = flag
+    if values["classes"] is None and cfg.data.dirs:  # the sum of their classes, if at hand
+        from trainer.config.on_disk import read_data_manifest
+
+        manifest, _ = read_data_manifest(cfg)
+        values["classes"] = manifest.num_classes if manifest is not None else None
     if values["classes"] is None:
         raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
     if args.gpus and args.nodes and args.gpus != args.nodes * args.gpus_per_node:
@@ -180,6 +186,10 @@ def format_table(r: dict) -> str:
         lines.append(f"  {c['name']:<38}{c['kind']:<15}{c['bytes'] / 2**20:10.2f} MiB"
                      f"{c['seconds'] * 1e3:9.3f} ms")
     lines.append(f"  {'total':<53}{r['comm_seconds'] * 1e3:19.3f} ms")
+    lines += ["", f"loader: {r['loader_images_per_s_per_gpu']:,.0f} img/s per GPU (H100 step) "
+              f"needs {r['loader_workers_per_gpu']:.2f} decoding cores per GPU, "
+              f"{r['loader_workers_per_node']} per node of {i['gpus_per_node']} (data.num_workers"
+              f"={math.ceil(r['loader_workers_per_gpu'])} per rank)"]
     return "\n".join(lines)
 
 

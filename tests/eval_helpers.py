@@ -12,6 +12,7 @@ import yaml
 from PIL import Image
 from torch import nn
 
+from data_pipeline.ijb import ARCFACE_REFERENCE
 from data_pipeline.verification_bin import write_bin
 from partial_fc.backbones import build_backbone
 from trainer.checkpoint.integrity import META, sha256
@@ -74,3 +75,21 @@ class MeanColour(nn.Module):
 
     def forward(self, x):
         return x.mean(dim=(2, 3)) * self.scale
+
+
+def write_ijb(root, faces, pairs, target="ijbc"):
+    """A fabricated IJB folder. faces: (name, template, media, rgb colour or a 250x250x3
+    image, detector score); the 5 landmarks place the 112x112 crop at 1.5x scale, (20, 30)."""
+    (root / "meta").mkdir(parents=True)
+    (root / "loose_crop").mkdir()
+    lmk = ARCFACE_REFERENCE * 1.5 + [20.0, 30.0]  # the 112x112 crop lies inside the image
+    tid, pts = [], []
+    for name, template, media, colour, score in faces:
+        image = np.broadcast_to(np.asarray(colour, np.uint8), (250, 250, 3))
+        Image.fromarray(np.ascontiguousarray(image)).save(root / "loose_crop" / name)
+        tid.append(f"{name} {template} {media}")
+        pts.append(" ".join([name, *(f"{v:.4f}" for v in lmk.reshape(-1)), str(score)]))
+    (root / "meta" / f"{target}_face_tid_mid.txt").write_text("\n".join(tid) + "\n")
+    (root / "meta" / f"{target}_name_5pts_score.txt").write_text("\n".join(pts) + "\n")
+    (root / "meta" / f"{target}_template_pair_label.txt").write_text(
+        "\n".join(" ".join(map(str, p)) for p in pairs) + "\n")

@@ -153,8 +153,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
 
 
 def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
-    """This rank's batches: the shard loader on ``data.dir``, or (``data.source=synthetic``)
-    batches generated on the rank's device; both seeded by ``seed``."""
+    """This rank's batches: the shard loader on ``data.dir`` (or mixing ``data.dirs``), or
+    (``data.source=synthetic``) batches generated on the rank's device; seeded by ``seed``."""
     from data_pipeline import SyntheticStream, make_loader
 
     common = {"batch_size": cfg.train.batch_size, "rank": env.rank,
@@ -162,8 +162,13 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
     if cfg.data.source == "synthetic":
         return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
                                device=env.device, **common)
-    return make_loader(cfg.data.dir, num_workers=cfg.data.num_workers,
-                       pin_memory=env.device.type == "cuda", **common)
+    common.update(num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
+    if cfg.data.dirs is not None:
+        from data_pipeline.mixture import make_mixed_loader
+
+        return make_mixed_loader(cfg.data.dirs, weights=cfg.data.weights,
+                                 excludes=cfg.data.exclusions(), **common)
+    return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0], **common)
 
 
 def resume(run: Run) -> None:
@@ -194,6 +199,8 @@ def resume(run: Run) -> None:
         f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
+        + (f", excluded {loader.num_excluded} samples (data.exclude)" if loader.num_excluded
+           else "")
     )
 
 

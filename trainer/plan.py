@@ -8,6 +8,7 @@ collective of one step and the largest class count that fits, all from
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -48,6 +49,11 @@ BLOCK_ACTIVATIONS = {
 # + SGD on random input in channels_last, and the head's three matmuls at C_local = 1M,
 # N = 1024, D = 512 in bf16 (issue 10).
 R50_IMAGES_PER_S = 3513.0
+# One loader worker (one CPU core): 112x112 JPEGs read, decoded, flipped and batched by
+# data_pipeline's loader: 8.2-8.5k images per CPU-second, 0.66-0.69x bare simplejpeg
+# decoding (12.2-12.5k) on the project's CPU machine, an AMD EPYC (bench/loader.py,
+# docs/benchmarks.md).
+LOADER_IMAGES_PER_S = 8000.0
 HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
 
 
@@ -233,7 +239,19 @@ def plan(inp: Inputs) -> dict:
         "link_bytes_per_s": bw,
         "collectives": colls,
         "comm_seconds": sum(c["seconds"] for c in colls),
+        **loader_need(inp),
     }
+
+
+def loader_need(inp: Inputs) -> dict:
+    """The CPU loader that keeps one GPU busy: the backbone's modelled images/s on an H100
+    (iresnet50's measured step, scaled by flops) over one worker's rate; per GPU (a fraction:
+    ``data.num_workers`` is its ceiling) and per node."""
+    per_image = backbone_flops(inp.backbone, inp.dim) / backbone_flops("iresnet50")
+    rate = R50_IMAGES_PER_S / per_image
+    workers = rate / LOADER_IMAGES_PER_S
+    return {"loader_images_per_s_per_gpu": rate, "loader_workers_per_gpu": workers,
+            "loader_workers_per_node": math.ceil(workers * inp.gpus_per_node)}
 
 
 def step_model(result: dict, head_factor: float) -> dict:

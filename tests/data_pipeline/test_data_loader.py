@@ -3,59 +3,23 @@
 Multi-rank loaders are built in one process with explicit rank/world_size (no process group).
 """
 
-import io
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from shard_helpers import epoch_keys, make_shards
 
 from data_pipeline import epoch_plan, make_loader
 from data_pipeline.errors import DataError, ShardError
 from data_pipeline.manifest import Manifest, read_manifest, write_manifest
-from data_pipeline.writer import Sample, shard_name, write_shard
 
 UNEVEN = [13, 5, 9, 1, 17, 8, 11]  # 64 samples
-
-
-def jpeg(label: int, size=(112, 112)) -> bytes:
-    image = np.zeros((size[1], size[0], 3), np.uint8)
-    image[:, : size[0] // 3] = (40 * label) % 256  # left third marks the label (flip visible)
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, "JPEG", quality=95)
-    return out.getvalue()
-
-
-def make_shards(folder, counts, corrupt=(), odd_size=()):
-    """Shards with per-shard `counts`; positions in `corrupt` get undecodable bytes."""
-    folder.mkdir(parents=True, exist_ok=True)
-    infos, pos = [], 0
-    for i, count in enumerate(counts):
-        samples = []
-        for _ in range(count):
-            data = jpeg(pos % 7, (64, 80) if pos in odd_size else (112, 112))
-            if pos in corrupt:
-                data = data[:3] + b"garbage" * 20
-            samples.append(Sample(f"{pos:09d}", data, pos % 7, str(pos)))
-            pos += 1
-        infos.append(write_shard(folder / shard_name(i), samples))
-    write_manifest(folder, Manifest(num_classes=7, num_samples=pos, shards=tuple(infos)))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def uneven(tmp_path_factory):
     return make_shards(tmp_path_factory.mktemp("uneven"), UNEVEN, odd_size={3})
-
-
-def epoch_keys(loader):
-    keys = []
-    for images, labels, batch_keys in loader:
-        assert images.shape == (loader.batch_size, 3, 112, 112) and images.dtype == torch.uint8
-        assert labels.dtype == torch.int64 and labels.tolist() == [int(k) % 7 for k in batch_keys]
-        keys.extend(batch_keys)
-    return keys
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from eval_helpers import (
-    MeanColour,
-    make_run,
-)
-from PIL import Image
+from eval_helpers import MeanColour, make_run, write_ijb
 from skimage.transform import SimilarityTransform, warp
 
 from data_pipeline.errors import DataError
@@ -70,22 +66,6 @@ def test_align_identity_and_known_similarity():
     assert np.abs(shifted[inner] - face[inner]).mean() > 10.0  # the check can fail
 
 
-def _write_ijb(root, faces, pairs, target="ijbc"):
-    """faces: (name, template, media, rgb colour, detector score); solid 250x250 crops."""
-    (root / "meta").mkdir(parents=True)
-    (root / "loose_crop").mkdir()
-    lmk = ARCFACE_REFERENCE * 1.5 + [20.0, 30.0]  # the 112x112 crop lies inside the image
-    tid, pts = [], []
-    for name, template, media, colour, score in faces:
-        Image.fromarray(np.full((250, 250, 3), colour, np.uint8)).save(root / "loose_crop" / name)
-        tid.append(f"{name} {template} {media}")
-        pts.append(" ".join([name, *(f"{v:.4f}" for v in lmk.reshape(-1)), str(score)]))
-    (root / "meta" / f"{target}_face_tid_mid.txt").write_text("\n".join(tid) + "\n")
-    (root / "meta" / f"{target}_name_5pts_score.txt").write_text("\n".join(pts) + "\n")
-    (root / "meta" / f"{target}_template_pair_label.txt").write_text(
-        "\n".join(" ".join(map(str, p)) for p in pairs) + "\n")
-
-
 # White a -> unit (1,1,1)/sqrt3, red b -> (1,-1,-1)/sqrt3 under MeanColour.
 _A, _B = (255, 255, 255), (255, 0, 0)
 _FACES = [("1.png", 1, 1, _A, 1.0), ("2.png", 2, 2, _A, 0.9), ("3.png", 2, 3, _A, 0.8),
@@ -98,7 +78,7 @@ def test_fabricated_ijb_by_hand(tmp_path):
     # (1,4) same, .870; (3,4) different, .174: separated, TAR 1 at every FAR. Without the
     # weights both would be 1/sqrt3 = .577 (a tie) and TAR@FAR<=.1 would be 0.5.
     pairs = [(1, 2, 1), (1, 4, 1), (3, 4, 0)]
-    _write_ijb(tmp_path / "IJBC", _FACES, pairs)
+    write_ijb(tmp_path / "IJBC", _FACES, pairs)
     meta = read_ijb_meta(tmp_path, "IJBC")  # IJB_release root accepted
     assert meta.names[3] == "4.png" and meta.templates.tolist() == [1, 2, 2, 3, 4, 4]
     assert meta.landmarks.shape == (6, 5, 2) and meta.face_scores[5] == 0.5
@@ -109,7 +89,7 @@ def test_fabricated_ijb_by_hand(tmp_path):
 
 
 def test_cli_with_ijb(tmp_path, capsys):
-    _write_ijb(tmp_path / "ijb", _FACES, [(1, 2, 1), (1, 4, 1), (3, 4, 0)], target="ijbb")
+    write_ijb(tmp_path / "ijb", _FACES, [(1, 2, 1), (1, 4, 1), (3, 4, 0)], target="ijbb")
     assert main(["--checkpoint", str(make_run(tmp_path)), "--ijb", str(tmp_path / "ijb"),
                  "--ijb-target", "IJBB", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -117,7 +97,7 @@ def test_cli_with_ijb(tmp_path, capsys):
 
 
 def test_meta_errors(tmp_path):
-    _write_ijb(tmp_path, _FACES[:2], [(1, 2, 1)])
+    write_ijb(tmp_path, _FACES[:2], [(1, 2, 1)])
     with pytest.raises(DataError, match="target 'IJBX'"):
         read_ijb_meta(tmp_path, "IJBX")
     with pytest.raises(DataError, match="ijbb_face_tid_mid.txt: missing"):

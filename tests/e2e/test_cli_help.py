@@ -5,7 +5,8 @@ import importlib
 import pytest
 
 PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
-            "tools.chaos.__main__", "launch.plan", "launch.report", "launch.torchrun"]
+            "tools.chaos.__main__", "launch.plan", "launch.report", "launch.torchrun",
+            "launch.overlap"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

@@ -390,6 +390,26 @@ def test_margin_schema_holds_exactly_build_margins_keys():
         MarginConfig(type="curricularface")
 
 
+def test_data_dirs_sum_their_manifests_and_check_each(tmp_path):
+    a = _manifest(tmp_path / "a", num_classes=10, num_samples=20)
+    b = _manifest(tmp_path / "b", num_classes=7, num_samples=30)
+    path = _write(tmp_path, "cfg.yaml", {"data": {"dirs": [str(a), str(b)]}, "device": "cpu"})
+    cfg = load_config(path, ["data.weights=[1, 2]", f"data.exclude=[null, {path}]",
+                             "train.batch_size=8"])
+    assert (cfg.data.num_classes, cfg.data.num_samples) == (17, 50)
+    assert cfg.data.folders() == [str(a), str(b)] and cfg.data.exclusions() == [None, str(path)]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [f"data.dirs=[{a}, {tmp_path / 'c'}]", "data.weights=[1]",
+                           f"data.exclude={path}", "data.dir=x", "data.num_classes=16"])
+    lines = str(err.value).splitlines()
+    for text in ("data.dirs[1]=", "data.weights=[1.0]: one weight per folder of data.dirs "
+                 "(2 folders)", f"data.exclude='{path}': a list names labels of one folder",
+                 "data.dir='x': give data.dir or data.dirs, not both"):
+        assert any(text in line for line in lines), (text, lines)
+    with pytest.raises(ConfigError, match=r"data.exclude\[1\]=.nope.: no such file"):
+        load_config(path, ["data.exclude=[null, nope]"])
+
+
 SMOKE = CONFIGS[0].parent / "smoke.yaml"
 
 

@@ -191,10 +191,11 @@ def test_trainer_asks_for_pinned_batches_on_cuda_only(synthetic_data, device, pi
 
 
 def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synthetic_data):
-    """With an accelerator (faked), DataLoader pins each decoded chunk, and a batch cut across
+    """With an accelerator (faked), the loader pins each decoded chunk, and a batch cut across
     two chunks (after corrupt samples) is assembled in page-locked memory; the batches equal
     the unpinned ones (``test_device_plumbing.py`` pins for real on CUDA)."""
     from data_pipeline import make_loader
+    from data_pipeline.loader import concat
 
     plain = list(make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False))
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
@@ -202,7 +203,7 @@ def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synth
     loader = make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False,
                          pin_memory=True)
     pinned = list(loader)
-    assert len(fake_cuda_copies.pinned) >= len(pinned), "DataLoader did not pin every chunk"
+    assert len(fake_cuda_copies.pinned) >= len(pinned), "the loader did not pin every chunk"
     assert len(pinned) == len(plain)
     for (x, y), (xp, yp) in zip(plain, pinned, strict=True):
         assert torch.equal(x, xp) and torch.equal(y, yp)
@@ -214,7 +215,31 @@ def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synth
 
     monkeypatch.setattr(torch, "empty", fake_empty)
     x = plain[0][0]
-    assert torch.equal(loader._cat([x[:2], x[2:]]), x) and asked == [True]
+    assert torch.equal(concat([x[:2], x[2:]], loader.pin_memory), x) and asked == [True]
+
+
+def test_mixed_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies,
+                                                   synthetic_data):
+    """``data.dirs`` with an accelerator (faked): the folders' chunks are pinned and the
+    mixed batch is assembled in page-locked memory; the batches equal the unpinned ones."""
+    from data_pipeline.mixture import make_mixed_loader
+
+    kwargs = {"batch_size": 6, "num_workers": 0, "weights": [2, 1]}
+    plain = list(make_mixed_loader([synthetic_data, synthetic_data], **kwargs))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: CUDA0)
+    empty, asked = torch.empty, []
+
+    def fake_empty(*args, pin_memory=None, **kw):
+        asked.append(pin_memory)
+        return empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    pinned = list(make_mixed_loader([synthetic_data, synthetic_data], pin_memory=True, **kwargs))
+    assert len(pinned) == len(plain) and asked.count(True) >= 2 * len(pinned)  # images, labels
+    assert len(fake_cuda_copies.pinned) >= 2 * len(pinned)  # both folders' chunks
+    for (x, y), (xp, yp) in zip(plain, pinned, strict=True):
+        assert torch.equal(x, xp) and torch.equal(y, yp)
 
 
 def test_synthetic_stream_on_cuda_copies_pinned_indices_without_waiting(fake_cuda_copies):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -363,3 +364,18 @@ def test_head_memory_on_cuda_within_factor(rate):
                        max_update_bytes=UPDATE)
     assert _state_bytes(opt) == want.optimizer_state
     assert 0.8 <= measured / (want.gradient + want.working) <= 1.25
+
+
+def test_cli_sums_the_classes_of_data_dirs_and_sizes_the_loader(tmp_path, capsys):
+    from shard_helpers import make_shards
+
+    dirs = [make_shards(tmp_path / n, [3], num_classes=c) for n, c in (("a", 5), ("b", 3))]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"data:\n  dirs: [{dirs[0]}, {dirs[1]}]\n")
+    r = _json(capsys, "--config", str(recipe), "--gpus", "1", "--backbone", "iresnet50")
+    assert r["inputs"]["classes"] == 8
+    assert r["loader_images_per_s_per_gpu"] == pytest.approx(3513.0, rel=1e-6)
+    per_gpu = r["loader_workers_per_gpu"]
+    assert r["loader_workers_per_node"] == math.ceil(8 * per_gpu) and 0 < per_gpu < 8
+    assert plan_cli.main(["--classes", "100"]) == 0
+    assert "decoding cores per GPU" in capsys.readouterr().out

@@ -66,6 +66,32 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
                     f"{MIN_TIMEOUT_S:g} s, which the rendezvous and the first collectives "
                     "need even on one node"))
     out += _backbone_errors(cfg)
+    out += _data_set_errors(cfg)
+    return out
+
+
+def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
+    """``data.dirs`` replaces ``data.dir``; ``data.weights`` and a list ``data.exclude``
+    go with it, one entry per folder."""
+    data, out = cfg.data, []
+    dirs = data.dirs
+    if dirs is not None and not dirs:
+        out.append(("data.dirs", "data.dirs=[]: name at least one folder (or use data.dir)"))
+    if dirs is not None and "dir" in data.model_fields_set:
+        out.append(("data.dir", f"data.dir={data.dir!r}: give data.dir or data.dirs, not both"))
+    if dirs is not None and data.source == "synthetic":
+        out.append(("data.dirs", "data.dirs: shard folders are not read with "
+                    "data.source=synthetic"))
+    n = len(dirs) if dirs else 1
+    if data.weights is not None and (dirs is None or len(data.weights) != n):
+        out.append(("data.weights", f"data.weights={data.weights}: one weight per folder of "
+                    f"data.dirs ({'not set' if dirs is None else f'{n} folders'})"))
+    if isinstance(data.exclude, list) and len(data.exclude) != n:
+        out.append(("data.exclude", f"data.exclude: {len(data.exclude)} lists for {n} "
+                    "folder(s); one path (or null) per folder of data.dirs"))
+    elif isinstance(data.exclude, str) and n > 1:
+        out.append(("data.exclude", f"data.exclude={data.exclude!r}: a list names labels of one "
+                    f"folder; give a list parallel to data.dirs ({n} folders, null for none)"))
     return out
 
 
@@ -154,8 +180,9 @@ def _sized(cfg: Config, manifest: Manifest | None) -> Resolved:
             if have is None:
                 fill[key] = want
             elif have != want:
-                out.append((f"data.{key}",
-                            f"data.{key}={have}: manifest.json in {Path(data.dir)} says {want}"))
+                where = ", ".join(str(Path(d)) for d in data.folders())
+                out.append((f"data.{key}", f"data.{key}={have}: manifest.json in {where} says "
+                            f"{want}" + (" (their sum)" if data.dirs else "")))
     if not fill:
         return Resolved(cfg, out)
     sized = cfg.model_copy(update={"data": data.model_copy(update=fill, deep=True)}, deep=True)
@@ -210,7 +237,8 @@ def _batch_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
     if n is None or batches_per_rank(n, world, batch) >= k:
         return []
     key = "train.batch_size" if batches_per_rank(n, world, batch) == 0 else "train.grad_accum"
-    where = "the synthetic data" if cfg.data.source == "synthetic" else cfg.data.dir
+    where = "the synthetic data" if cfg.data.source == "synthetic" else \
+        ", ".join(cfg.data.folders())
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
                   f"{n} samples in {where} cannot fill one step (at most "
                   f"{n // world} samples per rank)")]

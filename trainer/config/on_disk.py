@@ -23,19 +23,33 @@ MAKE_DATA = ("convert a data set with `python -m launch.convert insightface SRC 
 
 def read_data_manifest(cfg: Config) -> tuple[Manifest | None, list[tuple[str, str]]]:
     """``data.dir/manifest.json`` for ``data.source=shards`` (None for synthetic data), or
-    None and one line saying what is there instead."""
+    None and one line saying what is there instead; with ``data.dirs`` their manifests
+    summed (classes, samples, shards), each checked."""
     if cfg.data.source != "shards":
         return None, []
-    data_dir = Path(cfg.data.dir)
-    if not (data_dir / "manifest.json").is_file():
-        return None, [("data.dir", f"data.dir={cfg.data.dir!r}: {_no_manifest(data_dir)}")]
     from data_pipeline import read_manifest
     from data_pipeline.errors import DataError
+    from data_pipeline.manifest import Manifest
 
-    try:
-        return read_manifest(data_dir), []
-    except DataError as err:  # a malformed manifest is one more line of the report
-        return None, [("data.dir", f"data.dir={cfg.data.dir!r}: {err}")]
+    keyed = [(f"data.dirs.{i}", f"data.dirs[{i}]", d) for i, d in enumerate(cfg.data.dirs)] \
+        if cfg.data.dirs else [("data.dir", "data.dir", cfg.data.dir)]
+    manifests, out = [], []
+    for key, name, folder in keyed:
+        data_dir = Path(folder)
+        if not (data_dir / "manifest.json").is_file():
+            out.append((key, f"{name}={folder!r}: {_no_manifest(data_dir)}"))
+            continue
+        try:
+            manifests.append(read_manifest(data_dir))
+        except DataError as err:  # a malformed manifest is one more line of the report
+            out.append((key, f"{name}={folder!r}: {err}"))
+    if out:
+        return None, out
+    if len(manifests) == 1:
+        return manifests[0], []
+    return Manifest(num_classes=sum(m.num_classes for m in manifests),
+                    num_samples=sum(m.num_samples for m in manifests),
+                    shards=tuple(s for m in manifests for s in m.shards)), []
 
 
 def _no_manifest(data_dir: Path) -> str:
@@ -70,6 +84,14 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
                     "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
+    listed = isinstance(cfg.data.exclude, list)
+    lists = cfg.data.exclude if listed else [cfg.data.exclude]
+    for i, x in enumerate(lists if cfg.data.source == "shards" else []):
+        if x is not None and not Path(x).is_file():
+            key, name = (f"data.exclude.{i}", f"data.exclude[{i}]") if listed else \
+                ("data.exclude", "data.exclude")
+            out.append((key, f"{name}={x!r}: no such file (an exclusion list: python -m "
+                        "launch.overlap writes one)"))
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
             from data_pipeline.verification_bin import MISSING_BIN_FIX

@@ -60,9 +60,23 @@ class DataConfig(_Section):
         "data/synthetic", description="folder of webdataset shards and their manifest.json "
         "(python -m launch.convert writes one); shards only"
     )
+    dirs: list[str] | None = Field(
+        None, description="several shard folders trained together instead of data.dir: every "
+        "batch mixes them by data.weights, each read once per its own epoch, its labels "
+        "offset into one class space (data_pipeline.mixture)"
+    )
+    weights: list[PosFloat] | None = Field(
+        None, description="data.dirs only: each folder's share of every batch; null = their "
+        "sample counts"
+    )
+    exclude: str | list[str | None] | None = Field(
+        None, description="an exclusion list (`sample KEY` / `class LABEL` lines, as python -m "
+        "launch.overlap writes) left out of training; with data.dirs a list parallel to it "
+        "(null: none), each in its folder's own labels"
+    )
     num_classes: PosInt | None = Field(
-        None, description="identities; shards: filled from manifest.json (if set, must match "
-        "it); synthetic: required, the identities generated"
+        None, description="identities; shards: filled from manifest.json (data.dirs: their "
+        "sum; if set, must match); synthetic: required, the identities generated"
     )
     num_samples: PosInt | None = Field(
         None, description="images per epoch; filled from manifest.json or, synthetic, as "
@@ -77,6 +91,16 @@ class DataConfig(_Section):
         "process (synthetic: unused, batches are generated on the device)"
     )
     flip: bool = Field(True, description="random horizontal flip of training images")
+
+    def folders(self) -> list[str]:
+        """The shard folders read: ``dirs``, else ``[dir]``."""
+        return list(self.dirs) if self.dirs is not None else [self.dir]
+
+    def exclusions(self) -> list[str | None]:
+        """One exclusion list (or None) per folder of :meth:`folders`."""
+        if isinstance(self.exclude, list):
+            return list(self.exclude)
+        return [self.exclude] * len(self.folders())
 
 
 class BackboneConfig(_Section):
