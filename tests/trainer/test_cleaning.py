@@ -11,8 +11,9 @@ the class's clean images gather on one centre, at a different index per class, a
 image pulls one of the others to itself. So the noisy image's *nearest* centre is not the
 dominant one: a tool that took each sample's nearest centre, or centre 0, lists nothing or the
 wrong samples; only the vote over the class's samples finds the dominant centre. The listed
-samples must hold the planted ones with precision and recall >= 0.8, and two ranks (each
-streaming half the shards) must list exactly what one process lists.
+samples must hold the planted ones with precision and recall >= 0.8, two ranks (each
+streaming half the shards) must list exactly what one process lists, and the loader given
+the list (``data.exclude``) must leave out exactly those samples, counted.
 
 (A trained run: ``python bench/clean_noise.py`` prints the same figures after a real
 sub-center training on one CPU rank.)
@@ -20,6 +21,8 @@ sub-center training on one CPU rank.)
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -31,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from spawn import run_ranks
 
+from data_pipeline import make_loader
 from data_pipeline.codec import decode_image
 from data_pipeline.exclusion import read_exclusions
 from data_pipeline.stages import tar_samples
@@ -100,11 +104,21 @@ def _planted_keys() -> set[str]:
     return {f"{i:09d}" for i in PLANTED}
 
 
-def test_planted_noise_is_found(noisy_run, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def cleaned(noisy_run, tmp_path_factory):
+    """launch.clean's list for the noisy run at the default threshold, and what it printed."""
     data, run = noisy_run
-    out = tmp_path / "noisy.txt"
-    assert main(["--checkpoint", str(run), "--data", str(data), "--out", str(out),
-                 "--device", "cpu"]) == 0
+    out = tmp_path_factory.mktemp("list") / "noisy.txt"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--checkpoint", str(run), "--data", str(data), "--out", str(out),
+                     "--device", "cpu"]) == 0
+    return out, printed.getvalue()
+
+
+def test_planted_noise_is_found(noisy_run, cleaned, tmp_path):
+    data, run = noisy_run
+    out, printed = cleaned
     listed = read_exclusions(out)
     assert listed.classes == frozenset()
     got, want = set(listed.samples), _planted_keys()
@@ -112,13 +126,30 @@ def test_planted_noise_is_found(noisy_run, tmp_path, capsys):
     assert hits / len(got) >= 0.8 and hits / len(want) >= 0.8, (len(got), hits, len(want))
     header = out.read_text().splitlines()[0]
     assert header.startswith("# launch.clean checkpoint=") and "threshold=75 degrees" in header
-    line = capsys.readouterr().out.strip()
-    assert f"{len(got)} of {C * M} samples" in line and "dominant-center share 0.9" in line
+    assert f"{len(got)} of {C * M} samples" in printed
+    assert "dominant-center share 0.9" in printed
     # a stricter threshold lists more, clean samples too: the listing grows as it falls
     strict = tmp_path / "strict.txt"
     assert main(["--checkpoint", str(run), "--data", str(data), "--out", str(strict),
                  "--device", "cpu", "--threshold", "30"]) == 0
     assert read_exclusions(strict).samples > listed.samples
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_loader_leaves_out_exactly_the_listed_samples(noisy_run, cleaned, world_size):
+    """``data.exclude`` with launch.clean's list: the listed samples are never read, every
+    other one once per epoch (up to the epoch's dropped tail), and they are counted."""
+    data, _ = noisy_run
+    out, _ = cleaned
+    listed = read_exclusions(out).samples
+    seen = []
+    for rank in range(world_size):
+        loader = make_loader(data, batch_size=4, rank=rank, world_size=world_size,
+                             num_workers=0, with_keys=True, exclude=out)
+        assert loader.num_excluded == len(listed)
+        seen += [key for _, _, keys in loader for key in keys]
+    assert len(seen) == len(set(seen)) and listed.isdisjoint(seen)
+    assert len(seen) >= C * M - len(listed) - world_size * 4  # only the tail is dropped
 
 
 def _on_ranks(rank: int, world: int, run: str, data: str) -> list[str]:
