@@ -1,4 +1,4 @@
-"""The synthetic-scale demonstration of issue 13: the scale's dynamics at many classes.
+"""The synthetic-scale demonstration: the scale's dynamics at many classes.
 
     python bench/scale_demo.py [--classes N] [--steps N] [--batch N] [--backbone NAME]
                                [--device cpu|cuda] [--nproc N] [--jobs N] [--runs a,b]

@@ -54,13 +54,13 @@ from pathlib import Path
 import torch
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
-from launch import plan as plan_cli  # the flags a user gives `launch.plan`
 from partial_fc import PartialFC, build_margin
 from partial_fc.backbones import build_backbone
 from trainer import plan
 from trainer.config import Config
 from trainer.dist import DistEnv, init_distributed, resolve_device, shutdown
 from trainer.engine import Engine, make_optimizer
+from trainer.plan_inputs import resolve_inputs
 
 PHASES = ("data", "input", "bb fwd", "head fwd", "head bwd", "bb bwd", "optim", "other")
 
@@ -216,12 +216,13 @@ def _with_peak(out: dict, device: torch.device) -> dict:
     return out
 
 
-def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int) -> dict:
-    flags = ["--classes", str(classes), "--sample-rate", str(rate), "--gpus", str(gpus),
-             "--batch", str(args.batch), "--backbone", args.backbone,
-             "--precision", args.precision, "--engine", args.engine, "--reserve", "0",
-             "--state-dtype", args.state_dtype, "--checkpointing", str(args.checkpointing)]
-    return plan.plan(plan_cli.resolve_inputs(plan_cli.build_parser().parse_args(flags)))
+def _planned(args: argparse.Namespace, classes: int, rate: float, gpus: int
+             ) -> plan.PlanResult:
+    given = {"classes": classes, "sample_rate": rate, "gpus": gpus, "batch": args.batch,
+             "backbone": args.backbone, "precision": args.precision, "engine": args.engine,
+             "reserve": 0.0, "state_dtype": args.state_dtype,
+             "checkpointing": args.checkpointing}
+    return plan.plan(resolve_inputs(None, given))
 
 
 def _cell(stat: tuple[float, float] | None) -> str:
@@ -231,7 +232,7 @@ def _cell(stat: tuple[float, float] | None) -> str:
 def _figures(args: argparse.Namespace, classes: int, rate: float, r: dict) -> dict:
     """One row's figures: img/s, the median ms of the step and its phases, the GiB."""
     planned = None if classes == 0 else \
-        _planned(args, classes, rate, 1)["peak_bytes_per_gpu"] / plan.GIB
+        _planned(args, classes, rate, 1).peak_bytes_per_gpu / plan.GIB
     return {"img_per_s": args.batch / r["step"][0] * 1e3, "step_ms": r["step"][0],
             "phases_ms": {p: r[p][0] for p in PHASES if p in r},
             "peak_gib": r["peak GiB"][0] if "peak GiB" in r else None, "planned_gib": planned}
@@ -262,8 +263,8 @@ def print_table(args: argparse.Namespace, results: list[tuple[str, int, float, d
         _, classes, rate, _ = results[1]
         p = _planned(args, classes, rate, args.model_gpus)
         print(f"communication per step at {args.model_gpus} GPUs, modelled by launch.plan "
-              f"({p['link']} link, {p['link_bytes_per_s'] / 1e9:g} GB/s per GPU): "
-              f"{p['comm_seconds'] * 1e3:.2f} ms")
+              f"({p.link} link, {p.link_bytes_per_s / 1e9:g} GB/s per GPU): "
+              f"{p.comm_seconds * 1e3:.2f} ms")
 
 
 def _runs(text: str) -> list[tuple[int, float]]:

@@ -1,9 +1,8 @@
 """JPEG decoding for the loader and JPEG normalisation for the converters.
 
-Decoder choice (measured on the project's 2-core CPU machine, 112x112 JPEGs, one thread,
-`bench/loader.py`): simplejpeg (libjpeg-turbo, accurate DCT) 6.9k-11.6k img/s, PIL
-2.7k-5.6k img/s, simplejpeg/PIL 1.5x-3.0x in the same run (the machine was shared, hence the
-ranges). `"auto"` therefore picks simplejpeg when it is importable and falls back to PIL.
+Decoder choice: simplejpeg (libjpeg-turbo, accurate DCT) decodes 112x112 JPEGs faster than
+PIL (docs/benchmarks.md, "Loader"; `bench/loader.py`), so `"auto"` picks simplejpeg when it
+is importable and falls back to PIL.
 Non-JPEG bytes (a PNG stored by hand) go through PIL. simplejpeg runs with strict=True, so
 a JPEG libjpeg-turbo reports as corrupt (e.g. truncated) counts as undecodable.
 

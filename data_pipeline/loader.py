@@ -33,8 +33,10 @@ import os
 import signal
 import zlib
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -104,14 +106,37 @@ class _EpochStream(IterableDataset):
         return iter(pipeline)
 
 
-class EpochBatches:
-    """What the trainer reads of a batch source besides iterating it (the shard loader
-    here, ``synthetic_stream.SyntheticStream``): ``len``, batches per epoch, the same on every
-    rank, and the position in the current epoch. Subclasses set ``_len`` and ``_batches``."""
+@runtime_checkable
+class EpochBatches(Protocol):
+    """A batch source as the trainer uses it (the shard loader here,
+    ``synthetic_stream.SyntheticStream``): everything ``trainer.loop`` calls.
+
+    Iterating yields ``(images uint8 [B, 3, 112, 112], labels int64 [B])`` for the rest of
+    the current epoch. ``len``: batches per epoch, the same on every rank; ``batches_done``:
+    how many of this epoch's were handed out. ``set_epoch(e)`` starts epoch ``e`` (the same
+    epoch again keeps a resumed position); ``state_dict()`` / ``load_state_dict()`` carry the
+    position through a checkpoint (JSON-able). ``epoch``; ``num_skipped`` (corrupt samples)
+    and ``num_padded`` (samples repeated to fill the last batch) in the current epoch;
+    ``num_excluded`` (samples an exclusion list leaves out of every epoch);
+    ``dropped_fraction`` of each epoch. Implementations subclass it and set ``_len`` and
+    ``_batches`` for the two methods it defines.
+    """
 
     _len: int
     _batches: int
-    num_excluded = 0  # samples an exclusion list leaves out of every epoch
+    epoch: int
+    num_skipped: int
+    num_padded: int
+    num_excluded: int = 0  # samples an exclusion list leaves out of every epoch
+    dropped_fraction: float
+
+    def __iter__(self) -> Iterator[tuple]: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (identical on every rank)."""

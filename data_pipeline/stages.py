@@ -96,10 +96,10 @@ def _tar_members(data: mmap.mmap | bytes, path: Path) -> Iterator[tuple[str, int
     """(name, data offset, size) of each regular file in a ustar archive held in ``data``.
 
     A small reader instead of `tarfile`, whose per-member Python overhead cost more than the
-    JPEG decode (profiled: 2.6 s of 4.6 s per 6k samples). Headers are checksum-verified, a
-    block of them at a time with numpy (summing 512 bytes in Python cost a tenth of a
-    worker's time); member types other than regular files and directories (GNU long names,
-    pax) are refused: shards come from this package's writer.
+    JPEG decode (docs/benchmarks.md, "Loader"). Headers are checksum-verified, a block of
+    them at a time with numpy (summing 512 bytes in Python cost a tenth of a worker's time);
+    member types other than regular files and directories (GNU long names, pax) are refused:
+    shards come from this package's writer.
     """
     offset, headers, members = 0, [], []
     try:

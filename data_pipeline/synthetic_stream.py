@@ -56,7 +56,8 @@ def _i32(value: int) -> int:
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (xorshift-multiply, three rounds) of int32 ``x``, read as
     uint32 bit patterns: products wrap modulo 2^32 and right shifts are masked to be
-    logical (tests/test_data_synthetic_stream.py checks it against Python integers)."""
+    logical (tests/data_pipeline/test_data_synthetic_stream.py checks it against Python
+    integers)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 0x7FEB352D
     x = x ^ ((x >> 15) & 0x1FFFF)

@@ -14,31 +14,16 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import asdict
 
 from launch.cli import plain_help
 from partial_fc.backbones import list_backbones
-from trainer.config import Config, ConfigError, load_config
-from trainer.plan import GIB, Inputs, PlanError, plan, step_model
-
-_FLAGS = {  # flag -> the recipe key supplying it (trainer.config's schema: the defaults)
-    "classes": "data.num_classes",
-    "sample_rate": "head.sample_rate",
-    "dim": "backbone.embedding_size",
-    "batch": "train.batch_size",
-    "backbone": "backbone.name",
-    "optimizer": "optim.name",
-    "precision": "engine.precision",
-    "engine": "engine.type",
-    "zero_stage": "engine.zero_stage",
-    "max_tile_mib": "head.max_tile_mib",
-    "max_update_mib": "head.max_update_mib",
-    "state_dtype": "head.state_dtype",
-    "checkpointing": "backbone.checkpointing",
-    "subcenters": "margin.subcenters",
-}
+from trainer.plan import GIB, PlanError, PlanResult, StepTime, plan, step_model
+from trainer.plan_inputs import MACHINE, resolve_inputs
 
 
 def build_parser() -> argparse.ArgumentParser:
+    m = MACHINE
     p = argparse.ArgumentParser(
         prog="python -m launch.plan", description=plain_help(__doc__.split("\n\n")[0]),
         epilog="Values not given come from --config, else from trainer.config's schema defaults "
@@ -49,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "data.num_classes)")
     p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
     p.add_argument("--nodes", type=int, help="nodes (default 1, or --gpus / --gpus-per-node)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=m["gpus_per_node"],
+                   help=f"GPUs per node (default {m['gpus_per_node']})")
     p.add_argument("--sample-rate", type=float, help="Partial FC sample rate r in (0, 1]")
     p.add_argument("--dim", type=int, help="embedding size D")
     p.add_argument("--batch", type=int, help="images per GPU")
@@ -68,17 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of head weight, gradient and optimizer state")
     p.add_argument("--subcenters", type=int, help="sub-center ArcFace: K weight rows per "
                    "class (K x the head's weight, state, gradient and matmuls)")
-    p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction, default=True,
-                   help="the head's weight gradient holds only the sampled rows, as PartialFC "
-                   "keeps it (default); --no-row-sparse-grad models a dense one")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
-    p.add_argument("--reserve", type=float, default=2.0, help="GiB per GPU kept for the CUDA "
-                   "context, library workspaces and fragmentation (default 2)")
-    p.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU within a node "
-                   "(default 450, NVLink 4)")
-    p.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU between nodes "
-                   "(default 50 = 400 Gb/s)")
-    p.add_argument("--latency-us", type=float, default=10.0, help="per-hop latency, us")
+    p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction,
+                   default=m["row_sparse_grad"], help="the head's weight gradient holds "
+                   "only the sampled rows, as PartialFC keeps it (default); "
+                   "--no-row-sparse-grad models a dense one")
+    p.add_argument("--gpu-memory", type=float, default=m["gpu_memory"],
+                   help=f"GiB per GPU (default {m['gpu_memory']:g})")
+    p.add_argument("--reserve", type=float, default=m["reserve"], help="GiB per GPU kept for "
+                   "the CUDA context, library workspaces and fragmentation "
+                   f"(default {m['reserve']:g})")
+    p.add_argument("--intra-bw", type=float, default=m["intra_bw"], help="GB/s per GPU within "
+                   f"a node (default {m['intra_bw']:g}, NVLink 4)")
+    p.add_argument("--inter-bw", type=float, default=m["inter_bw"], help="GB/s per GPU between "
+                   f"nodes (default {m['inter_bw']:g} = 400 Gb/s)")
+    p.add_argument("--latency-us", type=float, default=m["latency_us"], help="per-hop latency, us")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--scaling", help="comma-separated GPU counts: modelled H100 step time each")
     p.add_argument("--head-factor", type=float, default=2.0, help="--scaling: head time as a "
@@ -86,125 +75,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_inputs(args: argparse.Namespace, gpus: int | None = None) -> Inputs:
-    """Recipe values, then flags; raises :class:`PlanError` for impossible inputs."""
-    try:
-        cfg = load_config(args.config, resolve=False) if args.config else Config()
-    except ConfigError as e:
-        raise PlanError(str(e)) from None
-    values = {}
-    for key, path in _FLAGS.items():
-        flag = getattr(args, key)
-        if flag is None:
-            flag = cfg
-            for part in path.split("."):
-                flag = getattr(flag, part)
-        values[key] = flag
-    if values["classes"] is None and cfg.data.dirs:  # the sum of their classes, if at hand
-        from trainer.config.on_disk import read_data_manifest
-
-        manifest, _ = read_data_manifest(cfg)
-        values["classes"] = manifest.num_classes if manifest is not None else None
-    if values["classes"] is None:
-        raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
-    if args.gpus and args.nodes and args.gpus != args.nodes * args.gpus_per_node:
-        raise PlanError(f"--gpus={args.gpus}: not --nodes={args.nodes} x --gpus-per-node="
-                        f"{args.gpus_per_node}; give one or the other")
-    gpus = gpus or args.gpus or (args.nodes or 1) * args.gpus_per_node
-    inp = Inputs(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_memory=args.gpu_memory,
-                 reserve=args.reserve, intra_bw=args.intra_bw, inter_bw=args.inter_bw,
-                 latency_us=args.latency_us, row_sparse_grad=args.row_sparse_grad, **values)
-    _check(inp)
-    return inp
-
-
-def _check(inp: Inputs) -> None:
-    problems = [
-        (inp.gpus < 1, f"--gpus={inp.gpus}: need at least 1"),
-        (inp.gpus_per_node < 1, f"--gpus-per-node={inp.gpus_per_node}: need at least 1"),
-        (inp.classes < inp.gpus, f"--classes={inp.classes}: fewer classes than --gpus="
-         f"{inp.gpus} (every GPU holds at least one class)"),
-        (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
-        (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
-        (inp.subcenters < 1, f"--subcenters={inp.subcenters}: must be >= 1 (1 = off)"),
-        (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
-        (inp.max_update_mib < 1, f"--max-update-mib={inp.max_update_mib}: must be >= 1"),
-        (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
-        (inp.checkpointing < 0, f"--checkpointing={inp.checkpointing}: must be >= 0"),
-        (inp.backbone not in list_backbones(),
-         f"--backbone={inp.backbone!r}: unknown (valid: {', '.join(list_backbones())})"),
-        (inp.engine == "ddp" and inp.precision == "fp16",
-         "--precision=fp16: needs --engine=deepspeed"),
-        (not inp.gpu_memory > 0, f"--gpu-memory={inp.gpu_memory}: must be > 0 GiB"),
-        (not inp.reserve >= 0, f"--reserve={inp.reserve}: must be >= 0 GiB"),
-        (not (inp.intra_bw > 0 and inp.inter_bw > 0), "--intra-bw/--inter-bw: must be > 0"),
-    ]
-    for bad, msg in problems:
-        if bad:
-            raise PlanError(msg)
-
-
 def _gib(n: float) -> str:
     return f"{n / GIB:8.2f} GiB"
 
 
-def format_table(r: dict) -> str:
-    i = r["inputs"]
+def format_table(r: PlanResult) -> str:
+    i = r.inputs
     lines = [
-        f"{i['classes']:,} classes on {i['gpus']} GPU{'s' * (i['gpus'] > 1)} "
-        f"({i['gpus_per_node']}/node): "
-        f"{r['classes_per_gpu']:,} per GPU, {r['sampled_classes_per_gpu']:,} sampled (r="
-        f"{i['sample_rate']})"
-        + (f", {i['subcenters']} sub-centers each" if i["subcenters"] > 1 else "")
-        + f"; D={i['dim']}, batch {i['batch']}/GPU; {i['backbone']} "
-        f"({r['backbone_params'] / 1e6:.1f}M params"
-        + (f", checkpointing every {i['checkpointing']}" if i["checkpointing"] else "")
-        + f"), {i['engine']} {i['precision']}"
-        + (f" ZeRO-{i['zero_stage']}" if i["engine"] == "deepspeed" else "")
-        + f", {i['optimizer']}, head state {i['state_dtype']}",
+        f"{i.classes:,} classes on {i.gpus} GPU{'s' * (i.gpus > 1)} ({i.gpus_per_node}/node): "
+        f"{r.classes_per_gpu:,} per GPU, {r.sampled_classes_per_gpu:,} sampled (r="
+        f"{i.sample_rate})"
+        + (f", {i.subcenters} sub-centers each" if i.subcenters > 1 else "")
+        + f"; D={i.dim}, batch {i.batch}/GPU; {i.backbone} "
+        f"({r.backbone_params / 1e6:.1f}M params"
+        + (f", checkpointing every {i.checkpointing}" if i.checkpointing else "")
+        + f"), {i.engine} {i.precision}"
+        + (f" ZeRO-{i.zero_stage}" if i.engine == "deepspeed" else "")
+        + f", {i.optimizer}, head state {i.state_dtype}",
         "",
         "memory per GPU",
     ]
-    rows = [("head weight", "weight_bytes_per_gpu"),
-            ("head optimizer state", "head_state_bytes_per_gpu"),
-            ("head gradient" + (" (sampled rows)" if i["row_sparse_grad"] else " (dense)"),
-             "head_grad_bytes_per_gpu"),
-            ("head logits / working", "head_working_bytes_per_gpu"),
-            ("backbone parameters", "backbone_param_bytes_per_gpu"),
-            ("backbone gradients", "backbone_grad_bytes_per_gpu"),
-            ("backbone optimizer state", "backbone_state_bytes_per_gpu"),
-            ("activations", "activation_bytes_per_gpu"),
-            ("reserve (context, workspaces)", "reserve_bytes_per_gpu"),
-            ("peak", "peak_bytes_per_gpu")]
-    lines += [f"  {name:<34}{_gib(r[key])}" for name, key in rows]
-    verdict = "fits" if r["fits"] else "does NOT fit"
-    lines += [f"  {verdict} in {_gib(r['gpu_memory_bytes']).strip()}; largest class count "
-              f"that fits: {r['max_classes']:,}", "",
-              f"collectives per step ({r['link']} link, {r['link_bytes_per_s'] / 1e9:g} GB/s "
+    rows = [("head weight", r.weight_bytes_per_gpu),
+            ("head optimizer state", r.head_state_bytes_per_gpu),
+            ("head gradient" + (" (sampled rows)" if i.row_sparse_grad else " (dense)"),
+             r.head_grad_bytes_per_gpu),
+            ("head logits / working", r.head_working_bytes_per_gpu),
+            ("backbone parameters", r.backbone_param_bytes_per_gpu),
+            ("backbone gradients", r.backbone_grad_bytes_per_gpu),
+            ("backbone optimizer state", r.backbone_state_bytes_per_gpu),
+            ("activations", r.activation_bytes_per_gpu),
+            ("reserve (context, workspaces)", r.reserve_bytes_per_gpu),
+            ("peak", r.peak_bytes_per_gpu)]
+    lines += [f"  {name:<34}{_gib(value)}" for name, value in rows]
+    verdict = "fits" if r.fits else "does NOT fit"
+    lines += [f"  {verdict} in {_gib(r.gpu_memory_bytes).strip()}; largest class count "
+              f"that fits: {r.max_classes:,}", "",
+              f"collectives per step ({r.link} link, {r.link_bytes_per_s / 1e9:g} GB/s "
               "per GPU, ring)"]
-    for c in r["collectives"]:
-        lines.append(f"  {c['name']:<38}{c['kind']:<15}{c['bytes'] / 2**20:10.2f} MiB"
-                     f"{c['seconds'] * 1e3:9.3f} ms")
-    lines.append(f"  {'total':<53}{r['comm_seconds'] * 1e3:19.3f} ms")
-    lines += ["", f"loader: {r['loader_images_per_s_per_gpu']:,.0f} img/s per GPU (H100 step) "
-              f"needs {r['loader_workers_per_gpu']:.2f} decoding cores per GPU, "
-              f"{r['loader_workers_per_node']} per node of {i['gpus_per_node']} (data.num_workers"
-              f"={math.ceil(r['loader_workers_per_gpu'])} per rank)"]
+    for c in r.collectives:
+        lines.append(f"  {c.name:<38}{c.kind:<15}{c.bytes / 2**20:10.2f} MiB"
+                     f"{c.seconds * 1e3:9.3f} ms")
+    lines.append(f"  {'total':<53}{r.comm_seconds * 1e3:19.3f} ms")
+    lines += ["", f"loader: {r.loader_images_per_s_per_gpu:,.0f} img/s per GPU (H100 step) "
+              f"needs {r.loader_workers_per_gpu:.2f} decoding cores per GPU, "
+              f"{r.loader_workers_per_node} per node of {i.gpus_per_node} (data.num_workers"
+              f"={math.ceil(r.loader_workers_per_gpu)} per rank)"]
     return "\n".join(lines)
 
 
-def format_scaling(rows: list[tuple[dict, dict]]) -> str:
+def format_scaling(rows: list[tuple[PlanResult, StepTime]]) -> str:
     out = ["| GPUs | classes/GPU | sampled/GPU | peak GiB | fits | backbone ms | head ms | "
            "head comm ms | grad sync ms | step ms | img/s | efficiency |",
            "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r, m in rows:
         out.append(
-            f"| {r['inputs']['gpus']} | {r['classes_per_gpu']:,} | "
-            f"{r['sampled_classes_per_gpu']:,} | {r['peak_bytes_per_gpu'] / GIB:.1f} | "
-            f"{'yes' if r['fits'] else 'no'} | {m['backbone_s'] * 1e3:.1f} | "
-            f"{m['head_s'] * 1e3:.2f} | {m['head_comm_s'] * 1e3:.2f} | "
-            f"{m['grad_sync_exposed_s'] * 1e3:.2f} | {m['step_s'] * 1e3:.1f} | "
-            f"{m['images_per_s']:,.0f} | {m['efficiency']:.0%} |")
+            f"| {r.inputs.gpus} | {r.classes_per_gpu:,} | {r.sampled_classes_per_gpu:,} | "
+            f"{r.peak_bytes_per_gpu / GIB:.1f} | {'yes' if r.fits else 'no'} | "
+            f"{m.backbone_s * 1e3:.1f} | {m.head_s * 1e3:.2f} | {m.head_comm_s * 1e3:.2f} | "
+            f"{m.grad_sync_exposed_s * 1e3:.2f} | {m.step_s * 1e3:.1f} | "
+            f"{m.images_per_s:,.0f} | {m.efficiency:.0%} |")
     return "\n".join(out)
 
 
@@ -217,16 +146,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise PlanError(f"--scaling={args.scaling!r}: comma-separated GPU counts >= 1")
             rows = []
             for g in counts:
-                r = plan(resolve_inputs(args, gpus=g))
+                r = plan(resolve_inputs(args.config, vars(args), gpus=g))
                 rows.append((r, step_model(r, args.head_factor)))
-            print(json.dumps([{**r, "step": m} for r, m in rows], indent=1) if args.json
-                  else format_scaling(rows))
+            print(json.dumps([{**asdict(r), "step": asdict(m)} for r, m in rows], indent=1)
+                  if args.json else format_scaling(rows))
             return 0
-        result = plan(resolve_inputs(args))
+        result = plan(resolve_inputs(args.config, vars(args)))
     except (PlanError, ValueError) as e:
         print(f"launch.plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    print(json.dumps(asdict(result), indent=1) if args.json else format_table(result))
     return 0
 
 

@@ -26,7 +26,6 @@ compensating data-parallel gradient averaging of the backbone is the engine's jo
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 from partial_fc import distributed as dist_ops
 from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
+from partial_fc.ledger import RowLedger
 from partial_fc.margins import Margin
 from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
@@ -52,7 +52,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PartialFC(nn.Module):
-    """Class-sharded margin softmax head.
+    """Class-sharded margin softmax head (the why of each choice: docs/design.md, "The head").
 
     Args:
         embedding_size: ``D``.
@@ -63,56 +63,38 @@ class PartialFC(nn.Module):
         process_group: ``None`` = WORLD, resolved when called; no initialised process group
             = one rank (no collectives at all).
         seed: seeds the weight init (per global class) and the negative sampling.
-        kernel: the class-tile passes: ``"torch"`` (``partial_fc.tiles.reference``), ``"triton"``
-            (``partial_fc.tiles.triton``, CUDA), ``"auto"`` = triton for CUDA
-            tensors when triton is installed, else torch. The first forward on a device
-            that runs the Triton kernels checks them against the torch reference on a slice
-            of that step (``partial_fc.tiles.selfcheck``, collective): on a failure
-            ``"auto"`` goes on with the torch path there (``take_notes`` says so), ``"triton"``
-            raises ``KernelCheckFailed``.
-        max_tile_bytes: memory budget of the torch path: at most this many bytes of fp32
-            ``[N, chunk]`` cosines per class chunk (the Triton kernels hold tiles only).
-        state_dtype: dtype of ``weight`` (and so of its gradient and of the ``partial_fc.optim``
-            state): ``torch.float32`` or ``torch.bfloat16``, which halves the head's largest
-            tensors. In bf16 the matmuls take bf16 operands (the embeddings are rounded too)
-            with fp32 accumulation; inverse norms, softmax statistics and the loss stay fp32;
-            the gradient is rounded once from fp32; the optimizers update in fp32 and round
-            once per step (round to nearest even).
-        device: where ``weight`` is created (default: the CPU; ``.to()`` moves it later).
-            Give the training device at large class counts: the rows are drawn block by
-            block on the CPU and copied there, so no whole shard passes through host memory
-            (8 ranks of 12.5M fp32 rows each would hold 205 GB of a node's RAM at once).
+        kernel: ``"torch"``, ``"triton"`` (CUDA) or ``"auto"`` (triton for CUDA tensors when
+            it is installed): the class-tile passes (``partial_fc.tiles``). The first forward
+            on a device that runs the Triton kernels checks them against the torch path on a
+            slice of that step (``partial_fc.tiles.selfcheck``, collective): on a failure
+            ``"auto"`` goes on with torch there (``take_notes`` says so), ``"triton"`` raises.
+        max_tile_bytes: the torch path's budget of fp32 ``[N, chunk]`` cosines per chunk.
+        state_dtype: dtype of ``weight``, its gradient and optimizer state: ``torch.float32``
+            or ``torch.bfloat16`` (half the memory; bf16 matmul operands, fp32 softmax).
+        device: where ``weight`` is created (default: the CPU); give the training device at
+            large class counts, so no whole shard passes through host memory.
         subcenters: ``K`` centres per class (sub-center ArcFace, ``partial_fc.subcenters``):
             ``weight`` is ``[K * num_local, D]``, class-major, a class's cosine the largest of
-            its ``K``; the sampler samples classes (all ``K`` rows of each); the class-tile
-            passes take the torch path (the Triton kernels have no ``K``-way max;
-            ``take_notes`` says so); ``stats`` adds ``subcenter_dominant_share``.
+            its ``K``; the sampler samples classes (all ``K`` rows of each); the class tiles
+            take the torch path (the Triton kernels have no ``K``-way max; ``take_notes`` says
+            so); ``stats`` adds ``subcenter_dominant_share``.
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
-    loss of the **global** batch, identical on all ranks. Ranks may pass different ``n_local``.
-    A training loop that must not wait for the device passes ``sizes`` and
+    loss of the **global** batch, identical on all ranks; ranks may pass different
+    ``n_local``. A loop that must not wait for the device passes ``sizes`` and
     ``defer_label_check`` (see ``forward``).
 
-    State (``state_dict``): ``weight`` ``[num_local, D]`` in ``state_dtype`` (this rank's rows,
-    classes ``class_start ..``); ``step`` (int64, replicated: training forwards so far, or steps
-    announced by ``begin_step``; seeds the sampler, SphereFace's lambda, the margin warm-up;
-    the host keeps a copy: write it through
-    ``load_state_dict``, or call ``resync_step()`` after writing it in place);
-    ``margin.scale.s`` (fp32, replicated; AdaCos only).
+    State (``state_dict``): ``weight`` ``[K * num_local, D]`` (this rank's rows, classes
+    ``class_start ..``); ``step`` (training forwards so far, replicated, a host int saved as
+    int64; seeds the sampler, SphereFace's lambda, the margin warm-up); ``margin.scale.s``
+    (AdaCos only, replicated).
 
-    After each forward ``stats`` maps to floats identical on all ranks (kept on the device and
-    read at the first access, ``partial_fc.readout``): ``scale``, ``theta_med``
-    (median target angle, rad), ``b_avg`` (AdaCos ``B_avg``: with the previous scale when a
-    dynamic AdaCos step updated ``s``, else with the current one; estimated from sampled
-    negatives), ``loss``, ``cos_target_mean``, ``cos_nontarget_mean`` (over sampled classes).
-    ``sampled_index`` holds the local rows the last forward used (``None`` = all rows);
-    ``rows = pop_sampled_rows()`` (once per step, a skipped one too) is the value the
-    ``partial_fc.optim`` optimizers update from: ``head_opt.step(rows)``.
-
-    Memory: no ``[N, S]`` buffer: the torch path holds at most two fp32 ``[N, chunk]`` buffers
-    (``chunk = max_tile_bytes / (4 N)`` columns), the Triton kernels tiles only; besides them
-    the step keeps ``[N]`` vectors, the gathered sampled rows (``r < 1``) and the weight
-    gradient. Inputs are never modified.
+    After each forward ``stats`` maps ``scale``, ``theta_med`` (rad), ``b_avg``, ``loss``,
+    ``cos_target_mean`` and ``cos_nontarget_mean`` to floats identical on all ranks, read
+    from the device at the first access. ``sampled_index`` holds the local rows the last
+    forward used (``None`` = all). ``rows = pop_sampled_rows()``, once per step (a skipped
+    one too), is what the ``partial_fc.optim`` optimizers update: ``head_opt.step(rows)``.
+    Inputs are never modified.
     """
 
     def __init__(
@@ -174,21 +156,13 @@ class PartialFC(nn.Module):
         self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         margin.scale.reset(num_classes)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.step = 0  # training forwards (or begin_step steps) so far; "step" in state_dict
+        self.register_state_dict_post_hook(_save_step)
+        self.register_load_state_dict_pre_hook(_load_step)
         self.stats: Mapping[str, float] = {}
-        self._step_host: int | None = None  # int(self.step); None: read it at the next use
-        self.register_load_state_dict_post_hook(_loaded)
-        self._deferred: list[Tensor] = []  # gathered labels whose range check is deferred
         self._plan: StepSample | None = None  # from begin_step, until the next pop
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
-        # Rows used since the last pop: sorted unique int64 (None: no forward), or all rows.
-        self._pending_rows: Tensor | None = None
-        self._pending_all = False
-        self._pending_forwards = 0
-        self._pops = 0
-        self._pending_backward = False  # a backward reached weight.grad since the last pop
-        self._hooked = None  # a weakref to the weight carrying that hook (a module attribute
-        # holding the Parameter itself would register it a second time)
+        self._ledger = RowLedger(k * self.num_local, sample_rate, num_classes)
 
     @property
     def row_start(self) -> int:
@@ -213,20 +187,8 @@ class PartialFC(nn.Module):
         forward that finds rows pending whose gradient was cleared raises, since those rows
         would be updated with the next step. After one forward ``rows.index`` is the
         sampler's own index (no copy)."""
-        rows, every, forwards = self._pending_rows, self._pending_all, self._pending_forwards
-        self._pending_rows, self._pending_all, self._pending_forwards = None, False, 0
-        self._pending_backward = False
-        if self.sample_rate == 1.0 or every or (rows is not None
-                                                and len(rows) == self.weight.shape[0]):
-            index = None
-        elif rows is None:
-            index = torch.zeros(0, dtype=torch.int64, device=self.weight.device)
-        else:
-            index = rows
-        labels, self._deferred = tuple(self._deferred), []
         self._plan = None
-        self._pops += 1
-        return SampledRows(self.weight, index, forwards, self._pops, self.num_classes, labels)
+        return self._ledger.pop(self.weight)
 
     def begin_step(self, labels: Tensor, sizes: Sequence[int] | None = None) -> None:
         """Announce the labels of all micro-batches of the coming optimisation step
@@ -240,13 +202,13 @@ class PartialFC(nn.Module):
         exactly the loss and gradients of their union in one batch. Without it each forward
         samples for its own labels and advances ``step``. The forwards' labels must be among
         the announced ones; their count is checked (no device read), their values are not."""
-        if self._pending_forwards:
+        if self._ledger.forwards:
             raise RuntimeError("PartialFC: begin_step after a forward whose rows were not "
                                "popped; call head.pop_sampled_rows() to end the previous step")
         sizes = [int(k) for k in sizes] if sizes is not None else \
             dist_ops.gather_sizes(labels.shape[0], labels.device, self.process_group)
         y = dist_ops.all_gather(labels.to(dtype=torch.int64), self.process_group, sizes)
-        step = self._step_value()
+        step = self.step
         index = None
         if self.training and self.sample_rate < 1.0:
             index, _ = sample_classes(y, self.class_start, self.num_local, self.sample_rate,
@@ -254,7 +216,6 @@ class PartialFC(nn.Module):
         self._plan = StepSample(index=index, step=step, samples=sum(sizes))
         if self.training:
             self.step += 1
-            self._step_host = step + 1
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -275,7 +236,7 @@ class PartialFC(nn.Module):
         targets = local_targets(y, self.class_start, self.num_local)
         owned = (targets >= 0).nonzero().squeeze(1)
         gen = torch.Generator(device=device).manual_seed(
-            derive_seed(self.seed, self._step_value(), self.rank))
+            derive_seed(self.seed, self.step, self.rank))
         pick_i = torch.randint(len(y), (per_rank,), generator=gen, device=device)
         pick_k = torch.randint(self.num_local, (per_rank,), generator=gen, device=device)
         keep = pick_k != targets[pick_i]
@@ -304,19 +265,13 @@ class PartialFC(nn.Module):
         With both, a training-mode forward at ``sample_rate == 1`` reads nothing from the
         device; at ``r < 1`` the sampler reads its number of positives (the sample's size)."""
         group = self.process_group
-        self._watch_backward()
-        if self._pops and self._pending_backward and self.weight.grad is None \
-                and torch.is_grad_enabled():  # a loop that pops, but forgot one step's pop
-            raise RuntimeError(
-                f"PartialFC: the rows of {self._pending_forwards} earlier forward(s) were never "
-                "popped and weight.grad was cleared since; call head.pop_sampled_rows() once "
-                "every step, also a skipped one")
+        self._ledger.before_forward(self.weight)
         sizes = self._check_inputs(embeddings, labels, sizes)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
         e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)  # [N, D]
         y = dist_ops.all_gather(labels, group, sizes)  # [N]
         if defer_label_check:
-            self._deferred.append(y)
+            self._ledger.defer_labels(y)
         else:
             check_label_range(y, self.num_classes)
         plan = self._plan if self.training else None
@@ -324,14 +279,15 @@ class PartialFC(nn.Module):
             step, index, targets = plan.step, plan.index, plan.take(y, self.class_start,
                                                                    self.num_local)
         elif self.training and self.sample_rate < 1.0:
-            step = self._step_value()
+            step = self.step
             index, targets = sample_classes(y, self.class_start, self.num_local,
                                             self.sample_rate, self.seed, step, self.rank)
         else:
-            step = self._step_value()
+            step = self.step
             index, targets = None, local_targets(y, self.class_start, self.num_local)
         rows = expand_rows(index, self.subcenters)  # a sampled class brings its K rows
-        self._record_rows(rows)
+        self.sampled_index = rows
+        self._ledger.record(rows)
         shard = self._shard(e, rows, targets)
         scale = self.margin.scale
         psi = functools.partial(self.margin.target, step=step)
@@ -349,29 +305,12 @@ class PartialFC(nn.Module):
             psi, s, group)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
-            self._step_host = step + 1
         extra = {} if self._dominant is None else {
             SUBCENTER_SHARE: self._dominant.update(targets, shard.nearest, index, group)}
         self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, extra)
         return loss
 
-    def resync_step(self) -> None:
-        """Forget the host's copy of ``step`` (it seeds the sampler and SphereFace's lambda),
-        so that the next forward reads the buffer once from the device. Call it after writing
-        ``step`` in place other than through ``load_state_dict``, which calls it itself (a
-        post hook): e.g. the engine's restore of every buffer after a skipped step. Moving
-        the module (``.to()``) keeps the value, and so the copy."""
-        self._step_host = None
-
     # ------------------------------------------------------------------ helpers
-
-    def _step_value(self) -> int:
-        """``self.step`` as an int: the host's copy, which a training forward advances with
-        the buffer, read from the device only after :meth:`resync_step` (first use,
-        ``load_state_dict``, an outside in-place write)."""
-        if self._step_host is None:
-            self._step_host = int(self.step)
-        return self._step_host
 
     def _check_inputs(self, embeddings: Tensor, labels: Tensor,
                       sizes: Sequence[int] | None) -> list[int]:
@@ -410,40 +349,6 @@ class PartialFC(nn.Module):
                 f"{tuple(embeddings.shape)} {embeddings.dtype}, labels {tuple(labels.shape)} "
                 f"{labels.dtype}")
 
-    def _watch_backward(self) -> None:
-        """Hook ``weight`` (once per Parameter: a deep copy or a swapped weight gets its own)
-        so that a backward into ``weight.grad`` marks the pending rows as having a gradient:
-        if that gradient is gone at the next forward while the rows are still pending, a
-        skipped step forgot its pop."""
-        if (self._hooked is not None and self._hooked() is self.weight) \
-                or not self.weight.requires_grad:
-            return
-        me = weakref.ref(self)
-
-        def seen(_p: Tensor) -> None:
-            head = me()
-            if head is not None and head._pending_forwards:
-                head._pending_backward = True
-
-        self.weight.register_post_accumulate_grad_hook(seen)
-        self._hooked = weakref.ref(self.weight)
-
-    def _record_rows(self, index: Tensor | None) -> None:
-        """Add this forward's rows (``index``: sorted, unique; None = all) to the pending set
-        in ``O(S log S)``, never an ``O(num_local)`` mask: the first forward's index is kept as
-        is, later ones (gradient accumulation) are merged by ``torch.unique`` (sorted), except
-        the same index again (a ``begin_step`` sample, shared by the step's forwards)."""
-        self.sampled_index = index
-        if self.sample_rate == 1.0 or not torch.is_grad_enabled() or self._pending_all:
-            return
-        self._pending_forwards += 1
-        if index is None:
-            self._pending_rows, self._pending_all = None, True
-        elif self._pending_rows is None:
-            self._pending_rows = index
-        elif index is not self._pending_rows:
-            self._pending_rows = torch.unique(torch.cat([self._pending_rows, index]))
-
     def _shard(self, e: Tensor, index: Tensor | None, targets: Tensor) -> Shard:
         """This step's rows, their inverse norms (fp32; as ``F.normalize``: norms below 1e-12
         count as 1e-12) and the tile functions. The operand ``e`` (the matmuls' operands; the
@@ -463,8 +368,16 @@ class PartialFC(nn.Module):
                          self.subcenters)
 
 
-def _loaded(head: PartialFC, _incompatible_keys) -> None:
-    """``load_state_dict`` post hook (also when a parent module loads): ``step`` may have
-    changed, so the host's copy of it is stale."""
-    head.resync_step()
+def _save_step(head: PartialFC, state: dict, prefix: str, _metadata) -> None:
+    """``state_dict`` post hook: ``step`` as an int64 tensor, where a buffer would be."""
+    state[prefix + "step"] = torch.tensor(head.step, dtype=torch.int64)
 
+
+def _load_step(head: PartialFC, state: dict, prefix: str, _metadata, strict: bool,
+               missing: list, _unexpected: list, _errors: list) -> None:
+    """``load_state_dict`` pre hook: take ``step`` out of ``state`` into ``head.step``."""
+    value = state.pop(prefix + "step", None)
+    if value is not None:
+        head.step = int(value)
+    elif strict:
+        missing.append(prefix + "step")

@@ -2,8 +2,46 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import nullcontext
+
 import pytest
 import torch
+
+# Each cache a test may write, and a rank or subprocess it starts (they inherit the
+# environment): torch.compile's kernels and graphs, Triton's (the kernels-aot compiles
+# included), W&B's, matplotlib's, and whatever keeps to XDG_CACHE_HOME (~/.cache). Left at their
+# defaults they are shared by every run on the machine, and a run stopped while it wrote one
+# left a file the next run loaded (torch.compile: "main.so: file too short").
+PRIVATE_CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "TRITON_CACHE_DIR": "triton/cache",
+    "TRITON_HOME": "triton",
+    "WANDB_DIR": "wandb",
+    "WANDB_CACHE_DIR": "wandb/cache",
+    "WANDB_CONFIG_DIR": "wandb/config",
+    "WANDB_DATA_DIR": "wandb/data",
+    "WANDB_ARTIFACT_DIR": "wandb/artifacts",
+    "MPLCONFIGDIR": "matplotlib",
+    "XDG_CACHE_HOME": "xdg",
+}
+
+
+@pytest.fixture(autouse=True)
+def private_caches(tmp_path, monkeypatch):
+    """Every cache of :data:`PRIVATE_CACHES` under this test's ``tmp_path/caches`` (made only
+    when something writes there): nothing one test or one run leaves behind reaches another.
+
+    torch.compile's precompiled headers are off: inductor keeps them in the default folder
+    whatever TORCHINDUCTOR_CACHE_DIR says (a path taken at import), and a truncated one fails
+    every later C++ compile ("while reading precompiled header"). Each kernel then parses the
+    headers itself: about as fast as building a fresh 150 MB header for every test."""
+    for variable, folder in PRIVATE_CACHES.items():
+        monkeypatch.setenv(variable, str(tmp_path / "caches" / folder))
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")  # read at import
+    inductor = sys.modules.get("torch._inductor.config")  # already imported: its own patch
+    with inductor.patch(cpp_cache_precompile_headers=False) if inductor else nullcontext():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,8 +27,9 @@ from trainer.config import (
 from trainer.dist import DistEnv
 from trainer.errors import Scope, Stopped, classify, collective_detail, is_collective_failure
 from trainer.preemption import StopSignals
+from trainer.stopping import NO_STOP, StopReason, StopRequest, StopRequested, StopRequests
 from trainer.telemetry.console import append_log
-from trainer.telemetry.logger import WRITE_FAILED, RunLogger, WriteFailed
+from trainer.telemetry.logger import RunLogger, WriteFailed
 
 if TYPE_CHECKING:
     from data_pipeline.loader import EpochBatches
@@ -97,6 +97,7 @@ class Run:
     skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
     bad_in_a_row: int = 0
     step_started: float = 0.0  # time.monotonic() when the current step began
+    stops: StopRequests = field(default_factory=StopRequests)  # this rank's, for the next step
 
 
 def train(cfg: Config, env: DistEnv) -> dict:
@@ -180,21 +181,21 @@ def resume(run: Run) -> None:
     if path is None:
         torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), from the seed
     else:
-        changed = resume_drift(checkpoint.read_meta(path).get("config"), cfg, str(path))
+        changed = resume_drift(checkpoint.read_meta(path).config, cfg, str(path))
         if changed:
             run.log.info(f"resuming with changed settings: {', '.join(changed)}")
         meta = checkpoint.load(path, run.engine)
-        run.step, run.saved = meta["step"], path
-        run.bad_steps = meta.get("bad_steps", 0)
-        run.skipped_steps = meta.get("skipped_steps", 0)
-        run.skipped_samples = meta.get("skipped_samples", 0)
-        loader.load_state_dict(meta["loader"])
+        run.step, run.saved = meta.step, path
+        run.bad_steps = meta.bad_steps
+        run.skipped_steps = meta.skipped_steps
+        run.skipped_samples = meta.skipped_samples
+        loader.load_state_dict(meta.loader_for(env.rank))
         finished = len(loader) - loader.batches_done < cfg.train.grad_accum
         run.epoch = loader.epoch + 1 if finished else loader.epoch
         if run.step >= run.total:
             return  # already_finished says so
         run.log.info(f"resumed from {path} at step {run.step} "
-                     f"(saved on {meta['world_size']} ranks)")
+                     f"(saved on {meta.world_size} ranks)")
     run.log.info(
         f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
@@ -225,11 +226,9 @@ def loop(run: Run, signals: StopSignals) -> str | None:
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
         for micro_batches in _groups(run.loader, cfg.train.grad_accum):
-            stop = one_step(run, micro_batches, signals.received or run.log.stop_request())
-            if stop == WRITE_FAILED:  # no checkpoint: the disk is full, the last one stays
-                what = run.log.write_error or "rank 0 could not write a run file"
-                raise WriteFailed(f"step {run.step}: {what}; free space and run the same "
-                                  f"command again to resume from the last checkpoint")
+            stop = one_step(run, micro_batches, local_stop(run, signals))
+            if stop.reason and not stop.reason.saves:  # no checkpoint: the last one stays
+                raise stop_error(run, stop)
             if run.step >= run.total:
                 return None
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
@@ -237,21 +236,42 @@ def loop(run: Run, signals: StopSignals) -> str | None:
             if cfg.eval.bins and run.step % cfg.eval.every == 0:
                 evaluate(run)
             if stop:  # agreed in the step: every rank stops after this same step
-                return signal.Signals(stop).name
+                return stop.signal_name
         run.epoch += 1
     return None
 
 
-def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
+def local_stop(run: Run, signals: StopSignals) -> StopRequest:
+    """This rank's stop request for the next step: a signal it received, a run file rank 0
+    could not write, or whatever else asked through ``run.stops``."""
+    if signals.received:
+        run.stops.request(StopReason.SIGNAL, signum=signals.received)
+    if run.log.write_failed():
+        run.stops.request(StopReason.DISK_FULL, run.log.write_error)
+    return run.stops.current()
+
+
+def stop_error(run: Run, stop: StopRequest) -> Exception:
+    """The one line a stop without a checkpoint ends the run with, the same on every rank
+    but for the detail only the asking rank knows."""
+    resume = "run the same command again to resume from the last checkpoint"
+    if stop.reason is StopReason.DISK_FULL:
+        what = run.log.write_error or "rank 0 could not write a run file"
+        return WriteFailed(f"step {run.step}: {what}; free space and {resume}")
+    what = run.stops.detail or f"a rank stopped the run ({stop.reason.name.lower()})"
+    return StopRequested(f"step {run.step}: {what}; {resume}")
+
+
+def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> StopRequest:
     """One optimisation step, its metrics, and the non-finite-step bookkeeping. The step's
-    loss and statistics stay on the device (the engine's one host read is its skip decision)
-    and are read by ``log.step`` on the steps that write a metrics record. Returns the stop
-    request agreed over the ranks (``stop_request``: this rank's signal number, 0 = none)."""
+    loss and statistics stay on the device (the engine's one host read is its verdict) and
+    are read by ``log.step`` on the steps that write a metrics record. Returns the stop
+    request agreed over the ranks (``stop``: this rank's)."""
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    result = run.engine.step(run.step, micro_batches, angles=hist, stop_request=stop_request)
-    for note in run.engine.head.take_notes():  # the head's choices, once each
+    result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    for note in result.notes:  # the head's choices, once each
         log.info(note)
     run.step += 1
     if result.overflow:  # fp16 loss scale too high: skipped, not diverging
@@ -262,11 +282,11 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
     else:
         run.bad_in_a_row = 0
     counts = data_counts(run) if log.due(run.step) else None
-    log.step(run.step, result, run.engine.head.stats, counts, run.env.device, epoch=run.epoch)
+    log.step(run.step, result, result.head_stats, counts, run.env.device, epoch=run.epoch)
     if hist:
         log.histograms(run.step, result.angles)
     if not result.skipped or result.overflow:
-        return result.stop_request
+        return result.stop
     log.info(f"step {run.step}: non-finite loss or gradient (loss {result.loss:.4g}, "
              f"grad norm {result.grad_norm:.4g}); skipped on every rank")
     if run.bad_in_a_row >= cfg.train.max_bad_steps:
@@ -276,7 +296,7 @@ def one_step(run: Run, micro_batches: list, stop_request: int = 0) -> int:
             f"lower optim.lr or margin.s, or resume from {run.saved or 'the start'} with "
             f"other settings"
         )
-    return result.stop_request
+    return result.stop
 
 
 def data_counts(run: Run) -> dict[str, int]:
@@ -297,10 +317,11 @@ def data_counts(run: Run) -> dict[str, int]:
 def save(run: Run) -> None:
     """Checkpoint step ``run.step`` (collective)."""
     cfg = run.cfg
-    meta = {"loader": run.loader.state_dict(), "name": cfg.name,
-            "config": cfg.model_dump(mode="json"), "bad_steps": run.bad_steps,
-            "skipped_steps": run.skipped_steps, "skipped_samples": run.skipped_samples}
-    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, meta, cfg.checkpoint.keep)
+    record = checkpoint.RunRecord(
+        loader=run.loader.state_dict(), name=cfg.name, config=cfg.model_dump(mode="json"),
+        bad_steps=run.bad_steps, skipped_steps=run.skipped_steps,
+        skipped_samples=run.skipped_samples)
+    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, record, cfg.checkpoint.keep)
 
 
 def evaluate(run: Run) -> None:

@@ -8,8 +8,10 @@ collective of one step and the largest class count that fits, all from
 from __future__ import annotations
 
 import functools
+import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,42 +21,42 @@ from trainer.errors import Refused
 
 GIB = 2**30
 
-# Activation bytes per image at 112x112 in training mode: partial_fc.memory.activation_bytes
-# at batch 4 minus batch 2, halved (CPU, torch 2.13, D=512); a backbone missing here is
-# measured when first asked for (measure_activations; the ViTs at depth 2 plus their blocks).
-ACTIVATIONS = {
-    ("iresnet18", "fp32"): 46_113_792, ("iresnet18", "bf16"): 23_056_896,
-    ("iresnet34", "fp32"): 61_166_592, ("iresnet34", "bf16"): 30_583_296,
-    ("iresnet50", "fp32"): 70_800_384, ("iresnet50", "bf16"): 35_400_192,
-    ("iresnet100", "fp32"): 111_744_000, ("iresnet100", "bf16"): 55_872_000,
-    ("iresnet200", "fp32"): 195_437_568, ("iresnet200", "bf16"): 97_718_784,
-    ("iresnet_tiny", "fp32"): 4_768_768, ("iresnet_tiny", "bf16"): 2_384_384,
-    ("mobilefacenet", "fp32"): 36_835_328, ("mobilefacenet", "bf16"): 18_417_664,
-    ("vit_t", "fp32"): 28_845_272, ("vit_t", "bf16"): 16_307_884,
-    ("vit_s", "fp32"): 57_453_784, ("vit_s", "bf16"): 32_455_340,
-    ("vit_b", "fp32"): 108_434_936, ("vit_b", "bf16"): 61_416_348,
-    ("vit_l", "fp32"): 162_495_992, ("vit_l", "bf16"): 92_006_300,
-    ("vit_h", "fp32"): 454_658_552, ("vit_h", "bf16"): 256_102_204,
-}
-# One ViT block's share of the above (measure_block_activations), for backbone.checkpointing.
-BLOCK_ACTIVATIONS = {
-    ("vit_t", "fp32"): 2_366_216, ("vit_t", "bf16"): 1_334_020,
-    ("vit_s", "fp32"): 4_725_512, ("vit_s", "bf16"): 2_661_124,
-    ("vit_b", "fp32"): 4_462_984, ("vit_b", "bf16"): 2_513_284,
-    ("vit_l", "fp32"): 6_691_208, ("vit_l", "bf16"): 3_766_660,
-    ("vit_h", "fp32"): 9_444_104, ("vit_h", "bf16"): 5_315_332,
-}
+FIGURES = Path(__file__).with_name("plan_figures.json")
+"""The planner's measured inputs, each with its date, machine and command."""
 
-# Measured on one H100 (issue 11, torch 2.11, bf16, batch 128): iresnet50 forward + backward
-# + SGD on random input in channels_last, and the head's three matmuls at C_local = 1M,
-# N = 1024, D = 512 in bf16 (issue 10).
-R50_IMAGES_PER_S = 3513.0
-# One loader worker (one CPU core): 112x112 JPEGs read, decoded, flipped and batched by
-# data_pipeline's loader: 8.2-8.5k images per CPU-second, 0.66-0.69x bare simplejpeg
-# decoding (12.2-12.5k) on the project's CPU machine, an AMD EPYC (bench/loader.py,
-# docs/benchmarks.md).
-LOADER_IMAGES_PER_S = 8000.0
-HEAD_MATMUL_FLOPS_PER_S = memory.head_matmul_flops(1024, 1_000_000, 512) / 4.7e-3
+
+@dataclass(frozen=True)
+class Figures:
+    """What :data:`FIGURES` holds, read by :func:`figures`.
+
+    ``activations`` / ``block_activations``: bytes saved for backward per image (one ViT
+    block's share), keyed ``(backbone, "fp32"|"bf16")``; a backbone missing here is measured
+    when first asked for (:func:`measure_activations`). ``r50_images_per_s``: iresnet50's
+    single-H100 training throughput; ``head_matmul_flops_per_s``: the head's three matmuls';
+    ``loader_images_per_s``: one loader worker's (one CPU core) images per second.
+    """
+
+    activations: dict[tuple[str, str], int]
+    block_activations: dict[tuple[str, str], int]
+    r50_images_per_s: float
+    head_matmul_flops_per_s: float
+    loader_images_per_s: float
+
+
+@functools.cache
+def figures() -> Figures:
+    """:data:`FIGURES`, read once."""
+    data = json.loads(FIGURES.read_text())
+    act, h100, loader = data["activations"], data["h100"], data["loader"]
+
+    def table(entries: dict[str, int]) -> dict[tuple[str, str], int]:
+        return {tuple(key.split("/")): value for key, value in entries.items()}
+
+    shape = h100["head_matmul_shape"]
+    flops = memory.head_matmul_flops(shape["n"], shape["classes"], shape["dim"])
+    return Figures(table(act["per_image"]), table(act["per_vit_block"]),
+                   h100["iresnet50_images_per_s"], flops / h100["head_matmul_seconds"],
+                   loader["images_per_cpu_s"])
 
 
 class PlanError(Refused, ValueError):
@@ -112,7 +114,8 @@ def activations_per_image(name: str, precision: str, checkpointing: int = 0) -> 
     """The table's entry (fp16 counts as bf16), or a measurement now (CPU-seconds); with
     ``checkpointing = k > 0`` (ViTs) see :func:`checkpointed_activations`."""
     key = (name, "fp32" if precision == "fp32" else "bf16")
-    plain = ACTIVATIONS[key] if key in ACTIVATIONS else measure_activations(*key)
+    known = figures().activations
+    plain = known[key] if key in known else measure_activations(*key)
     return checkpointed_activations(plain, *key, checkpointing) if checkpointing else plain
 
 
@@ -125,7 +128,8 @@ def checkpointed_activations(plain: int, name: str, precision: str, every: int) 
         raise PlanError(f"--checkpointing={every}: modelled for the ViTs only (their blocks "
                         f"are alike), not {name!r}")
     key = (name, precision)
-    block = BLOCK_ACTIVATIONS[key] if key in BLOCK_ACTIVATIONS else measure_block_activations(*key)
+    blocks = figures().block_activations
+    block = blocks[key] if key in blocks else measure_block_activations(*key)
     with torch.device("meta"):
         model = build_backbone(name)
     kept = int(vit.TOKENS * (1 - model.mask_ratio))
@@ -188,8 +192,63 @@ def measure_activations(name: str, precision: str) -> int:
     return _per_image(build_backbone(name), precision)
 
 
-def plan(inp: Inputs) -> dict:
-    """Everything the CLI prints, as one JSON-ready dict (bytes, seconds)."""
+@dataclass(frozen=True)
+class CollectiveTime:
+    """One collective of a step: ``partial_fc.memory.Collective`` with its modelled time."""
+
+    name: str
+    kind: str
+    bytes: int
+    traffic_bytes_per_gpu: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What :func:`plan` finds for ``inputs`` (bytes per GPU, seconds); ``--json`` prints it."""
+
+    inputs: Inputs
+    backbone_params: int
+    classes_per_gpu: int
+    sampled_classes_per_gpu: int
+    sampled_rows_per_gpu: int  # weight rows: K per class with margin.subcenters
+    weight_bytes_per_gpu: int
+    head_state_bytes_per_gpu: int
+    head_grad_bytes_per_gpu: int
+    head_working_bytes_per_gpu: int
+    backbone_param_bytes_per_gpu: int
+    backbone_grad_bytes_per_gpu: int
+    backbone_state_bytes_per_gpu: int
+    activation_bytes_per_gpu: int
+    reserve_bytes_per_gpu: int
+    peak_bytes_per_gpu: int
+    gpu_memory_bytes: int
+    fits: bool
+    max_classes: int
+    link: str  # "intra-node" or "inter-node"
+    link_bytes_per_s: float
+    collectives: list[CollectiveTime]
+    comm_seconds: float
+    loader_images_per_s_per_gpu: float  # the images/s one GPU's backbone takes (H100 step)
+    loader_workers_per_gpu: float  # loader workers (CPU cores) that feed it
+    loader_workers_per_node: int
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """:func:`step_model`'s modelled step on H100s (seconds; images/s; backbone share)."""
+
+    backbone_s: float
+    head_s: float
+    head_comm_s: float
+    grad_sync_exposed_s: float
+    step_s: float
+    images_per_s: float
+    efficiency: float
+
+
+def plan(inp: Inputs) -> PlanResult:
+    """Memory, collectives and the largest class count that fits, for ``inp``."""
     params, trainable = backbone_params(inp.backbone, inp.dim)
     act = activations_per_image(inp.backbone, inp.precision, inp.checkpointing) * inp.batch
     bb = memory.backbone_state_bytes(params, inp.gpus, trainable=trainable, engine=inp.engine,
@@ -209,38 +268,24 @@ def plan(inp: Inputs) -> dict:
     peak = fixed + h.total
     multi_node = inp.gpus > inp.gpus_per_node
     bw = (inp.inter_bw if multi_node else inp.intra_bw) * 1e9
-    colls = []
-    for c in memory.step_collectives(inp.batch, inp.gpus, inp.dim, trainable, engine=inp.engine,
-                                     precision=inp.precision, zero_stage=inp.zero_stage):
-        colls.append({"name": c.name, "kind": c.kind, "bytes": c.nbytes,
-                      "traffic_bytes_per_gpu": round(c.traffic(inp.gpus)),
-                      "seconds": memory.collective_seconds(c, inp.gpus, bw,
-                                                           inp.latency_us * 1e-6)})
-    return {
-        "inputs": asdict(inp),
-        "backbone_params": params,
-        "classes_per_gpu": h.num_local,
-        "sampled_classes_per_gpu": h.sampled,
-        "sampled_rows_per_gpu": h.rows,
-        "weight_bytes_per_gpu": h.weight,
-        "head_state_bytes_per_gpu": h.optimizer_state,
-        "head_grad_bytes_per_gpu": h.gradient,
-        "head_working_bytes_per_gpu": h.working,
-        "backbone_param_bytes_per_gpu": bb["parameters"],
-        "backbone_grad_bytes_per_gpu": bb["gradients"],
-        "backbone_state_bytes_per_gpu": bb["optimizer_state"],
-        "activation_bytes_per_gpu": act,
-        "reserve_bytes_per_gpu": int(inp.reserve * GIB),
-        "peak_bytes_per_gpu": peak,
-        "gpu_memory_bytes": limit,
-        "fits": peak <= limit,
-        "max_classes": memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
-        "link": "inter-node" if multi_node else "intra-node",
-        "link_bytes_per_s": bw,
-        "collectives": colls,
-        "comm_seconds": sum(c["seconds"] for c in colls),
-        **loader_need(inp),
-    }
+    colls = [CollectiveTime(c.name, c.kind, c.nbytes, round(c.traffic(inp.gpus)),
+                            memory.collective_seconds(c, inp.gpus, bw, inp.latency_us * 1e-6))
+             for c in memory.step_collectives(inp.batch, inp.gpus, inp.dim, trainable,
+                                              engine=inp.engine, precision=inp.precision,
+                                              zero_stage=inp.zero_stage)]
+    return PlanResult(
+        inputs=inp, backbone_params=params, classes_per_gpu=h.num_local,
+        sampled_classes_per_gpu=h.sampled, sampled_rows_per_gpu=h.rows,
+        weight_bytes_per_gpu=h.weight,
+        head_state_bytes_per_gpu=h.optimizer_state, head_grad_bytes_per_gpu=h.gradient,
+        head_working_bytes_per_gpu=h.working, backbone_param_bytes_per_gpu=bb["parameters"],
+        backbone_grad_bytes_per_gpu=bb["gradients"],
+        backbone_state_bytes_per_gpu=bb["optimizer_state"], activation_bytes_per_gpu=act,
+        reserve_bytes_per_gpu=int(inp.reserve * GIB), peak_bytes_per_gpu=peak,
+        gpu_memory_bytes=limit, fits=peak <= limit,
+        max_classes=memory.largest_fitting(lambda c: fixed + head(c).total, limit, inp.gpus),
+        link="inter-node" if multi_node else "intra-node", link_bytes_per_s=bw,
+        collectives=colls, comm_seconds=sum(c.seconds for c in colls), **loader_need(inp))
 
 
 def loader_need(inp: Inputs) -> dict:
@@ -248,30 +293,30 @@ def loader_need(inp: Inputs) -> dict:
     (iresnet50's measured step, scaled by flops) over one worker's rate; per GPU (a fraction:
     ``data.num_workers`` is its ceiling) and per node."""
     per_image = backbone_flops(inp.backbone, inp.dim) / backbone_flops("iresnet50")
-    rate = R50_IMAGES_PER_S / per_image
-    workers = rate / LOADER_IMAGES_PER_S
+    rate = figures().r50_images_per_s / per_image
+    workers = rate / figures().loader_images_per_s
     return {"loader_images_per_s_per_gpu": rate, "loader_workers_per_gpu": workers,
             "loader_workers_per_node": math.ceil(workers * inp.gpus_per_node)}
 
 
-def step_model(result: dict, head_factor: float) -> dict:
+def step_model(result: PlanResult, head_factor: float) -> StepTime:
     """Modelled step time on H100s: the backbone's measured single-GPU step (scaled by flops
     from iresnet50 and by batch), the head at ``head_factor`` x its matmul time, the head's
     collectives in full, and the backbone's gradient sync minus the backward it overlaps
     (DDP buckets; backward ~ 2/3 of the backbone step); checkpointed blocks run their
     forward twice."""
-    inp = result["inputs"]
-    per_image = backbone_flops(inp["backbone"], inp["dim"]) / backbone_flops("iresnet50")
-    t_bb = inp["batch"] * per_image / R50_IMAGES_PER_S
-    if inp["checkpointing"]:  # a recomputed block: one more forward, ~1/3 of its step
-        t_bb *= 1 + recomputed_share(inp["backbone"], inp["checkpointing"]) / 3
-    flops = memory.head_matmul_flops(inp["batch"] * inp["gpus"],
-                                     result["sampled_rows_per_gpu"], inp["dim"])
-    t_head = head_factor * flops / HEAD_MATMUL_FLOPS_PER_S
-    grads = [c["seconds"] for c in result["collectives"] if c["name"].startswith("backbone")]
-    t_head_comm = result["comm_seconds"] - sum(grads)
+    inp = result.inputs
+    per_image = backbone_flops(inp.backbone, inp.dim) / backbone_flops("iresnet50")
+    t_bb = inp.batch * per_image / figures().r50_images_per_s
+    if inp.checkpointing:  # a recomputed block: one more forward, ~1/3 of its step
+        t_bb *= 1 + recomputed_share(inp.backbone, inp.checkpointing) / 3
+    flops = memory.head_matmul_flops(inp.batch * inp.gpus, result.sampled_rows_per_gpu,
+                                     inp.dim)
+    t_head = head_factor * flops / figures().head_matmul_flops_per_s
+    grads = [c.seconds for c in result.collectives if c.name.startswith("backbone")]
+    t_head_comm = result.comm_seconds - sum(grads)
     t_sync = max(0.0, sum(grads) - 2 / 3 * t_bb)
     step = t_bb + t_head + t_head_comm + t_sync
-    return {"backbone_s": t_bb, "head_s": t_head, "head_comm_s": t_head_comm,
-            "grad_sync_exposed_s": t_sync, "step_s": step,
-            "images_per_s": inp["batch"] * inp["gpus"] / step, "efficiency": t_bb / step}
+    return StepTime(backbone_s=t_bb, head_s=t_head, head_comm_s=t_head_comm,
+                    grad_sync_exposed_s=t_sync, step_s=step,
+                    images_per_s=inp.batch * inp.gpus / step, efficiency=t_bb / step)

@@ -3,12 +3,12 @@
 Cluster schedulers announce the end of a job with SIGTERM (SLURM: ``scancel``, a time limit
 with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user signal, and
 kill it a grace period later. The handler only records the signal; ``launch.train`` hands
-``received`` to every step, whose one agreement all-reduce (``trainer.engine.Engine.step``'s
-``stop_request``) takes the largest over the ranks, so that every rank stops after the same
-step even when the signal reached only some of them (at no host read of its own), saves
-there and exits 0. DataLoader workers ignore SIGUSR1 and their first SIGTERM
-(``data_pipeline.loader``), so a signal sent to every process of the job (``scancel``) does
-not kill them before the trainer has stopped; the trainer then ends them itself.
+``received`` to every step, whose one agreement all-reduce (``trainer.stopping``) takes the
+largest request over the ranks, so that every rank stops after the same step even when the
+signal reached only some of them (at no host read of its own), saves there and exits 0.
+DataLoader workers ignore SIGUSR1 and their first SIGTERM (``data_pipeline.loader``), so a
+signal sent to every process of the job (``scancel``) does not kill them before the trainer
+has stopped; the trainer then ends them itself.
 """
 
 from __future__ import annotations

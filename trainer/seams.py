@@ -3,11 +3,10 @@
 Fault injection (``tools/chaos``) and tests need a hand inside a training process — a NaN on
 one rank at one step, a kill between two lines of a checkpoint replacement, a disk that
 fills up, a rank that stops inside its backward. Replacing attributes of production code
-(``PartialFC.forward = ...``, ``layout.shutil.rmtree = ...``) did that until a rename made a
-patch miss silently. Instead the code fires a seam declared here, once, with what it
-passes; a hook attaches by the seam's name, and :func:`attach` refuses a name not declared,
-so a renamed or removed seam fails at once (``tests/trainer/test_seams.py`` also proves each
-declared seam is fired by the code).
+(``PartialFC.forward = ...``) would miss silently after a rename. Instead the code fires a
+seam declared here, once, with what it passes; a hook attaches by the seam's name, and
+:func:`attach` refuses a name not declared, so a renamed or removed seam fails at once
+(``tests/trainer/test_seams.py`` also proves each declared seam is fired by the code).
 
 Cost with nothing attached: one Python call that loops over an empty tuple; no I/O, no
 environment read, no tensor made, no host read. Hooks live in this process only (a

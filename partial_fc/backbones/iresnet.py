@@ -128,6 +128,6 @@ iresnet34 = _iresnet((3, 4, 6, 3))
 iresnet50 = _iresnet((3, 4, 14, 3))
 iresnet100 = _iresnet((3, 13, 30, 3))
 iresnet200 = _iresnet((6, 26, 60, 6))
-# Smoke runs and tests on CPU: one block per stage, 1/8 of the widths (forward +
-# backward of 16 images ~0.13 s on one CPU core; 16/32/64/128 measured ~0.38 s).
+# Smoke runs and tests on CPU: one block per stage, 1/8 of the widths (its step time against
+# the 1/4 widths: docs/benchmarks.md, "Training step").
 iresnet_tiny = _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))

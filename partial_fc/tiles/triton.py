@@ -22,7 +22,7 @@ chain rule through ``1 / ||w||`` (``r_k = w_hat_k . g_k``) applied in its epilog
 Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and ``w.dtype``
 (bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots
 unless ``torch.get_float32_matmul_precision()`` allows TF32, as for ``torch.mm``; IEEE fp32 runs
-on CUDA cores, ~15x slower than bf16 on an H100, so the fast path is bf16 ``e`` or ``w``);
+on CUDA cores, far slower than bf16 (docs/kernels.md), so the fast path is bf16 ``e`` or ``w``);
 accumulation, ``exp`` and all outputs are fp32, except ``grad_w`` of a 16-bit ``w`` (in
 ``w.dtype``, rounded once). In backward ``dL/dcos inv_norm`` is rounded to that operand dtype
 before its two matmuls, as autocast's matmul backward rounds its incoming gradient (fp16:

@@ -195,7 +195,7 @@ def test_bad_arguments(uneven):
 
 
 def test_loader_workers_outlive_a_job_wide_sigterm_and_sigusr1(synthetic_data):
-    """Issue 23 item 2: a scheduler signals every process of the job; the loader's worker
+    """A scheduler signals every process of the job; the loader's worker
     must not die before the trainer stops, so the epoch still yields every batch."""
     import multiprocessing
     import os

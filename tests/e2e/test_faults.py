@@ -1,4 +1,4 @@
-"""Fault injection: what a run does when something goes wrong (issue 12's list, case by case).
+"""Fault injection: what a run does when something goes wrong, case by case.
 
 1. Non-finite loss/gradients: the step is skipped on every rank for backbone and head,
    counted, and ``train.max_bad_steps`` in a row end the run; non-finite values never reach
@@ -119,11 +119,11 @@ def test_checkpoint_refuses_non_finite_state(tmp_path, one_rank_group):
     from trainer import checkpoint
     engine = build_engine(make_config("train.batch_size=4"))
     engine.step(0, local_micro_batches(0, 4, 0, 1, 1))
-    good = checkpoint.save(tmp_path, 1, engine, {"loader": None}, keep=1)
+    good = checkpoint.save(tmp_path, 1, engine, checkpoint.RunRecord(), keep=1)
     with torch.no_grad():
         engine.head.weight[0, 0] = float("inf")
     with pytest.raises(checkpoint.CheckpointError, match="step 2: non-finite values in head"):
-        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=1)
+        checkpoint.save(tmp_path, 2, engine, checkpoint.RunRecord(), keep=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", good.name]
 
 
@@ -201,7 +201,7 @@ def _saved_engine(tmp_path, steps=(1, 2), keep=3):
     paths = []
     for step in steps:
         engine.step(step - 1, local_micro_batches(step - 1, 4, 0, 1, 1))
-        paths.append(checkpoint.save(tmp_path, step, engine, {"loader": None}, keep=keep))
+        paths.append(checkpoint.save(tmp_path, step, engine, checkpoint.RunRecord(), keep=keep))
     return engine, paths
 
 
@@ -301,21 +301,21 @@ def test_kill_inside_the_replacement_window_leaves_a_complete_target(tmp_path, o
     detach = seams.attach("checkpoint-replaced", killed_after_removing_the_old_folder)
     try:
         with pytest.raises(KeyboardInterrupt):
-            checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+            checkpoint.save(tmp_path, 2, engine, checkpoint.RunRecord(), keep=3)
     finally:
         detach()
     assert not new.exists()
     resume = checkpoint.find_resume(tmp_path, "auto")
     assert resume.name == ".tmp-step-00000002"
     checkpoint.remove_stale(tmp_path)  # the next start keeps latest's target
-    assert checkpoint.load(resume, engine)["step"] == 2
+    assert checkpoint.load(resume, engine).step == 2
 
     def killed_after_the_rename(folder):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(layout, "fsync_dir", killed_after_the_rename)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+        checkpoint.save(tmp_path, 2, engine, checkpoint.RunRecord(), keep=3)
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ".tmp-step-00000002"
     assert checkpoint.find_resume(tmp_path, "auto") == new  # latest dangles: newest complete
@@ -342,7 +342,7 @@ def test_stale_tmp_removed_and_disk_full_named(tmp_path, one_rank_group, monkeyp
 
     monkeypatch.setattr(dcp, "save", dcp_disk_full)
     with pytest.raises(checkpoint.CheckpointError, match=r"no space left on the device \(ENOSPC\)"):
-        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+        checkpoint.save(tmp_path, 2, engine, checkpoint.RunRecord(), keep=3)
     monkeypatch.undo()
 
     def torch_disk_full(obj, f):
@@ -350,7 +350,7 @@ def test_stale_tmp_removed_and_disk_full_named(tmp_path, one_rank_group, monkeyp
 
     monkeypatch.setattr(torch, "save", torch_disk_full)
     with pytest.raises(checkpoint.CheckpointError, match="ENOSPC"):
-        checkpoint.save(tmp_path, 2, engine, {"loader": None}, keep=3)
+        checkpoint.save(tmp_path, 2, engine, checkpoint.RunRecord(), keep=3)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", new.name]
 
 
@@ -399,7 +399,7 @@ def test_resume_refuses_another_margin_and_accepts_a_new_lr(tiny_data, tmp_path,
 def _signal_after_step(monkeypatch, step: int, sig) -> None:
     """Deliver ``sig`` to this process so that the run stops after optimisation step
     ``step``: when step ``step - 1`` ends, before the trainer hands the signal to the next
-    step's agreement (``Engine.step``'s ``stop_request``)."""
+    step's agreement (``Engine.step``'s ``stop``)."""
     import signal
 
     from trainer.engine import Engine
@@ -516,7 +516,7 @@ def _bn_save(rank: int, world: int, root: str) -> dict:
         engine.step(step, local_micro_batches(step, GLOBAL_BATCH, rank, world, 1))
     bn = engine.backbone[1]
     before = {"mean": bn.running_mean.clone(), "var": bn.running_var.clone()}
-    path = checkpoint.save(Path(root), 2, engine, {"loader": None}, keep=2)
+    path = checkpoint.save(Path(root), 2, engine, checkpoint.RunRecord(), keep=2)
     return {"before": before, "path": str(path)}
 
 
@@ -524,7 +524,7 @@ def _bn_resave(rank: int, world: int, path: str, root: str) -> str:
     from trainer import checkpoint
     engine = _bn_engine(world)
     checkpoint.load(Path(path), engine)
-    return str(checkpoint.save(Path(root), 2, engine, {"loader": None}, keep=2))
+    return str(checkpoint.save(Path(root), 2, engine, checkpoint.RunRecord(), keep=2))
 
 
 @pytest.mark.slow
@@ -555,7 +555,7 @@ def chaos_data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 
 
-# ------------------------------------------------------------------ issue 23 item 5: a full disk
+# ------------------------------------------------------------------ a full disk
 
 
 @pytest.fixture

@@ -91,7 +91,7 @@ def test_int32_labels_are_accepted():
 
 def test_state_dict_keys_and_adacos_resume():
     head = _head(MARGINS["adacos_dynamic"])
-    assert list(head.state_dict()) == ["weight", "step", "margin.scale.s"]
+    assert sorted(head.state_dict()) == ["margin.scale.s", "step", "weight"]
     assert list(_head(MARGINS["arcface"]).state_dict()) == ["weight", "step"]
     emb, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 4, 5])
     head(emb, labels)
@@ -104,28 +104,30 @@ def test_state_dict_keys_and_adacos_resume():
 
 
 def test_the_next_forward_uses_a_loaded_step():
-    """The host's copy of ``step`` (SphereFace's lambda anneals with it) is dropped by
-    ``load_state_dict``, also when a parent module loads, and by ``resync_step`` after an
-    in-place write: the next forward computes with the written step, not the copy."""
+    """``step`` (SphereFace's lambda anneals with it) lives on the host and travels in
+    ``state_dict``: ``load_state_dict`` sets it, also when a parent module loads, and so
+    does assigning it; the next forward computes with that step. A state without it is
+    refused like a missing buffer."""
     emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
     labels = torch.arange(6)
     ahead, loaded, nested, written, stale = (_head(MARGINS["sphereface"]) for _ in range(5))
     for _ in range(5):
         ahead(emb, labels)
     for head in (loaded, nested, written, stale):
-        head(emb, labels)  # the host's copy: step 1
+        head(emb, labels)
     state = ahead.state_dict()
+    assert state["step"].dtype == torch.int64 and int(state["step"]) == 5
     loaded.load_state_dict(state)
     torch.nn.ModuleDict({"head": nested}).load_state_dict(
         {f"head.{key}": value for key, value in state.items()})
-    with torch.no_grad():
-        written.step.fill_(5)
-    written.resync_step()
+    written.step = 5
     want = ahead(emb, labels)
     assert not torch.equal(stale(emb, labels), want)  # step 1's lambda gives another loss
     for head in (loaded, nested, written):
         assert torch.equal(head(emb, labels), want)
         assert int(head.step) == 6
+    with pytest.raises(RuntimeError, match="Missing key.*step"):
+        stale.load_state_dict({"weight": state["weight"]})
 
 
 def test_eval_freezes_scale_step_and_sampling():

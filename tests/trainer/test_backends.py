@@ -2,8 +2,8 @@
 
 Every entry of ``trainer.engine.BACKENDS`` is held to the Protocol by the same test body:
 its methods have the Protocol's signatures, and driven directly (no Engine step around it)
-it calls ``agree`` once per step, leaves the backbone untouched when the vote is against the
-step, updates it when the vote is for it, and round-trips its optimizer state into a fresh
+it leaves the backbone untouched on a verdict against the step, updates it on a verdict for
+it, and round-trips its optimizer state into a fresh
 backend. ``StepResult`` is checked from the reader's side: ``trainer.loop.one_step`` counts
 overflows, bad steps and stop requests from its fields.
 """
@@ -20,6 +20,9 @@ from launch_helpers import build_engine, local_micro_batches, make_config
 from spawn import run_ranks
 
 from trainer.engine import BACKENDS, BackboneBackend, StepResult
+from trainer.engine.backend import Verdict
+from trainer.engine.deepspeed_backend import overflow_unless
+from trainer.stopping import NO_STOP, StopReason, StopRequest
 
 BATCH = 4
 
@@ -40,21 +43,21 @@ def _params(engine) -> torch.Tensor:
 
 
 def _one_vote(engine, finite: bool) -> dict:
-    """One micro-batch through ``engine.backend`` alone, with ``agree`` voting ``finite``."""
-    backend, calls = engine.backend, []
+    """One micro-batch through ``engine.backend`` alone, on a verdict for (``finite``) or
+    against the step."""
+    backend = engine.backend
     images, _ = local_micro_batches(0, BATCH, 0, 1, 1)[0]
     x = images.float().div(255).to(backend.input_dtype)
-
-    def agree(backbone_finite):
-        calls.append(backbone_finite)
-        return torch.tensor([int(finite), 1, 0], dtype=torch.int32)
-
     with backend.micro_batch(boundary=True):
         with backend.autocast():
             emb = backend.model(x)
-        pending = backend.last_backward(emb.float().square().mean(), 0, agree)
-    update = backend.update(pending, finite)
-    return {"calls": len(calls), "applied": update.applied, "overflow": update.overflow}
+        own = backend.last_backward(emb.float().square().mean())
+    flag = torch.tensor(finite) if own is None else own & torch.tensor(finite)
+    verdict = Verdict.agree(flag, torch.tensor(True), StopRequest(), group=None)
+    update = backend.update(verdict, 0)
+    return {"own_flag": None if own is None else bool(own), "applied": update.applied,
+            "overflow": update.overflow, "norm_finite": bool(torch.isfinite(
+                torch.as_tensor(update.grad_norm))) if finite else None}
 
 
 def _contract(rank: int, world: int) -> dict:
@@ -76,9 +79,13 @@ def _contract(rank: int, world: int) -> dict:
         again = fresh.backend.optimizer_state()
         same = state.keys() == again.keys() and all(torch.equal(state[k], again[k])
                                                      for k in state)
+        master = engine.backend.master_weights(state)
+        trainable = {n: p for n, p in engine.backbone.named_parameters() if p.requires_grad}
         out[name] = {"protocol": isinstance(engine.backend, BackboneBackend), "against": against,
                      "kept": kept, "for": voted, "moved": moved, "state": sorted(state),
-                     "round_trip": same}
+                     "round_trip": same, "master": sorted(master) == sorted(trainable)
+                     and all(torch.equal(master[n].float(), p.detach().float().cpu())
+                             for n, p in trainable.items()), "no_master": master == {}}
     return out
 
 
@@ -87,18 +94,22 @@ def test_every_backend_keeps_the_contract():
     assert sorted(out) == sorted(BACKENDS)
     for name, r in out.items():
         assert r["protocol"], name
-        assert r["against"] == {"calls": 1, "applied": False, "overflow": False}, name
+        own = None if name == "deepspeed" else True  # DeepSpeed checks its own gradients
+        assert r["against"] == {"own_flag": own, "applied": False, "overflow": False,
+                                "norm_finite": None}, name
         assert r["kept"], name
-        assert r["for"] == {"calls": 1, "applied": True, "overflow": False}, name
+        assert r["for"] == {"own_flag": own, "applied": True, "overflow": False,
+                            "norm_finite": True}, name
         assert r["moved"], name
         assert r["state"] and r["round_trip"], (name, r["state"])
     # ZeRO-1 keeps full fp32 master weights beside the torch optimizer's state; DDP does not
-    assert any(k.startswith("backbone_fp32.") for k in out["deepspeed"]["state"])
-    assert all(k.startswith("backbone_opt.") for k in out["ddp"]["state"])
+    assert any(k.startswith("fp32.") for k in out["deepspeed"]["state"])
+    assert out["deepspeed"]["master"] and out["ddp"]["no_master"]  # ZeRO's master = the fp32
+    assert all(k.startswith("opt.") for k in out["ddp"]["state"])
 
 
-def _result(skipped=False, overflow=False, stop_request=0) -> StepResult:
-    return StepResult(lr=0.1, skipped=skipped, overflow=overflow, stop_request=stop_request,
+def _result(skipped=False, overflow=False, stop=NO_STOP) -> StepResult:
+    return StepResult(lr=0.1, skipped=skipped, overflow=overflow, stop=stop,
                       numbers={"loss": float("nan") if skipped else 1.0, "grad_norm": 1.0})
 
 
@@ -107,9 +118,8 @@ class _Scripted:
 
     def __init__(self, results):
         self.results = list(results)
-        self.head = type("Head", (), {"stats": {}, "take_notes": lambda self: []})()
 
-    def step(self, step, micro_batches, angles=False, stop_request=0):
+    def step(self, step, micro_batches, angles=False, stop=NO_STOP):
         return self.results.pop(0)
 
 
@@ -120,13 +130,14 @@ def test_the_loop_counts_steps_from_the_step_result(tmp_path, one_rank_group):
 
     cfg = make_config(f"output={tmp_path}", "log.every=1000", "log.hist_every=0",
                       "log.progress=false", "train.max_bad_steps=2")
+    signal_10 = StopRequest(StopReason.SIGNAL, 10)
     results = [_result(skipped=True, overflow=True), _result(skipped=True),
-               _result(stop_request=10), _result(skipped=True), _result(skipped=True)]
+               _result(stop=signal_10), _result(skipped=True), _result(skipped=True)]
     run = Run(cfg, attach(torch.device("cpu")), _Scripted(results), loader=None,
               log=RunLogger(cfg, 1, total_steps=100, global_batch=8), total=100,
               steps_per_epoch=100)
     seen = [one_step(run, []) for _ in range(3)]
-    assert seen == [0, 0, 10]  # the agreed stop request, after the step that carried it
+    assert seen == [StopRequest(), StopRequest(), signal_10]  # the agreed one, after its step
     assert (run.skipped_steps, run.bad_steps, run.bad_in_a_row) == (1, 1, 0)
     one_step(run, [])
     with pytest.raises(Diverged):
@@ -134,3 +145,16 @@ def test_the_loop_counts_steps_from_the_step_result(tmp_path, one_rank_group):
     assert (run.step, run.bad_steps, run.bad_in_a_row) == (5, 3, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         results[0].skipped = False
+
+
+@pytest.mark.parametrize("apply", [True, False])
+def test_overflow_unless_keeps_the_gradient_or_makes_every_one_non_finite(apply):
+    """DeepSpeed's only way to drop a step (no public skip call): its overflow check must see
+    non-finite gradients in every parameter, including those whose gradient would be 0."""
+    w = torch.tensor([1.0, -2.0, 0.0], requires_grad=True)
+    x = torch.tensor([3.0, 0.0, 5.0])
+    overflow_unless(torch.tensor(apply), (w * x).sum()).backward()
+    if apply:
+        assert torch.equal(w.grad, x)
+    else:
+        assert not torch.isfinite(w.grad).any()

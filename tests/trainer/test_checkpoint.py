@@ -52,7 +52,8 @@ def _save(rank: int, world: int, root: str) -> dict:
         engine = _engine(name, world)
         for step in range(2):
             _step(engine, step, rank, world)
-        path = checkpoint.save(Path(root) / name, 2, engine, {"loader": {"rank": rank}}, keep=1)
+        record = checkpoint.RunRecord(loader={"rank": rank})
+        path = checkpoint.save(Path(root) / name, 2, engine, record, keep=1)
         saved = snapshot(engine)
         loss = _step(engine, 2, rank, world)
         out[name] = {"path": str(path), "saved": saved, "loss": loss, "next": snapshot(engine)}
@@ -66,8 +67,9 @@ def _resume(rank: int, world: int, paths: dict) -> dict:
         engine = _engine(name, world)
         meta = checkpoint.load(Path(path), engine)
         loaded = snapshot(engine)
-        loss = _step(engine, meta["step"], rank, world)
-        out[name] = {"meta": meta, "loaded": loaded, "loss": loss, "next": snapshot(engine)}
+        loss = _step(engine, meta.step, rank, world)
+        out[name] = {"meta": meta, "loader": meta.loader_for(rank), "loaded": loaded,
+                     "loss": loss, "next": snapshot(engine)}
     return out
 
 
@@ -112,10 +114,10 @@ def test_resume_on_fewer_and_more_ranks(tmp_path):
             tag = f"{name} 2->{world}"
             _assert_same([g["loaded"] for g in got], [r["saved"] for r in ref], tag, exact=True)
             for g in got:
-                assert g["meta"]["step"] == 2 and g["meta"]["world_size"] == 2
+                assert g["meta"].step == 2 and g["meta"].world_size == 2
                 assert g["loss"] == pytest.approx(ref[0]["loss"], rel=1e-5), tag
             _assert_same([g["next"] for g in got], [r["next"] for r in ref], tag, exact=False)
-        loaders = [resumed[r][name]["meta"]["loader"] for r in range(world)]
+        loaders = [resumed[r][name]["loader"] for r in range(world)]
         assert loaders == [{"rank": min(r, 1) if r < 2 else 0} for r in range(world)]
 
 
@@ -135,7 +137,7 @@ def test_save_contents_rng_and_atomicity(tmp_path, one_rank_group, monkeypatch):
     from trainer import checkpoint
     engine = _one_rank_engine()
     rng = torch.get_rng_state()
-    first = checkpoint.save(tmp_path, 1, engine, {"loader": {"pos": 7}}, keep=2)
+    first = checkpoint.save(tmp_path, 1, engine, checkpoint.RunRecord(loader={"pos": 7}), keep=2)
     keys = set(dcp.FileSystemReader(first / "state").read_metadata().state_dict_metadata)
     names = {k.split(".")[0] for k in keys}
     assert names == {"head", "head_opt", "backbone", "backbone_opt"}, keys
@@ -157,13 +159,13 @@ def test_save_contents_rng_and_atomicity(tmp_path, one_rank_group, monkeypatch):
 
     monkeypatch.setattr(dcp, "save", crash)
     with pytest.raises(checkpoint.CheckpointError, match="rank 0: RuntimeError: node lost"):
-        checkpoint.save(tmp_path, 2, engine, {"loader": {"pos": 9}}, keep=2)
+        checkpoint.save(tmp_path, 2, engine, checkpoint.RunRecord(loader={"pos": 9}), keep=2)
     found = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert found == ["latest", "step-00000001"], found  # the failed save's .tmp-* is gone
     assert checkpoint.find_resume(tmp_path, "auto") == first
 
     monkeypatch.undo()
-    third = checkpoint.save(tmp_path, 3, engine, {"loader": {"pos": 11}}, keep=2)
+    third = checkpoint.save(tmp_path, 3, engine, checkpoint.RunRecord(loader={"pos": 11}), keep=2)
     found = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert found == ["latest", "step-00000001", "step-00000003"], found
     assert checkpoint.find_resume(tmp_path, "auto") == third
@@ -184,7 +186,7 @@ def test_bf16_head_state_is_saved_as_bf16_and_fp32_checkpoints_resume_in_bf16(
         return out
 
     narrow = engine("bf16", 0)
-    path = checkpoint.save(tmp_path / "bf16", 1, narrow, {"loader": None}, keep=1)
+    path = checkpoint.save(tmp_path / "bf16", 1, narrow, checkpoint.RunRecord(), keep=1)
     meta = dcp.FileSystemReader(path / "state").read_metadata().state_dict_metadata
     for key in ("head.weight/rows.0.11", "head_opt.momentum_buffer/rows.0.11"):
         assert meta[key].properties.dtype == torch.bfloat16, key
@@ -194,7 +196,7 @@ def test_bf16_head_state_is_saved_as_bf16_and_fp32_checkpoints_resume_in_bf16(
     assert same_snapshots(snapshot(other), snapshot(narrow))
 
     wide = engine("fp32", 0)
-    path = checkpoint.save(tmp_path / "fp32", 1, wide, {"loader": None}, keep=1)
+    path = checkpoint.save(tmp_path / "fp32", 1, wide, checkpoint.RunRecord(), keep=1)
     resumed = engine("bf16", 5)
     checkpoint.load(path, resumed)
     assert torch.equal(resumed.head.weight.detach(), wide.head.weight.detach().bfloat16())
@@ -210,7 +212,7 @@ def test_cuda_rng_is_saved_and_restored(tmp_path, one_rank_group):
     engine = _one_rank_engine()
     engine.device = torch.device("cuda", 0)  # only the RNG bookkeeping looks at it here
     cuda_rng = torch.cuda.get_rng_state(engine.device)
-    path = checkpoint.save(tmp_path, 1, engine, {"loader": None}, keep=1)
+    path = checkpoint.save(tmp_path, 1, engine, checkpoint.RunRecord(), keep=1)
     torch.rand(3, device=engine.device)
     checkpoint.load(path, engine)
     assert torch.equal(torch.cuda.get_rng_state(engine.device), cuda_rng)

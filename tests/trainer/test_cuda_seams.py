@@ -1,4 +1,4 @@
-"""The CUDA-only branches of the trainer, the loaders and the head, reached on CPU (issue 20).
+"""The CUDA-only branches of the trainer, the loaders and the head, reached on CPU.
 
 Each test fakes the one device call its branch makes (``torch.cuda.is_available``, the CUDA
 RNG get/set pair, ``Tensor.pin_memory``, a copy to a CUDA device, ``torch.compile``...) and
@@ -108,7 +108,7 @@ def test_checkpoint_saves_and_restores_the_cuda_rng(tmp_path, one_rank_group, mo
     monkeypatch.setattr(torch.cuda, "set_rng_state",
                         lambda new, device: restored.append((new.clone(), device)))
     engine = build_engine(make_config("train.batch_size=4"))
-    path = checkpoint.save(tmp_path, 1, engine, {"loader": None}, keep=1)
+    path = checkpoint.save(tmp_path, 1, engine, checkpoint.RunRecord(), keep=1)
     assert "cuda" not in torch.load(path / "rng-0.pt", weights_only=True)  # a CPU run
     torch.save(layout._rng_state(CUDA0), path / "rng-0.pt")  # what a CUDA run writes
     checkpoint.load(path, engine)

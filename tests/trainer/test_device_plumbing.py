@@ -1,4 +1,4 @@
-"""Device plumbing of a training step (issue 11 item 1): channels_last backbone and input,
+"""Device plumbing of a training step: channels_last backbone and input,
 cuDNN autotuning and page-locked batches on CUDA; CPU runs exactly as before.
 
 The CPU tests check that nothing changes there (the switches default to on); the cuda-marked

@@ -183,12 +183,12 @@ def _flat_params(module: torch.nn.Module, deepspeed_master: bool = False) -> tor
 @pytest.mark.slow
 def test_deepspeed_bf16_equals_ddp_bf16():
     """Both run the forward in bf16 on the same rounded weights (the cast backbone computes
-    what autocast computes, tests/test_backbones.py), so the first losses are equal. Then the
-    gradients differ by bf16 rounding (DeepSpeed keeps, averages and clips them in bf16, DDP
-    in fp32, both backpropagate through bf16 activations), which compounds over the layers
-    and the second step. The yardstick for "agree within bf16 precision": DeepSpeed bf16's
-    update is closer to DDP bf16's than DDP bf16's is to the fp32 run's (a scaling or dtype
-    bug gives differences of the update's own size)."""
+    what autocast computes, tests/partial_fc/test_backbones.py), so the first losses are
+    equal. Then the gradients differ by bf16 rounding (DeepSpeed keeps, averages and clips
+    them in bf16, DDP in fp32, both backpropagate through bf16 activations), which compounds
+    over the layers and the second step. The yardstick for "agree within bf16 precision":
+    DeepSpeed bf16's update is closer to DDP bf16's than DDP bf16's is to the fp32 run's (a
+    scaling or dtype bug gives differences of the update's own size)."""
     per_rank = run_ranks(_bf16_engines, 2, timeout=240)
     for rank, res in enumerate(per_rank):
         ddp, ds, fp32 = res["ddp-bf16"], res["deepspeed-bf16"], res["ddp-fp32"]
@@ -243,8 +243,8 @@ def test_bf16_head_state_tracks_the_fp32_run(one_rank_group, overrides):
                                                      ("fp32", None)])
 def test_the_head_gets_bf16_operands_in_a_bf16_run(one_rank_group, precision, operands):
     """A bf16 run calls the head under bf16 autocast (bf16 matmul operands; the head keeps its
-    softmax in fp32, tests/test_head.py), an fp32 run without: what the Triton kernels' speed
-    on a GPU depends on. The embeddings it receives are fp32 either way."""
+    softmax in fp32, tests/partial_fc/test_head.py), an fp32 run without: what the Triton
+    kernels' speed on a GPU depends on. The embeddings it receives are fp32 either way."""
     engine = build_engine(make_config(f"engine.precision={precision}", "train.batch_size=12"))
     seen, forward = [], engine.head.forward
 
@@ -270,7 +270,8 @@ def _compiled_and_eager(rank: int, world: int, root: str) -> dict:
         engine = engines[compiled] = build_engine(cfg, backbone="iresnet_tiny")
         losses = [engine.step(s, batches[s]).loss for s in range(2)]
         out[compiled] = {"losses": losses, **snapshot(engine)}
-        saved = checkpoint.save(Path(root) / str(compiled), 2, engine, {}, keep=1)
+        saved = checkpoint.save(Path(root) / str(compiled), 2, engine, checkpoint.RunRecord(),
+                                keep=1)
         out[compiled]["saved"] = snapshot(engine)  # BatchNorm statistics averaged by the save
         out[compiled]["keys"] = sorted(torch.load(saved / "backbone.pt", weights_only=True))
     for compiled, engine in engines.items():

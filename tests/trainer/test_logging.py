@@ -16,6 +16,7 @@ import torch
 from launch_helpers import make_config, train_in_process
 
 from trainer.engine import StepResult
+from trainer.stopping import StopRequest
 from trainer.telemetry import run_files
 from trainer.telemetry.logger import RunLogger, print_main
 
@@ -65,7 +66,7 @@ def _by_step(logged: list[dict]) -> dict[int, dict]:
 
 def _result(loss: float) -> StepResult:
     """An applied step's result with host numbers (the engine's hold device tensors)."""
-    return StepResult(lr=0.1, skipped=False, overflow=False, stop_request=0,
+    return StepResult(lr=0.1, skipped=False, overflow=False, stop=StopRequest(),
                       numbers={"loss": loss, "grad_norm": 1.0})
 
 
@@ -285,7 +286,7 @@ _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
 
 
 def test_warnings_and_the_fatal_error_land_in_train_log(synthetic_data, tmp_path, capsys):
-    """Item 7 of issue 23: what rank 0 says on stderr (a config warning, found before the run
+    """What rank 0 says on stderr (a config warning, found before the run
     folder exists; the error that ends the run) is also in RUN/train.log, timestamped."""
     run = tmp_path / "run"
     rc = train_in_process(synthetic_data, run, "margin.s=1.0", "optim.lr=1e30",
@@ -332,8 +333,22 @@ def test_a_wandb_failure_drops_wandb_with_one_warning_and_the_run_goes_on(
     log.start(0)
     for step in (1, 2, 3):
         log.step(step, _result(1.0), {}, None, device=torch.device("cpu"))
-    assert log.stop_request() == 0 and log.write_error is None
+    assert not log.write_failed() and log.write_error is None
     warned = [line for line in capsys.readouterr().err.splitlines() if "W&B" in line]
     assert len(warned) == 1 and warned[0].startswith("warning:"), warned
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
+
+
+def test_a_step_record_flattens_into_its_metrics_row():
+    from partial_fc.metric_names import SCALE_DYNAMICS
+    from trainer.telemetry.logger import StepRecord
+
+    head = dict.fromkeys(SCALE_DYNAMICS, 1.5)
+    record = StepRecord(step=3, loss=2.0, lr=0.1, grad_norm=0.5, head=head, img_per_s=10.0,
+                        memory_mb=1.0, data={"bad_steps": 1}, time_s=4.0, epoch=0)
+    row = record.row()
+    assert list(row) == ["step", "loss", "lr", "grad_norm", *SCALE_DYNAMICS, "img_per_s",
+                         "memory_mb", "bad_steps", "time_s", "epoch"]
+    assert row["step"] == 3 and row["bad_steps"] == 1 and row[SCALE_DYNAMICS[0]] == 1.5
+    assert "epoch" not in StepRecord(**{**record.__dict__, "epoch": None}).row()

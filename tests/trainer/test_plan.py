@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import random
 
 import pytest
 import torch
@@ -181,7 +183,7 @@ def test_zero_stages_shard_state_then_gradients():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_table_matches_a_fresh_measurement(precision):
     assert plan.measure_activations.__wrapped__("iresnet_tiny", precision) == \
-        plan.ACTIVATIONS[("iresnet_tiny", precision)]
+        plan.figures().activations[("iresnet_tiny", precision)]
 
 
 def test_vit_activations_extend_by_whole_blocks():
@@ -189,15 +191,16 @@ def test_vit_activations_extend_by_whole_blocks():
     measurement (vit_t at full depth costs ~1 s), and its block entry is that increment."""
     full = plan._per_image(build_backbone("vit_t"), "fp32")
     assert plan.measure_activations.__wrapped__("vit_t", "fp32") == full
-    assert plan.ACTIVATIONS[("vit_t", "fp32")] == full
+    assert plan.figures().activations[("vit_t", "fp32")] == full
     assert plan.measure_block_activations("vit_t", "fp32") == \
-        plan.BLOCK_ACTIVATIONS[("vit_t", "fp32")]
+        plan.figures().block_activations[("vit_t", "fp32")]
 
 
 def test_checkpointing_keeps_block_inputs_instead_of_block_activations():
     """Every block checkpointed: 12 block inputs (144 x 256 fp32) and one recomputed block
     instead of 12 blocks' saved tensors; every 2nd: 6 of them."""
-    plain, block = plan.ACTIVATIONS[("vit_t", "fp32")], plan.BLOCK_ACTIVATIONS[("vit_t", "fp32")]
+    known = plan.figures()
+    plain, block = known.activations[("vit_t", "fp32")], known.block_activations[("vit_t", "fp32")]
     token_bytes = 144 * 256 * 4
     assert plan.activations_per_image("vit_t", "fp32", 1) == \
         plain - 12 * (block - token_bytes) + block
@@ -207,17 +210,45 @@ def test_checkpointing_keeps_block_inputs_instead_of_block_activations():
         plan.activations_per_image("iresnet50", "fp32", 1)
 
 
-@pytest.mark.slow
-def test_every_activation_entry_matches_a_fresh_measurement():
-    """The whole table the planner prints its r50/r100/r200 figures from (~15 s of CPU
-    forwards), so a backbone change that moves its activations cannot leave a stale entry."""
+# One entry of every backbone family in the table (iResNet, MobileFaceNet, ViT with its block),
+# beside iresnet_tiny and vit_t above: a few CPU-seconds. `make test-plan-full` measures them all.
+SAMPLED_ACTIVATIONS = [("iresnet50", "bf16"), ("mobilefacenet", "fp32"), ("vit_s", "bf16")]
+
+
+def _stale_activation_entries(keys) -> dict:
+    """``{key: (table, measured)}`` for each of ``keys`` whose activations entry (and block
+    entry, for a ViT) in ``trainer/plan_figures.json`` differs from a fresh measurement."""
     plan._vit_at_depths.cache_clear()  # ViT entries: measured now, once per (name, precision)
-    measured = {key: plan.measure_activations.__wrapped__(*key) for key in plan.ACTIVATIONS}
-    stale = {key: (value, measured[key]) for key, value in plan.ACTIVATIONS.items()
-             if measured[key] != value}
+    known, stale = plan.figures(), {}
+    for key in keys:
+        if (value := plan.measure_activations.__wrapped__(*key)) != known.activations[key]:
+            stale[key] = (known.activations[key], value)
+        if key in known.block_activations and (value := plan.measure_block_activations(*key)) \
+                != known.block_activations[key]:
+            stale[(*key, "block")] = (known.block_activations[key], value)
+    return stale
+
+
+@pytest.mark.slow
+def test_a_sample_of_activation_entries_matches_a_fresh_measurement():
+    """The fixed sample plus one entry drawn per run, so that every entry is re-measured now
+    and then; ``PLAN_SAMPLE_SEED`` repeats a run's draw (the seed is printed and in the
+    failure message)."""
+    seed = int(os.environ.get("PLAN_SAMPLE_SEED") or random.SystemRandom().randrange(2**32))
+    entries = sorted(set(plan.figures().activations) - set(SAMPLED_ACTIVATIONS))
+    drawn = random.Random(seed).choice(entries)
+    print(f"activation entries {SAMPLED_ACTIVATIONS} and {drawn} (PLAN_SAMPLE_SEED={seed})")
+    stale = _stale_activation_entries([*SAMPLED_ACTIVATIONS, drawn])
+    assert not stale, f"(table, measured): {stale}; PLAN_SAMPLE_SEED={seed} repeats the draw"
+
+
+@pytest.mark.plan_full
+def test_every_activation_entry_matches_a_fresh_measurement():
+    """The whole table the planner prints its r50/r100/r200 figures from (minutes of CPU
+    forwards; `make test-plan-full`), so a backbone change that moves its activations cannot
+    leave a stale entry."""
+    stale = _stale_activation_entries(plan.figures().activations)
     assert not stale, stale  # key: (table, measured)
-    blocks = {key: plan.measure_block_activations(*key) for key in plan.BLOCK_ACTIVATIONS}
-    assert blocks == plan.BLOCK_ACTIVATIONS
 
 
 def test_ring_traffic():

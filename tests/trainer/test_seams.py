@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools.chaos.harness import FAULTS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,15 +44,29 @@ def test_a_seam_passes_its_value_through_its_hooks_in_order(clean_seams):
     assert clean_seams.HEAD_LOSS(5, rank=0) == 10 and len(seen) == 3
 
 
-@pytest.mark.parametrize("fault", ["stop-rank1-in-backward-3", "nan-rank1-step3",
-                                   "kill-in-replace", "disk-full-at-2"])
-def test_every_chaos_fault_attaches_to_a_declared_seam(clean_seams, fault):
-    from tools.chaos.harness import FAULTS
-
-    assert sorted(FAULTS) == sorted(["stop-rank1-in-backward-3", "nan-rank1-step3",
-                                     "kill-in-replace", "disk-full-at-2"])
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_every_chaos_fault_attaches_one_hook_to_one_declared_seam(clean_seams, fault):
     FAULTS[fault]()  # attach raises KeyError on a seam name that is not declared
-    assert any(seam.hooks for seam in clean_seams.SEAMS.values())
+    hooked = {name: len(seam.hooks) for name, seam in clean_seams.SEAMS.items() if seam.hooks}
+    assert list(hooked.values()) == [1], hooked
+
+
+def test_the_nan_and_disk_full_faults_do_what_their_names_say(clean_seams, tmp_path):
+    """Fired by hand: the third micro-batch loss on rank 1 becomes NaN, once; from the
+    second checkpoint step on every write fails with ENOSPC."""
+    import errno
+
+    FAULTS["nan-rank1-step3"]()
+    ranks = [0, 1, 1, 0, 1, 1]
+    losses = [clean_seams.HEAD_LOSS(torch.tensor(1.0), rank=r) for r in ranks]
+    assert [bool(torch.isfinite(x)) for x in losses] == [True, True, True, True, False, True]
+    clean_seams.detach_all()
+    FAULTS["disk-full-at-2"]()
+    clean_seams.CHECKPOINT_WRITE(tmp_path / "state", step=1, rank=0)
+    clean_seams.CHECKPOINT_WRITE(tmp_path / "rng-0.pt", step=1, rank=0)
+    with pytest.raises(OSError) as full:
+        clean_seams.CHECKPOINT_WRITE(tmp_path / "state", step=2, rank=1)
+    assert full.value.errno == errno.ENOSPC and full.value.filename == str(tmp_path / "state")
 
 
 def test_chaos_harness_assigns_no_attribute_of_production_code():
@@ -108,7 +124,7 @@ def test_a_short_run_fires_every_seam(clean_seams, one_rank_group, tmp_path):
     images, labels = next(iter(run.loader))
     run.engine.step(0, [(images, labels)])
     for _ in range(2):
-        checkpoint.save(cfg.run_dir, 1, run.engine, {"loader": None}, keep=2)
+        checkpoint.save(cfg.run_dir, 1, run.engine, checkpoint.RunRecord(), keep=2)
 
     ((backbone, ctx),) = fired["backbone-built"]
     assert backbone is run.engine.backbone and ctx == {"rank": 0}

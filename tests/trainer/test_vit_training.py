@@ -61,7 +61,8 @@ def _runs(rank: int, world: int, root: str) -> dict:
                               f"train.batch_size={GLOBAL_BATCH // world}")
             engine = _engine(cfg)
             losses = [engine.step(s, batches[s]).loss for s in range(STEPS - 1)]
-            folder = checkpoint.save(Path(root) / f"{name}-{every}", STEPS - 1, engine, {}, 1)
+            folder = checkpoint.save(Path(root) / f"{name}-{every}", STEPS - 1, engine,
+                                     checkpoint.RunRecord(), 1)
             torch.manual_seed(7 + rank)  # the same stochastic-depth draws in both last steps
             losses.append(engine.step(STEPS - 1, batches[-1]).loss)
             resumed = _engine(cfg)  # a fresh engine from the checkpoint takes the last step

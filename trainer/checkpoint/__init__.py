@@ -11,6 +11,7 @@ from trainer.checkpoint.layout import (
     save,
     tag_for,
 )
+from trainer.checkpoint.meta import CheckpointMeta, RunRecord
 
-__all__ = ["LATEST", "CheckpointError", "find_resume", "find_verified", "load", "read_meta",
-           "remove_stale", "save", "tag_for", "verify"]
+__all__ = ["LATEST", "CheckpointError", "CheckpointMeta", "RunRecord", "find_resume",
+           "find_verified", "load", "read_meta", "remove_stale", "save", "tag_for", "verify"]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from trainer.checkpoint.meta import CheckpointMeta
 from trainer.errors import Stopped
 
 META = "meta.json"
@@ -38,9 +39,9 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_meta(path: Path) -> dict:
+def read_meta(path: Path) -> CheckpointMeta:
     """The meta.json of checkpoint folder ``path`` (plain JSON: safe before verification)."""
-    return json.loads((Path(path) / META).read_text())
+    return CheckpointMeta.from_json(json.loads((Path(path) / META).read_text()))
 
 
 def verify(path: Path, only: Collection[str] | None = None) -> dict:

@@ -37,7 +37,6 @@ on a file system every node sees.
 from __future__ import annotations
 
 import errno
-import json
 import re
 import shutil
 import sys
@@ -61,7 +60,9 @@ from trainer.checkpoint.integrity import (
     sha256,
     verify,
 )
+from trainer.checkpoint.meta import CheckpointMeta, RunRecord
 from trainer.dist import DistEnv
+from trainer.engine.state import EngineState
 
 LATEST = "latest"
 _BLOCK = re.compile(r"^(?P<key>.+)/rows\.(?P<start>\d+)\.(?P<stop>\d+)$")
@@ -74,13 +75,13 @@ def tag_for(step: int) -> str:
 # ----------------------------------------------------------------------------- save
 
 
-def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
+def save(run_dir: Path, step: int, engine, record: RunRecord, keep: int) -> Path:
     """Write checkpoint ``step`` of ``engine`` (collective); returns its folder.
 
-    ``meta`` must be JSON-able; ``meta["loader"]`` (this rank's loader position) is gathered
-    into a per-rank list. Raises :class:`CheckpointError` on every rank when the state is
-    not finite (nothing is written or pruned) or when any rank fails to write. The ranks
-    are ``engine.env``'s.
+    ``record`` must be JSON-able; its ``loader`` (this rank's loader position) is gathered
+    into a per-rank list (:class:`~trainer.checkpoint.meta.CheckpointMeta`). Raises
+    :class:`CheckpointError` on every rank when the state is not finite (nothing is written
+    or pruned) or when any rank fails to write. The ranks are ``engine.env``'s.
     """
     env = engine.env
     rank, world = env.rank, env.world_size
@@ -91,7 +92,7 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
     _refuse_non_finite(full, step, env)
     rows = sorted(k for k, v in full.items() if isinstance(v, state.Rows))
     loaders: list = [None] * world
-    dist.all_gather_object(loaders, meta.get("loader"), group=env.group)
+    dist.all_gather_object(loaders, record.loader, group=env.group)
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,18 +117,18 @@ def save(run_dir: Path, step: int, engine, meta: dict, keep: int) -> Path:
         torch.save(_rng_state(engine.device), to_write(f"rng-{rank}.pt"))
         mine = [f"rng-{rank}.pt", *(f"state/{p.name}" for p in (tmp / "state").glob(f"__{rank}_*"))]
         if rank == 0:
-            torch.save(_plain_backbone(full), to_write("backbone.pt"))
+            torch.save(_plain_backbone(full, engine), to_write("backbone.pt"))
             mine += ["backbone.pt", "state/.metadata"]
         hashes.update({name: sha256(tmp / name) for name in mine})
 
     _on_every_rank(write, f"saving step {step}", tmp, env)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, hashes, group=env.group)
-    info = {**meta, "loader": loaders, "step": step, "world_size": world, "rows": rows,
-            "files": dict(sorted(kv for part in gathered for kv in part.items()))}
+    info = CheckpointMeta.of(record, step=step, world_size=world, loaders=loaders, rows=rows,
+                             files=dict(sorted(kv for part in gathered for kv in part.items())))
 
     def publish() -> None:
-        atomic_write_bytes(to_write(META), json.dumps(info, indent=1).encode())
+        atomic_write_bytes(to_write(META), info.to_json().encode())
         _replace(root, tmp, final)
         _prune(root, keep)
 
@@ -235,15 +236,13 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return rng
 
 
-def _plain_backbone(full: dict) -> dict[str, torch.Tensor]:
-    """The backbone state_dict, with DeepSpeed's fp32 master weights where it keeps them."""
-    out = {}
-    for key, value in full.items():
-        if key.startswith("backbone."):
-            name = key[len("backbone.") :]
-            master = full.get(f"backbone_fp32.{name}")
-            out[name] = (master if master is not None else value).detach().cpu().clone()
-    return out
+def _plain_backbone(full: dict, engine) -> dict[str, torch.Tensor]:
+    """The backbone state_dict, with the fp32 master weights where its engine keeps them."""
+    sections = EngineState.from_flat({k: v for k, v in full.items()
+                                      if not isinstance(v, state.Rows)})
+    master = engine.backend.master_weights(sections.backbone_optimizer)
+    return {name: master.get(name, value).detach().cpu().clone()
+            for name, value in sections.backbone.items()}
 
 
 # ----------------------------------------------------------------------------- find, verify
@@ -339,13 +338,11 @@ def _candidates(root: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- load
 
 
-def load(path: Path, engine) -> dict:
+def load(path: Path, engine) -> CheckpointMeta:
     """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective over
-    ``engine.env``'s ranks).
+    ``engine.env``'s ranks); returns its meta (``loader_for(rank)``: this rank's loader).
 
-    ``path`` should come from :func:`find_resume` (verified). Returns the meta dict, with
-    ``meta["loader"]`` narrowed to this rank's loader state (rank 0's when the checkpoint
-    had fewer ranks; the loader converts it).
+    ``path`` should come from :func:`find_resume` (verified).
     """
     path = Path(path)
     meta = read_meta(path)
@@ -362,7 +359,7 @@ def load(path: Path, engine) -> dict:
             template[key] = torch.zeros(md.size, dtype=md.properties.dtype)
     dcp.load(template, storage_reader=reader)
     flat = {k: v for k, v in template.items() if _BLOCK.match(k) is None}
-    for key in meta["rows"]:
+    for key in meta.rows:
         flat[key] = _my_rows(template, key, lo, hi)
     state.restore(engine, flat)
     rank = engine.env.rank
@@ -372,8 +369,6 @@ def load(path: Path, engine) -> dict:
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved and engine.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda"], engine.device)
-    loaders = meta["loader"]
-    meta["loader"] = loaders[rank] if rank < len(loaders) else loaders[0]
     return meta
 
 

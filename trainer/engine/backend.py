@@ -15,41 +15,72 @@ One step, as ``Engine.step`` calls it on every rank (``k`` micro-batches)::
                                with backend.autocast(): emb = backend.model(x)
                                ... the head's forward and backward, the surrogate ...
                                backend.backward(surrogate)              (micro-batches 1..k-1)
-                               pending = backend.last_backward(surrogate, step, agree)  (k)
-    flags = pending.flags.tolist()                                      (the one host read)
-    update = backend.update(pending, finite)
+                               finite = backend.last_backward(surrogate)            (k)
+    verdict = Verdict.agree(finite, labels ok, stop request)    (the step's one all-reduce)
+    update = backend.update(verdict, step)          (steps, or drops the step, on its verdict)
 
-``agree`` is the engine's one all-reduce of the step's flags (:data:`Agree`); each backend
-calls it once, inside :meth:`BackboneBackend.last_backward`, where it can still cancel its
-update without a host read: DDP after its backward (the gradient norm joins the vote),
-DeepSpeed before (a bad step's surrogate is NaN-ed, and DeepSpeed's own overflow check
-drops it).
+The step is decided once, by the engine, in :meth:`Verdict.agree`; a backend only adds its
+own finite flag to it (DDP: its gradient norm) and follows it. ``verdict.read()`` is the
+step's one host read, cached: whichever of the backend and the engine reads it first pays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-Agree = Callable[[Tensor | None], Tensor]
-"""``agree(backbone_finite)`` -> int32 ``[all finite, labels in range, -stop request]`` on the
-device, the same on every rank (one all-reduce, no host read). ``backbone_finite`` (a 0-d
-bool tensor, or None) joins the engine's own finite flag (the loss, the embedding and head
-gradients)."""
+from trainer.stopping import StopReason, StopRequest
 
 
 @dataclass(frozen=True)
-class Pending:
-    """What the last micro-batch's backward leaves for the step's one host read."""
+class Verdict:
+    """The step's one decision, the same on every rank: whether every loss and gradient was
+    finite, whether every label was in range, and the stop request agreed over the ranks.
 
-    flags: Tensor  # the agreed flags (:data:`Agree`)
-    grad_norm: Tensor | float  # the backbone's gradient norm (before clipping), on the device
-    dropped: bool  # the backend already declined its update (DeepSpeed's overflow check)
+    ``flags`` is int32 ``[finite, labels ok, -stop reason, -signal number]`` on the device,
+    all-reduced with MIN (:meth:`agree`): the two flags hold only where they hold on every
+    rank, the negated stop fields agree on the largest.
+    """
+
+    flags: Tensor
+    _host: list = field(default_factory=list, repr=False, compare=False)  # read() fills it
+
+    @classmethod
+    def agree(cls, finite: Tensor, labels_ok: Tensor, stop: StopRequest,
+              group: dist.ProcessGroup | None) -> Verdict:
+        """One all-reduce on ``group``, no host read: ``finite`` and ``labels_ok`` are 0-d
+        bool tensors on the device; ``torch.full`` writes the stop fields there (a tensor
+        made from host values would be a blocking copy)."""
+        device = finite.device
+        flags = torch.stack([finite.to(torch.int32), labels_ok.to(torch.int32),
+                             torch.full((), -int(stop.reason), dtype=torch.int32, device=device),
+                             torch.full((), -stop.signum, dtype=torch.int32, device=device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        return cls(flags)
+
+    @property
+    def apply(self) -> Tensor:
+        """0-d bool on the device: the step may update (finite and labels in range)."""
+        return self.flags[:2].min() > 0
+
+    def read(self) -> tuple[bool, bool, StopRequest]:
+        """``(finite, labels ok, stop)`` on the host: the step's one host read, made once."""
+        if not self._host:
+            self._host.extend(self.flags.tolist())
+        finite, labels_ok, reason, signum = self._host
+        return bool(finite), bool(labels_ok), StopRequest(StopReason(-reason), -signum)
+
+    @property
+    def applies(self) -> bool:
+        """:attr:`apply` on the host (:meth:`read`)."""
+        finite, labels_ok, _ = self.read()
+        return finite and labels_ok
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,7 @@ class Update:
 
     applied: bool
     overflow: bool  # not applied for the fp16 loss scaler alone: a normal skip, not a bad step
+    grad_norm: Tensor | float  # the backbone's gradient norm (before clipping), on the device
 
 
 @runtime_checkable
@@ -85,32 +117,40 @@ class BackboneBackend(Protocol):
         """Backward of a micro-batch before the last: gradients accumulate, nothing steps."""
         ...
 
-    def last_backward(self, surrogate: Tensor, step: int, agree: Agree) -> Pending:
-        """Backward of the last micro-batch and the gradient norm (clipped to
-        ``train.clip_grad_norm``); calls ``agree`` once. ``step`` (0-based) names the step
-        in an error."""
+    def last_backward(self, surrogate: Tensor) -> Tensor | None:
+        """Backward of the last micro-batch; returns the backbone's own finite flag (a 0-d
+        bool tensor on the device, which joins the :class:`Verdict`), or None where the
+        backend can only act on the verdict in its backward (DeepSpeed: it runs the
+        backward in :meth:`update`)."""
         ...
 
-    def update(self, pending: Pending, finite: bool) -> Update:
-        """The backbone's update now that the ranks agreed whether the step is ``finite``;
-        the gradients are cleared either way."""
+    def update(self, verdict: Verdict, step: int) -> Update:
+        """The backbone's update (gradients clipped to ``train.clip_grad_norm``) when
+        ``verdict.apply``, none otherwise; the gradients are cleared either way. ``step``
+        (0-based) names the step in an error."""
         ...
 
     def optimizer_state(self) -> dict[str, Tensor]:
-        """The backbone optimizer's state in full (un-partitioned) form, replicated, as flat
-        checkpoint entries (``trainer.checkpoint.state``); collective."""
+        """The backbone optimizer's state in full (un-partitioned) form, replicated, under
+        names this backend chooses (``trainer.engine.state.EngineState.backbone_optimizer``);
+        collective."""
         ...
 
     def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
-        """Load what :meth:`optimizer_state` named (``state`` may hold other entries too);
-        collective."""
+        """Load what :meth:`optimizer_state` named; collective."""
+        ...
+
+    def master_weights(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The fp32 master copy of the backbone's parameters held in ``state`` (what
+        :meth:`optimizer_state` returned), by parameter name; empty where the parameters are
+        their own master."""
         ...
 
 
 def torch_optimizer_state(backbone: nn.Module, optimizer: torch.optim.Optimizer
                           ) -> dict[str, Tensor]:
-    """A plain torch optimizer's per-parameter state as ``backbone_opt.<param>.<key>``."""
-    return {f"backbone_opt.{name}.{key}": torch.as_tensor(value)
+    """A plain torch optimizer's per-parameter state as ``opt.<param>.<key>``."""
+    return {f"opt.{name}.{key}": torch.as_tensor(value)
             for name, p in backbone.named_parameters()
             for key, value in optimizer.state.get(p, {}).items()}
 
@@ -119,7 +159,7 @@ def load_torch_optimizer_state(backbone: nn.Module, optimizer: torch.optim.Optim
                                state: Mapping[str, Tensor]) -> None:
     """Put :func:`torch_optimizer_state`'s entries back, on each parameter's device."""
     for name, p in backbone.named_parameters():
-        prefix = f"backbone_opt.{name}."
+        prefix = f"opt.{name}."
         mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if mine:
             optimizer.state[p] = {k: v.to(p.device) for k, v in mine.items()}

@@ -2,8 +2,8 @@
 
 DDP keeps full fp32 parameters and a plain torch optimizer on every rank and all-reduces
 (averages) the gradients during the last micro-batch's backward; a bf16 run autocasts the
-forward. It has no overflow check of its own: the gradient norm joins the engine's agreed
-flags, and the optimizer steps only when every rank found the step finite.
+forward. It has no overflow check of its own: the finiteness of the gradient norm joins the step's
+verdict (``trainer.engine.backend.Verdict``), and the optimizer steps only on a verdict for it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import Config
 from trainer.dist import DistEnv
 from trainer.engine.backend import (
-    Agree,
-    Pending,
     Update,
+    Verdict,
     load_torch_optimizer_state,
     torch_optimizer_state,
 )
@@ -38,6 +37,7 @@ class DDPBackend:
         self.backbone, self.optimizer = backbone, optimizer
         self.device_type = env.device.type
         self.precision, self.clip = cfg.engine.precision, cfg.train.clip_grad_norm
+        self._grad_norm: Tensor | None = None  # last_backward's, for update
 
     def micro_batch(self, boundary: bool):
         """No gradient all-reduce before the last micro-batch (``no_sync``)."""
@@ -51,23 +51,27 @@ class DDPBackend:
     def backward(self, surrogate: Tensor) -> None:
         surrogate.backward()
 
-    def last_backward(self, surrogate: Tensor, step: int, agree: Agree) -> Pending:
+    def last_backward(self, surrogate: Tensor) -> Tensor:
         surrogate.backward()
-        grad_norm = self._clip()
+        self._grad_norm = self._clip()
         # DDP's gradients are all-reduced, so every rank computes the same norm.
-        return Pending(agree(torch.isfinite(grad_norm)), grad_norm, dropped=False)
+        return torch.isfinite(self._grad_norm)
 
-    def update(self, pending: Pending, finite: bool) -> Update:
-        if finite:
+    def update(self, verdict: Verdict, step: int) -> Update:
+        applied = verdict.applies
+        if applied:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return Update(applied=finite, overflow=False)
+        return Update(applied=applied, overflow=False, grad_norm=self._grad_norm)
 
     def optimizer_state(self) -> dict[str, Tensor]:
         return torch_optimizer_state(self.backbone, self.optimizer)
 
     def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
         load_torch_optimizer_state(self.backbone, self.optimizer, state)
+
+    def master_weights(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {}  # fp32 parameters: their own master
 
     def _clip(self) -> Tensor:
         """The backbone's gradient norm, a 0-d fp32 tensor (no host read), after clipping the

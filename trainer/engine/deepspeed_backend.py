@@ -27,9 +27,8 @@ from torch import Tensor, nn
 from trainer.config import Config
 from trainer.dist import DistEnv
 from trainer.engine.backend import (
-    Agree,
-    Pending,
     Update,
+    Verdict,
     load_torch_optimizer_state,
     torch_optimizer_state,
 )
@@ -91,6 +90,20 @@ class _TestedHere(logging.Filter):
         return "untested optimizer" not in record.getMessage()
 
 
+def overflow_unless(apply: Tensor, surrogate: Tensor) -> Tensor:
+    """``surrogate`` when ``apply`` (a 0-d bool tensor on the device) holds, else a surrogate
+    whose backward makes every backbone gradient non-finite; no host read either way.
+
+    This is how a step the engine's verdict turns down is dropped on DeepSpeed: DeepSpeed
+    0.19 has no public call that skips an optimisation step (``engine.step()`` at the
+    accumulation boundary always steps; its gradients are already reduced into ZeRO's
+    partitions by then), but its ZeRO, bf16 and fp16 optimizers drop a step whose gradients
+    are not finite and report it through ``was_step_applied()``. The one place the backend
+    relies on that; ``tests/trainer/test_backends.py`` checks both branches.
+    """
+    return surrogate * torch.where(apply, 1.0, math.inf)
+
+
 class LossScaleFloor(Stopped, RuntimeError):
     """fp16: the gradients overflow even at DeepSpeed's smallest loss scale (all ranks alike)."""
 
@@ -148,6 +161,7 @@ class DeepSpeedBackend:
             dist_init_required=False,
         )
         self.backbone, self.optimizer = backbone, optimizer
+        self._surrogate: Tensor | None = None  # the last micro-batch's, for update
         self.precision = cfg.engine.precision
         self.input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             cfg.engine.precision, torch.float32
@@ -165,20 +179,23 @@ class DeepSpeedBackend:
         self.model.backward(surrogate, scale_wrt_gas=False)
         self.model.step()  # before the boundary: DeepSpeed only counts the micro-step
 
-    def last_backward(self, surrogate: Tensor, step: int, agree: Agree) -> Pending:
-        """Agree first, then DeepSpeed's backward + step: a step the flags call bad gets a
-        NaN surrogate (multiplied in on the device: no host read), which DeepSpeed's own
-        overflow check drops like any non-finite gradient (:meth:`_boundary_step`)."""
-        flags = agree(None)
-        surrogate = surrogate * torch.where(flags[:2].min() > 0, 1.0, math.nan)
-        self.model.backward(surrogate, scale_wrt_gas=False)
-        dropped = self._boundary_step(step)
-        return Pending(flags, self._grad_norm(), dropped)
+    def last_backward(self, surrogate: Tensor) -> None:
+        """Nothing yet: DeepSpeed can drop a step only through its own overflow check of the
+        gradients its backward makes, so the backward waits for the verdict (:meth:`update`).
+        DeepSpeed checks the backbone's gradients itself: no finite flag of its own."""
+        self._surrogate = surrogate
 
-    def update(self, pending: Pending, finite: bool) -> Update:
-        """DeepSpeed stepped (or dropped the step) in :meth:`last_backward` already."""
-        return Update(applied=finite and not pending.dropped,
-                      overflow=loss_scale_overflow(pending.dropped, not finite, self.precision))
+    def update(self, verdict: Verdict, step: int) -> Update:
+        """DeepSpeed's backward of the last micro-batch and its step, dropped unless the
+        verdict is for it (:func:`overflow_unless`); in fp16 a step DeepSpeed dropped on a
+        verdict for it is a loss-scale overflow (:func:`loss_scale_overflow`)."""
+        surrogate, self._surrogate = self._surrogate, None
+        self.model.backward(overflow_unless(verdict.apply, surrogate), scale_wrt_gas=False)
+        dropped = self._boundary_step(step)
+        applies = verdict.applies
+        return Update(applied=applies and not dropped,
+                      overflow=loss_scale_overflow(dropped, not applies, self.precision),
+                      grad_norm=self._grad_norm())
 
     def _boundary_step(self, step: int) -> bool:
         """DeepSpeed's step at the boundary; True when the update was dropped.
@@ -255,8 +272,8 @@ class DeepSpeedBackend:
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """The plain torch optimizer's state, or with ZeRO/bf16 the fp32 master weights
-        (``backbone_fp32.<param>``), the per-element optimizer state gathered in full form
-        (``backbone_opt.<param>.<key>``) and its scalars (``backbone_opt_scalar.<key>``)
+        (``fp32.<param>``), the per-element optimizer state gathered in full form
+        (``opt.<param>.<key>``) and its scalars (``opt_scalar.<key>``)
         through DeepSpeed's tensor-fragment API (collective). Full form is what makes
         ZeRO-1/2 state reshardable."""
         zero = ZeroPartitions.of(self)
@@ -266,11 +283,11 @@ class DeepSpeedBackend:
 
         zero.link_state()
         keys, scalars = zero.state_keys()
-        out = {f"backbone_opt_scalar.{k}": v for k, v in scalars.items()}
+        out = {f"opt_scalar.{k}": v for k, v in scalars.items()}
         for name, p in self.trainable().items():
-            out[f"backbone_fp32.{name}"] = safe_get_full_fp32_param(p).cpu()
+            out[f"fp32.{name}"] = safe_get_full_fp32_param(p).cpu()
             for key in keys:
-                out[f"backbone_opt.{name}.{key}"] = safe_get_full_optimizer_state(p, key).cpu()
+                out[f"opt.{name}.{key}"] = safe_get_full_optimizer_state(p, key).cpu()
         return out
 
     def load_optimizer_state(self, state: Mapping[str, Tensor]) -> None:
@@ -283,15 +300,18 @@ class DeepSpeedBackend:
             return
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        prefix = "backbone_opt_scalar."
+        prefix = "opt_scalar."
         scalars = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        keys = sorted({k.rsplit(".", 1)[1] for k in state if k.startswith("backbone_opt.")})
+        keys = sorted({k.rsplit(".", 1)[1] for k in state if k.startswith("opt.")})
         zero.create_state(keys, scalars)
         for name, p in self.trainable().items():
-            safe_set_full_fp32_param(p, state[f"backbone_fp32.{name}"].to(p.device))
+            safe_set_full_fp32_param(p, state[f"fp32.{name}"].to(p.device))
             for key in keys:
-                safe_set_full_optimizer_state(p, state[f"backbone_opt.{name}.{key}"].to(p.device),
-                                              key)
+                safe_set_full_optimizer_state(p, state[f"opt.{name}.{key}"].to(p.device), key)
+
+    def master_weights(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """With ZeRO/bf16/fp16 the fp32 master weights (``fp32.<param>``); none otherwise."""
+        return {k[len("fp32."):]: v for k, v in state.items() if k.startswith("fp32.")}
 
     def trainable(self) -> dict[str, nn.Parameter]:
         """Backbone parameters the optimizer owns (frozen ones live in the state_dict only)."""

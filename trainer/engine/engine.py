@@ -27,13 +27,11 @@ module keeps the head, the step's order and what every engine shares.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from partial_fc.backbones import normalize_images
@@ -43,9 +41,12 @@ from partial_fc.rows import SampledRows
 from trainer import seams
 from trainer.config import Config, OptimConfig, ScheduleConfig
 from trainer.dist import DistEnv
-from trainer.engine.backend import BackboneBackend
+from trainer.engine.backend import BackboneBackend, Verdict
 from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
+from trainer.engine.snapshot import Snapshot
+from trainer.engine.state import EngineState, Rows
+from trainer.stopping import NO_STOP, StopRequest
 
 BACKENDS: dict[str, Callable[..., BackboneBackend]] = {
     "ddp": DDPBackend,
@@ -119,9 +120,11 @@ class StepResult:
     lr: float
     skipped: bool  # neither the backbone nor the head was updated (see Engine.step)
     overflow: bool  # skipped for DeepSpeed's fp16 loss scaler alone: not a bad step
-    stop_request: int  # the largest stop_request any rank passed (0: none)
+    stop: StopRequest  # the stop request agreed over the ranks (the largest reason)
     numbers: Mapping[str, float] = field(repr=False)  # {"loss", "grad_norm"}, read lazily
     angles: dict[str, Tensor] | None = None  # PartialFC.angle_sample, when asked for
+    head_stats: Mapping[str, float] = field(default_factory=dict, repr=False)  # head.stats
+    notes: tuple[str, ...] = ()  # the head's new start-up lines (PartialFC.take_notes)
 
     @property
     def loss(self) -> float:
@@ -181,7 +184,7 @@ class Engine:
         DeepSpeed's ``engine.compile()`` would compile ``self.backbone`` in place, evaluation
         included; this keeps it eager, its state_dict keys free of ``_orig_mod.``. Off CUDA,
         inductor's layout optimisation is off: it would pick channels_last for the
-        convolutions, whose CPU backward crashes as :meth:`_memory_format` says (seen again
+        convolutions, whose CPU backward crashes as :meth:`_cuda_settings` says (seen again
         under inductor, a segfault in the 2-rank compile test on an AMX Xeon, torch 2.13)."""
         if self.device.type != "cuda":
             return torch.compile(self.backbone, options={"layout_optimization": False})
@@ -198,10 +201,10 @@ class Engine:
     def _head_operands(self):
         """A bf16 run gives the head bf16 matmul operands (fp32 accumulation; its softmax,
         loss and statistics stay fp32: ``PartialFC`` under autocast), as insightface's
-        autocast head does; fp32 operands would cost the Triton kernels IEEE fp32 dots, about
-        15x the bf16 time on an H100. An fp16 run keeps fp32 operands: the head's backward is
-        not loss-scaled, and fp16 flushes ``dL/dcos`` entries below 2^-24 to zero (``s p / N``
-        of a non-target at a million classes is about that)."""
+        autocast head does; fp32 operands would cost the Triton kernels IEEE fp32 dots on the
+        CUDA cores (docs/kernels.md, "Calling for speed"). An fp16 run keeps fp32 operands:
+        the head's backward is not loss-scaled, and fp16 flushes ``dL/dcos`` entries below
+        2^-24 to zero (``s p / N`` of a non-target at a million classes is about that)."""
         if self.cfg.engine.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -211,17 +214,17 @@ class Engine:
         step: int,
         micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         angles: bool = False,
-        stop_request: int = 0,
+        stop: StopRequest = NO_STOP,
     ) -> StepResult:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
 
-        ``stop_request`` (e.g. the number of a signal asking the run to stop) is agreed over
-        the ranks in the same all-reduce as the step's flags, so every rank stops after the
-        same step at no extra host read. ``angles=True`` also samples
+        ``stop`` (this rank's request, ``trainer.stopping``) is agreed over the ranks in the
+        step's one all-reduce with its flags (``trainer.engine.backend.Verdict``), so every
+        rank stops after the same step at no extra host read. ``angles=True`` also samples
         ``PartialFC.angle_sample`` on the last micro-batch (collective).
 
         The step is skipped, on every rank alike, when the loss, an embedding gradient, the
-        head gradient or the backbone gradient norm was not finite (:meth:`_agree`, or the
+        head gradient or the backbone gradient norm was not finite (the verdict, or the
         backend's own overflow check: ``trainer.engine.backend``): then neither the backbone
         nor the head is updated, both optimizers' states and every buffer (BatchNorm
         statistics, the AdaCos scale) are as before the step, and the gradients are cleared.
@@ -229,14 +232,14 @@ class Engine:
         update.
 
         Host reads (each makes the CPU wait for the device; tests/trainer/test_engine_syncs.py
-        holds the budget): one, the agreed flags, read after the backbone's backward to
-        decide whether the optimizers step. The head gets the batch sizes from
+        holds the budget): one, the verdict, read after the backbone's backward to decide
+        whether the optimizers step. The head gets the batch sizes from
         ``train.batch_size`` (the loader's batches are equal), not from an exchange.
         ``r < 1`` adds the sampler's (its size depends on the labels); DeepSpeed reads its
         overflow flag in its ``step()``.
         """
         lr = self.set_lr(step)
-        saved = self._buffers()
+        saved = Snapshot((self.backbone, self.head), self.head)  # what a skip puts back
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
@@ -259,17 +262,19 @@ class Engine:
                     finite &= torch.isfinite(grad.sum())
                 if angles:
                     sample = self.head.angle_sample(e.detach(), y)
-                agree = functools.partial(self._agree, finite, rows, stop_request=stop_request)
-                pending = self.backend.last_backward(surrogate, step, agree)
-        all_finite, labels_ok, minus_stop = pending.flags.tolist()  # the step's one host read
+                backbone_finite = self.backend.last_backward(surrogate)
+        if backbone_finite is not None:
+            finite &= backbone_finite
+        verdict = Verdict.agree(finite, rows.labels_ok(), stop, self.env.group)
+        update = self.backend.update(verdict, step)
+        _, labels_ok, agreed_stop = verdict.read()  # the step's one host read
         if not labels_ok:
             rows.raise_label_error()
-        update = self.backend.update(pending, bool(all_finite))
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
-                          stop_request=-minus_stop, angles=sample,
-                          numbers=DeviceScalars({"loss": loss_sum / k,
-                                                 "grad_norm": pending.grad_norm}))
+                          stop=agreed_stop, angles=sample, head_stats=self.head.stats,
+                          notes=tuple(self.head.take_notes()), numbers=DeviceScalars({"loss": loss_sum / k,
+                                                 "grad_norm": update.grad_norm}))
 
     def _forward(self, images: Tensor, labels: Tensor, k: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -295,52 +300,45 @@ class Engine:
         the copy to a GPU is asynchronous, so the host does not wait for it."""
         return batch.to(self.device, non_blocking=True)
 
-    def _agree(self, finite: Tensor, rows: SampledRows, backbone_finite: Tensor | None,
-               stop_request: int) -> Tensor:
-        """``[finite, labels in range, -max stop_request]`` as int32 on the device: the two
-        0/1 flags are 1 only where they hold on every rank; one all-reduce (MIN) on
-        ``env.group``, no host read (``trainer.engine.backend.Agree``). The label flag is the
-        deferred check of this step's forwards carried by ``rows`` (the same on all ranks:
-        gathered labels). ``stop_request`` enters negated, so MIN agrees on the largest;
-        ``torch.full`` writes it on the device (a tensor made from a host value would be a
-        blocking copy)."""
-        if backbone_finite is not None:
-            finite = finite & backbone_finite
-        request = torch.full((), -stop_request, dtype=torch.int32, device=self.device)
-        flags = torch.stack([finite.to(torch.int32), rows.labels_ok().to(torch.int32),
-                             request])
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.env.group)
-        return flags
-
-    def _update_head(self, applied: bool, rows: SampledRows, saved: dict[str, Tensor]) -> None:
+    def _update_head(self, applied: bool, rows: SampledRows, saved: Snapshot) -> None:
         """The head follows the backbone: its optimizer steps on this step's ``rows`` when the
         backbone's update was applied; otherwise those rows are not updated (the value is
-        dropped) and every buffer is put back (:meth:`_buffers`)."""
+        dropped) and every buffer and the head's step are put back (``saved``)."""
         if applied:
             self.head_optimizer.step(rows)
         else:
-            self._restore_buffers(saved)
+            saved.restore()
         self.head_optimizer.zero_grad(set_to_none=True)
 
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        """Copies of the backbone's and the head's buffers (BatchNorm statistics, the
-        AdaCos scale, the head's step): a forward updates them, a skipped step puts them back."""
-        modules = {"backbone": self.backbone, "head": self.head}
-        return {
-            f"{name}.{key}": value.detach().clone()
-            for name, module in modules.items()
-            for key, value in module.named_buffers()
-        }
+    def state_dict(self) -> EngineState:
+        """The training state by section (``trainer.engine.state``); collective (the backend
+        gathers a partitioned optimizer state into full form)."""
+        head = self.head
 
-    def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
-        """Put back :meth:`_buffers`' copies; the head re-reads its ``step`` (the host copy
-        it keeps to seed the sampler would otherwise be one ahead)."""
-        modules = {"backbone": self.backbone, "head": self.head}
-        with torch.no_grad():
-            for name, module in modules.items():
-                for key, value in module.named_buffers():
-                    value.copy_(saved[f"{name}.{key}"])
-        self.head.resync_step()
+        def rows(value: Tensor) -> Tensor | Rows:  # K weight rows per class (sub-centers)
+            value = torch.as_tensor(value)
+            per_row = value.ndim >= 1 and value.shape[0] == head.weight.shape[0]
+            return (Rows(value, head.row_start, head.num_classes * head.subcenters) if per_row
+                    else value)
+
+        return EngineState(
+            head={k: rows(v) if k == "weight" else v for k, v in head.state_dict().items()},
+            head_optimizer={k: rows(v) for k, v in self._head_optimizer_state().items()},
+            backbone=dict(self.backbone.state_dict()),
+            backbone_optimizer=self.backend.optimizer_state())
+
+    def load_state_dict(self, state: EngineState) -> None:
+        """Load :meth:`state_dict`'s sections, rows already this rank's; collective."""
+        self.head.load_state_dict(state.head)
+        head_opt = self._head_optimizer_state()
+        head_opt.clear()
+        head_opt.update({k: v.to(self.head.weight.device)
+                         for k, v in state.head_optimizer.items()})
+        self.backbone.load_state_dict(state.backbone)
+        self.backend.load_optimizer_state(state.backbone_optimizer)
+
+    def _head_optimizer_state(self) -> dict:
+        return self.head_optimizer.state.setdefault(self.head.weight, {})
 
     def eval_context(self):
         """Autocast for evaluating ``self.backbone`` when DeepSpeed holds it in bf16/fp16."""

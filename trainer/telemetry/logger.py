@@ -22,6 +22,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,9 +61,32 @@ def _json_safe(record: dict) -> dict:
     }
 
 
-WRITE_FAILED = 1000
-"""The stop request (see ``Engine.step``) of a rank that could not write a run file: above
-every signal number, so the ranks agree on it like on a signal and stop after the same step."""
+@dataclass(frozen=True)
+class StepRecord:
+    """The metrics of optimisation step ``step`` (1-based) that :meth:`RunLogger.step`
+    writes on the steps that are due: ``head`` holds the head's scale dynamics
+    (``partial_fc.metric_names.SCALE_DYNAMICS``), ``data`` the loader's and the loop's
+    counters summed over the ranks; :meth:`row` is its metrics.jsonl row."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    head: dict[str, float | None]
+    img_per_s: float
+    memory_mb: float
+    data: dict[str, int]
+    time_s: float
+    epoch: int | None = None
+
+    def row(self) -> dict:
+        """The flat row: ``head`` and ``data`` entries at the top level, ``epoch`` last."""
+        out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+               **self.head, "img_per_s": self.img_per_s, "memory_mb": self.memory_mb,
+               **self.data, "time_s": self.time_s}
+        if self.epoch is not None:
+            out["epoch"] = self.epoch
+        return out
 
 
 class WriteFailed(Stopped, RuntimeError):
@@ -77,7 +101,7 @@ class RunLogger:
         self.active = rank == 0
         self.cfg, self.total, self.global_batch = cfg, total_steps, global_batch
         self.run_dir = cfg.run_dir
-        self.history: list[dict] = []
+        self.history: list[StepRecord] = []
         self._metrics = self._hist = None
         self._sinks: list[Sink] = []
         self.write_error: str | None = None  # the first run file that could not be written
@@ -147,20 +171,15 @@ class RunLogger:
             return
         img_s = self.global_batch * (step - self._last_step) / max(now - self._last_t, 1e-9)
         self._last_t, self._last_step = now, step
-        record = {
-            "step": step,
-            "loss": result.loss,
-            "lr": result.lr,
-            "grad_norm": result.grad_norm,
-            **{name: head_stats.get(name) for name in SCALE_DYNAMICS},
-            **{name: head_stats[name] for name in OPTIONAL_STATS if name in head_stats},
-            "img_per_s": img_s,
-            "memory_mb": memory_mb(device),
-            **(data or {}),
-            "time_s": now - self._t0,
-        }
-        if epoch is not None:
-            record["epoch"] = epoch
+        entry = StepRecord(step=step, loss=result.loss, lr=result.lr,
+                           grad_norm=result.grad_norm,
+                           head={**{name: head_stats.get(name) for name in SCALE_DYNAMICS},
+                                 **{name: head_stats[name] for name in OPTIONAL_STATS
+                                    if name in head_stats}},
+                           img_per_s=img_s, memory_mb=memory_mb(device), data=dict(data or {}),
+                           time_s=now - self._t0, epoch=epoch)
+        self.history.append(entry)
+        record = entry.row()
         self.write(record)
         eta = (self.total - step) * elapsed / done if done else None
         self.console.metrics(record, self.total, epoch, eta)
@@ -185,7 +204,7 @@ class RunLogger:
         self._to_sinks(lambda sink: sink.histograms(step, values))
 
     def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
-        """Verification results of ``launch.evaluate.evaluate_bins``."""
+        """Verification results of ``trainer.evaluation.evaluate_bins``."""
         flat = {
             f"val/{name}/{k}": v
             for name, r in results.items()
@@ -196,9 +215,9 @@ class RunLogger:
         self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" for name, r in results.items()))
 
     def write(self, record: dict) -> None:
+        """One metrics.jsonl row (rank 0), and its numbers to the sinks."""
         if not self.active:
             return
-        self.history.append(record)
         with self._guard(self._metrics.name):
             self._metrics.write(json.dumps(_json_safe(record)) + "\n")
             self._metrics.flush()
@@ -208,7 +227,7 @@ class RunLogger:
 
     @contextlib.contextmanager
     def _guard(self, path) -> Iterator[None]:
-        """Keep the first OSError writing ``path`` for :meth:`stop_request`."""
+        """Keep the first OSError writing ``path`` for :meth:`write_failed`."""
         try:
             yield
         except OSError as err:
@@ -230,12 +249,13 @@ class RunLogger:
                 self.info(f"warning: W&B failed ({type(err).__name__}: {err}); "
                           f"logging to W&B stops, metrics.jsonl goes on")
 
-    def stop_request(self) -> int:
-        """:data:`WRITE_FAILED` once a run file could not be written (rank 0), else 0."""
+    def write_failed(self) -> bool:
+        """Whether a run file could not be written (rank 0; :attr:`write_error` says which):
+        the loop then asks every rank to stop (``trainer.stopping.StopReason.DISK_FULL``)."""
         file = self.console.file
         if self.write_error is None and file is not None and file.error is not None:
             self.write_error = f"cannot write {file.baseFilename}: {file.error.strerror}"
-        return WRITE_FAILED if self.write_error else 0
+        return self.write_error is not None
 
     def close_unused(self) -> None:
         """End a logger that never started (a finished run run again): only the console."""
@@ -250,7 +270,7 @@ class RunLogger:
         if not self.active:
             self.console.close()
             return {}
-        losses = [r["loss"] for r in self.history if "loss" in r]
+        losses = [r.loss for r in self.history]
         elapsed = time.perf_counter() - self._t0
         summary = {
             "run": str(self.run_dir),

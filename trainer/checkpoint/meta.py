@@ -1,0 +1,68 @@
+"""A checkpoint's meta.json as typed values: what the training loop records beside the
+engine's state (:class:`RunRecord`) and what a checkpoint folder says about itself
+(:class:`CheckpointMeta`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The loop's part of a checkpoint: this rank's loader position (``EpochBatches``'
+    ``state_dict``, JSON-able), the run's name and config (for ``resume_drift``) and its
+    counters of skipped steps and samples."""
+
+    loader: dict | None = None
+    name: str = ""
+    config: dict | None = None
+    bad_steps: int = 0
+    skipped_steps: int = 0
+    skipped_samples: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """meta.json: the step, the world size it was saved on, every rank's loader position
+    (``loaders``, in rank order), the :class:`RunRecord`'s other fields, the row-sharded
+    entries (``rows``) and the SHA-256 of every file (``files``)."""
+
+    step: int
+    world_size: int
+    loaders: list
+    rows: list[str]
+    files: dict[str, str]
+    name: str = ""
+    config: dict | None = None
+    bad_steps: int = 0
+    skipped_steps: int = 0
+    skipped_samples: int = 0
+
+    @classmethod
+    def of(cls, record: RunRecord, **saved) -> CheckpointMeta:
+        """``record`` with what the save adds (``step``, ``world_size``, ``loaders``,
+        ``rows``, ``files``)."""
+        fields_ = asdict(record)
+        fields_.pop("loader")
+        return cls(**fields_, **saved)
+
+    def loader_for(self, rank: int) -> dict | None:
+        """``rank``'s loader position; rank 0's when the checkpoint had fewer ranks (the
+        loader converts it)."""
+        if not self.loaders:
+            return None
+        return self.loaders[rank] if rank < len(self.loaders) else self.loaders[0]
+
+    def to_json(self) -> str:
+        """meta.json's text (its ``loader`` key holds the per-rank list)."""
+        out = asdict(self)
+        out["loader"] = out.pop("loaders")
+        return json.dumps(out, indent=1)
+
+    @classmethod
+    def from_json(cls, data: dict) -> CheckpointMeta:
+        """From meta.json's parsed object; keys this version does not know are ignored."""
+        known = {f.name for f in fields(cls)} - {"loaders"}
+        return cls(loaders=data.get("loader") or [],
+                   **{k: v for k, v in data.items() if k in known})
