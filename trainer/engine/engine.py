@@ -273,7 +273,8 @@ class Engine:
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
                           stop=agreed_stop, angles=sample, head_stats=self.head.stats,
-                          notes=tuple(self.head.take_notes()), numbers=DeviceScalars({"loss": loss_sum / k,
+                          notes=tuple(self.head.take_notes()),
+                          numbers=DeviceScalars({"loss": loss_sum / k,
                                                  "grad_norm": update.grad_norm}))
 
     def _forward(self, images: Tensor, labels: Tensor, k: int
