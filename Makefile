@@ -26,7 +26,7 @@ SMOKE_CLASSES ?= 100
 SMOKE_IMAGES  ?= 20
 SMOKE_NPROC   ?= 2
 
-RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t
+RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t
 
 .PHONY: setup train train-orl bench-orl demo-scale test test-fast test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
 

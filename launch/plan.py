@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporaries of one chunk of updated rows")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"],
                    help="dtype of head weight, gradient and optimizer state")
+    p.add_argument("--subcenters", type=int, help="sub-center ArcFace: K weight rows per "
+                   "class (K x the head's weight, state, gradient and matmuls)")
     p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction,
                    default=m["row_sparse_grad"], help="the head's weight gradient holds "
                    "only the sampled rows, as PartialFC keeps it (default); "
@@ -82,7 +84,9 @@ def format_table(r: PlanResult) -> str:
     lines = [
         f"{i.classes:,} classes on {i.gpus} GPU{'s' * (i.gpus > 1)} ({i.gpus_per_node}/node): "
         f"{r.classes_per_gpu:,} per GPU, {r.sampled_classes_per_gpu:,} sampled (r="
-        f"{i.sample_rate}); D={i.dim}, batch {i.batch}/GPU; {i.backbone} "
+        f"{i.sample_rate})"
+        + (f", {i.subcenters} sub-centers each" if i.subcenters > 1 else "")
+        + f"; D={i.dim}, batch {i.batch}/GPU; {i.backbone} "
         f"({r.backbone_params / 1e6:.1f}M params"
         + (f", checkpointing every {i.checkpointing}" if i.checkpointing else "")
         + f"), {i.engine} {i.precision}"

@@ -37,11 +37,14 @@ from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
 from partial_fc.margins import Margin
+from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
-from partial_fc.tiles import KERNELS, TileBackend, select, triton_available
+from partial_fc.subcenters import DominantShare, expand_rows
+from partial_fc.tiles import KERNELS, triton_available
+from partial_fc.tiles.selfcheck import CheckedTiles
 
 __all__ = ["PartialFC"]
 
@@ -62,7 +65,10 @@ class PartialFC(nn.Module):
             = one rank (no collectives at all).
         seed: seeds the weight init (per global class) and the negative sampling.
         kernel: ``"torch"``, ``"triton"`` (CUDA) or ``"auto"`` (triton for CUDA tensors when
-            it is installed): the class-tile passes (``partial_fc.tiles``).
+            it is installed): the class-tile passes (``partial_fc.tiles``). The first forward
+            on a device that runs the Triton kernels checks them against the torch path on a
+            slice of that step (``partial_fc.tiles.selfcheck``, collective): on a failure
+            ``"auto"`` goes on with torch there (``take_notes`` says so), ``"triton"`` raises.
         max_tile_bytes: the torch path's budget of fp32 ``[N, chunk]`` cosines per chunk.
         state_dtype: dtype of ``weight``, its gradient and optimizer state: ``torch.float32``
             or ``torch.bfloat16`` (half the memory; bf16 matmul operands, fp32 softmax).
@@ -72,13 +78,18 @@ class PartialFC(nn.Module):
             ``p_target`` at 1e-30: ``-ln 1e-30``); the gradient stays the uncapped one.
         device: where ``weight`` is created (default: the CPU); give the training device at
             large class counts, so no whole shard passes through host memory.
+        subcenters: ``K`` centres per class (sub-center ArcFace, ``partial_fc.subcenters``):
+            ``weight`` is ``[K * num_local, D]``, class-major, a class's cosine the largest of
+            its ``K``; the sampler samples classes (all ``K`` rows of each); the class tiles
+            take the torch path (the Triton kernels have no ``K``-way max; ``take_notes`` says
+            so); ``stats`` adds ``subcenter_dominant_share``.
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks; ranks may pass different
     ``n_local``. A loop that must not wait for the device passes ``sizes`` and
     ``defer_label_check`` (see ``forward``).
 
-    State (``state_dict``): ``weight`` ``[num_local, D]`` (this rank's rows, classes
+    State (``state_dict``): ``weight`` ``[K * num_local, D]`` (this rank's rows, classes
     ``class_start ..``); ``step`` (training forwards so far, replicated, a host int saved as
     int64; seeds the sampler, SphereFace's lambda, the margin warm-up); ``margin.scale.s``
     (AdaCos only, replicated).
@@ -105,6 +116,7 @@ class PartialFC(nn.Module):
         device: torch.device | str | None = None,
         init: str = "per_class",
         loss_cap: float | None = None,
+        subcenters: int = 1,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -128,6 +140,11 @@ class PartialFC(nn.Module):
                              "use kernel='torch' or 'auto'")
         if max_tile_bytes < 1:
             raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
+        if not isinstance(subcenters, int) or subcenters < 1:
+            raise ValueError(f"PartialFC: subcenters={subcenters!r} must be an int >= 1")
+        if subcenters > 1 and kernel == "triton":
+            raise ValueError(f"PartialFC: kernel='triton' has no K-way max for subcenters="
+                             f"{subcenters}; use kernel='auto' or 'torch'")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
                              f"{STATE_DTYPES}")
@@ -142,10 +159,15 @@ class PartialFC(nn.Module):
         if loss_cap is not None and not loss_cap > 0:
             raise ValueError(f"PartialFC: loss_cap={loss_cap} must be > 0 or None")
         self.loss_cap = loss_cap
-        rows = torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device)
+        self.subcenters = k = subcenters
+        weight = torch.empty(k * self.num_local, embedding_size, dtype=state_dtype,
+                             device=device)  # a class's K rows drawn as one row of K * D
         # per_rank: every rank draws the rows rank 0 would (its block is their prefix).
         first = self.class_start if init == "per_class" else 0
-        self.weight = nn.Parameter(init_rows_(rows, first, seed))  # bf16: fp32 draws rounded
+        init_rows_(weight.view(self.num_local, k * embedding_size), first, seed)
+        self.weight = nn.Parameter(weight)  # bf16: the fp32 draws rounded to nearest
+        self.tiles = CheckedTiles(kernel, self.max_tile_bytes, k)  # the back-end per device
+        self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         margin.scale.reset(num_classes)
         self.step = 0  # training forwards (or begin_step steps) so far; "step" in state_dict
@@ -154,12 +176,23 @@ class PartialFC(nn.Module):
         self.stats: Mapping[str, float] = {}
         self._plan: StepSample | None = None  # from begin_step, until the next pop
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
-        self._ledger = RowLedger(self.num_local, sample_rate, num_classes)
+        self._ledger = RowLedger(k * self.num_local, sample_rate, num_classes)
+
+    @property
+    def row_start(self) -> int:
+        """The global index of this rank's first weight row (``K`` rows per class)."""
+        return self.class_start * self.subcenters
+
+    def take_notes(self) -> list[str]:
+        """One line for each choice of the head's a user should see (the torch path for
+        sub-centers, a failed kernel check), each once; the trainer logs them."""
+        return self.tiles.take_notes()
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
-                f"sample_rate={self.sample_rate}")
+                f"sample_rate={self.sample_rate}"
+                + (f", subcenters={self.subcenters}" if self.subcenters > 1 else ""))
 
     def pop_sampled_rows(self) -> SampledRows:
         """The rows the forwards (with grad enabled) since the last call used, and the labels
@@ -225,8 +258,9 @@ class PartialFC(nn.Module):
         out = {}
         for name, i, k in (("theta_target", owned, targets[owned]),
                            ("theta_nontarget", pick_i, pick_k)):
-            w = F.normalize(self.weight.detach()[k].float(), dim=1)
-            cos = (e[i] * w).sum(dim=1).clamp(-1.0, 1.0)
+            rows = k[:, None] * self.subcenters + torch.arange(self.subcenters, device=device)
+            w = F.normalize(self.weight.detach()[rows].float(), dim=2)  # [M, K, D]
+            cos = (e[i][:, None] * w).sum(dim=2).amax(dim=1).clamp(-1.0, 1.0)
             out[name] = torch.rad2deg(torch.acos(dist_ops.all_gather(cos, group)))
         return out
 
@@ -265,10 +299,14 @@ class PartialFC(nn.Module):
         else:
             step = self.step
             index, targets = None, local_targets(y, self.class_start, self.num_local)
-        self.sampled_index = index
-        self._ledger.record(index)
-        shard = self._shard(e, index, targets)
+        rows = expand_rows(index, self.subcenters)  # a sampled class brings its K rows
+        self.sampled_index = rows
+        self._ledger.record(rows)
+        shard = self._shard(e, rows, targets)
         scale = self.margin.scale
+        psi = functools.partial(self.margin.target, step=step)
+        shard.tiles = self.tiles.checked(shard.tiles, shard.e, shard.w, shard.inv_norm,
+                                         shard.targets, scale.value(), psi, group)
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
                             self.training, group)
@@ -278,10 +316,12 @@ class PartialFC(nn.Module):
             row_max, row_sum, _ = shard.stats(s)
         loss, sum_exp, shift = margin_softmax_loss(
             e, self.weight, shard, row_max, row_sum,
-            functools.partial(self.margin.target, step=step), s, group, self.loss_cap)
+            psi, s, group, self.loss_cap)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
-        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s)
+        extra = {} if self._dominant is None else {
+            SUBCENTER_SHARE: self._dominant.update(targets, shard.nearest, index, group)}
+        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, extra)
         return loss
 
     # ------------------------------------------------------------------ helpers
@@ -338,11 +378,8 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(self.weight.dtype)
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
-            return Shard(e_op, w, index, inv, targets, self._tiles(e.device))
-
-    def _tiles(self, device: torch.device) -> TileBackend:
-        """The class-tile back-end for ``device``."""
-        return select(self.kernel, device, self.max_tile_bytes)
+            return Shard(e_op, w, index, inv, targets, self.tiles.for_device(e.device),
+                         self.subcenters)
 
 
 def _save_step(head: PartialFC, state: dict, prefix: str, _metadata) -> None:

@@ -35,6 +35,7 @@ MarginGradient = Literal["exact", "straight_through"]
 MARGIN_KEYS = frozenset(
     {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps", "gradient"}
     | {"lambda_base", "lambda_gamma", "lambda_power", "lambda_min"}
+    | {"subcenters"}  # read by PartialFC (the weight's shape), not by the margin
 )
 _LAMBDAS = ("lambda_base", "lambda_gamma", "lambda_power", "lambda_min")
 # acos is clamped to [-1 + eps, 1 - eps]: 1 - 1e-7 rounds to the fp32 value 1 - 2**-23, where
@@ -236,6 +237,13 @@ def _warmup_errors(steps: Any) -> list[tuple[str, str]]:
     return [_error("warmup_steps", steps, "must be an int >= 0 (0 = the full margin at once)")]
 
 
+def _subcenter_errors(k: Any) -> list[tuple[str, str]]:
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+        return []
+    return [_error("subcenters", k, "must be an int >= 1 (1 = one centre per class; the "
+                   "sub-center ArcFace paper uses 3)")]
+
+
 def _easy_margin_errors(m1: float, m2: float, key: str) -> list[tuple[str, str]]:
     """``easy_margin`` keeps ``cos(m1*theta + m2)`` for ``cos(theta) > 0`` only, so that
     branch must be monotone up to ``theta = pi/2``: ``m1*pi/2 + m2 <= pi``."""
@@ -276,7 +284,7 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         return [("margin", f"margin: unknown key(s) {unknown}; valid keys: {sorted(MARGIN_KEYS)}")]
     get = {k: v for k, v in cfg.items() if v is not None}.get
     kind, adacos = get("type"), get("adacos")
-    out = _warmup_errors(get("warmup_steps", 0))
+    out = _warmup_errors(get("warmup_steps", 0)) + _subcenter_errors(get("subcenters", 1))
     if kind not in MARGIN_TYPES:
         out.append(_error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}"))
     if get("gradient", "exact") not in get_args(MarginGradient):

@@ -31,17 +31,22 @@ class Shard:
     ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
-    back-end ``tiles``. Every row is computed and the
+    back-end ``tiles``. With ``subcenters = K > 1`` ``w`` holds ``K`` rows per class
+    (``partial_fc.subcenters``): ``cos_t`` is the largest of the target's ``K`` and
+    ``nearest`` ``[N]`` which centre gave it. Every row is computed and the
     others masked, rather than the owned rows selected: a selection's size depends on the
     labels, and on CUDA learning it makes the host wait for the device."""
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
-                 targets: Tensor, tiles: TileBackend) -> None:
+                 targets: Tensor, tiles: TileBackend, subcenters: int = 1) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
         self.targets, self.tiles = targets, tiles
         self.owned = targets >= 0
+        k = subcenters  # w: K rows per class (partial_fc.subcenters); the best one counts
         cols = targets.clamp_min(0)
-        cos_t = (e.float() * w[cols].float()).sum(dim=1) * inv_norm[cols]
+        rows = cols[:, None] * k + torch.arange(k, device=cols.device)  # [N, K]
+        cos_k = (e.float()[:, None] * w[rows].float()).sum(dim=2) * inv_norm[rows]
+        cos_t, self.nearest = cos_k.max(dim=1)  # nearest: which centre of the target
         self.cos_t = torch.where(self.owned, cos_t, 0.0)
 
     def stats(self, s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:

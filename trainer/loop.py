@@ -141,7 +141,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     seams.BACKBONE_BUILT(backbone, rank=env.rank)
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
-                     device=env.device, **cfg.head.partial_fc_kwargs())
+                     device=env.device, **cfg.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
@@ -291,6 +291,8 @@ def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> Stop
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
     result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    for note in result.notes:  # the head's choices, once each
+        log.info(note)
     run.step += 1
     if result.overflow:  # fp16 loss scale too high: skipped, not diverging
         run.skipped_steps += 1

@@ -427,3 +427,16 @@ def test_data_dirs_sum_their_manifests_and_check_each(tmp_path):
         assert any(text in line for line in lines), (text, lines)
     with pytest.raises(ConfigError, match=r"data.exclude\[1\]=.nope.: no such file"):
         load_config(path, ["data.exclude=[null, nope]"])
+
+
+SMOKE = CONFIGS[0].parent / "smoke.yaml"
+
+
+def test_subcenters_with_the_triton_kernels_are_refused():
+    """The kernels have no K-way max: head.kernel=triton (fatal on a kernel failure) cannot
+    run a sub-center head; auto takes the torch path and says so at start-up."""
+    with pytest.raises(ConfigError, match=r"head.kernel='triton': the Triton kernels have no "
+                                          r"K-way max for margin.subcenters=3"):
+        load_config(SMOKE, ["margin.subcenters=3", "head.kernel=triton"], resolve=False)
+    cfg = load_config(SMOKE, ["margin.subcenters=3"], resolve=False)
+    assert cfg.partial_fc_kwargs()["subcenters"] == 3

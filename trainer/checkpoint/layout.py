@@ -349,7 +349,7 @@ def load(path: Path, engine) -> CheckpointMeta:
     meta = read_meta(path)
     reader = SafeReader(path / "state")
     head = engine.head
-    lo, hi = head.class_start, head.class_start + head.num_local
+    lo, hi = head.row_start, head.row_start + head.weight.shape[0]
     template: dict[str, torch.Tensor] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -371,6 +371,23 @@ def load(path: Path, engine) -> CheckpointMeta:
         if "cuda" in saved and engine.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda"], engine.device)
     return meta
+
+
+def read_rows(path: Path, key: str) -> torch.Tensor:
+    """Every row of the row-sharded entry ``key`` (``head.weight``: ``[K * C, D]``) of the
+    verified checkpoint folder ``path``, joined from the blocks of all ranks that saved it, on
+    the CPU: for a tool that needs the whole matrix (``launch.clean``). Collective when a
+    process group is up (DCP's load): every rank calls it."""
+    reader = SafeReader(Path(path) / "state")
+    template = {}
+    for name, md in reader.read_metadata().state_dict_metadata.items():
+        block = _BLOCK.match(name)
+        if block is not None and block["key"] == key and isinstance(md, TensorStorageMetadata):
+            template[name] = torch.zeros(md.size, dtype=md.properties.dtype)
+    if not template:
+        raise CheckpointError(f"{path}: holds no rows of {key!r}; not a partial-fc checkpoint")
+    dcp.load(template, storage_reader=reader)
+    return _my_rows(template, key, 0, max(int(_BLOCK.match(n)["stop"]) for n in template))
 
 
 def _my_rows(blocks: dict[str, torch.Tensor], key: str, lo: int, hi: int) -> torch.Tensor:

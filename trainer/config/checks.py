@@ -47,6 +47,9 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
                         f"engine.type=ddp (or {key}={default!r})"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
+    if m.subcenters > 1 and cfg.head.kernel == "triton":
+        out.append(("head.kernel", f"head.kernel='triton': the Triton kernels have no K-way max "
+                    f"for margin.subcenters={m.subcenters} (use head.kernel=auto or torch)"))
     if (
         cfg.engine.type == "deepspeed"
         and cfg.engine.precision in ("fp16", "bf16")

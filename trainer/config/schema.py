@@ -171,6 +171,12 @@ class MarginConfig(_Section):
         "unchanged, d psi/d cos = 1 (insightface arcface_torch's gradient, which its published "
         "ArcFace numbers used)"
     )
+    subcenters: PosInt = Field(
+        1, description="sub-center ArcFace (Deng et al., ECCV 2020): K centres per class, a "
+        "class's cosine the largest of its K, with any margin type; 1 = off, the paper's K is "
+        "3; the head holds K x the rows (launch.plan counts them); launch.clean lists the "
+        "samples far from their class's dominant centre"
+    )
     p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
         "checked against (a warning only; not passed to the margin)"
@@ -184,7 +190,9 @@ class HeadConfig(_Section):
     )
     kernel: Literal[KERNELS] = Field(
         "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "
-        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch"
+        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch; the "
+        "first step checks the kernels against torch on a slice: auto goes on with torch after "
+        "a mismatch (one line says so), triton stops the run"
     )
     max_tile_mib: PosInt = Field(
         32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "
@@ -380,6 +388,11 @@ class Config(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output if self.output is not None else f"runs/{self.name}")
+
+    def partial_fc_kwargs(self) -> dict[str, Any]:
+        """``PartialFC``'s keyword arguments: the head section's, and the margin's
+        sub-centers (the weight's shape)."""
+        return {**self.head.partial_fc_kwargs(), "subcenters": self.margin.subcenters}
 
     def margin_kwargs(self) -> dict[str, Any]:
         """The dict for ``partial_fc.build_margin``."""

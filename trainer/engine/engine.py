@@ -126,6 +126,7 @@ class StepResult:
     numbers: Mapping[str, float] = field(repr=False)  # {"loss", "grad_norm"}, read lazily
     angles: dict[str, Tensor] | None = None  # PartialFC.angle_sample, when asked for
     head_stats: Mapping[str, float] = field(default_factory=dict, repr=False)  # head.stats
+    notes: tuple[str, ...] = ()  # the head's new start-up lines (PartialFC.take_notes)
 
     @property
     def loss(self) -> float:
@@ -275,6 +276,7 @@ class Engine:
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
                           stop=agreed_stop, angles=sample, head_stats=self.head.stats,
+                          notes=tuple(self.head.take_notes()),
                           numbers=DeviceScalars({"loss": loss_sum / k,
                                                  "grad_norm": update.grad_norm}))
 
@@ -317,10 +319,11 @@ class Engine:
         gathers a partitioned optimizer state into full form)."""
         head = self.head
 
-        def rows(value: Tensor) -> Tensor | Rows:
+        def rows(value: Tensor) -> Tensor | Rows:  # K weight rows per class (sub-centers)
             value = torch.as_tensor(value)
-            per_row = value.ndim >= 1 and value.shape[0] == head.num_local
-            return Rows(value, head.class_start, head.num_classes) if per_row else value
+            per_row = value.ndim >= 1 and value.shape[0] == head.weight.shape[0]
+            return (Rows(value, head.row_start, head.num_classes * head.subcenters) if per_row
+                    else value)
 
         return EngineState(
             head={k: rows(v) if k == "weight" else v for k, v in head.state_dict().items()},

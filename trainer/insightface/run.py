@@ -139,7 +139,7 @@ def _save(cfg: Config, shards: shards_io.Shards, step: int) -> Path:
         backbone = build_backbone(**cfg.backbone.build_kwargs())
         head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                          build_margin(cfg.margin_kwargs()), process_group=env.group,
-                         seed=cfg.seed, **cfg.head.partial_fc_kwargs())
+                         seed=cfg.seed, **cfg.partial_fc_kwargs())
         writer = Config.model_validate({**cfg.model_dump(), "engine": {
             **cfg.engine.model_dump(), "type": "ddp", "precision": "fp32", "compile": False}})
         engine = Engine(writer, backbone, head, env, total_steps=max(step, 1), warmup_steps=0)
