@@ -20,14 +20,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from data_pipeline.exclusion import Exclusions, write_exclusions
-from launch.cli import add_checkpoint_argument, plain_help
+from launch.cli import EXIT_STATUS, add_checkpoint_argument, plain_help
 from trainer.checkpoint import CheckpointError
 from trainer.cleaning import DEFAULT_THRESHOLD
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.clean", description=plain_help(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=EXIT_STATUS)
     add_checkpoint_argument(p)
     p.add_argument("--data", type=Path, required=True, help="the shard folder it trained on")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")

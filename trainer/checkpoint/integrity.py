@@ -30,8 +30,9 @@ class CheckpointError(Stopped, ValueError):
     """A checkpoint that cannot be written or trusted; the message names the step or file."""
 
 
-class CheckpointNotFound(Refused, CheckpointError):
-    """A checkpoint path the user gave (``checkpoint.resume``) holds none: bad input."""
+class CheckpointNotFound(Refused):
+    """A checkpoint path the user gave (``checkpoint.resume``) holds none: bad input (exit 2),
+    not a checkpoint that failed (:class:`CheckpointError`, exit 1)."""
 
 
 def sha256(path: Path) -> str:

@@ -266,7 +266,7 @@ def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None) -> Path 
     if env.is_main:
         try:
             answer[0] = _choose(run_dir, resume)
-        except CheckpointError as err:
+        except (CheckpointError, CheckpointNotFound) as err:
             answer[1] = err  # its kind decides the exit code on every rank
     dist.broadcast_object_list(answer, src=0, group=env.group)
     if answer[1] is not None:
