@@ -13,6 +13,8 @@ NNODES   ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
+# torchrun's restarts for `make <recipe>`: on a machine of your own no scheduler retries a rank
+# the OOM killer took; the recipe's --check refuses a bad config first (docs/cluster.md: Restarts).
 MAX_RESTARTS ?= 3
 DATA     ?=
 OUT      ?=
@@ -24,7 +26,7 @@ SMOKE_CLASSES ?= 100
 SMOKE_IMAGES  ?= 20
 SMOKE_NPROC   ?= 2
 
-RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
+RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
 
 .PHONY: setup train train-orl bench-orl demo-scale test test-fast test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
 
@@ -75,9 +77,13 @@ $(SMOKE_DATA)/manifest.json: | setup
 	m = w('$(SMOKE_DATA)', $(SMOKE_CLASSES), $(SMOKE_IMAGES), seed=0); \
 	print(f'synthetic data: {m.num_classes} classes, {m.num_samples} images in $(SMOKE_DATA)')"
 
+# The config, the data folder and the batch are checked once, in one process, before torchrun
+# starts (as the recipes do): an error is then printed once, never lost to another rank's exit.
 # `exec`: no shell stays between make and the launcher, so a signal sent to every process of
 # the job reaches make and the launcher only (docs/training.md: make and SIGTERM).
 train: setup $(SMOKE_DATA)/manifest.json
+	@$(PY) -m launch.train --check --errors-only --nproc-per-node $(SMOKE_NPROC) \
+	  --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
 	export OMP_NUM_THREADS=1; exec $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
 	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
 
@@ -87,10 +93,13 @@ ORL_BIN  := data/orl_s31-s40.bin
 
 $(ORL_DATA)/manifest.json: | setup
 	$(PY) -c "from data_pipeline.orl import write_orl_shards as w; \
-	w('$(ORL_DATA)', identities=[f's{i}' for i in range(1, 31)])"
+	m = w('$(ORL_DATA)', identities=[f's{i}' for i in range(1, 31)]); \
+	print(f'ORL faces: {m.num_classes} identities, {m.num_samples} images in $(ORL_DATA)')"
 
 $(ORL_BIN): | setup
-	$(PY) -c "from data_pipeline.orl_pairs import write_orl_verification_bin as w; w('$@')"
+	$(PY) -c "from data_pipeline.orl_pairs import write_orl_verification_bin as w; \
+	from data_pipeline.verification_bin import read_bin; p = w('$@'); n = len(read_bin(p)[1]); \
+	print(f'ORL verification pairs: {n} pairs of s31-s40 in {p}')"
 
 train-orl: $(ORL_DATA)/manifest.json $(ORL_BIN)
 	OMP_NUM_THREADS=1 $(PY) -m launch.train --config configs/orl.yaml \
@@ -125,8 +134,8 @@ DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER
 # The config is checked once for the launch's shape before torchrun starts: torchrun would
 # restart a refused config MAX_RESTARTS times and print it each time.
 $(RECIPES): setup
-	@$(PY) -m launch.train --check --nproc-per-node $(NPROC_PER_NODE) --nnodes $(NNODES) \
-	  --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
+	@$(PY) -m launch.train --check --errors-only --nproc-per-node $(NPROC_PER_NODE) \
+	  --nnodes $(NNODES) --config configs/$(subst -,_,$@).yaml $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 	exec $(TORCHRUN) $(DIST) -m launch.train --config configs/$(subst -,_,$@).yaml \
 	  $(if $(DATA),data.dir=$(DATA)) $(ARGS)
 

@@ -176,7 +176,7 @@ def run_step(args: argparse.Namespace, env: DistEnv, classes: int, rate: float) 
     torch.manual_seed(0)
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
                      process_group=env.group, seed=cfg.seed, device=device,
-                     **cfg.head.partial_fc_kwargs())  # as launch.train builds it
+                     **cfg.partial_fc_kwargs())  # as launch.train builds it
     engine = Engine(cfg, build_backbone(**cfg.backbone.build_kwargs()), head, env,
                     total_steps=args.warmup + args.steps, warmup_steps=0)
     marks = Marks(device)

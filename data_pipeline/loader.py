@@ -48,6 +48,7 @@ from data_pipeline.codec import resolve_decoder
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
+from data_pipeline.parent_death import die_with_parent
 from data_pipeline.slots import SlotPool
 
 IMAGE_SIZE = 112
@@ -368,12 +369,15 @@ class _ShardLoader(EpochBatches):
 
 
 def _outlive_stop_signals(worker: int) -> None:
-    """A worker outlives a SIGTERM or SIGUSR1 sent to every process of the job (``scancel``,
-    a batch system's time limit): the trainer stops at the next step boundary
-    (``trainer.preemption``) and ends its workers itself. SIGUSR1 is ignored; the first
-    SIGTERM only re-arms the default, so a second one (DataLoader's ``terminate()`` of a stuck
-    worker, multiprocessing's at exit) still ends it."""
+    """A worker outlives a SIGTERM, SIGUSR1 or SIGINT sent to every process of the job
+    (``scancel``, a batch system's time limit, Ctrl-C): the trainer stops at the next step
+    boundary (``trainer.preemption``) and ends its workers itself. SIGUSR1 and SIGINT are
+    ignored; the first SIGTERM only re-arms the default, so a second one (DataLoader's
+    ``terminate()`` of a stuck worker, multiprocessing's at exit) still ends it. A worker
+    whose rank died (SIGKILL, the OOM killer) is killed with it."""
+    die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 

@@ -72,3 +72,30 @@ def write_synthetic_dataset(out_dir: str | os.PathLike, num_classes: int, images
                                 size=SIZE, samples_per_shard=samples_per_shard,
                                 shuffle_seed=seed)
     return manifest
+
+
+class MislabelledSource(SyntheticSource):
+    """The synthetic set with label noise planted, for testing data cleaning
+    (``python -m launch.clean``): every ``every``-th item (``index % every == every // 3``)
+    shows another identity's image under its own label, one such per ``every`` images, as
+    web-crawled sets file images under the wrong identity. ``planted``: those items' indices
+    (written with ``shuffle_seed=None`` their keys are ``f"{index:09d}"``)."""
+
+    def __init__(self, num_classes: int, images_per_class: int, seed: int = 0,
+                 every: int = 10):
+        super().__init__(num_classes, images_per_class, seed)
+        if num_classes < 2 or every < 2:
+            raise ValueError(f"num_classes={num_classes}, every={every}: both must be >= 2")
+        self.every = every
+        self.planted = frozenset(range(every // 3, len(self), every))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "type": "synthetic-mislabelled", "every": self.every}
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        label, image = divmod(index, self.images_per_class)
+        if index not in self.planted:
+            return super().read(index)
+        other = (label + 1 + index % (self.num_classes - 1)) % self.num_classes
+        data, _, src = super().read(other * self.images_per_class + image)
+        return data, label, src

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from torch import nn
 
 from trainer.checkpoint.backbone import CheckpointError, load_backbone
+from trainer.errors import EXIT_STATUS
+
+__all__ = ["EXIT_STATUS", "add_checkpoint_argument", "load_backbone_or_exit", "plain_help"]
 
 
 def plain_help(doc: str) -> str:
@@ -28,8 +32,10 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
 
 def load_backbone_or_exit(path: str | os.PathLike) -> nn.Module:
     """:func:`load_backbone` for a program's ``--checkpoint``: a :class:`CheckpointError`
-    ends the program with its one line (``error: ...``, exit status 1), not a traceback."""
+    ends the program with its one line (``error: ...``) and exit status 2, as any bad input
+    (the checkpoint is the program's input), not a traceback."""
     try:
         return load_backbone(path)[0]
     except CheckpointError as err:
-        raise SystemExit(f"error: {err}") from None
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

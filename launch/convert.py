@@ -3,6 +3,10 @@
   python -m launch.convert imagefolder SRC OUT   # SRC/<identity>/<image>, labels by sorted name
   python -m launch.convert insightface SRC OUT   # SRC/train.rec + train.idx (+ property)
   python -m launch.convert verify OUT            # re-read every shard against OUT/manifest.json
+  python -m launch.convert insightface-checkpoint SRC OUT [--config FILE] [key=value ...]
+                                                 # an arcface_torch output folder -> a run
+  python -m launch.convert insightface-config CONFIG.py OUT.yaml [key=value ...]
+                                                 # an arcface_torch config -> a recipe
 
 Writing is atomic per shard and resumable: rerun the same command after a crash and finished
 shards are kept. Exit status: 0 success, 1 verify found problems, 2 bad input.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -21,13 +26,15 @@ from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.manifest import read_manifest
 from data_pipeline.verify import verify_dataset
 from data_pipeline.writer import DEFAULT_SAMPLES_PER_SHARD, write_dataset
-from launch.cli import plain_help
+from launch.cli import EXIT_STATUS, plain_help
+from trainer.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch.convert",
                                      description=plain_help(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EXIT_STATUS)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("imagefolder", "SRC/<identity>/<image> folders"),
                         ("insightface", "insightface train.rec/train.idx/property")):
@@ -48,11 +55,38 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                              help="skip files whose path relative to SRC matches this fnmatch "
                                   "pattern (repeatable), e.g. 's10/target.jpg'")
+    _insightface_parsers(commands)
     sub = commands.add_parser("verify", help="re-read every shard and check it")
     sub.add_argument("out", metavar="OUT", help="converted folder (holds manifest.json)")
     sub.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     sub.add_argument("--decoder", default="auto", help="auto | simplejpeg | pil")
     return parser
+
+
+def _insightface_parsers(commands) -> None:
+    sub = commands.add_parser(
+        "insightface-checkpoint", help="an arcface_torch output folder -> a partial-fc run")
+    sub.add_argument("src", metavar="SRC", help="arcface_torch output folder: model.pt and/or "
+                     "checkpoint_gpu_{rank}.pt")
+    sub.add_argument("out", metavar="OUT", help="run folder to write (config.yaml, checkpoints/)")
+    sub.add_argument("--config", type=Path, help="its arcface_torch config (.py) or a "
+                     "partial-fc YAML recipe")
+    sub.add_argument("overrides", nargs="*", metavar="key=value", help="partial-fc config keys")
+    sub = commands.add_parser(
+        "insightface-config", help="an arcface_torch config (.py, read, not run) -> YAML")
+    sub.add_argument("src", metavar="CONFIG", type=Path, help="e.g. configs/wf42m_pfc02_r100.py")
+    sub.add_argument("out", metavar="OUT", type=Path, help="YAML recipe to write")
+    sub.add_argument("overrides", nargs="*", metavar="key=value", help="partial-fc config keys")
+
+
+def _insightface(args: argparse.Namespace) -> int:
+    from trainer.insightface.commands import convert_checkpoint, convert_config
+
+    run = convert_config if args.command == "insightface-config" else convert_checkpoint
+    for line in run(Path(args.src), Path(args.out), args.__dict__.get("config"),
+                    args.overrides):
+        print(line)
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -88,10 +122,15 @@ def _verify(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command.startswith("insightface-"):
+            return _insightface(args)
         return _verify(args) if args.command == "verify" else _convert(args)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except UserError as exc:
+        print(f"{exc.label}: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

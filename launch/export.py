@@ -25,7 +25,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from launch.cli import add_checkpoint_argument, load_backbone_or_exit, plain_help
+from launch.cli import EXIT_STATUS, add_checkpoint_argument, load_backbone_or_exit, plain_help
 
 # The exporter's registry logs one warning per torchvision op it cannot register (detection
 # ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs
@@ -67,7 +67,8 @@ def check_onnx(backbone: nn.Module, path: str | os.PathLike, batch_sizes=(1, 5))
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.export", description=plain_help(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=EXIT_STATUS)
     add_checkpoint_argument(p)
     p.add_argument("--out", required=True, type=Path, help="ONNX file to write")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")

@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from launch.cli import plain_help
+from launch.cli import EXIT_STATUS, plain_help
 from partial_fc.backbones import list_backbones
 from trainer.plan import GIB, PlanError, PlanResult, StepTime, plan, step_model
 from trainer.plan_inputs import MACHINE, resolve_inputs
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launch.plan", description=plain_help(__doc__.split("\n\n")[0]),
         epilog="Values not given come from --config, else from trainer.config's schema defaults "
-        "(launch.train --help lists them).")
+        f"(launch.train --help lists them). {EXIT_STATUS}.")
     p.add_argument("--config", help="a recipe (configs/*.yaml) supplying the values below; "
                    "its data folder need not exist")
     p.add_argument("--classes", type=int, help="identities C (default: the recipe's "
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporaries of one chunk of updated rows")
     p.add_argument("--state-dtype", choices=["fp32", "bf16"],
                    help="dtype of head weight, gradient and optimizer state")
+    p.add_argument("--subcenters", type=int, help="sub-center ArcFace: K weight rows per "
+                   "class (K x the head's weight, state, gradient and matmuls)")
     p.add_argument("--row-sparse-grad", action=argparse.BooleanOptionalAction,
                    default=m["row_sparse_grad"], help="the head's weight gradient holds "
                    "only the sampled rows, as PartialFC keeps it (default); "
@@ -82,7 +84,9 @@ def format_table(r: PlanResult) -> str:
     lines = [
         f"{i.classes:,} classes on {i.gpus} GPU{'s' * (i.gpus > 1)} ({i.gpus_per_node}/node): "
         f"{r.classes_per_gpu:,} per GPU, {r.sampled_classes_per_gpu:,} sampled (r="
-        f"{i.sample_rate}); D={i.dim}, batch {i.batch}/GPU; {i.backbone} "
+        f"{i.sample_rate})"
+        + (f", {i.subcenters} sub-centers each" if i.subcenters > 1 else "")
+        + f"; D={i.dim}, batch {i.batch}/GPU; {i.backbone} "
         f"({r.backbone_params / 1e6:.1f}M params"
         + (f", checkpointing every {i.checkpointing}" if i.checkpointing else "")
         + f"), {i.engine} {i.precision}"

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
-from trainer.errors import Refused
+from trainer.errors import EXIT_STATUS, Refused
 from trainer.telemetry import run_files
 from trainer.telemetry.figures import FIGURES, RunData
 
@@ -125,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m launch.report",
         description="Plot one or more training runs (loss, lr, s, B_avg, theta_med, angle "
         "histograms, throughput, verification) into one self-contained HTML page.",
+        epilog=EXIT_STATUS,
     )
     parser.add_argument("runs", nargs="+", metavar="RUN",
                         help="run folders (launch.train's output)")

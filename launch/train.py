@@ -28,9 +28,14 @@ from trainer.config import (
     machine_notes,
 )
 from trainer.dist import init_distributed, launcher_rank, shutdown
+from trainer.errors import EXIT_STATUS, yield_to_reporter
 from trainer.loop import report_failure, train
+from trainer.preemption import LAUNCHER_WATCH, Interrupted, forget_requests
+from trainer.run_lock import run_folder_lock
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
+
+LAUNCHER_GRACE_S = 20.0  # beyond dist.timeout_s, how long a rank may outlive its launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Overrides are dotted keys of the schema below, values in YAML syntax, e.g.\n"
         "  margin.type=cosface margin.m=0.35 optim.lr=0.05 eval.bins=[lfw.bin,cfp_fp.bin]\n"
         "Recipes: configs/*.yaml (a recipe holds only differences from these defaults).\n\n"
-        "config keys (key: type = default):\n" + describe_keys(),
+        "config keys (key: type = default):\n" + describe_keys() + "\n\n" + EXIT_STATUS,
     )
     parser.add_argument("--config", required=True, help="YAML recipe (may say base: FILE)")
     parser.add_argument(
@@ -56,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", default="1", metavar="N|gpu",
                         help="--check: ranks per node, as torchrun's --nproc_per_node")
     parser.add_argument("--nnodes", type=int, default=1, help="--check: nodes")
+    parser.add_argument("--errors-only", action="store_true",
+                        help="--check: print no warnings (the run that follows prints them)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
 
@@ -74,13 +81,28 @@ def launch_machine(nproc_per_node: str, nnodes: int, here: Machine) -> Machine |
 
 
 def _print_once_per_node(message: str) -> None:
-    """Before any process group: every rank of a node found the same, one report per node."""
+    """Before any process group: every rank of a node found the same, one report per node,
+    from its local rank 0, which the others let exit first."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(message, file=sys.stderr)
+        print(message, file=sys.stderr, flush=True)
+    else:
+        yield_to_reporter()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    forget_requests()
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the step loop (start-up, the last save)
+        print("error: interrupted by SIGINT outside the step loop; the last checkpoint stays: "
+              "run the same command again to resume from it", file=sys.stderr)
+        return Interrupted.exit_code
+    finally:
+        forget_requests()  # a watcher's request belongs to this run only
+
+
+def _main(args: argparse.Namespace) -> int:
     machine = Machine.observe()  # the one look at this machine and torchrun's launch
     if args.check:  # the launch being checked, before torchrun starts it
         shape = launch_machine(args.nproc_per_node, args.nnodes, machine)
@@ -101,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # every rank found the same: one report per node
         _print_once_per_node(f"config error:\n{err}")
         return err.exit_code
-    for w in caught:
+    for w in caught if not args.errors_only else ():
         print_main(f"warning: {w.message}")
     if args.check:
         return 0
@@ -113,13 +135,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)
         print(dump_config(cfg), end="")
         return 0
+    # torchrun's ranks stop when it dies: a checkpoint at the next step boundary, or an
+    # exit within the process group's timeout when the group no longer works
+    LAUNCHER_WATCH.start(cfg.dist.timeout_s + LAUNCHER_GRACE_S)
     try:
         env = init_distributed(cfg.device, cfg.dist.timeout_s)
     except ConfigError as err:  # this node's network set-up (no interface to the others)
         _print_once_per_node(f"config error: {err}")
         return err.exit_code
     try:
-        train(cfg, env)
+        with run_folder_lock(cfg.run_dir, env):  # one job per run folder
+            train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
         return report_failure(err, env.rank, cfg.run_dir)
     finally:

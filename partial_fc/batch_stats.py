@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +84,13 @@ def global_stats(shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor
 
 
 def stats_readout(loss: Tensor, glob: GlobalStats, b_sums: Tensor, shift: Tensor,
-                  s: Tensor | float, margin_stats: Mapping[str, Tensor]) -> DeviceScalars:
+                  s: Tensor | float, extra: dict[str, Tensor] | None = None) -> DeviceScalars:
     """``PartialFC.stats`` from replicated tensors only (so identical on all ranks), read by
     the host only when a value is asked for (``partial_fc.readout``). ``glob`` is
     :func:`global_stats`'s result; ``b_sums`` ``[N]`` the softmax's non-target sums of
-    ``exp(z - shift)`` rescaled to all classes, ``s`` the scale the loss used,
-    ``margin_stats`` the margin's and auxiliary losses' own (``metric_names.MARGIN_STATS``)."""
+    ``exp(z - shift)`` rescaled to all classes, ``s`` the scale the loss used; ``extra``
+    further replicated 0-d statistics, passed through by name."""
+    extra = extra or {}
     log_b_avg = glob.log_b_avg
     if log_b_avg is None:  # B at the current s, from the softmax's non-target sums
         log_b_avg = log_mean_exp(torch.log(b_sums.double()) + shift.double())
@@ -98,19 +98,17 @@ def stats_readout(loss: Tensor, glob: GlobalStats, b_sums: Tensor, shift: Tensor
         "loss": loss.detach(), "theta_med": glob.theta_med, "log_b_avg": log_b_avg,
         "cos_target_mean": glob.target_cos.double().mean(),
         "scale": s,  # a fixed scale's float stays one (a tensor of it is a host copy)
-        "nontarget_cos_sum": glob.nontarget_cos_sum, "negatives": glob.negatives,
-        **margin_stats,
-    }, functools.partial(_host_stats, glob.target_cos.numel(), tuple(margin_stats)))
+        "nontarget_cos_sum": glob.nontarget_cos_sum, "negatives": glob.negatives, **extra,
+    }, functools.partial(_host_stats, glob.target_cos.numel(), tuple(extra)))
 
 
-def _host_stats(n: int, margin_keys: tuple[str, ...], raw: dict[str, float]
-                ) -> dict[str, float]:
+def _host_stats(n: int, extra: tuple[str, ...], raw: dict[str, float]) -> dict[str, float]:
     """The ``stats`` floats from the values read off the device (``n`` = global batch)."""
     neg = raw["negatives"]
     return {
-        **{key: raw[key] for key in margin_keys},
         names.SCALE: raw["scale"], names.THETA_MED: raw["theta_med"],
         names.B_AVG: math.exp(min(raw["log_b_avg"], 709.0)), names.LOSS: raw["loss"],
         names.COS_TARGET_MEAN: raw["cos_target_mean"],
         names.COS_NONTARGET_MEAN: raw["nontarget_cos_sum"] / (n * neg) if neg else math.nan,
+        **{k: raw[k] for k in extra},
     }

@@ -40,17 +40,21 @@ from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
 from partial_fc.margin_step import MarginBatch
 from partial_fc.margins import Margin
+from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.step_terms import finish, step_terms
-from partial_fc.tiles import KERNELS, ReferenceTiles, TileBackend, select, triton_available
+from partial_fc.subcenters import DominantShare, expand_rows
+from partial_fc.tiles import KERNELS, ReferenceTiles, triton_available
 from partial_fc.tiles.reference import chunk_columns
+from partial_fc.tiles.selfcheck import CheckedTiles
 
 __all__ = ["PartialFC"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+INITS = ("per_class", "per_rank")
 
 
 class PartialFC(nn.Module):
@@ -66,12 +70,24 @@ class PartialFC(nn.Module):
             = one rank (no collectives at all).
         seed: seeds the weight init (per global class) and the negative sampling.
         kernel: ``"torch"``, ``"triton"`` (CUDA) or ``"auto"`` (triton for CUDA tensors when
-            it is installed): the class-tile passes (``partial_fc.tiles``).
+            it is installed): the class-tile passes (``partial_fc.tiles``). The first forward
+            on a device that runs the Triton kernels checks them against the torch path on a
+            slice of that step (``partial_fc.tiles.selfcheck``, collective): on a failure
+            ``"auto"`` goes on with torch there (``take_notes`` says so), ``"triton"`` raises.
         max_tile_bytes: the torch path's budget of fp32 ``[N, chunk]`` cosines per chunk.
         state_dtype: dtype of ``weight``, its gradient and optimizer state: ``torch.float32``
             or ``torch.bfloat16`` (half the memory; bf16 matmul operands, fp32 softmax).
+        init: ``"per_class"`` (a class's initial row depends on ``(seed, class)`` only) or
+            ``"per_rank"`` (every rank starts from rank 0's rows: insightface's arcface_torch).
+        loss_cap: report each sample's loss as at most this (arcface_torch clamps
+            ``p_target`` at 1e-30: ``-ln 1e-30``); the gradient stays the uncapped one.
         device: where ``weight`` is created (default: the CPU); give the training device at
             large class counts, so no whole shard passes through host memory.
+        subcenters: ``K`` centres per class (sub-center ArcFace, ``partial_fc.subcenters``):
+            ``weight`` is ``[K * num_local, D]``, class-major, a class's cosine the largest of
+            its ``K``; the sampler samples classes (all ``K`` rows of each); the class tiles
+            take the torch path (the Triton kernels have no ``K``-way max; ``take_notes`` says
+            so); ``stats`` adds ``subcenter_dominant_share``.
         aux_losses: ArcFace's Intra-, Inter- and Triplet-Loss weights
             (``partial_fc.aux_losses``); None = all off.
 
@@ -80,7 +96,7 @@ class PartialFC(nn.Module):
     ``n_local``. A loop that must not wait for the device passes ``sizes`` and
     ``defer_label_check`` (see ``forward``).
 
-    State (``state_dict``): ``weight`` ``[num_local, D]`` (this rank's rows, classes
+    State (``state_dict``): ``weight`` ``[K * num_local, D]`` (this rank's rows, classes
     ``class_start ..``); ``step`` (training forwards so far, replicated, a host int saved as
     int64; seeds the sampler, SphereFace's lambda, the margin warm-up); ``margin.scale.s``
     (AdaCos only, replicated); the margin's EMAs (fp32, replicated: AdaFace's
@@ -107,6 +123,9 @@ class PartialFC(nn.Module):
         max_tile_bytes: int = 32 << 20,
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        init: str = "per_class",
+        loss_cap: float | None = None,
+        subcenters: int = 1,
         aux_losses: AuxLosses | None = None,
     ) -> None:
         super().__init__()
@@ -131,6 +150,11 @@ class PartialFC(nn.Module):
                              "use kernel='torch' or 'auto'")
         if max_tile_bytes < 1:
             raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
+        if not isinstance(subcenters, int) or subcenters < 1:
+            raise ValueError(f"PartialFC: subcenters={subcenters!r} must be an int >= 1")
+        if subcenters > 1 and kernel == "triton":
+            raise ValueError(f"PartialFC: kernel='triton' has no K-way max for subcenters="
+                             f"{subcenters}; use kernel='auto' or 'torch'")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
                              f"{STATE_DTYPES}")
@@ -140,9 +164,24 @@ class PartialFC(nn.Module):
         self.world_size, self.rank = world, rank
         self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
-        self.weight = nn.Parameter(init_rows_(  # bf16: the fp32 draws rounded to nearest
-            torch.empty(self.num_local, embedding_size, dtype=state_dtype, device=device),
-            self.class_start, seed))
+        if init not in INITS:
+            raise ValueError(f"PartialFC: init={init!r} must be one of {INITS}")
+        if loss_cap is not None and not loss_cap > 0:
+            raise ValueError(f"PartialFC: loss_cap={loss_cap} must be > 0 or None")
+        self.loss_cap = loss_cap
+        self.subcenters = k = subcenters
+        weight = torch.empty(k * self.num_local, embedding_size, dtype=state_dtype,
+                             device=device)  # a class's K rows drawn as one row of K * D
+        # per_rank: every rank draws the rows rank 0 would (its block is their prefix).
+        first = self.class_start if init == "per_class" else 0
+        init_rows_(weight.view(self.num_local, k * embedding_size), first, seed)
+        self.weight = nn.Parameter(weight)  # bf16: the fp32 draws rounded to nearest
+        self.tiles = CheckedTiles(kernel, self.max_tile_bytes, k)  # the back-end per device
+        reason = margin.torch_path_reason()
+        if reason is not None and kernel != "torch":
+            self.tiles.notes.append(f"head: {reason}, which the Triton kernels do not apply: "
+                                    f"the class tiles take the torch path (head.kernel=torch)")
+        self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         self.aux_losses = aux_losses or AuxLosses()
         margin.scale.reset(num_classes)
@@ -153,21 +192,24 @@ class PartialFC(nn.Module):
         self._plan: StepSample | None = None  # from begin_step, until the next pop
         self._draws = 0  # training forwards of the planned step so far (margin draws)
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
-        self._ledger = RowLedger(self.num_local, sample_rate, num_classes)
+        self._ledger = RowLedger(k * self.num_local, sample_rate, num_classes)
 
-    def path_note(self, device: torch.device) -> str | None:
-        """One start-up line when the margin makes the class tiles take the torch path where
-        ``kernel`` would run Triton on ``device`` (a non-target transform), else None."""
-        reason = self.margin.torch_path_reason()
-        if reason is None or isinstance(select(self.kernel, device, 1), ReferenceTiles):
-            return None
-        return (f"head: {reason}, which the Triton kernels do not apply: the class tiles "
-                f"take the torch path (head.kernel={self.kernel})")
+    @property
+    def row_start(self) -> int:
+        """The global index of this rank's first weight row (``K`` rows per class)."""
+        return self.class_start * self.subcenters
+
+    def take_notes(self) -> list[str]:
+        """One line for each choice of the head's a user should see (the torch path for
+        sub-centers or a margin's non-target transform, a failed kernel check), each once;
+        the trainer logs them."""
+        return self.tiles.take_notes()
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
-                f"sample_rate={self.sample_rate}")
+                f"sample_rate={self.sample_rate}"
+                + (f", subcenters={self.subcenters}" if self.subcenters > 1 else ""))
 
     def pop_sampled_rows(self) -> SampledRows:
         """The rows the forwards (with grad enabled) since the last call used, and the labels
@@ -234,8 +276,9 @@ class PartialFC(nn.Module):
         out = {}
         for name, i, k in (("theta_target", owned, targets[owned]),
                            ("theta_nontarget", pick_i, pick_k)):
-            w = F.normalize(self.weight.detach()[k].float(), dim=1)
-            cos = (e[i] * w).sum(dim=1).clamp(-1.0, 1.0)
+            rows = k[:, None] * self.subcenters + torch.arange(self.subcenters, device=device)
+            w = F.normalize(self.weight.detach()[rows].float(), dim=2)  # [M, K, D]
+            cos = (e[i][:, None] * w).sum(dim=2).amax(dim=1).clamp(-1.0, 1.0)
             out[name] = torch.rad2deg(torch.acos(dist_ops.all_gather(cos, group)))
         return out
 
@@ -274,10 +317,14 @@ class PartialFC(nn.Module):
         else:
             step = self.step
             index, targets = None, local_targets(y, self.class_start, self.num_local)
-        self.sampled_index = index
-        self._ledger.record(index)
-        shard = self._shard(e, index, targets)
+        rows = expand_rows(index, self.subcenters)  # a sampled class brings its K rows
+        self.sampled_index = rows
+        self._ledger.record(rows)
+        shard = self._shard(e, rows, targets)
         scale = self.margin.scale
+        # the target transform runs outside the tiles: the check feeds them the plain cosine
+        shard.tiles = self.tiles.checked(shard.tiles, shard.e, shard.w, shard.inv_norm,
+                                         shard.targets, scale.value(), lambda c: c, group)
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
                             self.training, group)
@@ -292,13 +339,16 @@ class PartialFC(nn.Module):
         if glob.log_b_avg is not None or terms.nontarget is not None:  # the logits moved:
             row_max, row_sum, _ = shard.stats(s)  # the statistics at s_t, of f(cos)
         loss, sum_exp, shift = margin_softmax_loss(
-            e, self.weight, shard, row_max, row_sum, terms.target, s, group, terms.row_term)
+            e, self.weight, shard, row_max, row_sum, terms.target, s, group, terms.row_term,
+            self.loss_cap)
         loss = finish(loss, terms, glob, group)
         if self.training and plan is None:  # a planned step advanced it in begin_step
             self.step += 1
         elif self.training:
             self._draws += 1
-        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, terms.stats)
+        extra = dict(terms.stats) if self._dominant is None else {**terms.stats,
+            SUBCENTER_SHARE: self._dominant.update(targets, shard.nearest, index, group)}
+        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, extra)
         return loss
 
     # ------------------------------------------------------------------ helpers
@@ -355,14 +405,11 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(self.weight.dtype)
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
-            return Shard(e_op, w, index, inv, targets, self._tiles(e.device))
-
-    def _tiles(self, device: torch.device) -> TileBackend:
-        """The class-tile back-end for ``device``: the torch path when the margin transforms
-        non-target cosines (:meth:`path_note`)."""
-        if self.margin.torch_path_reason() is not None:
-            return ReferenceTiles(self.max_tile_bytes)
-        return select(self.kernel, device, self.max_tile_bytes)
+            # a margin's non-target transform runs on the torch tiles only (take_notes)
+            tiles = (ReferenceTiles(self.max_tile_bytes, self.subcenters)
+                     if self.margin.torch_path_reason() is not None
+                     else self.tiles.for_device(e.device))
+            return Shard(e_op, w, index, inv, targets, tiles, self.subcenters)
 
     def _gather(self, x: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor | None]:
         """The global batch's normalised embeddings ``[N, D]`` and, when the margin reads

@@ -6,8 +6,9 @@ transform: ``partial_fc.nontarget``). The head computes ``logit_target = s * psi
 through the protocol of ``partial_fc.margin_step`` (:meth:`Margin.begin`); the margins that
 read batch statistics are in ``partial_fc.adaptive_margins``, built here by
 :func:`build_margin`. Every ``psi`` is computed in fp32 with its true
-derivative by autograd (no straight-through trick); the only deviation is the clamp of
-``acos``'s input, stated where it applies. A margin owns its scale module (``self.scale``,
+derivative by autograd; the deviations are the clamp of ``acos``'s input, stated where it
+applies, and the opt-in straight-through gradient (``gradient="straight_through"``, see
+:class:`Margin`). A margin owns its scale module (``self.scale``,
 fixed or AdaCos, see ``partial_fc.scale``) so that ``head.state_dict()`` holds the scale
 state.
 """
@@ -27,21 +28,23 @@ from partial_fc.nontarget import NonTarget
 from partial_fc.scale import AdaCosScale, FixedScale
 
 __all__ = [
-    "MARGIN_KEYS", "MARGIN_TYPES", "CombinedMargin", "Margin", "MarginType", "SphereFaceMargin",
-    "build_margin", "margin_errors", "margin_warnings", "normface_scale_bound",
+    "MARGIN_KEYS", "MARGIN_TYPES", "CombinedMargin", "Margin", "MarginGradient", "MarginType",
+    "SphereFaceMargin", "build_margin", "margin_errors", "margin_warnings", "normface_scale_bound",
 ]
 
 MarginType = Literal["normface", "sphereface", "cosface", "arcface", "combined", "adacos",
                      "adaface", "curricularface", "magface", "elasticface_arc", "elasticface_cos"]
 MARGIN_TYPES: tuple[str, ...] = get_args(MarginType)
 AdaCosMode = Literal["fixed", "dynamic"]
+MarginGradient = Literal["exact", "straight_through"]
 # The keys build_margin reads. trainer.config.MarginConfig declares each one for the user (with
 # its default and description, plus the validation-only p_w); a test holds the two equal.
 MARGIN_KEYS = frozenset(
-    {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps"}
+    {"type", "s", "m", "m1", "m2", "m3", "adacos", "easy_margin", "warmup_steps", "gradient"}
     | {"lambda_base", "lambda_gamma", "lambda_power", "lambda_min"}
     | {"h", "ema", "l_a", "u_a", "l_m", "u_m", "lambda_g", "sigma", "elastic_sort",
        "interclass_filter"}
+    | {"subcenters"}  # read by PartialFC (the weight's shape), not by the margin
 )
 _LAMBDAS = ("lambda_base", "lambda_gamma", "lambda_power", "lambda_min")
 # acos is clamped to [-1 + eps, 1 - eps]: 1 - 1e-7 rounds to the fp32 value 1 - 2**-23, where
@@ -60,7 +63,16 @@ class Margin(nn.Module):
     the angle as both ends are. It eases the start of training where a full angular margin
     stalls or diverges (ArcFace on ViTs: insightface issues #2144, #2043). The position in the
     ramp is the head's ``step`` buffer, so checkpoints (the head's state_dict) carry it.
+
+    Gradient (``gradient``): ``"exact"`` differentiates ``target`` as written.
+    ``"straight_through"`` keeps the forward value and takes ``d target / d cos = 1``: the
+    margin term ``target(cos) - cos`` is a constant in the backward. That is what insightface's
+    arcface_torch computes (``CombinedMarginLoss`` applies the angular margin in place under
+    ``torch.no_grad``), so its published ArcFace numbers were trained with it; for CosFace
+    and NormFace the two coincide (``docs/insightface.md`` has the measured difference).
     """
+
+    gradient: MarginGradient = "exact"  # build_margin sets it from the config
 
     def __init__(self, scale: FixedScale | AdaCosScale, warmup_steps: int = 0) -> None:
         super().__init__()
@@ -89,13 +101,17 @@ class Margin(nn.Module):
 
     def begin(self, batch: MarginBatch) -> MarginStep:
         """:meth:`prepare` under the warm-up (the target's penalty scaled by
-        ``warmup_factor``) and with the inter-class filter, if any."""
+        ``warmup_factor``), with the straight-through gradient when ``gradient`` asks for it
+        (the margin term a constant in the backward: no gradient to ``aux`` either) and with
+        the inter-class filter, if any."""
         out = self.prepare(batch)
-        t = self.warmup_factor(batch.step)
-        psi = out.psi
-        if t != 1.0:
-            def psi(c: Tensor, aux: Tensor | None, inner=out.psi) -> Tensor:
-                return torch.lerp(c.float(), inner(c, aux), t)
+        t, straight = self.warmup_factor(batch.step), self.gradient == "straight_through"
+
+        def psi(c: Tensor, aux: Tensor | None, inner=out.psi) -> Tensor:
+            value = inner(c, aux)
+            if t != 1.0:
+                value = torch.lerp(c.float(), value, t)
+            return c.float() + (value - c.float()).detach() if straight else value
         nontarget = out.nontarget
         if self.interclass_filter is not None:
             nontarget = NonTarget(tau=self.interclass_filter) if nontarget is None else \
@@ -264,6 +280,13 @@ def _warmup_errors(steps: Any) -> list[tuple[str, str]]:
     return [_error("warmup_steps", steps, "must be an int >= 0 (0 = the full margin at once)")]
 
 
+def _subcenter_errors(k: Any) -> list[tuple[str, str]]:
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+        return []
+    return [_error("subcenters", k, "must be an int >= 1 (1 = one centre per class; the "
+                   "sub-center ArcFace paper uses 3)")]
+
+
 def _easy_margin_errors(m1: float, m2: float, key: str) -> list[tuple[str, str]]:
     """``easy_margin`` keeps ``cos(m1*theta + m2)`` for ``cos(theta) > 0`` only, so that
     branch must be monotone up to ``theta = pi/2``: ``m1*pi/2 + m2 <= pi``."""
@@ -304,9 +327,11 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         return [("margin", f"margin: unknown key(s) {unknown}; valid keys: {sorted(MARGIN_KEYS)}")]
     get = {k: v for k, v in cfg.items() if v is not None}.get
     kind, adacos = get("type"), get("adacos")
-    out = _warmup_errors(get("warmup_steps", 0))
+    out = _warmup_errors(get("warmup_steps", 0)) + _subcenter_errors(get("subcenters", 1))
     if kind not in MARGIN_TYPES:
         out.append(_error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}"))
+    if get("gradient", "exact") not in get_args(MarginGradient):
+        out.append(_error("gradient", get("gradient"), "not one of exact|straight_through"))
     if adacos not in (None, *get_args(AdaCosMode)):
         out.append(_error("adacos", adacos, "not one of fixed|dynamic"))
     if kind == "adacos" and adacos is None:
@@ -372,6 +397,15 @@ def margin_warnings(cfg: Mapping[str, Any], num_classes: int, p_w: float) -> lis
 
 
 def build_margin(cfg: Mapping[str, Any]) -> Margin:
+    """Build a margin from a config dict: :func:`_build_type`'s margin with the gradient
+    ``cfg["gradient"]`` (``exact`` | ``straight_through``, default exact; see :class:`Margin`).
+    """
+    margin = _build_type(cfg)
+    margin.gradient = cfg.get("gradient") or "exact"
+    return margin
+
+
+def _build_type(cfg: Mapping[str, Any]) -> Margin:
     """Build a margin from a config dict.
 
     Keys: ``type`` (one of ``MARGIN_TYPES``), ``s``, ``m`` (SphereFace/CosFace/ArcFace),

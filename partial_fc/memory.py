@@ -71,10 +71,12 @@ _HEAD_OPTIMIZERS = {"sgd": SampledSGD, "adamw": SampledAdamW}
 
 @dataclass(frozen=True)
 class HeadMemory:
-    """Per-GPU bytes of the sharded head on the rank holding the most classes."""
+    """Per-GPU bytes of the sharded head on the rank holding the most classes; ``num_local``
+    and ``sampled`` count classes, ``rows`` the sampled weight rows (``K`` per class)."""
 
     num_local: int
     sampled: int
+    rows: int
     weight: int
     optimizer_state: int
     gradient: int
@@ -92,6 +94,7 @@ def head_memory(
     num_classes: int, world_size: int, dim: int, global_batch: int, sample_rate: float = 1.0,
     *, max_tile_bytes: int, max_update_bytes: int, state_dtype: str = "fp32",
     optimizer: str = "sgd", precision: str = "fp32", row_sparse_grad: bool = True,
+    subcenters: int = 1,
 ) -> HeadMemory:
     """Bytes of the head's weight, optimizer state, gradient and working memory per GPU.
 
@@ -108,31 +111,39 @@ def head_memory(
             rounded copies).
         row_sparse_grad: the gradient holds only the sampled rows (as ``PartialFC`` keeps it
             at r < 1; False models a dense one).
+        subcenters: ``K`` weight rows per class (``partial_fc.subcenters``): K x the weight,
+            its optimizer state, gradient and sampled rows; the torch tile path's chunk of
+            ``chunk / K`` classes holds ``[N, chunk]`` centre cosines and their spread
+            gradient plus two ``[N, chunk / K]`` class tiles. The step's collectives do not
+            change (the max over a class's K rows stays on its shard).
     """
+    k = subcenters
     c_local = -(-num_classes // world_size)
     state = DTYPE_BYTES[state_dtype]
     head_opt = _HEAD_OPTIMIZERS[optimizer]
     positives = math.ceil(c_local * -math.expm1(-global_batch / num_classes))
     sampled = max(sample_size(sample_rate, c_local), min(positives, c_local))
-    weight = c_local * dim * state
-    opt = head_opt.ROW_STATE * weight + (4 * c_local if optimizer == "adamw" else 0)
+    weight = k * c_local * dim * state
+    opt = head_opt.ROW_STATE * weight + (4 * k * c_local if optimizer == "adamw" else 0)
     if row_sparse_grad and sampled < c_local:
-        grad = sampled * dim * state + sampled * 8
+        grad = k * sampled * (dim * state + 8)
     else:
         grad = weight
     n, narrow = global_batch, state != 4
     rounded = narrow or precision in ("bf16", "fp16")  # 16-bit matmul operands
-    chunk = min(chunk_columns(n, max_tile_bytes), sampled)
+    chunk = min(max(1, chunk_columns(n, max_tile_bytes) // k), sampled)  # classes
     # the fp32 input copy, E, dL/dE and normalise's backward (+ the operand copies)
     emb = 4 * n * dim * 4 + (n * dim * 6 if rounded else 0)
     rows = 0
     if sampled < c_local:  # W_s, and dL/dW_s unless it is the sparse gradient itself
-        rows = sampled * dim * (state + (0 if row_sparse_grad else 4))
-    tiles = 2 * n * chunk * 4  # backward, per chunk: the cos and G tiles
-    tiles += chunk * dim * 4 * (rounded + narrow)  # the rows as the matmul saw them; bf16 dW
-    update = head_update_bytes(c_local, sampled, dim, max_update_bytes=max_update_bytes,
+        rows = k * sampled * dim * (state + (0 if row_sparse_grad else 4))
+    # backward, per chunk: the cos and G tiles (K > 1: of the centres, plus the classes')
+    tiles = (2 * k + (2 if k > 1 else 0)) * n * chunk * 4
+    tiles += k * chunk * dim * 4 * (rounded + narrow)  # the rows as the matmul saw them; bf16 dW
+    update = head_update_bytes(k * c_local, k * sampled, dim, max_update_bytes=max_update_bytes,
                                state_dtype=state_dtype, optimizer=optimizer)
-    return HeadMemory(c_local, sampled, weight, opt, grad, max(emb + rows + tiles, update))
+    return HeadMemory(c_local, sampled, k * sampled, weight, opt, grad,
+                      max(emb + rows + tiles, update))
 
 
 def head_update_bytes(num_local: int, rows: int, dim: int, *, max_update_bytes: int,

@@ -104,12 +104,17 @@ class _SampledOptimizer(torch.optim.Optimizer):
 
     ``max_update_bytes``: budget of the fp32 temporaries of one chunk (``temporaries()``
     ``[rows, D]`` tensors: weight, gradient, state and scratch, all copies in the worst case).
+    ``dense=True``: every step updates every row of the shard, unsampled ones with a zero
+    gradient (momentum, weight decay and AdamW's moments keep moving them): what one
+    ``torch.optim.SGD``/``AdamW`` over the whole shard does, as insightface's arcface_torch
+    trains Partial FC (arXiv:2203.15565). Costs an ``O(num_local D)`` update per step.
     """
 
     ROW_STATE = 0
     SCRATCH = 0
 
-    def __init__(self, weight: Tensor, defaults: dict, max_update_bytes: int) -> None:
+    def __init__(self, weight: Tensor, defaults: dict, max_update_bytes: int,
+                 dense: bool = False) -> None:
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
             raise TypeError(f"{type(self).__name__}: expected the head's weight, a 2-d "
                             f"Parameter (PartialFC.weight), got {type(weight).__name__}")
@@ -123,6 +128,7 @@ class _SampledOptimizer(torch.optim.Optimizer):
                              "must be >= 1")
         super().__init__([weight], defaults)
         self.max_update_bytes = int(max_update_bytes)
+        self.dense = bool(dense)
         self._last_pop = 0  # SampledRows.pop of the last step taken
 
     @classmethod
@@ -149,10 +155,10 @@ class _SampledOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = rows.index
+        index = None if self.dense else rows.index
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None or p is not rows.weight or rows.empty:
+                if p.grad is None or p is not rows.weight or (rows.empty and not self.dense):
                     continue
                 state = self.state[p]
                 if not state:
@@ -200,11 +206,12 @@ class SampledSGD(_SampledOptimizer):
     ROW_STATE, SCRATCH = 1, 1  # momentum; d
 
     def __init__(self, weight: Tensor, lr: float, momentum: float = 0.9,
-                 weight_decay: float = 5e-4, max_update_bytes: int = 64 << 20) -> None:
+                 weight_decay: float = 5e-4, max_update_bytes: int = 64 << 20,
+                 dense: bool = False) -> None:
         if not 0 <= momentum < 1:
             raise ValueError(f"SampledSGD: momentum={momentum} must be in [0, 1)")
         super().__init__(weight, dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
-                         max_update_bytes)
+                         max_update_bytes, dense)
 
     def _init_state(self, p: Tensor, state: dict) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -225,13 +232,13 @@ class SampledAdamW(_SampledOptimizer):
 
     def __init__(self, weight: Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01,
-                 max_update_bytes: int = 64 << 20) -> None:
+                 max_update_bytes: int = 64 << 20, dense: bool = False) -> None:
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"SampledAdamW: betas={betas} must be in [0, 1)")
         if not eps > 0:
             raise ValueError(f"SampledAdamW: eps={eps} must be > 0")
         super().__init__(weight, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                    weight_decay=weight_decay), max_update_bytes)
+                                    weight_decay=weight_decay), max_update_bytes, dense)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, then the per-row ``step`` counts move to the weight's device as fp32

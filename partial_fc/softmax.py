@@ -55,18 +55,23 @@ class Shard:
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
     back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity; only
-    ``partial_fc.tiles.reference`` takes one). Every row is computed and the
+    ``partial_fc.tiles.reference`` takes one). With ``subcenters = K > 1`` ``w`` holds ``K``
+    rows per class (``partial_fc.subcenters``): ``cos_t`` is the largest of the target's ``K``
+    and ``nearest`` ``[N]`` which centre gave it. Every row is computed and the
     others masked, rather than the owned rows selected: a selection's size depends on the
     labels, and on CUDA learning it makes the host wait for the device."""
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
-                 targets: Tensor, tiles: TileBackend, nontarget: NonTarget | None = None
-                 ) -> None:
+                 targets: Tensor, tiles: TileBackend, subcenters: int = 1,
+                 nontarget: NonTarget | None = None) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
         self.targets, self.tiles, self.nontarget = targets, tiles, nontarget
         self.owned = targets >= 0
+        k = subcenters  # w: K rows per class (partial_fc.subcenters); the best one counts
         cols = targets.clamp_min(0)
-        cos_t = (e.float() * w[cols].float()).sum(dim=1) * inv_norm[cols]
+        rows = cols[:, None] * k + torch.arange(k, device=cols.device)  # [N, K]
+        cos_k = (e.float()[:, None] * w[rows].float()).sum(dim=2) * inv_norm[rows]
+        cos_t, self.nearest = cos_k.max(dim=1)  # nearest: which centre of the target
         self.cos_t = torch.where(self.owned, cos_t, 0.0)
 
     def stats(self, s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
@@ -94,6 +99,7 @@ def margin_softmax_loss(
     s: Tensor | float,
     process_group: pd.ProcessGroup = None,
     row_term: RowTerm | None = None,
+    loss_cap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Mean cross-entropy of the global batch over the class shards of ``process_group``.
 
@@ -115,6 +121,9 @@ def margin_softmax_loss(
             and the optional per-sample extra term (:class:`TargetTerms`).
         s: the scale, a constant for the step (float or 0-d tensor; no gradient flows to it).
         row_term: a term of this rank's rows with its gradient (:class:`RowTerm`), or None.
+        loss_cap: each row's softmax loss is reported as at most this; the backward is the
+            uncapped loss's (insightface's ``DistCrossEntropy`` clamps ``p_target`` at 1e-30 in
+            its forward only). ``None``: no cap.
 
     Returns:
         ``loss`` (0-d, identical on all ranks); ``sum_exp`` ``[N]``,
@@ -122,7 +131,7 @@ def margin_softmax_loss(
         row max of the logits. Both are replicated and carry no gradient.
     """
     return _MarginSoftmaxLoss.apply(process_group, target, s, shard, row_max, row_sum, row_term,
-                                    e, weight, target.aux)
+                                    loss_cap, e, weight, target.aux)
 
 
 class _MarginSoftmaxLoss(Function):
@@ -139,7 +148,8 @@ class _MarginSoftmaxLoss(Function):
     """
 
     @staticmethod
-    def forward(ctx, group, target, s, shard, row_max, row_sum, row_term, e, weight, aux):
+    def forward(ctx, group, target, s, shard, row_max, row_sum, row_term, loss_cap, e, weight,
+                aux):
         n = shard.e.shape[0]
         owned = shard.owned
         aux_value = None if aux is None else aux.detach()
@@ -152,7 +162,8 @@ class _MarginSoftmaxLoss(Function):
         sums = pd.all_reduce(torch.stack(parts), group)  # [2 or 3, N], replicated
         sum_exp, target_logit = sums[0], sums[1]
         log_total = torch.log(sum_exp + torch.exp(target_logit))
-        loss = (log_total - target_logit).mean()
+        per_row = log_total - target_logit
+        loss = (per_row if loss_cap is None else per_row.clamp_max(loss_cap)).mean()
         if target.extra is not None:
             loss = loss + sums[2].mean()
         if row_term is not None:
@@ -187,7 +198,7 @@ class _MarginSoftmaxLoss(Function):
         grad_aux = None
         if ctx.has_aux:
             grad_aux = dpsi * aux_slope if aux_slope is not None else torch.zeros_like(dpsi)
-        return None, None, None, None, None, None, None, grad_e, grad_w, grad_aux
+        return None, None, None, None, None, None, None, None, grad_e, grad_w, grad_aux
 
 
 def _target_slopes(target: TargetTerms, cos_t: Tensor, aux: Tensor | None

@@ -73,7 +73,7 @@ def build_engine(cfg, total_steps: int = 10, device: str = "cpu", backbone: str 
     torch.manual_seed(0)
     backbone = tiny_backbone() if backbone is None else build_backbone(backbone, EMBEDDING)
     head = PartialFC(EMBEDDING, NUM_CLASSES, build_margin(cfg.margin_kwargs()), seed=cfg.seed,
-                     **cfg.head.partial_fc_kwargs())
+                     **cfg.partial_fc_kwargs())
     return Engine(cfg, backbone, head, attach(torch.device(device)), total_steps=total_steps,
                   warmup_steps=0)
 

@@ -17,12 +17,19 @@ collective (torch's types, and gloo's plain ``RuntimeError``: :func:`is_collecti
 from __future__ import annotations
 
 import enum
+import os
 import re
+import time
 import traceback
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch.distributed as dist
+
+# Every program's --help ends with this (launch/*.py); docs/training.md says the same.
+EXIT_STATUS = ("exit status: 0 done; 2 bad input, refused before anything ran (arguments, "
+               "config, data folder, checkpoint path, a run folder in use); 1 a runtime "
+               "failure (a stopped or interrupted run, a failed write, a bug)")
 
 
 class Scope(enum.Enum):
@@ -97,6 +104,22 @@ def classify(err: BaseException, rank: int) -> Report:
     line = f"{kind.label}{where}: {user}"
     prints = kind.scope is Scope.ONE_RANK or rank == 0
     return Report(kind, kind.exit_code, kind.scope, prints, line, line)
+
+
+# How long a rank that does not print a failure every rank met waits before it exits, and
+# what torchrun and srun export to the processes they start.
+REPORTER_HEAD_START_S = 15.0
+LAUNCHER_ENV = frozenset({"TORCHELASTIC_RUN_ID", "SLURM_PROCID"})
+
+
+def yield_to_reporter() -> None:
+    """Wait before exiting on a failure that another rank reports, when a launcher started
+    this process. A launcher (torchrun, srun) ends a job's other processes as soon as one
+    exits with an error; the rank that prints must exit first, or its line is lost with it.
+    The wait costs nothing when the reporter exits first: the launcher then ends this rank
+    in its wait."""
+    if LAUNCHER_ENV.intersection(os.environ):
+        time.sleep(REPORTER_HEAD_START_S)
 
 
 def as_user_error(err: BaseException) -> UserError | None:

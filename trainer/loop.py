@@ -25,7 +25,14 @@ from trainer.config import (
     resume_drift,
 )
 from trainer.dist import DistEnv
-from trainer.errors import Scope, Stopped, classify, collective_detail, is_collective_failure
+from trainer.errors import (
+    Scope,
+    Stopped,
+    classify,
+    collective_detail,
+    is_collective_failure,
+    yield_to_reporter,
+)
 from trainer.preemption import StopSignals
 from trainer.stopping import NO_STOP, StopReason, StopRequest, StopRequested, StopRequests
 from trainer.telemetry.console import append_log
@@ -112,7 +119,7 @@ def train(cfg: Config, env: DistEnv) -> dict:
     if run.step >= run.total:
         return already_finished(run)
     saved = lambda: run.saved  # noqa: E731 - read when the report is made
-    with StopSignals() as signals, _collectives_of(
+    with StopSignals(lambda: (run.step, run.step_started)) as signals, _collectives_of(
             lambda: f"step {run.step + 1}", timeout, saved, since=lambda: run.step_started):
         stopped_by = loop(run, signals)
     with _collectives_of(lambda: f"after step {run.step}", timeout, saved):
@@ -136,7 +143,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
                      device=env.device, aux_losses=AuxLosses(**cfg.loss.model_dump()),
-                     **cfg.head.partial_fc_kwargs())
+                     **cfg.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
     steps_per_epoch = len(loader) // k
@@ -224,7 +231,8 @@ def already_finished(run: Run) -> dict:
 
 
 def loop(run: Run, signals: StopSignals) -> str | None:
-    """Train until ``run.total`` steps; returns the signal's name when one stopped it early."""
+    """Train until ``run.total`` steps; returns what stopped it early (a signal's name, the
+    launcher's death), None when it ran to the end."""
     cfg = run.cfg
     run.log.start(run.step)
     while run.step < run.total:
@@ -240,7 +248,7 @@ def loop(run: Run, signals: StopSignals) -> str | None:
             if cfg.eval.bins and run.step % cfg.eval.every == 0:
                 evaluate(run)
             if stop:  # agreed in the step: every rank stops after this same step
-                return stop.signal_name
+                return stopped_by(run, stop)
         run.epoch += 1
     return None
 
@@ -250,6 +258,8 @@ def local_stop(run: Run, signals: StopSignals) -> StopRequest:
     could not write, or whatever else asked through ``run.stops``."""
     if signals.received:
         run.stops.request(StopReason.SIGNAL, signum=signals.received)
+    for reason, detail in signals.watched().items():  # the launcher's death, the lock's loss
+        run.stops.request(reason, detail)
     if run.log.write_failed():
         run.stops.request(StopReason.DISK_FULL, run.log.write_error)
     return run.stops.current()
@@ -263,7 +273,17 @@ def stop_error(run: Run, stop: StopRequest) -> Exception:
         what = run.log.write_error or "rank 0 could not write a run file"
         return WriteFailed(f"step {run.step}: {what}; free space and {resume}")
     what = run.stops.detail or f"a rank stopped the run ({stop.reason.name.lower()})"
+    if stop.reason is StopReason.LOCK_LOST:  # the folder is another job's now
+        return StopRequested(f"step {run.step}: {what}")
     return StopRequested(f"step {run.step}: {what}; {resume}")
+
+
+def stopped_by(run: Run, stop: StopRequest) -> str:
+    """What stopped a run that saves: the signal's name, or the launcher's death as the
+    rank that saw it says it."""
+    if stop.reason is StopReason.LAUNCHER_GONE and run.stops.reason is stop.reason:
+        return run.stops.detail
+    return stop.signal_name
 
 
 def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> StopRequest:
@@ -275,6 +295,8 @@ def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> Stop
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
     result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    for note in result.notes:  # the head's choices, once each
+        log.info(note)
     run.step += 1
     if result.overflow:  # fp16 loss scale too high: skipped, not diverging
         run.skipped_steps += 1
@@ -363,4 +385,6 @@ def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
         print(report.text, end="" if report.text.endswith("\n") else "\n", file=sys.stderr,
               flush=True)
         append_log(run_dir, report.logged)
+    else:
+        yield_to_reporter()
     return report.exit_code

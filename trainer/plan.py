@@ -86,6 +86,7 @@ class Inputs:
     latency_us: float
     row_sparse_grad: bool
     checkpointing: int = 0
+    subcenters: int = 1
 
 
 def backbone_params(name: str, dim: int) -> tuple[int, int]:
@@ -210,6 +211,7 @@ class PlanResult:
     backbone_params: int
     classes_per_gpu: int
     sampled_classes_per_gpu: int
+    sampled_rows_per_gpu: int  # weight rows: K per class with margin.subcenters
     weight_bytes_per_gpu: int
     head_state_bytes_per_gpu: int
     head_grad_bytes_per_gpu: int
@@ -260,7 +262,7 @@ def plan(inp: Inputs) -> PlanResult:
             classes, inp.gpus, inp.dim, inp.batch * inp.gpus, inp.sample_rate,
             max_tile_bytes=inp.max_tile_mib << 20, max_update_bytes=inp.max_update_mib << 20,
             state_dtype=inp.state_dtype, optimizer=inp.optimizer, precision=inp.precision,
-            row_sparse_grad=inp.row_sparse_grad)
+            row_sparse_grad=inp.row_sparse_grad, subcenters=inp.subcenters)
 
     h = head(inp.classes)
     peak = fixed + h.total
@@ -273,7 +275,8 @@ def plan(inp: Inputs) -> PlanResult:
                                               zero_stage=inp.zero_stage)]
     return PlanResult(
         inputs=inp, backbone_params=params, classes_per_gpu=h.num_local,
-        sampled_classes_per_gpu=h.sampled, weight_bytes_per_gpu=h.weight,
+        sampled_classes_per_gpu=h.sampled, sampled_rows_per_gpu=h.rows,
+        weight_bytes_per_gpu=h.weight,
         head_state_bytes_per_gpu=h.optimizer_state, head_grad_bytes_per_gpu=h.gradient,
         head_working_bytes_per_gpu=h.working, backbone_param_bytes_per_gpu=bb["parameters"],
         backbone_grad_bytes_per_gpu=bb["gradients"],
@@ -307,7 +310,7 @@ def step_model(result: PlanResult, head_factor: float) -> StepTime:
     t_bb = inp.batch * per_image / figures().r50_images_per_s
     if inp.checkpointing:  # a recomputed block: one more forward, ~1/3 of its step
         t_bb *= 1 + recomputed_share(inp.backbone, inp.checkpointing) / 3
-    flops = memory.head_matmul_flops(inp.batch * inp.gpus, result.sampled_classes_per_gpu,
+    flops = memory.head_matmul_flops(inp.batch * inp.gpus, result.sampled_rows_per_gpu,
                                      inp.dim)
     t_head = head_factor * flops / figures().head_matmul_flops_per_s
     grads = [c.seconds for c in result.collectives if c.name.startswith("backbone")]

@@ -23,6 +23,7 @@ FROM_RECIPE = {  # input -> the recipe key supplying it (trainer.config's schema
     "max_update_mib": "head.max_update_mib",
     "state_dtype": "head.state_dtype",
     "checkpointing": "backbone.checkpointing",
+    "subcenters": "margin.subcenters",
 }
 MACHINE = {"gpus_per_node": 8, "gpu_memory": 80.0, "reserve": 2.0, "intra_bw": 450.0,
            "inter_bw": 50.0, "latency_us": 10.0, "row_sparse_grad": True}
@@ -73,6 +74,7 @@ def _check(inp: Inputs) -> None:
          f"{inp.gpus} (every GPU holds at least one class)"),
         (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
         (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
+        (inp.subcenters < 1, f"--subcenters={inp.subcenters}: must be >= 1 (1 = off)"),
         (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
         (inp.max_update_mib < 1, f"--max-update-mib={inp.max_update_mib}: must be >= 1"),
         (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),

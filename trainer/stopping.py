@@ -21,15 +21,15 @@ class StopReason(enum.IntEnum):
     """Why the run stops early; when ranks ask for different reasons, the largest wins."""
 
     NONE = 0
-    SIGNAL = 1  # SIGTERM/SIGUSR1 (a scheduler's notice): a checkpoint, then exit 0
+    SIGNAL = 1  # SIGTERM/SIGUSR1/SIGINT (a scheduler's notice): a checkpoint, then exit 0
     DISK_FULL = 2  # rank 0 could not write a run file: no checkpoint, the last one stays
-    LAUNCHER_GONE = 3  # the launcher that started this rank is gone: nobody waits for it
+    LAUNCHER_GONE = 3  # the launcher that started this rank died: a checkpoint, then exit
     LOCK_LOST = 4  # another job holds the run folder: write nothing more there
 
     @property
     def saves(self) -> bool:
         """Whether the run writes a checkpoint at the step it stops after."""
-        return self is StopReason.SIGNAL
+        return self in (StopReason.SIGNAL, StopReason.LAUNCHER_GONE)
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ NO_STOP = StopRequest()
 
 
 class StopRequested(Stopped, RuntimeError):
-    """The run stopped on every rank for a reason that writes no checkpoint (the launcher or
-    the run folder's lock is gone); the last checkpoint stays."""
+    """The run stopped on every rank for a reason that writes no checkpoint (the run
+    folder's lock is gone); the last checkpoint stays."""
 
 
 class StopRequests:

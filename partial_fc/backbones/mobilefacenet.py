@@ -31,7 +31,7 @@ from torch import nn
 from partial_fc.backbones.norm import BatchNorm1d, BatchNorm2d
 
 
-def _conv_bn(cin: int, cout: int, kernel: int, stride: int, groups: int, act: bool):
+def conv_bn(cin: int, cout: int, kernel: int, stride: int, groups: int, act: bool):
     """Conv (3x3 padded, other kernels unpadded) + BN (+ PReLU when ``act``)."""
     layers: list[nn.Module] = [
         nn.Conv2d(cin, cout, kernel, stride, padding=1 if kernel == 3 else 0,
@@ -46,17 +46,19 @@ def _conv_bn(cin: int, cout: int, kernel: int, stride: int, groups: int, act: bo
 class Bottleneck(nn.Module):
     """Inverted residual: 1x1 expand + PReLU, 3x3 depthwise + PReLU, linear 1x1 project.
 
-    The residual connection is used when ``stride == 1`` and ``cin == cout``.
+    The residual connection is used when ``stride == 1`` and ``cin == cout``. ``hidden``
+    (default ``cin * expansion``): the expanded width, given directly where a variant fixes it.
     """
 
-    def __init__(self, cin: int, cout: int, expansion: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, expansion: int, stride: int,
+                 hidden: int | None = None) -> None:
         super().__init__()
-        hidden = cin * expansion
+        hidden = cin * expansion if hidden is None else hidden
         self.residual = stride == 1 and cin == cout
         self.layers = nn.Sequential(
-            _conv_bn(cin, hidden, 1, 1, 1, act=True),
-            _conv_bn(hidden, hidden, 3, stride, hidden, act=True),
-            _conv_bn(hidden, cout, 1, 1, 1, act=False),
+            conv_bn(cin, hidden, 1, 1, 1, act=True),
+            conv_bn(hidden, hidden, 3, stride, hidden, act=True),
+            conv_bn(hidden, cout, 1, 1, 1, act=False),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,33 +70,45 @@ class Bottleneck(nn.Module):
 _BOTTLENECKS = ((2, 64, 5, 2), (4, 128, 1, 2), (2, 128, 6, 1), (4, 128, 1, 2), (2, 128, 2, 1))
 
 
-class MobileFaceNet(nn.Module):
+class GDConvEmbedding(nn.Module):
+    """``stages`` (ending in ``channels`` at 7x7) + 1x1 conv to 512 + PReLU, the 7x7 depthwise
+    linear GDConv, dropout, ``Linear(512 -> embedding_size)`` without bias + BN1d: the
+    MobileFaceNet family's tail. Convolutions (and ``Linear`` with ``init_linear``) start from
+    Kaiming normal, fan-out."""
+
+    def __init__(self, stages: list[nn.Module], channels: int, embedding_size: int,
+                 dropout: float, init_linear: bool = False) -> None:
+        super().__init__()
+        layers = [*stages, conv_bn(channels, 512, 1, 1, 1, act=True),
+                  conv_bn(512, 512, 7, 1, 512, act=False)]  # GDConv: 7x7 -> 1x1
+        self.body = nn.Sequential(*layers)
+        self.dropout = nn.Dropout(p=dropout)
+        self.fc = nn.Linear(512, embedding_size, bias=False)
+        self.features = BatchNorm1d(embedding_size)
+        kinds = (nn.Conv2d, nn.Linear) if init_linear else (nn.Conv2d,)
+        for m in self.modules():
+            if isinstance(m, kinds):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(torch.flatten(self.body(x), 1))
+        return self.features(self.fc(x))
+
+
+class MobileFaceNet(GDConvEmbedding):
     """MobileFaceNet mapping float ``[N, 3, 112, 112]`` in [-1, 1] to ``[N, embedding_size]``."""
 
     def __init__(self, embedding_size: int = 512, dropout: float = 0.0) -> None:
-        super().__init__()
         layers: list[nn.Module] = [
-            _conv_bn(3, 64, 3, 2, 1, act=True),
-            _conv_bn(64, 64, 3, 1, 64, act=True),
+            conv_bn(3, 64, 3, 2, 1, act=True),
+            conv_bn(64, 64, 3, 1, 64, act=True),
         ]
         cin = 64
         for expansion, cout, repeats, stride in _BOTTLENECKS:
             for i in range(repeats):
                 layers.append(Bottleneck(cin, cout, expansion, stride if i == 0 else 1))
                 cin = cout
-        layers.append(_conv_bn(cin, 512, 1, 1, 1, act=True))
-        layers.append(_conv_bn(512, 512, 7, 1, 512, act=False))  # GDConv: 7x7 -> 1x1
-        self.body = nn.Sequential(*layers)
-        self.dropout = nn.Dropout(p=dropout)
-        self.fc = nn.Linear(512, embedding_size, bias=False)
-        self.features = BatchNorm1d(embedding_size)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(torch.flatten(self.body(x), 1))
-        return self.features(self.fc(x))
+        super().__init__(layers, cin, embedding_size, dropout)
 
 
 def mobilefacenet(embedding_size: int = 512, dropout: float = 0.0) -> MobileFaceNet:

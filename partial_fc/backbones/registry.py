@@ -9,6 +9,7 @@ from torch import nn
 
 from partial_fc.backbones import iresnet, vit
 from partial_fc.backbones.checkpointing import checkpoint_errors
+from partial_fc.backbones.mbf import mbf, mbf_large
 from partial_fc.backbones.mobilefacenet import mobilefacenet
 from partial_fc.backbones.timm_adapter import PREFIX as TIMM_PREFIX
 from partial_fc.backbones.timm_adapter import build_timm
@@ -21,6 +22,8 @@ _BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "iresnet200": iresnet.iresnet200,
     "iresnet_tiny": iresnet.iresnet_tiny,
     "mobilefacenet": mobilefacenet,
+    "mbf": mbf,
+    "mbf_large": mbf_large,
     "vit_t": vit.vit_t,
     "vit_s": vit.vit_s,
     "vit_b": vit.vit_b,

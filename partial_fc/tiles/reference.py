@@ -5,6 +5,8 @@ are tested against, and the CPU path: ``e [N, D]`` normalised embeddings, ``w [S
 (sampled) weight rows, *not* normalised, ``inv_norm [S] = 1 / ||w_k||`` folded into each chunk
 (no normalised copy of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` (arXiv:1801.07698 Eq. 2-3),
 ``target_col [N]`` the column of row ``i``'s target in ``w`` (``-1``: not in this shard).
+With ``subcenters = K > 1`` (sub-center ArcFace, ``partial_fc.subcenters``) ``w`` holds ``K``
+rows per class, class-major, and a column is a class: ``cos_ij = max_k cos(e_i, w_jk)``.
 
 The classes are swept ``chunk`` columns at a time, so at most two ``[N, chunk]`` fp32
 buffers are alive (plus ``[N, D]`` and the ``[S, D]`` output): the forward keeps an online
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from partial_fc.nontarget import NonTarget
+from partial_fc.subcenters import best_of, spread
 
 __all__ = ["ReferenceTiles", "chunk_columns"]
 
@@ -64,9 +67,11 @@ def _put_targets(x: Tensor, target_col: Tensor, a: int, values: Tensor | float) 
 
 @dataclass(frozen=True)
 class ReferenceTiles:
-    """The class-tile passes in PyTorch, ``chunk_columns(N, max_tile_bytes)`` columns at a time."""
+    """The class-tile passes in PyTorch, ``chunk_columns(N, max_tile_bytes)`` columns at a time
+    (classes: ``1 / subcenters`` of that, at least 1)."""
 
     max_tile_bytes: int
+    subcenters: int = 1
 
     def class_tile_stats(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                          s: Tensor | float, nontarget: NonTarget | None = None
@@ -76,7 +81,8 @@ class ReferenceTiles:
         ``[N]`` fp32, with ``f`` the identity or ``nontarget`` (``partial_fc.nontarget``, which
         only this back-end applies). ``s`` is a float or a 0-d tensor."""
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):  # fp32 products
-            return _stats(e, w, inv_norm, target_col, s, self._chunk(e), nontarget)
+            return _stats(e, w, inv_norm, target_col, s, self._chunk(e), self.subcenters,
+                          nontarget)
 
     def class_tile_grads(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                          s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
@@ -90,22 +96,24 @@ class ReferenceTiles:
         per chunk."""
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):
             return _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, self._chunk(e),
-                          nontarget)
+                          self.subcenters, nontarget)
 
     def _chunk(self, e: Tensor) -> int:
-        return chunk_columns(e.shape[0], self.max_tile_bytes)
+        return max(1, chunk_columns(e.shape[0], self.max_tile_bytes) // self.subcenters)
 
 
-def _stats(e, w, inv_norm, target_col, s, chunk, nontarget):
+def _stats(e, w, inv_norm, target_col, s, chunk, k, nontarget):
     e_f, op = _operands(e, w)
-    n, cols = e.shape[0], w.shape[0]
+    n, cols = e.shape[0], w.shape[0] // k
     s = s.float() if isinstance(s, Tensor) else float(s)
     row_max = torch.full((n,), -torch.inf, device=e.device)
     row_sum = torch.zeros(n, device=e.device)
     cos_sum = torch.zeros(n, device=e.device)
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
-        cos, _ = _cos_chunk(e_f, w, op, inv_norm, a, b)
+        cos, _ = _cos_chunk(e_f, w, op, inv_norm, a * k, b * k)
+        if k > 1:
+            cos, _ = best_of(cos, k)
         _put_targets(cos, target_col, a, 0.0)
         cos_sum += cos.sum(dim=1)
         if nontarget is not None:
@@ -130,9 +138,9 @@ def _nontarget_stats(nontarget: NonTarget, cos: Tensor, target_col: Tensor, a: i
     return out
 
 
-def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, nontarget):
+def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, k, nontarget):
     e_f, op = _operands(e, w)
-    cols = w.shape[0]
+    cols = w.shape[0] // k
     s = s.float() if isinstance(s, Tensor) else float(s)
     grad_e = torch.zeros(e.shape, dtype=torch.float32, device=e.device)
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
@@ -140,22 +148,26 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, nontarg
     lse, coef = lse.float()[:, None], coef.float()[:, None]
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
-        cos, w_f = _cos_chunk(e_f, w, op, inv_norm, a, b)
+        lo, hi = a * k, b * k  # the rows of classes a:b
+        cos, w_f = _cos_chunk(e_f, w, op, inv_norm, lo, hi)
+        best, arg = best_of(cos, k) if k > 1 else (cos, None)
         if nontarget is None:
-            g = (cos * s).sub_(lse).exp_().mul_(coef)
+            g = (best * s).sub_(lse).exp_().mul_(coef)
         else:
-            f, slope, _ = nontarget.apply(cos)
+            f, slope, _ = nontarget.apply(best)
             g = (f * s).sub_(lse).exp_().mul_(coef).mul_(slope)
         _put_targets(g, target_col, a, target_grad.float())
-        r = cos.mul_(g).sum(dim=0)  # [b - a]: w_hat_k . g_k (cos is not needed any more)
-        del cos
-        inv = inv_norm[a:b]
+        if k > 1:  # each class's gradient to its argmax centre
+            g = spread(g, arg, k)
+        r = cos.mul_(g).sum(dim=0)  # [hi - lo]: w_hat_k . g_k (cos is not needed any more)
+        del cos, best
+        inv = inv_norm[lo:hi]
         # fp32 w: written in place (no [chunk, D] temporary); bf16: an fp32 chunk, rounded once
-        out = grad_w[a:b] if wide else torch.empty(b - a, w.shape[1], device=w.device)
+        out = grad_w[lo:hi] if wide else torch.empty(hi - lo, w.shape[1], device=w.device)
         torch.mm(g.t(), e_f, out=out)
-        w_st = w_f if w.dtype == op else w[a:b].float()  # the rows as stored (not rounded)
+        w_st = w_f if w.dtype == op else w[lo:hi].float()  # the rows as stored (not rounded)
         out.mul_(inv[:, None]).addcmul_(w_st, (inv * inv * r)[:, None], value=-1.0)
         if not wide:
-            grad_w[a:b] = out
+            grad_w[lo:hi] = out
         grad_e.addmm_(g.mul_(inv), w_f)
     return grad_e, grad_w

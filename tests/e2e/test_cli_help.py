@@ -1,4 +1,5 @@
-"""Every program's ``--help`` exits 0 and reads as plain text (no reST roles or literals)."""
+"""Every program's ``--help`` exits 0, reads as plain text (no reST roles or literals) and
+says what its exit status means."""
 
 import importlib
 
@@ -6,7 +7,7 @@ import pytest
 
 PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
             "tools.chaos.__main__", "launch.plan", "launch.report", "launch.torchrun",
-            "launch.overlap"]
+            "launch.overlap", "launch.clean"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
@@ -16,5 +17,7 @@ def test_help_is_plain_text(program, capsys):
     text = capsys.readouterr().out
     command = program.removesuffix(".__main__")
     assert done.value.code == 0 and text.startswith(f"usage: python -m {command}")
+    if program.startswith("launch."):
+        assert "exit status: 0 done; 2 bad input" in " ".join(text.split()), program
     for markup in ("``", ":func:", ":class:", "::"):
         assert markup not in text, f"{program} --help shows reST {markup!r}"

@@ -153,8 +153,9 @@ def test_corrupt_checkpoint_falls_back_or_is_refused_in_one_line(tmp_path, capsy
     make_color_bin(tmp_path / "v.bin", num_pairs=4)
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(new), "--bin", str(tmp_path / "v.bin"), "--device", "cpu"])
-    assert caught.value.code == f"error: {new / 'backbone.pt'}: SHA-256 differs from meta.json: " \
-                                "corrupted or replaced"
+    assert caught.value.code == 2  # a bad input, as every program's bad input
+    assert capsys.readouterr().err == f"error: {new / 'backbone.pt'}: SHA-256 differs from " \
+                                      "meta.json: corrupted or replaced\n"
     _corrupt(run / "checkpoints" / "step-00000010" / "backbone.pt")
     with pytest.raises(CheckpointError, match=r"checkpoints: no checkpoint verifies \(see the "
                        r"warnings above\)$"):

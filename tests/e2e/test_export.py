@@ -62,13 +62,14 @@ def test_export_matches_pytorch_with_dynamic_batch(tmp_path, capsys, backbone):
         assert cos.min() >= 0.9999
 
 
-def test_export_refuses_a_corrupt_checkpoint_in_one_line(tmp_path):
+def test_export_refuses_a_corrupt_checkpoint_in_one_line(tmp_path, capsys):
     run = make_run(tmp_path)
     weights = run / "checkpoints" / "step-00000010" / "backbone.pt"
     weights.write_bytes(weights.read_bytes()[:-1])  # truncated
     for path in (run, weights.parent):
         with pytest.raises(SystemExit) as caught:
             main(["--checkpoint", str(path), "--out", str(tmp_path / "model.onnx")])
-        assert str(caught.value.code).startswith("error: ") and "\n" not in caught.value.code
-        assert ("no checkpoint verifies" if path == run else "SHA-256 differs") in caught.value.code
+        errors = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("warning")]
+        assert caught.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: ")
+        assert ("no checkpoint verifies" if path == run else "SHA-256 differs") in errors[0]
     assert not (tmp_path / "model.onnx").exists()

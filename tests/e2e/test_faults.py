@@ -464,6 +464,7 @@ def test_batch_too_large_and_unwritable_output_fail_before_any_group(tiny_data, 
     err = capsys.readouterr().err
     assert rc == 2 and not dist.is_initialized()
     assert "train.batch_size=81 x grad_accum=1 on 2 rank(s): the 160 samples" in err
+    assert "train.batch_size=80 is the largest that fits" in err  # what the run below uses
     assert f"output='{blocker / 'run'}': {blocker} is not a folder" in err
     monkeypatch.setenv("WORLD_SIZE", "1")
     ok = _train_in_process(tiny_data, tmp_path / "run", "train.batch_size=80", "train.max_steps=1")
@@ -680,7 +681,10 @@ CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
               "rank 1 stops in step 3's backward, ddp (2 ranks, 10 s timeout)",
               # tests/e2e (slow, skips without ip netns): `make chaos` only for now.
               "2 nodes x 1 rank on 2 netns, link cut, ddp",
-              "2 nodes x 1 rank on 2 netns, link cut, deepspeed"]
+              "2 nodes x 1 rank on 2 netns, link cut, deepspeed",
+              # pytest twins: tests/e2e/test_launcher_death.py, tests/trainer/test_run_lock.py
+              "kill -9 of the launcher (2 ranks, loader workers)",
+              "the same command twice on one run folder"]
 
 
 def test_every_chaos_case_is_covered_once():

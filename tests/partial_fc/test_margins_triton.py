@@ -49,8 +49,8 @@ def test_target_only_margins_run_on_the_triton_tiles(name):
     cfg, aux = TARGET_ONLY[name]
     want = _run(cfg, aux, "torch", emb, weight, labels)
     got = _run(cfg, aux, "triton", emb, weight, labels)
-    assert not isinstance(got[3]._tiles(DEVICE), ReferenceTiles)
-    assert got[3].path_note(DEVICE) is None
+    assert not isinstance(got[3].tiles.for_device(DEVICE), ReferenceTiles)
+    assert got[3].take_notes() == []
     for a, b in zip(got[:3], want[:3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
@@ -59,9 +59,8 @@ def test_target_only_margins_run_on_the_triton_tiles(name):
                                  dict(type="arcface", interclass_filter=0.3)])
 def test_nontarget_transforms_take_the_torch_path_and_say_so(cfg):
     head = PartialFC(D, C, build_margin(cfg), kernel="triton")
-    assert isinstance(head._tiles(DEVICE), ReferenceTiles)
-    note = head.path_note(DEVICE)
-    assert note.startswith("head: ") and "torch path (head.kernel=triton)" in note, note
-    assert PartialFC(D, C, build_margin(cfg), kernel="torch").path_note(DEVICE) is None
-    cpu_auto = PartialFC(D, C, build_margin(cfg), kernel="auto")
-    assert cpu_auto.path_note(torch.device("cpu")) is None  # auto is torch there anyway
+    assert isinstance(head._shard(torch.zeros(2, D), None, torch.zeros(2, dtype=torch.long)
+                                  ).tiles, ReferenceTiles)
+    (note,) = head.take_notes()
+    assert note.startswith("head: ") and "torch path (head.kernel=torch)" in note, note
+    assert PartialFC(D, C, build_margin(cfg), kernel="torch").take_notes() == []

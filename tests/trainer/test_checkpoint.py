@@ -1,9 +1,10 @@
 """trainer.checkpoint: save on 2 ranks, resume on 1 and 3 with identical state and next step.
 
 Three set-ups in one spawned group each: DeepSpeed ZeRO-1 + SGD (backbone optimizer state
-partitioned, read back through DeepSpeed's fragment API), DDP + AdamW (per-row head
-``step`` counts; AdaFace, whose norm EMAs are head buffers) and DDP + SGD with bf16 head
-weight and momentum (``head.state_dtype``; CurricularFace's ``t``).
+partitioned, read back through DeepSpeed's fragment API), DDP + AdamW on a sub-center head
+(3 rows per class, per-row head ``step`` counts: a class's rows must move together) and
+DDP + SGD with bf16 head weight and momentum (``head.state_dtype``; CurricularFace, whose
+``t`` is a head buffer); the ZeRO-1 run uses AdaFace (its norm EMAs are head buffers).
 After the load, head rows, head optimizer state (in their saved dtype), head buffers and the
 backbone equal what was saved; one more step on the same global batch then equals the
 2-rank run's own next step (bf16 rows and momentum: within one bf16 rounding).
@@ -28,8 +29,10 @@ from spawn import run_ranks
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 SETUPS = {
-    "zero1_sgd": ["engine.type=deepspeed", "engine.zero_stage=1", "optim.name=sgd"],
-    "ddp_adamw": ["engine.type=ddp", "optim.name=adamw", "optim.lr=0.01", "margin.type=adaface"],
+    "zero1_sgd": ["engine.type=deepspeed", "engine.zero_stage=1", "optim.name=sgd",
+                  "margin.type=adaface"],
+    "ddp_adamw_subcenters": ["engine.type=ddp", "optim.name=adamw", "optim.lr=0.01",
+                             "margin.subcenters=3"],
     "ddp_sgd_bf16": ["engine.type=ddp", "optim.name=sgd", "head.state_dtype=bf16",
                      "margin.type=curricularface"],
 }

@@ -101,6 +101,10 @@ BAD = [
     ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5", "less than or equal to 1"]),
     ({}, ["optim.betas=[0.9]"], ["optim.betas=[0.9]", "at least 2"]),
     ({}, ["lr=0.1"], ["command line: lr: unknown key"]),
+    ({}, ["optim.lrr=0.1"],
+     ["optim.lrr: unknown key (did you mean optim.lr? valid keys: name, lr"]),
+    ("", [], ["cfg.yaml: empty config: start from configs/smoke.yaml or a recipe"]),
+    ("# only a comment\n", [], ["cfg.yaml: empty config: start from configs/smoke.yaml"]),
     ({}, ["margin.s"], ["command line: 'margin.s': overrides are dotted.key=value"]),
     ({}, ["train=3"], ["command line: train=3", "dictionary"]),
     ({}, ["backbone.name=resnet9"], ["backbone.name='resnet9': unknown", "iresnet50"]),
@@ -217,8 +221,10 @@ def test_manifest_fills_checks_and_feeds_theory_checks(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path, ["data.num_classes=999", "data.num_samples=4999", "eval.bins=[x.bin]"])
     lines = str(err.value).splitlines()
-    assert f"command line: data.num_classes=999: manifest.json in {data} says 1000" in lines
-    assert f"command line: data.num_samples=4999: manifest.json in {data} says 5000" in lines
+    assert (f"command line: data.num_classes=999: manifest.json in {data} says 1000; set "
+            "data.num_classes=1000 or drop the key (the manifest fills it)") in lines
+    assert f"command line: data.num_samples=4999: manifest.json in {data} says 5000; " \
+           "set data.num_samples=5000" in str(err.value)
     assert any(line.startswith("command line: eval.bins[0]='x.bin': no such file (")
                for line in lines)  # all errors together
 
@@ -421,3 +427,16 @@ def test_data_dirs_sum_their_manifests_and_check_each(tmp_path):
         assert any(text in line for line in lines), (text, lines)
     with pytest.raises(ConfigError, match=r"data.exclude\[1\]=.nope.: no such file"):
         load_config(path, ["data.exclude=[null, nope]"])
+
+
+SMOKE = CONFIGS[0].parent / "smoke.yaml"
+
+
+def test_subcenters_with_the_triton_kernels_are_refused():
+    """The kernels have no K-way max: head.kernel=triton (fatal on a kernel failure) cannot
+    run a sub-center head; auto takes the torch path and says so at start-up."""
+    with pytest.raises(ConfigError, match=r"head.kernel='triton': the Triton kernels have no "
+                                          r"K-way max for margin.subcenters=3"):
+        load_config(SMOKE, ["margin.subcenters=3", "head.kernel=triton"], resolve=False)
+    cfg = load_config(SMOKE, ["margin.subcenters=3"], resolve=False)
+    assert cfg.partial_fc_kwargs()["subcenters"] == 3

@@ -267,10 +267,10 @@ def test_head_picks_the_triton_tiles_on_cuda(monkeypatch):
     monkeypatch.setattr(tiles, "triton_available", lambda: True)
     pfc = PartialFC(8, 10, build_margin({"type": "arcface"}), kernel="auto",
                     max_tile_bytes=1 << 12)
-    assert pfc._tiles(CUDA0) is triton
-    assert pfc._tiles(torch.device("cpu")) == tiles.ReferenceTiles(1 << 12)
+    assert pfc.tiles.for_device(CUDA0) is triton
+    assert pfc.tiles.for_device(torch.device("cpu")) == tiles.ReferenceTiles(1 << 12)
     monkeypatch.setattr(tiles, "triton_available", lambda: False)
-    assert pfc._tiles(CUDA0) == tiles.ReferenceTiles(1 << 12)
+    assert pfc.tiles.for_device(CUDA0) == tiles.ReferenceTiles(1 << 12)
 
 
 def test_evaluate_runs_on_the_gpu_when_one_is_there(monkeypatch, gpu_visible, capsys, tmp_path):

@@ -41,8 +41,9 @@ def _optimizer(name, head, max_update_bytes=UPDATE):
 
 def _head(classes, dim, rate, margin=None, **kw):
     torch.manual_seed(0)
-    return PartialFC(dim, classes, build_margin(margin or dict(type="arcface", s=64.0, m=0.5)),
-                     sample_rate=rate, **kw)
+    margin = margin or dict(type="arcface", s=64.0, m=0.5)
+    return PartialFC(dim, classes, build_margin(margin), sample_rate=rate,
+                     subcenters=margin.get("subcenters", 1), **kw)
 
 
 def _state_bytes(opt) -> int:
@@ -50,19 +51,23 @@ def _state_bytes(opt) -> int:
                if isinstance(t, torch.Tensor))
 
 
+@pytest.mark.parametrize("subcenters", [1, 3])
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("rate", [1.0, 0.3])
-def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate, state_dtype):
+def test_head_weight_state_and_gradient_bytes_are_exact(optimizer, rate, state_dtype,
+                                                        subcenters):
     classes, dim, n = 3000, 24, 40
-    head = _head(classes, dim, rate, state_dtype=DTYPES[state_dtype])
+    head = _head(classes, dim, rate, dict(type="arcface", m=0.5, subcenters=subcenters),
+                 state_dtype=DTYPES[state_dtype])
     opt = _optimizer(optimizer, head)
     emb, labels = torch.randn(n, dim), torch.randint(0, classes, (n,))
     head(emb, labels).backward()
     grad = tensor_bytes(head.weight.grad)
     opt.step(head.pop_sampled_rows())
     want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=head.max_tile_bytes,
-                       max_update_bytes=UPDATE, optimizer=optimizer, state_dtype=state_dtype)
+                       max_update_bytes=UPDATE, optimizer=optimizer, state_dtype=state_dtype,
+                       subcenters=subcenters)
     assert tensor_bytes(head.weight) == want.weight
     assert _state_bytes(opt) == want.optimizer_state
     assert grad == want.gradient
@@ -97,6 +102,9 @@ def _profiled_peak(fn) -> int:
         (5000, 64, 32, 1.0, None, 32 << 20, "bf16"),  # the update's fp32 copies dominate
         (2000, 32, 512, 1.0, None, 64 << 10, "bf16"),
         (20000, 64, 256, 0.5, None, 256 << 10, "bf16"),
+        (2000, 32, 512, 1.0, dict(type="arcface", m=0.5, subcenters=3), 32 << 20, "fp32"),
+        (5000, 64, 32, 0.2, dict(type="arcface", m=0.5, subcenters=3), 32 << 20, "fp32"),
+        (2000, 32, 512, 0.3, dict(type="arcface", m=0.5, subcenters=3), 256 << 10, "bf16"),
     ],
 )
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -117,7 +125,8 @@ def test_working_memory_within_factor_of_measured_peak(classes, dim, n, rate, ma
     step()
     measured = _profiled_peak(step)
     want = head_memory(classes, 1, dim, n, rate, max_tile_bytes=tile, max_update_bytes=UPDATE,
-                       optimizer=optimizer, state_dtype=state_dtype)
+                       optimizer=optimizer, state_dtype=state_dtype,
+                       subcenters=(margin or {}).get("subcenters", 1))
     assert 0.8 <= measured / (want.gradient + want.working) <= 1.25
 
 
@@ -294,6 +303,7 @@ def test_cli_reads_a_recipe_whose_data_does_not_exist(capsys):
         (["--config", "configs/base.yaml"], "--classes: required"),
         (["--classes", "100", "--precision", "fp16"], "--precision=fp16: needs --engine"),
         (["--classes", "100", "--gpus", "8", "--nodes", "2"], "--gpus=8: not --nodes=2 x"),
+        (["--classes", "100", "--subcenters", "0"], "--subcenters=0: must be >= 1"),
     ],
 )
 def test_cli_impossible_inputs_are_one_line(capsys, argv, message):
@@ -314,6 +324,24 @@ def test_cli_reads_the_head_state_dtype_and_update_budget_from_a_recipe(tmp_path
     assert wide["inputs"]["state_dtype"] == "fp32"
     for key in ("weight_bytes_per_gpu", "head_state_bytes_per_gpu"):
         assert 2 * r[key] == wide[key]
+
+
+def test_the_subcenter_recipe_counts_k_times_the_head(capsys):
+    """margin.subcenters=3 (the glint360k-r100-subcenter recipe): 3x the head's weight,
+    optimizer state, gradient and sampled rows, the same classes per GPU and the same
+    collectives (a class's max over its centres stays on its shard); --subcenters overrides."""
+    argv = ["--gpus", "8", "--sample-rate", "0.3"]
+    sub = _json(capsys, "--config", "configs/glint360k_r100_subcenter.yaml", *argv)
+    plain = _json(capsys, "--config", "configs/glint360k_r100.yaml", *argv)
+    assert sub["inputs"]["subcenters"] == 3 and plain["inputs"]["subcenters"] == 1
+    for key in ("weight_bytes_per_gpu", "head_state_bytes_per_gpu", "head_grad_bytes_per_gpu"):
+        assert sub[key] == 3 * plain[key], key
+    assert sub["sampled_classes_per_gpu"] == plain["sampled_classes_per_gpu"]
+    assert sub["sampled_rows_per_gpu"] == 3 * plain["sampled_rows_per_gpu"]
+    assert sub["collectives"] == plain["collectives"]
+    assert sub["max_classes"] < plain["max_classes"]
+    assert _json(capsys, "--config", "configs/glint360k_r100_subcenter.yaml", *argv,
+                 "--subcenters", "1")["weight_bytes_per_gpu"] == plain["weight_bytes_per_gpu"]
 
 
 def test_scaling_mode_models_one_row_per_gpu_count(capsys):

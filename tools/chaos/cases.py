@@ -30,6 +30,7 @@ from tools.chaos.harness import (
     worker_pids,
     write_data,
 )
+from tools.chaos.jobs import launcher_killed, second_job
 from tools.chaos.nodes import two_node_case
 
 
@@ -395,6 +396,11 @@ CASES = [
            "cut ends both nodes with one line each; the rerun resumes",
            lambda data, work, engine=engine: two_node_case(data, work, engine))
       for engine in ("ddp", "deepspeed")],
+    Case("kill -9 of the launcher (2 ranks, loader workers)", "the ranks save at the next "
+         "step and say so; no process of the job left after dist.timeout_s + 30 s",
+         launcher_killed),
+    Case("the same command twice on one run folder", "the second refused in one line naming "
+         "the first, rc 2; the first saves on SIGTERM, rc 0", second_job),
     Case("resume with another margin", "rc 2, one line naming the difference", config_drift),
     Case("label 25 >= num_classes 20", "rc 1, one line naming shard and key", bad_label),
     Case("corrupt JPEG, 2 epochs", "skipped_samples 1, not 2", corrupt_image_two_epochs),

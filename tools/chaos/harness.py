@@ -150,6 +150,15 @@ def job_pids(pid: int) -> list[int]:
     return pids
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs: not gone, and not a zombie that no reaper collects (the
+    orphans of a killed launcher, where PID 1 of a container does not reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def signal_job(proc: subprocess.Popen, sig: int) -> None:
     """Send ``sig`` to every process of the job ``proc`` started, as a scheduler does."""
     for pid in job_pids(proc.pid):

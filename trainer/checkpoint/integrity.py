@@ -21,13 +21,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from trainer.checkpoint.meta import CheckpointMeta
-from trainer.errors import Stopped
+from trainer.errors import Refused, Stopped
 
 META = "meta.json"
 
 
 class CheckpointError(Stopped, ValueError):
     """A checkpoint that cannot be written or trusted; the message names the step or file."""
+
+
+class CheckpointNotFound(Refused):
+    """A checkpoint path the user gave (``checkpoint.resume``) holds none: bad input (exit 2),
+    not a checkpoint that failed (:class:`CheckpointError`, exit 1)."""
 
 
 def sha256(path: Path) -> str:

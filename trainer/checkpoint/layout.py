@@ -55,6 +55,7 @@ from trainer.checkpoint import state
 from trainer.checkpoint.integrity import (
     META,
     CheckpointError,
+    CheckpointNotFound,
     SafeReader,
     read_meta,
     sha256,
@@ -265,11 +266,11 @@ def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None) -> Path 
     if env.is_main:
         try:
             answer[0] = _choose(run_dir, resume)
-        except CheckpointError as err:
-            answer[1] = str(err)
+        except (CheckpointError, CheckpointNotFound) as err:
+            answer[1] = err  # its kind decides the exit code on every rank
     dist.broadcast_object_list(answer, src=0, group=env.group)
     if answer[1] is not None:
-        raise CheckpointError(answer[1])
+        raise answer[1]
     return answer[0]
 
 
@@ -277,7 +278,7 @@ def _choose(run_dir: Path, resume: str) -> Path | None:
     found = find_verified(Path(run_dir) if resume == "auto" else Path(resume),
                           remedy="; start over with checkpoint.resume=none or another name")
     if found is None and resume != "auto":
-        raise CheckpointError(f"checkpoint.resume={resume!r}: no checkpoint there")
+        raise CheckpointNotFound(f"checkpoint.resume={resume!r}: no checkpoint there")
     return found
 
 
@@ -348,7 +349,7 @@ def load(path: Path, engine) -> CheckpointMeta:
     meta = read_meta(path)
     reader = SafeReader(path / "state")
     head = engine.head
-    lo, hi = head.class_start, head.class_start + head.num_local
+    lo, hi = head.row_start, head.row_start + head.weight.shape[0]
     template: dict[str, torch.Tensor] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -370,6 +371,23 @@ def load(path: Path, engine) -> CheckpointMeta:
         if "cuda" in saved and engine.device.type == "cuda":
             torch.cuda.set_rng_state(saved["cuda"], engine.device)
     return meta
+
+
+def read_rows(path: Path, key: str) -> torch.Tensor:
+    """Every row of the row-sharded entry ``key`` (``head.weight``: ``[K * C, D]``) of the
+    verified checkpoint folder ``path``, joined from the blocks of all ranks that saved it, on
+    the CPU: for a tool that needs the whole matrix (``launch.clean``). Collective when a
+    process group is up (DCP's load): every rank calls it."""
+    reader = SafeReader(Path(path) / "state")
+    template = {}
+    for name, md in reader.read_metadata().state_dict_metadata.items():
+        block = _BLOCK.match(name)
+        if block is not None and block["key"] == key and isinstance(md, TensorStorageMetadata):
+            template[name] = torch.zeros(md.size, dtype=md.properties.dtype)
+    if not template:
+        raise CheckpointError(f"{path}: holds no rows of {key!r}; not a partial-fc checkpoint")
+    dcp.load(template, storage_reader=reader)
+    return _my_rows(template, key, 0, max(int(_BLOCK.match(n)["stop"]) for n in template))
 
 
 def _my_rows(blocks: dict[str, torch.Tensor], key: str, lo: int, hi: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from trainer.config.checks import (
 from trainer.config.files import apply_overrides, load_tree, schema_errors, shown, source_of
 from trainer.config.machine import Machine
 from trainer.config.on_disk import path_errors, read_data_manifest
+from trainer.config.pace import cpu_pace_warning
 from trainer.config.schema import (
     BackboneConfig,
     CheckpointConfig,
@@ -57,7 +58,7 @@ __all__ = [
     "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
     "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
-    "resume_drift", "theory_warnings",
+    "resume_drift", "run_folder", "theory_warnings",
 ]
 
 
@@ -83,6 +84,21 @@ def machine_notes(cfg: Config, machine: Machine | None = None) -> tuple[Config, 
     return filled, [msg for _, msg in found]
 
 
+def run_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path | None:
+    """The run folder ``path`` plus ``overrides`` names (``output``, else ``runs/<name>``), read
+    from the merged YAML without validating the rest: a launcher reports a failed rank's log
+    there even when the config was refused. None when the recipe cannot be read."""
+    try:
+        tree = load_tree(Path(path), {})
+    except (ConfigError, OSError):
+        return None
+    apply_overrides(tree, list(overrides), {})
+    fields = Config.model_fields
+    output = tree.get("output", fields["output"].default)
+    name = tree.get("name", fields["name"].default)
+    return Path(output if output is not None else f"runs/{name}")
+
+
 def load_config(
     path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -96,8 +112,8 @@ def load_config(
     ``data.dir/manifest.json`` to fill/check ``num_classes``/``num_samples`` (with
     ``data.source=synthetic``: no file; ``num_samples`` from the synthetic settings), checks the
     device, resume folder and eval files, against ``machine`` (the launch's ranks, GPUs,
-    packages; :meth:`Machine.observe` when None). Theory checks (known C) become
-    :class:`ConfigWarning`.
+    packages; :meth:`Machine.observe` when None). Theory checks (known C) and a step that
+    would take minutes on this machine's CPU become :class:`ConfigWarning`.
     Raises :class:`ConfigError` listing every problem found.
     """
     origin: dict[str, str] = {}
@@ -114,9 +130,12 @@ def load_config(
         broken = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
         cfg = Config.model_validate({k: v for k, v in tree.items() if k not in broken})
     found = semantic_errors(cfg)
+    pace: list[str] = []
     if resolve:
+        machine = machine or Machine.observe()
         cfg, more = resolve_here(cfg, machine)
         found += more
+        pace = [msg for msg in [cpu_pace_warning(cfg, machine)] if msg]
     errors += [
         f"{source_of(origin, key, top)}: {msg}"
         for key, msg in found
@@ -124,7 +143,7 @@ def load_config(
     ]
     if errors:
         raise ConfigError("\n".join(errors))
-    for msg in theory_warnings(cfg):
+    for msg in theory_warnings(cfg) + pace:
         warnings.warn(msg, ConfigWarning, stacklevel=2)
     return cfg
 

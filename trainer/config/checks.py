@@ -40,8 +40,16 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("train.grad_accum", f"train.grad_accum={cfg.train.grad_accum}: not exact "
                     "with dynamic AdaCos, which updates s from each micro-batch (use "
                     "grad_accum=1, a larger batch, or margin.adacos=fixed)"))
+    for key, value, default in (("broadcast_buffers", cfg.engine.broadcast_buffers, True),
+                                ("grad_compression", cfg.engine.grad_compression, "none")):
+        if cfg.engine.type != "ddp" and value != default:
+            out.append((f"engine.{key}", f"engine.{key}={value!r}: a DDP setting; needs "
+                        f"engine.type=ddp (or {key}={default!r})"))
     if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
         out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
+    if m.subcenters > 1 and cfg.head.kernel == "triton":
+        out.append(("head.kernel", f"head.kernel='triton': the Triton kernels have no K-way max "
+                    f"for margin.subcenters={m.subcenters} (use head.kernel=auto or torch)"))
     if (
         cfg.engine.type == "deepspeed"
         and cfg.engine.precision in ("fp16", "bf16")
@@ -179,7 +187,8 @@ def _sized(cfg: Config, manifest: Manifest | None) -> Resolved:
             elif have != want:
                 where = ", ".join(str(Path(d)) for d in data.folders())
                 out.append((f"data.{key}", f"data.{key}={have}: manifest.json in {where} says "
-                            f"{want}" + (" (their sum)" if data.dirs else "")))
+                            f"{want}" + (" (their sum)" if data.dirs else "") +
+                            f"; set data.{key}={want} or drop the key (the manifest fills it)"))
     if not fill:
         return Resolved(cfg, out)
     sized = cfg.model_copy(update={"data": data.model_copy(update=fill, deep=True)}, deep=True)
@@ -236,9 +245,12 @@ def _batch_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
     key = "train.batch_size" if batches_per_rank(n, world, batch) == 0 else "train.grad_accum"
     where = "the synthetic data" if cfg.data.source == "synthetic" else \
         ", ".join(cfg.data.folders())
+    fits = next((b for b in range(batch - 1, 0, -1) if batches_per_rank(n, world, b) >= k), 0)
+    fix = (f"train.batch_size={fits} is the largest that fits" if fits else
+           f"even train.batch_size=1 needs {world * k} samples")
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
                   f"{n} samples in {where} cannot fill one step (at most "
-                  f"{n // world} samples per rank)")]
+                  f"{n // world} samples per rank); {fix}, or add data or launch fewer ranks")]
 
 
 def _class_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from partial_fc.margins import AdaCosMode, MarginType
+from partial_fc.margins import AdaCosMode, MarginGradient, MarginType
 from partial_fc.tiles import KERNELS
 from trainer.errors import Refused
 
@@ -106,8 +106,8 @@ class DataConfig(_Section):
 class BackboneConfig(_Section):
     name: str = Field(
         "iresnet50", description="backbone architecture (partial_fc.backbones.list_backbones():"
-        " iresnet*, mobilefacenet, vit_t|s|b|l|h), or timm:<model> for a timm model (pip "
-        "install 'partial-fc[timm]')"
+        " iresnet*, mobilefacenet, mbf, mbf_large, vit_t|s|b|l|h), or timm:<model> for a timm "
+        "model (pip install 'partial-fc[timm]')"
     )
     embedding_size: PosInt = Field(512, description="length of the face embedding")
     dropout: UnitFloat = Field(0.0, description="dropout before the embedding layer, in [0, 1)")
@@ -189,6 +189,17 @@ class MarginConfig(_Section):
         0.0, description="any type: non-target cosines above this are zeroed (arcface_torch's "
         "interclass_filtering_threshold); 0 = off"
     )
+    gradient: MarginGradient = Field(
+        "exact", description="exact: the margin's true derivative; straight_through: forward "
+        "unchanged, d psi/d cos = 1 (insightface arcface_torch's gradient, which its published "
+        "ArcFace numbers used)"
+    )
+    subcenters: PosInt = Field(
+        1, description="sub-center ArcFace (Deng et al., ECCV 2020): K centres per class, a "
+        "class's cosine the largest of its K, with any margin type; 1 = off, the paper's K is "
+        "3; the head holds K x the rows (launch.plan counts them); launch.clean lists the "
+        "samples far from their class's dominant centre"
+    )
     p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
         "checked against (a warning only; not passed to the margin)"
@@ -215,7 +226,9 @@ class HeadConfig(_Section):
     )
     kernel: Literal[KERNELS] = Field(
         "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "
-        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch"
+        "(PyTorch, chunked over classes), auto = triton on CUDA when installed, else torch; the "
+        "first step checks the kernels against torch on a slice: auto goes on with torch after "
+        "a mismatch (one line says so), triton stops the run"
     )
     max_tile_mib: PosInt = Field(
         32, description="torch kernel: MiB of fp32 [batch, classes] cosines per class chunk "
@@ -231,10 +244,25 @@ class HeadConfig(_Section):
         "fp32", description="dtype of the head's weight, gradient and optimizer state; bf16 "
         "halves them (bf16 matmul operands, fp32 accumulation, softmax and update arithmetic)"
     )
+    update: Literal["sampled", "dense"] = Field(
+        "sampled", description="head optimizer at sample_rate < 1: sampled = only the rows "
+        "of the step's sample move; dense = every row, unsampled ones by momentum and weight "
+        "decay (insightface arcface_torch's single SGD over the shard)"
+    )
+    init: Literal["per_class", "per_rank"] = Field(
+        "per_class", description="initial rows: per_class = a function of (seed, class), "
+        "the same on any number of ranks; per_rank = every rank starts from rank 0's rows "
+        "(arcface_torch: one seed, the same draw on every rank)"
+    )
+    loss_cap: PosFloat | None = Field(
+        None, description="report each sample's loss as at most this (arcface_torch: "
+        "-ln 1e-30 = 69.08); the gradient is not changed, as there; null = no cap"
+    )
 
     def partial_fc_kwargs(self) -> dict[str, Any]:
         """``PartialFC``'s keyword arguments this section sets (bytes, a torch dtype)."""
         return {"sample_rate": self.sample_rate, "kernel": self.kernel,
+                "init": self.init, "loss_cap": self.loss_cap,
                 "max_tile_bytes": self.max_tile_mib << 20,
                 "state_dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[self.state_dtype]}
 
@@ -298,6 +326,14 @@ class EngineConfig(_Section):
         "fp32", description="backbone compute precision (margins and softmax stay fp32); fp16 "
         "needs deepspeed and a GPU"
     )
+    broadcast_buffers: bool = Field(
+        True, description="ddp: copy rank 0's buffers (BatchNorm statistics) to every rank "
+        "before each forward; false keeps each rank's own (arcface_torch), averaged at saves"
+    )
+    grad_compression: Literal["none", "fp16"] = Field(
+        "none", description="ddp: all-reduce the backbone's gradients in fp16 (torch's "
+        "fp16_compress_hook, as arcface_torch registers it): half the traffic, fp16 rounding"
+    )
     cpu_shm_comm: bool = Field(
         False, description="deepspeed on CPU: use its shared-memory all-reduce (costs a ~30-50 "
         "s JIT build) instead of the gloo group"
@@ -330,7 +366,8 @@ class DistConfig(_Section):
     timeout_s: PosFloat = Field(
         300.0, description="seconds a collective may wait for the other ranks before the run "
         "ends with a message naming the step (a stopped or hung rank); raise it for evaluation "
-        "or checkpoints that take longer on one rank"
+        "or checkpoints that take longer on one rank. A rank outlives a dead launcher by at "
+        "most this + 20 s"
     )
 
 
@@ -388,6 +425,11 @@ class Config(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output if self.output is not None else f"runs/{self.name}")
+
+    def partial_fc_kwargs(self) -> dict[str, Any]:
+        """``PartialFC``'s keyword arguments: the head section's, and the margin's
+        sub-centers (the weight's shape)."""
+        return {**self.head.partial_fc_kwargs(), "subcenters": self.margin.subcenters}
 
     def margin_kwargs(self) -> dict[str, Any]:
         """The dict for ``partial_fc.build_margin``."""

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Config
@@ -32,7 +33,10 @@ class DDPBackend:
     def __init__(self, cfg: Config, module: nn.Module, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, env: DistEnv):
         ids = [env.device.index] if env.device.type == "cuda" else None
-        self.model = DistributedDataParallel(module, device_ids=ids, process_group=env.group)
+        self.model = DistributedDataParallel(module, device_ids=ids, process_group=env.group,
+                                             broadcast_buffers=cfg.engine.broadcast_buffers)
+        if cfg.engine.grad_compression == "fp16":
+            self.model.register_comm_hook(env.group, fp16_compress_hook)
         self.input_dtype = torch.float32
         self.backbone, self.optimizer = backbone, optimizer
         self.device_type = env.device.type

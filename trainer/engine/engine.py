@@ -99,11 +99,13 @@ def make_optimizer(optim: OptimConfig, backbone: nn.Module) -> torch.optim.Optim
 
 
 def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
-                        max_update_bytes: int) -> torch.optim.Optimizer:
+                        max_update_bytes: int, dense: bool = False) -> torch.optim.Optimizer:
     """The optimizer of the head's ``weight``, row-sampling (unsampled rows get no momentum,
-    no decay): it steps from the head's ``pop_sampled_rows()``."""
+    no decay, unless ``dense``: ``head.update``): it steps from the head's
+    ``pop_sampled_rows()``."""
     cls = SampledSGD if optim.name == "sgd" else SampledAdamW
-    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes)
+    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes,
+               dense=dense)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class StepResult:
     numbers: Mapping[str, float] = field(repr=False)  # {"loss", "grad_norm"}, read lazily
     angles: dict[str, Tensor] | None = None  # PartialFC.angle_sample, when asked for
     head_stats: Mapping[str, float] = field(default_factory=dict, repr=False)  # head.stats
+    notes: tuple[str, ...] = ()  # the head's new start-up lines (PartialFC.take_notes)
 
     @property
     def loss(self) -> float:
@@ -157,7 +160,8 @@ class Engine:
         self.backbone = backbone.to(self.device, memory_format=self.memory_format)
         self.head = head.to(self.device)
         self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
-                                                  cfg.head.max_update_mib << 20)
+                                                  cfg.head.max_update_mib << 20,
+                                                  dense=cfg.head.update == "dense")
         self.optimizer = make_optimizer(cfg.optim, self.backbone)
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
@@ -272,6 +276,7 @@ class Engine:
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
                           stop=agreed_stop, angles=sample, head_stats=self.head.stats,
+                          notes=tuple(self.head.take_notes()),
                           numbers=DeviceScalars({"loss": loss_sum / k,
                                                  "grad_norm": update.grad_norm}))
 
@@ -314,10 +319,11 @@ class Engine:
         gathers a partitioned optimizer state into full form)."""
         head = self.head
 
-        def rows(value: Tensor) -> Tensor | Rows:
+        def rows(value: Tensor) -> Tensor | Rows:  # K weight rows per class (sub-centers)
             value = torch.as_tensor(value)
-            per_row = value.ndim >= 1 and value.shape[0] == head.num_local
-            return Rows(value, head.class_start, head.num_classes) if per_row else value
+            per_row = value.ndim >= 1 and value.shape[0] == head.weight.shape[0]
+            return (Rows(value, head.row_start, head.num_classes * head.subcenters) if per_row
+                    else value)
 
         return EngineState(
             head={k: rows(v) if k == "weight" else v for k, v in head.state_dict().items()},

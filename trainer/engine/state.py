@@ -3,7 +3,7 @@
 
 Every entry is one tensor of one of two kinds:
 
-* :class:`Rows` — this rank's block ``[offset, offset + n)`` of a ``[num_classes, ...]``
+* :class:`Rows` — this rank's block ``[offset, offset + n)`` of a ``[num_classes * K, ...]``
   tensor: the head's weight rows and every per-row tensor of the head's optimizer. Saved
   as one logical tensor, so a run resumed on any number of ranks reads exactly its rows.
 * a plain tensor, identical on every rank (replicated): the backbone's weights, its

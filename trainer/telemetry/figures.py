@@ -328,6 +328,12 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
                   "Median target angle θ_med (radians). AdaCos's dynamic scale is "
                   "s = ln(B_avg) / cos(min(π/4, θ_med)): √2·ln(B_avg) while θ_med ≥ π/4, "
                   "and smaller as θ_med falls below it (stricter supervision)."),
+    names.SUBCENTER_SHARE: (
+        _line_figure(names.SUBCENTER_SHARE, "share", "sub-center: dominant-center share"),
+        "Sub-center ArcFace (margin.subcenters): the share of the samples seen so far that are "
+        "nearest their class's dominant centre (the one most of its samples are nearest). "
+        "Near 1: clean classes; the rest gather on the other centres (noise, other poses); "
+        "python -m launch.clean lists them."),
     "cos": (cos_figure, "Mean cosine to the target class (solid) and to the other classes "
                         "(dashed): the gap is what the margin buys."),
     "angles": (angles_figure,

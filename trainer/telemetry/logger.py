@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from partial_fc.metric_names import MARGIN_STATS, SCALE_DYNAMICS
+from partial_fc.metric_names import MARGIN_STATS, OPTIONAL_STATS, SCALE_DYNAMICS
 from trainer.config import Config, dump_config
 from trainer.dist import launcher_rank
 from trainer.errors import Stopped
@@ -175,7 +175,8 @@ class RunLogger:
         entry = StepRecord(step=step, loss=result.loss, lr=result.lr,
                            grad_norm=result.grad_norm,
                            head={**{name: head_stats.get(name) for name in SCALE_DYNAMICS},
-                                 **{name: head_stats[name] for name in MARGIN_STATS
+                                 **{name: head_stats[name]
+                                    for name in (*OPTIONAL_STATS, *MARGIN_STATS)
                                     if name in head_stats}},
                            img_per_s=img_s, memory_mb=memory_mb(device), data=dict(data or {}),
                            time_s=now - self._t0, epoch=epoch)

@@ -1,0 +1,120 @@
+"""``python -m launch.convert insightface-config``: arcface_torch configs (Python files, written
+here in its format: ``configs/base.py`` plus a job file) are read with ``ast``, never run,
+merged as its ``get_config`` merges them, mapped, and pass ``launch.train --check``."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from launch.convert import main as convert
+
+BASE = """from easydict import EasyDict as edict
+
+config = edict()
+config.margin_list = (1.0, 0.5, 0.0)
+config.network = "r50"
+config.resume = False
+config.embedding_size = 512
+config.sample_rate = 1
+config.fp16 = False
+config.batch_size = 128
+config.optimizer = "sgd"
+config.lr = 0.1
+config.momentum = 0.9
+config.weight_decay = 5e-4
+config.dali = False
+config.gradient_acc = 1
+config.seed = 2048
+config.num_workers = 2
+config.using_wandb = False
+"""
+
+
+def _job(rec, extra=""):
+    return f"""from easydict import EasyDict as edict
+
+config = edict()
+config.margin_list = (1.0, 0.0, 0.4)
+config.network = "r18"
+config.sample_rate = 0.5
+config.fp16 = True
+config.batch_size = 4
+config.lr = 0.02
+config.rec = {str(rec)!r}
+config.num_classes = 20
+config.num_image = 160
+config.num_epoch = 20
+config.warmup_epoch = config.num_epoch // 10
+config.val_targets = ['lfw', 'cfp_fp', "agedb_30"]
+{extra}"""
+
+
+def _configs(tmp_path, job):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "base.py").write_text(BASE)
+    (folder / "job.py").write_text(job)
+    return folder / "job.py"
+
+
+def test_merged_and_mapped_and_passes_the_check(tmp_path, synthetic_data, capsys):
+    from launch.train import main as train
+
+    out = tmp_path / "job.yaml"
+    assert convert(["insightface-config", str(_configs(tmp_path, _job(synthetic_data))),
+                    str(out), f"output={tmp_path / 'run'}"]) == 0
+    printed = capsys.readouterr().out
+    tree = yaml.safe_load(out.read_text())
+    assert tree["margin"] == {"gradient": "straight_through", "type": "cosface", "m": 0.4,
+                              "s": 64.0}
+    assert tree["backbone"] == {"name": "iresnet18", "embedding_size": 512}
+    assert tree["head"]["sample_rate"] == 0.5 and tree["optim"]["lr"] == 0.02  # job wins
+    assert tree["optim"]["weight_decay"] == 5e-4 and tree["optim"]["name"] == "sgd"  # base
+    assert tree["schedule"] == {"type": "poly", "power": 1.0, "warmup_epochs": 2.0}
+    assert tree["train"]["epochs"] == 20 and tree["train"]["grad_accum"] == 1
+    assert tree["engine"]["precision"] == "bf16" and tree["seed"] == 2048
+    assert tree["data"] == {"num_workers": 2, "dir": str(synthetic_data), "num_classes": 20,
+                            "num_samples": 160}
+    for key in ("resume = False", "using_wandb = False", "val_targets = ['lfw'"):
+        assert f"no counterpart: {key}" in printed and f"# no counterpart: {key}" in \
+            out.read_text()
+    assert "note: fp16 = True" in printed
+    assert train(["--config", str(out), "--check", "backbone.name=iresnet_tiny",
+                  "engine.precision=fp32"]) == 0
+
+
+def test_nothing_is_executed_and_every_other_statement_is_named(tmp_path, capsys):
+    planted = tmp_path / "planted"
+    job = _job(tmp_path, f"open({str(planted)!r}, 'w')\nconfig.lr = float('0.1')\n")
+    path = _configs(tmp_path, job)
+    assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"import error: {path}:16: `open({str(planted)!r}, 'w')` is not an assignment to "
+        "config.KEY; not executed, so not converted",
+        f"{path}:17: `config.lr = float('0.1')`: the value is not a literal or arithmetic "
+        "over literals and earlier config keys"]
+    assert not planted.exists() and not (tmp_path / "job.yaml").exists()
+
+
+@pytest.mark.parametrize("margins, want", [
+    ((1.0, 0.5, 0.0), {"type": "arcface", "m": 0.5}),
+    ((1.0, 0.0, 0.35), {"type": "cosface", "m": 0.35}),
+    ((1.0, 0.3, 0.2), {"type": "cosface", "m": 0.2}),  # arcface_torch ignores m2 then
+])
+def test_margin_list_as_combined_margin_loss_reads_it(tmp_path, margins, want):
+    job = _job(tmp_path).replace("(1.0, 0.0, 0.4)", repr(margins))
+    out = tmp_path / "job.yaml"
+    assert convert(["insightface-config", str(_configs(tmp_path, job)), str(out)]) == 0
+    margin = yaml.safe_load(out.read_text())["margin"]
+    assert {k: margin[k] for k in want} == want
+
+
+def test_a_margin_list_arcface_torch_cannot_run_is_refused(tmp_path, capsys):
+    job = _job(tmp_path).replace("(1.0, 0.0, 0.4)", "(1.35, 0.0, 0.0)")
+    path = _configs(tmp_path, job)
+    assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"import error: {path}: margin_list=[1.35, 0.0, 0.0]: arcface_torch's "
+        "CombinedMarginLoss supports m1 == 1 with m3 == 0 (ArcFace) or m3 > 0 (CosFace) only")

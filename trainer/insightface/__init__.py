@@ -1,0 +1,1 @@
+"""Importing insightface arcface_torch: its backbones' keys, checkpoints and configs."""

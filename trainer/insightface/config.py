@@ -1,0 +1,212 @@
+"""Read an insightface arcface_torch config (a Python file) without running it, and map it.
+
+arcface_torch's ``utils_config.get_config`` imports ``configs/base.py``, then the named file,
+and ``dict.update``s the first with the second. Here both are parsed with :mod:`ast`: a
+statement is either an import, ``config = edict()`` or ``config.KEY = VALUE`` where VALUE is
+a literal or arithmetic over literals and keys assigned before it (``config.num_epoch // 10``);
+anything else is reported, one line naming the file, the line and the statement, and nothing
+is executed. The merged keys then map onto partial-fc's schema (:data:`MAPPED`); each key with
+no counterpart is listed. Besides the keys, the conversion sets what train_v2.py does in code
+(:func:`arcface_torch_behaviour`): the scale 64, the straight-through margin gradient, LR
+decay power 1, gradient clipping at 5 and the arcface_torch-behaviour options.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.insightface.backbones import ImportRefused, our_network
+
+LOSS_CAP = -math.log(1e-30)  # DistCrossEntropyFunc: loss.clamp_min_(1e-30).log_()
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+# arcface_torch key -> partial-fc dotted key, for the ones that carry over as they are.
+MAPPED = {
+    "sample_rate": "head.sample_rate", "batch_size": "train.batch_size", "lr": "optim.lr",
+    "optimizer": "optim.name", "momentum": "optim.momentum",
+    "weight_decay": "optim.weight_decay", "num_epoch": "train.epochs",
+    "warmup_epoch": "schedule.warmup_epochs", "embedding_size": "backbone.embedding_size",
+    "num_classes": "data.num_classes", "num_image": "data.num_samples", "rec": "data.dir",
+    "gradient_acc": "train.grad_accum", "seed": "seed", "num_workers": "data.num_workers",
+    "frequent": "log.every", "verbose": "eval.every", "output": "output",
+}
+# Keys read below with a conversion of their own; the rest of arcface_torch's have no
+# counterpart and are listed.
+_CONVERTED = {"margin_list", "network", "fp16", "dali"}
+_INT_KEYS = {"train.epochs", "train.batch_size", "train.grad_accum", "data.num_classes",
+             "data.num_samples", "seed", "data.num_workers", "log.every", "eval.every",
+             "backbone.embedding_size"}
+_FLOAT_KEYS = {"head.sample_rate", "optim.lr", "optim.momentum", "optim.weight_decay",
+               "schedule.warmup_epochs"}
+
+
+@dataclass
+class Converted:
+    """A converted config: the partial-fc tree, arcface_torch's network name, and the lines
+    to print (keys without a counterpart, notes on conversions that are not one to one)."""
+
+    tree: dict = field(default_factory=dict)
+    network: str | None = None
+    unmapped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_file(path: Path, into: dict[str, Any], errors: list[str]) -> None:
+    """Add ``path``'s ``config.KEY = VALUE`` assignments to ``into`` (later ones win, as
+    ``dict.update`` would); one line per statement that is anything else."""
+    try:
+        module = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        errors.append(f"{path}: not readable Python ({type(exc).__name__}: {exc})")
+        return
+    for node in module.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        if _is_new_config(node):
+            continue
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+            else None
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                and target.value.id == "config"):
+            errors.append(f"{path}:{node.lineno}: `{ast.unparse(node)}` is not an assignment "
+                          "to config.KEY; not executed, so not converted")
+            continue
+        try:
+            into[target.attr] = _value(node.value, into)
+        except ValueError:
+            errors.append(f"{path}:{node.lineno}: `{ast.unparse(node)}`: the value is not a "
+                          "literal or arithmetic over literals and earlier config keys")
+
+
+def _is_new_config(node: ast.stmt) -> bool:
+    """``config = edict()`` (or ``EasyDict()`` / ``dict()``)."""
+    return (isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "config"
+            and isinstance(node.value, ast.Call) and not node.value.args
+            and not node.value.keywords)
+
+
+def _value(node: ast.expr, known: dict[str, Any]) -> Any:
+    """A literal, a tuple/list of them, arithmetic over them, or an earlier ``config.KEY``."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Tuple | ast.List):
+        return [_value(x, known) for x in node.elts]
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_value(node.operand, known))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_value(node.left, known), _value(node.right, known))
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "config" and node.attr in known):
+        return known[node.attr]
+    raise ValueError(ast.unparse(node))
+
+
+def merged(path: Path) -> dict[str, Any]:
+    """``base.py`` (beside ``path``, if there) updated by ``path``, as get_config merges them;
+    refuses with every statement it would have had to run."""
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    base = path.parent / "base.py"
+    if base.is_file() and base.resolve() != path.resolve():
+        parse_file(base, values, errors)
+    job: dict[str, Any] = {}
+    parse_file(path, job, errors)
+    if errors:
+        raise ImportRefused("\n".join(errors))
+    values.update(job)
+    return values
+
+
+def margin_of(margin_list: Any, where: str, notes: list[str]) -> dict[str, Any]:
+    """``CombinedMarginLoss(64, m1, m2, m3)`` as train_v2 builds it: ``m1 == 1, m3 == 0`` is
+    ArcFace with ``m2``; ``m3 > 0`` is CosFace with ``m3`` (``m1`` and ``m2`` are then ignored
+    by its code); anything else raises there, and is refused here."""
+    if not (isinstance(margin_list, list) and len(margin_list) == 3
+            and all(isinstance(m, int | float) for m in margin_list)):
+        raise ImportRefused(f"{where}: margin_list={margin_list!r} is not three numbers")
+    m1, m2, m3 = (float(m) for m in margin_list)
+    if m1 == 1.0 and m3 == 0.0:
+        return {"type": "arcface", "m": m2, "s": 64.0}
+    if m3 > 0:
+        if (m1, m2) != (1.0, 0.0):
+            notes.append(f"margin_list={margin_list}: arcface_torch applies only m3 when m3 > 0 "
+                         f"(CosFace); m1={m1}, m2={m2} are ignored here as there")
+        return {"type": "cosface", "m": m3, "s": 64.0}
+    raise ImportRefused(f"{where}: margin_list={margin_list!r}: arcface_torch's "
+                        "CombinedMarginLoss supports m1 == 1 with m3 == 0 (ArcFace) or m3 > 0 "
+                        "(CosFace) only")
+
+
+def arcface_torch_behaviour() -> dict[str, Any]:
+    """What train_v2.py, partial_fc_v2.py and losses.py fix in code, as partial-fc keys
+    (dotted; docs/insightface.md says which of them matter for its numbers)."""
+    return {"margin.gradient": "straight_through", "schedule.type": "poly",
+            "schedule.power": 1.0, "train.clip_grad_norm": 5.0, "optim.decay": "all",
+            "head.update": "dense", "head.init": "per_rank", "head.loss_cap": LOSS_CAP,
+            "engine.type": "ddp", "engine.broadcast_buffers": False,
+            "engine.grad_compression": "fp16"}
+
+
+def put(tree: dict, dotted: str, value: Any) -> None:
+    """``tree[a][b] = value`` for ``dotted = "a.b"``, creating sections."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def _typed(dotted: str, value: Any) -> Any:
+    """Python's ``1`` for a float key is YAML's int: make the schema's strict types hold."""
+    if dotted in _FLOAT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if dotted in _INT_KEYS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def read_config(path: Path) -> Converted:
+    """``path`` (an arcface_torch config) merged with its ``base.py`` and mapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ImportRefused(f"{path}: no such file")
+    values = merged(path)
+    out = Converted()
+    for key, value in arcface_torch_behaviour().items():
+        put(out.tree, key, value)
+    for key, value in values.items():
+        if key in MAPPED and value is not None:
+            put(out.tree, MAPPED[key], _typed(MAPPED[key], value))
+        elif key not in _CONVERTED and key not in MAPPED:
+            out.unmapped.append(f"{key} = {value!r}")
+    if "margin_list" in values:
+        out.tree["margin"] = {**out.tree.get("margin", {}),
+                              **margin_of(values["margin_list"], str(path), out.notes)}
+    if values.get("network") is not None:
+        out.network = values["network"]
+        put(out.tree, "backbone.name", our_network(out.network, str(path)))
+    if values.get("fp16"):
+        put(out.tree, "engine.precision", "bf16")
+        out.notes.append("fp16 = True (autocast fp16 with a GradScaler): engine.precision=bf16, "
+                         "which needs no loss scale; engine.precision=fp16 needs "
+                         "engine.type=deepspeed")
+    if (values.get("gradient_acc") or 1) > 1:
+        out.notes.append(f"gradient_acc = {values['gradient_acc']}: arcface_torch sums the "
+                         "micro-batches' gradients (an SGD step k times larger); "
+                         "train.grad_accum averages them")
+    if values.get("dali"):
+        out.notes.append("dali = True: partial-fc's loader decodes the webdataset shards itself "
+                         "(no DALI); nothing to set")
+    if values.get("rec") is not None:
+        out.notes.append(f"rec = {values['rec']!r}: data.dir must name a converted folder: "
+                         f"python -m launch.convert insightface {values['rec']} OUT, then "
+                         "data.dir=OUT")
+    return out
