@@ -155,8 +155,6 @@ def build(cfg: Config, env: DistEnv) -> Run:
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
     engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
-    if head.path_note(env.device) is not None:
-        log.info(head.path_note(env.device))
     if warmup >= total:  # known only here: the steps per epoch depend on the loader
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
                  f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
