@@ -74,6 +74,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "ArcFace filter 0.4": ("margin.interclass_filter=0.4",),
     "ArcFace + Intra + Inter": ("loss.intra=1.0", "loss.inter=1.0"),
     "ArcFace + Triplet": ("loss.triplet=1.0",),
+    "Sub-center ArcFace K=3": ("margin.subcenters=3",),
 }
 
 
