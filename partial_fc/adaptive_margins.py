@@ -20,19 +20,13 @@ from torch import Tensor
 from partial_fc import metric_names as names
 from partial_fc.init import derive_seed
 from partial_fc.margin_step import MarginBatch, MarginStep
-from partial_fc.margins import _ACOS_EPS, CombinedMargin, Margin, _angle, _error, _nonneg
+from partial_fc.margins import _ACOS_EPS, CombinedMargin, Margin
 from partial_fc.nontarget import NonTarget
 from partial_fc.scale import AdaCosScale, FixedScale
 
-__all__ = ["ADAPTIVE_DEFAULTS", "AdaFaceMargin", "CurricularFaceMargin", "ElasticMargin",
-           "MagFaceMargin", "adaptive_errors", "build_adaptive", "elastic_generator"]
+__all__ = ["AdaFaceMargin", "CurricularFaceMargin", "ElasticMargin", "MagFaceMargin",
+           "build_adaptive", "elastic_generator"]
 
-# The defaults of the adaptive margins' own keys: AdaFace's h and EMA (arXiv:2204.00964),
-# CurricularFace's EMA (arXiv:2004.00288), MagFace's bounds and lambda_g (arXiv:2103.06627),
-# ElasticFace's sigma (0.05, the released configs of arXiv:2109.09416 for both variants).
-ADAPTIVE_DEFAULTS = {"h": 0.333, "ema": 0.01, "l_a": 10.0, "u_a": 110.0, "l_m": 0.45,
-                     "u_m": 0.8, "lambda_g": 35.0, "sigma": 0.05}
-ELASTIC_TYPES = ("elasticface_arc", "elasticface_cos")
 _ADAFACE_EPS = 1e-3  # the paper code's eps: cosine clamp, theta clip, std guard
 _ELASTIC_KEY = 0xE1A5  # the first key of ElasticFace's margin draws (see elastic_generator)
 
@@ -235,35 +229,6 @@ class ElasticMargin(Margin):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, m={self.m}, sigma={self.sigma}, sort={self.sort}"
-
-
-# ----------------------------------------------------------------------------- the rules
-
-
-def adaptive_errors(kind: Any, m: Any, keys: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The rules of AdaFace, CurricularFace, MagFace and ElasticFace's own keys."""
-    out = []
-    if kind in ("adaface", "curricularface", "elasticface_arc") and not _angle(m):
-        out.append(_error("m", m, f"{kind} needs 0 <= m < pi (radians)"))
-    if kind == "elasticface_cos" and not _nonneg(m):
-        out.append(_error("m", m, "elasticface_cos needs m >= 0"))
-    if kind == "adaface" and not (_nonneg(keys["h"]) and keys["h"] > 0):
-        out.append(_error("h", keys["h"], "must be > 0"))
-    ema = keys["ema"]
-    if kind in ("adaface", "curricularface") and not (_nonneg(ema) and 0 < ema <= 1):
-        out.append(_error("ema", ema, "must be in (0, 1]"))
-    if kind in ELASTIC_TYPES and not _nonneg(keys["sigma"]):
-        out.append(_error("sigma", keys["sigma"], "must be >= 0"))
-    if kind == "magface":
-        l_a, u_a, l_m, u_m = (keys[k] for k in ("l_a", "u_a", "l_m", "u_m"))
-        if not (_nonneg(l_a) and _nonneg(u_a) and 0 < l_a < u_a):
-            out.append(_error("u_a", u_a, f"MagFace needs 0 < l_a < u_a (l_a={l_a})"))
-        if not (_angle(l_m) and _angle(u_m) and l_m <= u_m):
-            out.append(_error("u_m", u_m, f"MagFace needs 0 <= l_m <= u_m < pi (l_m={l_m})"))
-        if not _nonneg(keys["lambda_g"]):
-            out.append(_error("lambda_g", keys["lambda_g"], "must be >= 0"))
-    return out
-
 
 
 def build_adaptive(kind: str, scale: FixedScale | AdaCosScale, m: float, warmup: int,

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from partial_fc import distributed as dist_ops
 from partial_fc.aux_losses import AuxLosses
 from partial_fc.batch_stats import global_stats, stats_readout
+from partial_fc.head_checks import check_head_args, check_inputs
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
 from partial_fc.margin_step import MarginBatch
@@ -47,14 +48,11 @@ from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.step_terms import finish, step_terms
 from partial_fc.subcenters import DominantShare, expand_rows
-from partial_fc.tiles import KERNELS, ReferenceTiles, triton_available
+from partial_fc.tiles import ReferenceTiles
 from partial_fc.tiles.reference import chunk_columns
 from partial_fc.tiles.selfcheck import CheckedTiles
 
 __all__ = ["PartialFC"]
-
-STATE_DTYPES = (torch.float32, torch.bfloat16)
-INITS = ("per_class", "per_rank")
 
 
 class PartialFC(nn.Module):
@@ -130,44 +128,14 @@ class PartialFC(nn.Module):
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
-        if embedding_size < 1:
-            raise ValueError(f"PartialFC: embedding_size={embedding_size} must be >= 1")
-        if num_classes < world:
-            raise ValueError(
-                f"PartialFC: num_classes={num_classes} < world size {world}: every rank needs "
-                "at least one class"
-            )
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"PartialFC: sample_rate={sample_rate} must be in (0, 1]")
-        if not isinstance(margin, Margin):
-            raise TypeError(f"PartialFC: margin must come from build_margin, got {margin!r}")
-        if seed < 0:
-            raise ValueError(f"PartialFC: seed={seed} must be >= 0")
-        if kernel not in KERNELS:
-            raise ValueError(f"PartialFC: kernel={kernel!r} must be one of {KERNELS}")
-        if kernel == "triton" and not triton_available():
-            raise ValueError("PartialFC: kernel='triton' needs triton (pip install triton); "
-                             "use kernel='torch' or 'auto'")
-        if max_tile_bytes < 1:
-            raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
-        if not isinstance(subcenters, int) or subcenters < 1:
-            raise ValueError(f"PartialFC: subcenters={subcenters!r} must be an int >= 1")
-        if subcenters > 1 and kernel == "triton":
-            raise ValueError(f"PartialFC: kernel='triton' has no K-way max for subcenters="
-                             f"{subcenters}; use kernel='auto' or 'torch'")
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
-                             f"{STATE_DTYPES}")
+        check_head_args(embedding_size, num_classes, world, margin, sample_rate, seed, kernel,
+                        max_tile_bytes, state_dtype, init, loss_cap, subcenters)
         self.kernel, self.max_tile_bytes = kernel, int(max_tile_bytes)
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate, self.process_group, self.seed = sample_rate, process_group, seed
         self.world_size, self.rank = world, rank
         self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
-        if init not in INITS:
-            raise ValueError(f"PartialFC: init={init!r} must be one of {INITS}")
-        if loss_cap is not None and not loss_cap > 0:
-            raise ValueError(f"PartialFC: loss_cap={loss_cap} must be > 0 or None")
         self.loss_cap = loss_cap
         self.subcenters = k = subcenters
         weight = torch.empty(k * self.num_local, embedding_size, dtype=state_dtype,
@@ -298,7 +266,8 @@ class PartialFC(nn.Module):
         device; at ``r < 1`` the sampler reads its number of positives (the sample's size)."""
         group = self.process_group
         self._ledger.before_forward(self.weight)
-        sizes = self._check_inputs(embeddings, labels, sizes)
+        sizes = check_inputs(embeddings, labels, sizes, self.embedding_size, self.world_size,
+                             self.rank, group)
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
         e, norms = self._gather(embeddings.float(), sizes)  # [N, D], [N] or None
         y = dist_ops.all_gather(labels, group, sizes)  # [N]
@@ -352,43 +321,6 @@ class PartialFC(nn.Module):
         return loss
 
     # ------------------------------------------------------------------ helpers
-
-    def _check_inputs(self, embeddings: Tensor, labels: Tensor,
-                      sizes: Sequence[int] | None) -> list[int]:
-        """Every rank's batch size, after validating shapes. Without ``sizes``: on every rank
-        at once (one small all-gather, read by the host), so a bad rank makes all ranks raise
-        instead of leaving the others blocked in a collective; with them: locally, no read."""
-        world = dist_ops.get_world_size(self.process_group)
-        if world != self.world_size:
-            raise RuntimeError(f"PartialFC: built for world size {self.world_size}, "
-                               f"called with {world}")
-        ok = (embeddings.dim() == 2 and embeddings.shape[-1] == self.embedding_size
-              and embeddings.is_floating_point() and labels.dim() == 1
-              and labels.shape[0] == embeddings.shape[0] and not labels.is_floating_point()
-              and not labels.is_complex() and labels.dtype != torch.bool)
-        n = embeddings.shape[0] if embeddings.dim() else 0
-        if sizes is not None:
-            sizes = [int(k) for k in sizes]
-            if len(sizes) != world or min(sizes) < 0:
-                raise ValueError(f"PartialFC: sizes={sizes} must be {world} batch sizes >= 0")
-            if not ok or n != sizes[self.rank]:
-                raise ValueError(self._bad_inputs(f"rank {self.rank}", sizes[self.rank],
-                                                  embeddings, labels))
-        else:
-            meta = dist_ops.gather_ints([n, int(ok)], embeddings.device, self.process_group)
-            if not bool(meta[:, 1].all()):
-                culprit = int((meta[:, 1] == 0).nonzero()[0, 0])
-                raise ValueError(self._bad_inputs(f"rank {culprit}", "n", embeddings, labels))
-            sizes = meta[:, 0].tolist()
-        if sum(sizes) == 0:
-            raise ValueError("PartialFC: the global batch is empty")
-        return sizes
-
-    def _bad_inputs(self, who: str, n: int | str, embeddings: Tensor, labels: Tensor) -> str:
-        return (f"PartialFC: {who} passed bad inputs; expected embeddings float "
-                f"[{n}, {self.embedding_size}] and labels int64 [{n}], this rank got embeddings "
-                f"{tuple(embeddings.shape)} {embeddings.dtype}, labels {tuple(labels.shape)} "
-                f"{labels.dtype}")
 
     def _shard(self, e: Tensor, index: Tensor | None, targets: Tensor) -> Shard:
         """This step's rows, their inverse norms (fp32; as ``F.normalize``: norms below 1e-12

@@ -8,7 +8,7 @@ import torch
 from partial_fc import PartialFC, build_margin
 from partial_fc import metric_names as names
 from partial_fc.aux_losses import AuxLosses
-from partial_fc.margins import margin_errors
+from partial_fc.margin_rules import margin_errors
 
 D, C, N = 8, 13, 6
 TYPES = ("adaface", "curricularface", "magface", "elasticface_arc", "elasticface_cos")

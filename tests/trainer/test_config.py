@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from partial_fc.margins import normface_scale_bound
+from partial_fc.margin_rules import normface_scale_bound
 from trainer.config import (
     ConfigError,
     ConfigWarning,
@@ -127,7 +127,7 @@ BAD = [
                                 "vit_* only"]),
     ({}, ["optim.decay=some"], ["optim.decay='some'", "'all' or 'weights'"]),
     ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1", "greater than or equal to 0"]),
-    (  # a rule of partial_fc.margins, reported by the config check
+    (  # a rule of partial_fc.margin_rules, reported by the config check
         {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
         [],
         ["cfg.yaml: margin.m2=0.5: easy_margin needs m1*pi/2 + m2 <= pi (m1=2.0)"],
@@ -395,11 +395,11 @@ def test_help_lists_every_key_with_its_description(capsys):
 
 
 def test_margin_schema_holds_exactly_build_margins_keys():
-    """MarginConfig declares the keys partial_fc.margins reads (plus p_w), no more, no less;
-    its types are the ones margins.py lists."""
+    """MarginConfig declares the keys partial_fc.margin_rules names (plus p_w), no more, no less;
+    its types are the ones margin_rules.py lists."""
     from pydantic import ValidationError
 
-    from partial_fc.margins import MARGIN_KEYS, MARGIN_TYPES
+    from partial_fc.margin_rules import MARGIN_KEYS, MARGIN_TYPES
     from trainer.config import MarginConfig
 
     assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}

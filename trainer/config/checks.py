@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from partial_fc.margins import margin_errors, margin_warnings
+from partial_fc.margin_rules import margin_errors, margin_warnings
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
 
@@ -32,7 +32,7 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
     out: list[tuple[str, str]] = []
     m = cfg.margin
-    out += margin_errors(cfg.margin_kwargs())  # partial_fc.margins owns the margin rules
+    out += margin_errors(cfg.margin_kwargs())  # partial_fc.margin_rules owns the margin rules
     # Accumulation shares one class sample and one head step over the micro-batches
     # (PartialFC.begin_step), so sampling, SphereFace's lambda and the margin warm-up are
     # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes.
@@ -115,7 +115,7 @@ def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
 
 
 def theory_warnings(cfg: Config) -> list[str]:
-    """The theory checks (``partial_fc.margins.margin_warnings``) as one string each; empty
+    """The theory checks (``partial_fc.margin_rules.margin_warnings``) as one string each; empty
     while ``data.num_classes`` is unknown."""
     if cfg.data.num_classes is None:
         return []

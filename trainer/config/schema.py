@@ -16,7 +16,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from partial_fc.margins import AdaCosMode, MarginGradient, MarginType
+from partial_fc.margin_rules import AdaCosMode, MarginGradient, MarginType
 from partial_fc.tiles import KERNELS
 from trainer.errors import Refused
 
@@ -128,7 +128,7 @@ class BackboneConfig(_Section):
 
 class MarginConfig(_Section):
     """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob): one
-    field per ``partial_fc.margins.MARGIN_KEYS``, whose rules (``margin_errors``) the
+    field per ``partial_fc.margin_rules.MARGIN_KEYS``, whose rules (``margin_errors``) the
     config check calls."""
 
     type: MarginType = Field(
