@@ -13,15 +13,16 @@ those run out is the last batch filled with repeats of the previous one (counted
 `num_padded`; after a resume inside that padded tail, repeats of the epoch's first
 decodable chunk).
 
-Resume (`state_dict` / `load_state_dict`): the state is the epoch, the batches handed out and
-each worker's stream position. Restored with the same seed, world size, workers, batch size,
-shuffle settings and data, the remaining samples of the epoch are exactly the ones not yet
-handed out and each worker replays its own stream exactly; only the interleaving of the
-workers' remaining chunks into batches can differ from an uninterrupted run. A state saved on
-another rank (same settings) is converted by replaying the chunk schedule: exact unless
-corrupt samples were skipped before the save. With different settings the resume is
-approximate: every worker skips the same fraction of its new stream as was consumed, so a
-few samples of that epoch may be repeated or missed.
+Resume (`position` / `restore`, or `state_dict` / `load_state_dict` at the checkpoint
+boundary, data_pipeline.position): the state is the epoch, the batches handed out and each
+worker's stream position, under the plan (`plan_key`). Restored with the same seed, world
+size, workers, batch size, shuffle settings and data, the remaining samples of the epoch are
+exactly the ones not yet handed out and each worker replays its own stream exactly; only the
+interleaving of the workers' remaining chunks into batches can differ from an uninterrupted
+run. A state saved on another rank (same settings) is converted by replaying the chunk
+schedule: exact unless corrupt samples were skipped before the save. With different settings
+the resume is approximate: every worker skips the same fraction of its new stream as was
+consumed, so a few samples of that epoch may be repeated or missed.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
 from data_pipeline.parent_death import die_with_parent
+from data_pipeline.position import LoaderPosition, ShardPlan, ShardPosition
 from data_pipeline.slots import SlotPool
 
 IMAGE_SIZE = 112
@@ -72,7 +74,7 @@ class _EpochStream(IterableDataset):
         self.excluded = loader.excluded
         self.infos = list(loader.manifest.shards)
         self.paths = loader.shard_paths
-        self.cfg = loader.plan_key()
+        self.plan = loader.plan_key()
         self.rank, self.epoch, self.skips = loader.rank, epoch, skips
         self.flip, self.decoder = loader.flip, loader.decoder
         self.num_classes = loader.manifest.num_classes
@@ -81,27 +83,27 @@ class _EpochStream(IterableDataset):
 
     def __iter__(self):
         info = get_worker_info()
-        assert (info.num_workers if info is not None else 1) == self.cfg["num_workers"]
+        assert (info.num_workers if info is not None else 1) == self.plan.num_workers
         return self.chunks(info.id if info is not None else 0, self.pool)
 
     def chunks(self, worker: int, pool: SlotPool | None = None):
         """The chunk stream of DataLoader worker `worker` (run in that worker, decoding into
         ``pool``'s slots, or in-process)."""
-        cfg = self.cfg
-        pieces = epoch_plan.worker_pieces(self.kept, seed=cfg["seed"], epoch=self.epoch,
-                                          rank=self.rank, world_size=cfg["world_size"],
-                                          worker=worker, num_workers=cfg["num_workers"],
-                                          shuffle=cfg["shuffle"])
+        plan = self.plan
+        pieces = epoch_plan.worker_pieces(self.kept, seed=plan.seed, epoch=self.epoch,
+                                          rank=self.rank, world_size=plan.world_size,
+                                          worker=worker, num_workers=plan.num_workers,
+                                          shuffle=plan.shuffle)
         pieces = epoch_plan.with_exclusions(pieces, self.counts, self.excluded)
-        tag = f"{cfg['seed']}-{self.epoch}-{self.rank}-{worker}"
-        buffer = cfg["shuffle_buffer"] if cfg["shuffle"] else 0
+        tag = f"{plan.seed}-{self.epoch}-{self.rank}-{worker}"
+        buffer = plan.shuffle_buffer if plan.shuffle else 0
         pipeline = wds.DataPipeline(
             functools.partial(stages.read_pieces, pieces, self.paths, self.infos),
             wds.filters.shuffle(buffer, initial=buffer, seed=f"shuffle-{tag}") if buffer > 1
             else None,
             stages.annotate(f"flip-{tag}", self.flip),
             stages.skip(self.skips[worker]),
-            stages.decode_chunks(IMAGE_SIZE, self.decoder, cfg["batch_size"], worker,
+            stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
                                  self.num_classes, pool),
         )
         return iter(pipeline)
@@ -115,8 +117,9 @@ class EpochBatches(Protocol):
     Iterating yields ``(images uint8 [B, 3, 112, 112], labels int64 [B])`` for the rest of
     the current epoch. ``len``: batches per epoch, the same on every rank; ``batches_done``:
     how many of this epoch's were handed out. ``set_epoch(e)`` starts epoch ``e`` (the same
-    epoch again keeps a resumed position); ``state_dict()`` / ``load_state_dict()`` carry the
-    position through a checkpoint (JSON-able). ``epoch``; ``num_skipped`` (corrupt samples)
+    epoch again keeps a resumed position); ``position()`` / ``restore(p)``: where it is, a
+    typed value (data_pipeline.position); ``state_dict()`` / ``load_state_dict()``: the same
+    as a checkpoint stores it, a JSON-able dict. ``epoch``; ``num_skipped`` (corrupt samples)
     and ``num_padded`` (samples repeated to fill the last batch) in the current epoch;
     ``num_excluded`` (samples an exclusion list leaves out of every epoch);
     ``dropped_fraction`` of each epoch. Implementations subclass it and set ``_len`` and
@@ -135,9 +138,15 @@ class EpochBatches(Protocol):
 
     def set_epoch(self, epoch: int) -> None: ...
 
-    def state_dict(self) -> dict: ...
+    def position(self) -> LoaderPosition: ...
+
+    def restore(self, position: LoaderPosition) -> None: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def state_dict(self) -> dict:
+        """The position as the checkpoint stores it: a dict of builtins."""
+        return self.position().to_dict()
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (identical on every rank)."""
@@ -231,40 +240,37 @@ class _ShardLoader(EpochBatches):
             self._batches, self._positions = 0, [0] * len(self._positions)
             self.num_skipped = 0
 
-    def plan_key(self) -> dict:
-        """Everything that fixes the epoch's sample order (saved in state_dict)."""
-        key = {"seed": self.seed, "world_size": self.world_size,
-               "num_workers": len(self._positions), "batch_size": self.batch_size,
-               "num_samples": self.num_samples, "shuffle": self.shuffle,
-               "shuffle_buffer": self.shuffle_buffer}
-        return {**key, "excluded": self.exclusion_key} if self.exclusion_key else key
+    def plan_key(self) -> ShardPlan:
+        """Everything that fixes the epoch's sample order (saved with the position)."""
+        return ShardPlan(seed=self.seed, world_size=self.world_size,
+                         num_workers=len(self._positions), batch_size=self.batch_size,
+                         num_samples=self.num_samples, shuffle=self.shuffle,
+                         shuffle_buffer=self.shuffle_buffer, excluded=self.exclusion_key)
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self._batches, "rank": self.rank,
-                "worker_positions": list(self._positions), "num_skipped": self.num_skipped,
-                "num_padded": self.num_padded, "plan": self.plan_key()}
+    def position(self) -> ShardPosition:
+        return ShardPosition(epoch=self.epoch, batches=self._batches, rank=self.rank,
+                             worker_positions=tuple(self._positions),
+                             num_skipped=self.num_skipped, num_padded=self.num_padded,
+                             plan=self.plan_key())
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a position (see the module docstring for exact vs approximate)."""
-        try:
-            epoch, batches, old = int(state["epoch"]), int(state["batches"]), dict(state["plan"])
-            positions = [int(p) for p in state["worker_positions"]]
-            old_len = epoch_plan.batches_per_rank(old["num_samples"], old["world_size"],
-                                            old["batch_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"loader state_dict: malformed ({type(exc).__name__}: {exc})") from exc
-        self.epoch = epoch
-        self.num_skipped = int(state.get("num_skipped", 0))
-        self.num_padded = int(state.get("num_padded", 0))
+        self.restore(ShardPosition.from_dict(state))
+
+    def restore(self, position: ShardPosition) -> None:
+        """Go back to ``position`` (see the module docstring for exact vs approximate)."""
+        self.epoch = position.epoch
+        self.num_skipped, self.num_padded = position.num_skipped, position.num_padded
         sizes = epoch_plan.worker_sizes(self.num_samples, self.world_size,
                                         len(self._positions))
-        if old == self.plan_key():
-            self._batches = batches
-            if int(state["rank"]) != self.rank:
+        positions = list(position.worker_positions)
+        if position.plan == self.plan_key():
+            self._batches = position.batches
+            if position.rank != self.rank:
                 positions = epoch_plan.consumed_positions(sizes, self.batch_size,
-                                                    batches * self.batch_size)
+                                                    position.batches * self.batch_size)
         else:
-            fraction = min(1.0, batches / old_len) if old_len else 0.0
+            old_len = position.plan.batches_per_rank
+            fraction = min(1.0, position.batches / old_len) if old_len else 0.0
             self._batches = min(self._len, math.ceil(fraction * self._len))
             positions = [math.floor(fraction * n) for n in sizes]
         self._positions = positions

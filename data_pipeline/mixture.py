@@ -24,6 +24,7 @@ import numpy as np
 
 from data_pipeline.errors import DataError
 from data_pipeline.loader import EpochBatches, concat, make_loader
+from data_pipeline.position import MixturePosition
 
 
 def batch_shares(batch_size: int, weights: Sequence[float]) -> list[int]:
@@ -92,23 +93,20 @@ class MixedLoader(EpochBatches):
         if epoch != self.epoch:
             self.epoch, self._batches = epoch, 0
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self._batches,
-                "sets": [s.state_dict() for s in self.sets]}
+    def position(self) -> MixturePosition:
+        return MixturePosition(epoch=self.epoch, batches=self._batches,
+                               sets=tuple(s.position() for s in self.sets))
 
     def load_state_dict(self, state: dict) -> None:
-        try:
-            sets = list(state["sets"])
-            epoch, batches = int(state["epoch"]), int(state["batches"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"loader state_dict: not a data.dirs loader's ({type(exc).__name__}"
-                             f": {exc})") from exc
-        if len(sets) != len(self.sets):
-            raise DataError(f"loader state_dict: saved with {len(sets)} data folders, this "
-                            f"run has {len(self.sets)} (data.dirs changed)")
-        for loader, saved in zip(self.sets, sets, strict=True):
-            loader.load_state_dict(saved)
-        self.epoch, self._batches = epoch, min(batches, self._len)
+        self.restore(MixturePosition.from_dict(state))
+
+    def restore(self, position: MixturePosition) -> None:
+        if len(position.sets) != len(self.sets):
+            raise DataError(f"loader state_dict: saved with {len(position.sets)} data folders, "
+                            f"this run has {len(self.sets)} (data.dirs changed)")
+        for loader, saved in zip(self.sets, position.sets, strict=True):
+            loader.restore(saved)
+        self.epoch, self._batches = position.epoch, min(position.batches, self._len)
 
     def __iter__(self) -> Iterator[tuple]:
         if self._batches >= self._len:  # a finished epoch iterates again from its start

@@ -23,7 +23,8 @@ are the epoch's drop (``dropped_fraction``).
 The interface is :class:`data_pipeline.loader.EpochBatches`', as ``launch.train`` uses it:
 ``len``, iteration (uint8 ``[B, 3, 112, 112]`` images and int64 ``[B]`` labels, on
 ``device``; normalisation stays in the engine), ``set_epoch``, ``epoch``, ``batches_done``,
-``state_dict``/``load_state_dict``, ``dropped_fraction``, ``num_skipped``, ``num_padded``.
+``position``/``restore`` (``state_dict``/``load_state_dict`` at a checkpoint),
+``dropped_fraction``, ``num_skipped``, ``num_padded``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from data_pipeline.errors import DataError
 from data_pipeline.loader import EpochBatches
+from data_pipeline.position import SyntheticPlan, SyntheticPosition
 
 SIZE = 112
 CANVAS = 128
@@ -202,35 +204,35 @@ class SyntheticStream(EpochBatches):
         if epoch != self.epoch:
             self.epoch, self._batches = epoch, 0
 
-    def plan_key(self) -> dict:
-        """Everything that fixes which samples global batch b holds (saved in state_dict)."""
-        return {"source": "synthetic", "seed": self.seed, "num_samples": self.num_samples,
-                "num_classes": self.num_classes, "global_batch": self.batch_size * self.world_size}
+    def plan_key(self) -> SyntheticPlan:
+        """Everything that fixes which samples global batch b holds (saved with the position)."""
+        return SyntheticPlan(seed=self.seed, num_samples=self.num_samples,
+                             num_classes=self.num_classes,
+                             global_batch=self.batch_size * self.world_size)
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self._batches, "rank": self.rank,
-                "plan": self.plan_key()}
+    def position(self) -> SyntheticPosition:
+        return SyntheticPosition(epoch=self.epoch, batches=self._batches, rank=self.rank,
+                                 plan=self.plan_key())
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a position. Same plan (seed, classes, images per class and global batch
-        ``batch_size * world_size``, whatever the split into ranks): exact. Another global
-        batch: resumes at the first global batch after the samples consumed (up to one global
-        batch of the epoch is skipped, none repeated). Another data set (a state saved by the
-        shard loader, other classes): at the same fraction of the epoch."""
-        try:
-            epoch, batches, old = int(state["epoch"]), int(state["batches"]), dict(state["plan"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"loader state_dict: malformed ({type(exc).__name__}: {exc})") from exc
-        new = self.plan_key()
+        self.restore(SyntheticPosition.from_dict(state))
+
+    def restore(self, position: SyntheticPosition) -> None:
+        """Go back to ``position``. Same plan (seed, classes, images per class and global
+        batch ``batch_size * world_size``, whatever the split into ranks): exact. Another
+        global batch: resumes at the first global batch after the samples consumed (up to one
+        global batch of the epoch is skipped, none repeated). Another data set (a position
+        saved by the shard loader, other classes): at the same fraction of the epoch."""
+        old, new, batches = position.plan, self.plan_key(), position.batches
         if old == new:
             done = batches
-        elif all(old.get(k) == new[k] for k in ("source", "seed", "num_samples", "num_classes")):
-            done = math.ceil(batches * old["global_batch"] / new["global_batch"])
+        elif isinstance(old, SyntheticPlan) and (old.seed, old.num_samples, old.num_classes) \
+                == (new.seed, new.num_samples, new.num_classes):
+            done = math.ceil(batches * old.global_batch / new.global_batch)
         else:
-            old_len = old.get("num_samples", 0) // max(1, old.get("global_batch") or (
-                old.get("batch_size", 1) * old.get("world_size", 1)))
+            old_len = old.batches_per_rank
             done = math.ceil(min(1.0, batches / old_len) * self._len) if old_len else 0
-        self.epoch, self._batches = epoch, min(self._len, done)
+        self.epoch, self._batches = position.epoch, min(self._len, done)
 
     def indices(self, batch: int) -> torch.Tensor:
         """Sample indices (int64 ``[B]``, CPU) of this rank's batch ``batch`` of the epoch."""

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from data_pipeline.manifest import atomic_write_bytes
+from data_pipeline.position import ImportedPlan
 from partial_fc.partition import split_evenly
 from trainer.checkpoint import LATEST, CheckpointMeta, tag_for
 from trainer.checkpoint.integrity import META, sha256
@@ -38,9 +39,6 @@ from trainer.insightface.backbones import ImportRefused, convert_state, is_param
 SHARD = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
         "state_lr_scheduler", "epoch", "global_step")
-# A loader position that every loader reads as "the start of epoch E" (another plan: the
-# same fraction, 0, of the epoch; data_pipeline.loader and synthetic_stream).
-_PLAN = {"source": "arcface_torch", "num_samples": 0, "world_size": 1, "batch_size": 1}
 
 
 @dataclass(frozen=True)
@@ -166,8 +164,11 @@ def schedule_settings(shards: Shards, grad_accum: int) -> dict[str, Any]:
 
 
 def loader_position(epoch: int) -> dict:
-    """The loader state that resumes at the start of epoch ``epoch`` on any data and ranks."""
-    return {"epoch": epoch, "batches": 0, "rank": 0, "worker_positions": [], "plan": _PLAN}
+    """The loader state that resumes at the start of epoch ``epoch`` on any data and ranks:
+    its plan matches no loader's, so every loader resumes at the same fraction, 0, of the
+    epoch (``data_pipeline.position.ImportedPlan``)."""
+    return {"epoch": epoch, "batches": 0, "rank": 0, "worker_positions": [],
+            "plan": ImportedPlan().to_dict()}
 
 
 def write_backbone_only(out: Path, backbone: dict[str, Tensor], source: Path) -> Path:
