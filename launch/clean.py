@@ -20,16 +20,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from data_pipeline.exclusion import Exclusions, write_exclusions
-from launch.cli import EXIT_STATUS, add_checkpoint_argument, plain_help
+from launch.cli import checkpoint_program_parser
 from trainer.checkpoint import CheckpointError
 from trainer.cleaning import DEFAULT_THRESHOLD
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.clean", description=plain_help(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EXIT_STATUS)
-    add_checkpoint_argument(p)
+    p = checkpoint_program_parser("launch.clean", __doc__)
     p.add_argument("--data", type=Path, required=True, help="the shard folder it trained on")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,

@@ -13,7 +13,7 @@ from torch import nn
 from trainer.checkpoint.backbone import CheckpointError, load_backbone
 from trainer.errors import EXIT_STATUS
 
-__all__ = ["EXIT_STATUS", "add_checkpoint_argument", "load_backbone_or_exit", "plain_help"]
+__all__ = ["EXIT_STATUS", "checkpoint_program_parser", "load_backbone_or_exit", "plain_help"]
 
 
 def plain_help(doc: str) -> str:
@@ -24,10 +24,16 @@ def plain_help(doc: str) -> str:
     return re.sub(r"::$", ":", text, flags=re.M).strip()
 
 
-def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
-    """The ``--checkpoint`` option of ``launch.evaluate`` and ``launch.export``."""
+def checkpoint_program_parser(program: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of a program that reads a trained backbone (``launch.evaluate``, ``export``,
+    ``clean``, ``overlap``): its module docstring as the help, the exit statuses, and the
+    ``--checkpoint`` option they share."""
+    parser = argparse.ArgumentParser(prog=f"python -m {program}", description=plain_help(doc),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EXIT_STATUS)
     parser.add_argument("--checkpoint", required=True,
                         help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
+    return parser
 
 
 def load_backbone_or_exit(path: str | os.PathLike) -> nn.Module:

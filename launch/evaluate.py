@@ -20,7 +20,7 @@ import torch
 
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import EXIT_STATUS, add_checkpoint_argument, load_backbone_or_exit, plain_help
+from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 from partial_fc.eval.ijb import IJB_FARS
 from partial_fc.eval.verification import FARS, resolves
 from trainer.evaluation import evaluate_bins, evaluate_ijb_dir
@@ -60,10 +60,7 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.evaluate", description=plain_help(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EXIT_STATUS)
-    add_checkpoint_argument(p)
+    p = checkpoint_program_parser("launch.evaluate", __doc__)
     p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")

@@ -12,7 +12,6 @@ and PyTorch must agree (cosine >= ``min_cosine``) on random batches of two sizes
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -25,7 +24,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from launch.cli import EXIT_STATUS, add_checkpoint_argument, load_backbone_or_exit, plain_help
+from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 
 # The exporter's registry logs one warning per torchvision op it cannot register (detection
 # ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs
@@ -66,10 +65,7 @@ def check_onnx(backbone: nn.Module, path: str | os.PathLike, batch_sizes=(1, 5))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.export", description=plain_help(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EXIT_STATUS)
-    add_checkpoint_argument(p)
+    p = checkpoint_program_parser("launch.export", __doc__)
     p.add_argument("--out", required=True, type=Path, help="ONNX file to write")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")
     p.add_argument("--min-cosine", type=float, default=0.9999,

@@ -24,15 +24,12 @@ from pathlib import Path
 from data_pipeline.exclusion import Exclusions, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import EXIT_STATUS, add_checkpoint_argument, load_backbone_or_exit, plain_help
+from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 from trainer.overlap import DEFAULT_THRESHOLD
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.overlap", description=plain_help(__doc__),
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EXIT_STATUS)
-    add_checkpoint_argument(p)
+    p = checkpoint_program_parser("launch.overlap", __doc__)
     p.add_argument("--data", type=Path, required=True, help="the training shard folder")
     p.add_argument("--bins", default="", help="comma-separated verification .bin files")
     p.add_argument("--ijb", type=Path, metavar="DIR",
