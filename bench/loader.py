@@ -1,6 +1,6 @@
 """Loader throughput per worker vs bare JPEG decoding with the same decoder, interleaved.
 
-    .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5]
+    .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5] [--no-index]
 
 On 112x112 JPEG shards generated in a temp dir. For each worker count N, each repeat times
 bare decoding of the shards' own bytes (``decode_image``, the loader's decoder) in N forked
@@ -13,7 +13,8 @@ processes it runs) N decoders get what N workers get. A second ratio divides ima
 CPU-second of the workers (``os.times`` of the joined children; the main process's own at
 N = 0) by the decoders' images per CPU-second: the work per image, which the load on a shared
 machine hardly moves. Prints the median and the range over the repeats, and the load
-average. Never run by the tests.
+average. ``--no-index`` deletes the shards' member indexes first, so the loader parses the
+tars (a folder converted before indexes existed). Never run by the tests.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import NamedTuple
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.stages import tar_samples
+from data_pipeline.shard_index import index_path
+from data_pipeline.tar_reader import tar_samples
 
 
 class Rates(NamedTuple):
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--decoder", default="auto")
+    parser.add_argument("--no-index", action="store_true",
+                        help="read the shards without their member indexes")
     args = parser.parse_args()
     decoder = resolve_decoder(args.decoder)
     counts = [int(w) for w in args.workers.split(",")]
@@ -97,11 +101,15 @@ def main() -> None:
         write_synthetic_dataset(data, num_classes=args.images // 20, images_per_class=20,
                                 samples_per_shard=1000)
         manifest = read_manifest(data)
+        if args.no_index:
+            for shard in manifest.shards:
+                index_path(data / shard.name).unlink()
         blobs = [s["jpg"] for shard in manifest.shards for s in tar_samples(data / shard.name)]
         mean_kb = sum(map(len, blobs)) / len(blobs) / 1024
         print(f"{len(blobs)} JPEGs 112x112, mean {mean_kb:.1f} KiB, {os.cpu_count()} CPUs, "
               f"load average before {os.getloadavg()[0]:.2f}; decoder={decoder}, batch "
-              f"{args.batch_size}, flip, shuffle buffer 1000")
+              f"{args.batch_size}, flip, shuffle buffer 1000, "
+              f"{'no member index' if args.no_index else 'member index'}")
         bare, rates = {w: [] for w in counts}, {w: [] for w in counts}
         for _ in range(args.repeats):
             for w in counts:

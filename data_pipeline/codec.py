@@ -79,29 +79,36 @@ def decode_image(data: bytes, size: int = 112, decoder: str = "auto") -> np.ndar
     return resize_square(image, size)
 
 
-def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False) -> None:
+def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False,
+                scratch: np.ndarray | None = None) -> None:
     """Decode into ``out`` (uint8 ``[size, size, 3]``, C-contiguous), mirrored left-right if
     ``flip``; CorruptImageError if undecodable. Writing into the caller's batch saves the
     copy of a returned array; a JPEG of another size (or a PNG) takes :func:`decode_image`'s
     path (decode, stretch) and is copied in.
 
     The mirror decodes as BGR and reverses each row's bytes, which reverses the pixels and
-    turns BGR into RGB in one copy (:func:`_reverse_rows`; numpy's pixel-wise ``[:, ::-1]``
-    copy costs about as much as decoding a 112x112 JPEG).
+    turns BGR into RGB in one pass (:func:`_reverse_rows`; numpy's pixel-wise ``[:, ::-1]``
+    copy costs about as much as decoding a 112x112 JPEG). It goes through ``scratch`` (an
+    array like ``out``; a new one when None): decoded into ``out``, copied to ``scratch`` and
+    reversed back while both are still in cache.
     """
-    size = out.shape[0]
-    if decoder == "simplejpeg" and is_jpeg(data):
+    if decoder == "simplejpeg" and data[:3] == JPEG_MAGIC:
         try:
-            got = simplejpeg.decode_jpeg(data, colorspace="BGR", strict=True) if flip else \
-                simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, buffer=out)
+            got = simplejpeg.decode_jpeg(data, colorspace="BGR" if flip else "RGB",
+                                         strict=True, buffer=out)
             if got.shape == out.shape:
                 if flip:
-                    _reverse_rows(got.reshape(size, -1), out.reshape(size, -1))
+                    scratch = np.empty_like(out) if scratch is None else scratch
+                    np.copyto(scratch, out)
+                    _reverse_rows(scratch.reshape(len(out), -1), out.reshape(len(out), -1))
                 return
         except ValueError:  # corrupt, or larger than `out`: decode_image tells which
             pass
-    image = decode_image(data, size, decoder)
+    image = decode_image(data, out.shape[0], decoder)
     np.copyto(out, image[:, ::-1] if flip else image)
+
+
+_SWAPPED_WORDS = np.dtype(np.uint64).newbyteorder()
 
 
 def _reverse_rows(source: np.ndarray, out: np.ndarray) -> None:
@@ -112,8 +119,7 @@ def _reverse_rows(source: np.ndarray, out: np.ndarray) -> None:
     if source.shape[1] % 8:
         np.copyto(out, source[:, ::-1])
         return
-    swapped = np.dtype(np.uint64).newbyteorder()
-    np.copyto(out.view(np.uint64), source.view(swapped)[:, ::-1], casting="unsafe")
+    np.copyto(out.view(np.uint64), source.view(_SWAPPED_WORDS)[:, ::-1], casting="unsafe")
 
 
 def prepare_jpeg(data: bytes, size: int | None) -> bytes:

@@ -24,7 +24,7 @@ import numpy as np
 
 from data_pipeline.errors import DataError
 from data_pipeline.manifest import atomic_write_bytes
-from data_pipeline.stages import tar_samples
+from data_pipeline.tar_reader import tar_samples
 
 KINDS = ("sample", "class")
 

@@ -51,7 +51,9 @@ from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
 from data_pipeline.parent_death import die_with_parent
 from data_pipeline.position import LoaderPosition, ShardPlan, ShardPosition
+from data_pipeline.shard_index import index_path
 from data_pipeline.slots import SlotPool
+from data_pipeline.tar_reader import check_shard
 
 IMAGE_SIZE = 112
 
@@ -101,8 +103,7 @@ class _EpochStream(IterableDataset):
             functools.partial(stages.read_pieces, pieces, self.paths, self.infos),
             wds.filters.shuffle(buffer, initial=buffer, seed=f"shuffle-{tag}") if buffer > 1
             else None,
-            stages.annotate(f"flip-{tag}", self.flip),
-            stages.skip(self.skips[worker]),
+            stages.annotate(f"flip-{tag}", self.flip, self.skips[worker]),
             stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
                                  self.num_classes, pool),
         )
@@ -122,6 +123,7 @@ class EpochBatches(Protocol):
     as a checkpoint stores it, a JSON-able dict. ``epoch``; ``num_skipped`` (corrupt samples)
     and ``num_padded`` (samples repeated to fill the last batch) in the current epoch;
     ``num_excluded`` (samples an exclusion list leaves out of every epoch);
+    ``num_unindexed`` (shards without a member index, read more slowly);
     ``dropped_fraction`` of each epoch. Implementations subclass it and set ``_len`` and
     ``_batches`` for the two methods it defines.
     """
@@ -132,6 +134,7 @@ class EpochBatches(Protocol):
     num_skipped: int
     num_padded: int
     num_excluded: int = 0  # samples an exclusion list leaves out of every epoch
+    num_unindexed: int = 0  # shards read by parsing their tar (no member index beside them)
     dropped_fraction: float
 
     def __iter__(self) -> Iterator[tuple]: ...
@@ -189,7 +192,8 @@ class _ShardLoader(EpochBatches):
         self.manifest = read_manifest(self.data_dir)
         self.shard_paths = [self.data_dir / s.name for s in self.manifest.shards]
         for path, info in zip(self.shard_paths, self.manifest.shards, strict=True):
-            stages.check_shard(path, info)
+            check_shard(path, info)
+        self.num_unindexed = sum(not index_path(p).is_file() for p in self.shard_paths)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.batch_size, self.num_workers = batch_size, num_workers
         self.flip, self.with_keys, self.shuffle = flip, with_keys, shuffle

@@ -78,6 +78,7 @@ class MixedLoader(EpochBatches):
         read = sum(len(s) * s.batch_size for s in self.sets) * self.sets[0].world_size
         self.dropped_fraction = 1.0 - read / sum(s.num_samples for s in self.sets)
         self.num_excluded = sum(s.num_excluded for s in self.sets)
+        self.num_unindexed = sum(s.num_unindexed for s in self.sets)
 
     @property
     def num_skipped(self) -> int:

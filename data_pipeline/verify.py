@@ -2,7 +2,8 @@
 
 Per shard: the file exists with the manifest's size, it is a readable tar, it holds exactly
 the manifest's sample count, every sample has `jpg` and `cls`, every label is in
-[0, num_classes) and every image decodes. Keys must be unique across the folder.
+[0, num_classes) and every image decodes; its member index, where it has one, is the one its
+tar gives. Keys must be unique across the folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.errors import CorruptImageError, ShardError
 from data_pipeline.manifest import ShardInfo, read_manifest
-from data_pipeline.stages import check_shard, tar_samples
+from data_pipeline.shard_index import REBUILD, build_index, index_path, read_index, same_index
+from data_pipeline.tar_reader import check_shard, tar_samples
 
 
 @dataclass
@@ -54,6 +56,12 @@ def verify_shard(path: Path, info: ShardInfo, num_classes: int, decoder: str) ->
         return report
     if report.count != info.count:
         report.problems.append(f"{path}: holds {report.count} samples, manifest says {info.count}")
+    try:
+        index = read_index(path)
+        if index is not None and not same_index(index, build_index(path)):
+            report.problems.append(f"{index_path(path)}: does not match its shard; {REBUILD}")
+    except ShardError as exc:
+        report.problems.append(str(exc))
     return report
 
 

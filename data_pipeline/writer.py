@@ -4,6 +4,8 @@ Layout of `OUT/`:
   shard-000000.tar ...   samples `KEY.jpg` (encoded image), `KEY.cls` (ASCII int label),
                          `KEY.src` (ASCII original index: record id or relative path);
                          KEY is the 9-digit write position, unique in the data set.
+  shard-000000.tar.idx   each shard's member index (data_pipeline.shard_index), written
+                         after its shard.
   manifest.json          written last; its presence means the conversion finished.
   .convert.json          the conversion's fingerprint while it runs (removed at the end).
 
@@ -37,6 +39,7 @@ from data_pipeline.manifest import (
     read_manifest,
     write_manifest,
 )
+from data_pipeline.shard_index import build_index, index_path, write_index
 
 DEFAULT_SAMPLES_PER_SHARD = 10_000
 PROGRESS_NAME = ".convert.json"
@@ -73,7 +76,8 @@ def shard_name(index: int) -> str:
 
 
 def write_shard(path: Path, samples: Iterable[Sample]) -> ShardInfo:
-    """Write one tar shard atomically; members get mtime 0 and fixed ownership (reproducible)."""
+    """Write one tar shard atomically, then its member index (data_pipeline.shard_index);
+    members get mtime 0 and fixed ownership (reproducible)."""
     count = 0
     with atomic_file(path) as raw:
         with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -85,6 +89,7 @@ def write_shard(path: Path, samples: Iterable[Sample]) -> ShardInfo:
                     info.size, info.mode, info.mtime = len(payload), 0o644, 0
                     tar.addfile(info, io.BytesIO(payload))
                 count += 1
+    write_index(path, build_index(path))
     return ShardInfo(path.name, count, path.stat().st_size)
 
 
@@ -138,6 +143,8 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
         stop = min(start + samples_per_shard, n)
         path = out / shard_name(i)
         if path.is_file():  # renamed only when complete
+            if not index_path(path).is_file():  # stopped between the shard and its index
+                write_index(path, build_index(path))
             shards.append(ShardInfo(path.name, stop - start, path.stat().st_size))
             if progress:
                 progress(stop - start)

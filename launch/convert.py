@@ -3,6 +3,7 @@
   python -m launch.convert imagefolder SRC OUT   # SRC/<identity>/<image>, labels by sorted name
   python -m launch.convert insightface SRC OUT   # SRC/train.rec + train.idx (+ property)
   python -m launch.convert verify OUT            # re-read every shard against OUT/manifest.json
+  python -m launch.convert index OUT             # (re)write the shards' member indexes
   python -m launch.convert insightface-checkpoint SRC OUT [--config FILE] [key=value ...]
                                                  # an arcface_torch output folder -> a run
   python -m launch.convert insightface-config CONFIG.py OUT.yaml [key=value ...]
@@ -24,6 +25,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.imagefolder import ImageFolderSource
 from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.manifest import read_manifest
+from data_pipeline.shard_index import index_folder
 from data_pipeline.verify import verify_dataset
 from data_pipeline.writer import DEFAULT_SAMPLES_PER_SHARD, write_dataset
 from launch.cli import EXIT_STATUS, plain_help
@@ -60,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("out", metavar="OUT", help="converted folder (holds manifest.json)")
     sub.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     sub.add_argument("--decoder", default="auto", help="auto | simplejpeg | pil")
+    sub = commands.add_parser("index", help="(re)write each shard's member index, which the "
+                              "loader reads instead of parsing the tar (folders converted "
+                              "before indexes existed, or after an index was deleted)")
+    sub.add_argument("out", metavar="OUT", help="converted folder (holds manifest.json)")
+    sub.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     return parser
 
 
@@ -119,12 +126,22 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _index(args: argparse.Namespace) -> int:
+    total = read_manifest(args.out).num_samples
+    with tqdm(total=total, unit="img", desc=f"index {args.out}") as bar:
+        shards = index_folder(args.out, workers=args.workers, progress=bar.update)
+    print(f"{args.out}: {shards} shards indexed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command.startswith("insightface-"):
             return _insightface(args)
-        return _verify(args) if args.command == "verify" else _convert(args)
+        if args.command in ("verify", "index"):
+            return (_verify if args.command == "verify" else _index)(args)
+        return _convert(args)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.errors import CorruptImageError
 from data_pipeline.manifest import read_manifest
-from data_pipeline.stages import tar_samples
+from data_pipeline.tar_reader import tar_samples
 from partial_fc.distributed import all_reduce, get_rank, get_world_size
 from trainer.evaluation import _eval_mode, embed_images
 

@@ -211,6 +211,8 @@ def resume(run: Run) -> None:
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
         + (f", excluded {loader.num_excluded} samples (data.exclude)" if loader.num_excluded
            else "")
+        + (f", {loader.num_unindexed} shard(s) without a member index, read more slowly "
+           "(python -m launch.convert index DIR adds them)" if loader.num_unindexed else "")
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from data_pipeline import make_loader, read_manifest
-from data_pipeline.stages import tar_samples
+from data_pipeline.tar_reader import tar_samples
 from launch.convert import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from PIL import Image
 from data_pipeline import make_loader, read_manifest
 from data_pipeline.errors import DataError
 from data_pipeline.orl import ORL_EXCLUDE, find_orl_root, write_orl_shards
-from data_pipeline.stages import tar_samples
+from data_pipeline.tar_reader import tar_samples
 from launch.convert import main
 
 

@@ -15,7 +15,7 @@ from data_pipeline import make_loader, read_manifest
 from data_pipeline.errors import DataError
 from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.recordio import RecordIOReader, unpack
-from data_pipeline.stages import tar_samples
+from data_pipeline.tar_reader import tar_samples
 from launch.convert import main
 
 MAGIC = struct.pack("<I", 0xCED7230A)

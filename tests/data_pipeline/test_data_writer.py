@@ -10,8 +10,9 @@ from PIL import Image
 
 from data_pipeline import read_manifest, write_dataset, write_synthetic_dataset
 from data_pipeline.errors import DataError, ShardError
-from data_pipeline.stages import tar_samples
+from data_pipeline.shard_index import index_path, read_index
 from data_pipeline.synthetic import SyntheticSource
+from data_pipeline.tar_reader import tar_samples
 from data_pipeline.writer import PROGRESS_NAME
 
 
@@ -67,7 +68,9 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
     with pytest.raises(Crash):  # dies while writing shard 2 (positions 14..20)
         write_dataset(CrashingSource(int(order[16])), crashed, samples_per_shard=7)
     assert sorted(p.name for p in crashed.iterdir()) == [
-        PROGRESS_NAME, "shard-000000.tar", "shard-000001.tar", "shard-000002.tar.tmp"]
+        PROGRESS_NAME, "shard-000000.tar", "shard-000000.tar.idx", "shard-000001.tar",
+        "shard-000001.tar.idx", "shard-000002.tar.tmp"]
+    index_path(crashed / "shard-000001.tar").unlink()  # as if stopped before that index
     with pytest.raises(DataError, match="manifest"):
         read_manifest(crashed)
     with pytest.raises(DataError, match="unfinished conversion with other settings"):
@@ -77,6 +80,10 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
     assert corrupt == [] and (crashed / "shard-000000.tar").stat().st_mtime_ns == before
     assert shard_bytes(crashed) == shard_bytes(reference)
     assert manifest == read_manifest(reference)
+    for shard in manifest.shards:  # every shard indexed, as in the uninterrupted folder
+        got, want = read_index(crashed / shard.name), read_index(reference / shard.name)
+        assert got.keys.tolist() == want.keys.tolist()
+        assert np.array_equal(got.members, want.members)
     # a finished folder: same settings -> nothing to do; other settings -> refused
     assert write_dataset(CrashingSource(None), crashed, samples_per_shard=7)[0] == manifest
     with pytest.raises(DataError, match="already holds a different conversion"):

@@ -37,8 +37,8 @@ from spawn import run_ranks
 from data_pipeline import make_loader
 from data_pipeline.codec import decode_image
 from data_pipeline.exclusion import read_exclusions
-from data_pipeline.stages import tar_samples
 from data_pipeline.synthetic import MislabelledSource, SyntheticSource
+from data_pipeline.tar_reader import tar_samples
 from data_pipeline.writer import write_dataset
 from launch.clean import main
 from partial_fc.backbones import build_backbone, normalize_images

@@ -54,7 +54,7 @@ def write_data(folder: Path, corrupt: tuple[int, ...] = (), labels: dict[int, in
     shards' order made undecodable for ``i`` in ``corrupt`` and relabelled per ``labels``."""
     from data_pipeline import write_synthetic_dataset
     from data_pipeline.manifest import read_manifest, write_manifest
-    from data_pipeline.stages import tar_samples
+    from data_pipeline.tar_reader import tar_samples
     from data_pipeline.writer import Sample, write_shard
 
     write_synthetic_dataset(folder, num_classes=num_classes, images_per_class=per_class, seed=0)

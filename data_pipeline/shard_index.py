@@ -1,0 +1,183 @@
+"""Per-shard member index: where each sample's ``jpg`` and ``cls`` lie in its tar shard.
+
+Parsing tar headers in Python every epoch cost a loader worker about a tenth of its time
+(three members per sample; docs/benchmarks.md, "Loader"). So beside each shard ``NAME`` the
+writer stores ``NAME.idx`` (a numpy ``.npz``: the sample keys and the byte ranges of their
+``jpg`` and ``cls`` members), built from the checksum-verified parse, and the loader slices the
+memory-mapped shard at those offsets: the same idea as DALI's ``wds2idx`` index files. A
+folder converted without indexes still loads (the loader then parses the tars);
+``python -m launch.convert index DIR`` adds them.
+
+An index is checked against its shard before it is used: the shard's size, and the tar
+headers of the first and last samples read naming those samples' keys and sizes. An index
+left beside a rewritten shard is refused with a line naming the fix, never read at wrong
+offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zipfile
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_pipeline.errors import ShardError
+from data_pipeline.manifest import ShardInfo, atomic_file, read_manifest
+from data_pipeline.tar_reader import (
+    BLOCK,
+    check_shard,
+    mapped,
+    member_name,
+    member_size,
+    split_name,
+    tar_members,
+)
+
+INDEX_SUFFIX = ".idx"
+FORMAT_VERSION = 1
+COLUMNS = {"jpg": 0, "cls": 2}  # members' (offset, size) columns; -1 where a sample lacks one
+REBUILD = ("rebuild the folder's indexes with `python -m launch.convert index DIR` (or delete "
+           "the file: the loader then parses the tar)")
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """One shard's samples in order: ``keys`` (str ``[n]``) and ``members`` (int64
+    ``[n, 4]``: jpg offset, jpg size, cls offset, cls size; -1 for a missing member), for a
+    shard of ``shard_bytes`` bytes."""
+
+    keys: np.ndarray
+    members: np.ndarray
+    shard_bytes: int
+
+
+def index_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + INDEX_SUFFIX)
+
+
+def build_index(shard: Path) -> ShardIndex:
+    """The index of ``shard``, from the checksum-verified tar parse (ShardError when the shard
+    is corrupt or truncated). Samples are runs of members with one key, as the loader reads
+    them."""
+    keys, rows = [], []
+    try:
+        with open(shard, "rb") as f, mapped(f) as data:
+            for name, offset, size in tar_members(data, shard):
+                key, ext = split_name(name)
+                if not keys or keys[-1] != key:
+                    keys.append(key)
+                    rows.append([-1, -1, -1, -1])
+                if offset + size > len(data):
+                    raise ShardError(f"{shard}: member {name} truncated")
+                if ext in COLUMNS:
+                    rows[-1][COLUMNS[ext]:COLUMNS[ext] + 2] = offset, size
+            size = len(data)
+    except OSError as exc:
+        raise ShardError(f"{shard}: unreadable ({type(exc).__name__}: {exc})") from exc
+    return ShardIndex(np.array(keys, dtype=str), np.array(rows, np.int64).reshape(-1, 4), size)
+
+
+def write_index(shard: Path, index: ShardIndex) -> None:
+    """Store ``index`` as ``shard``'s index file, atomically."""
+    with atomic_file(index_path(shard)) as f:
+        np.savez(f, version=FORMAT_VERSION, keys=index.keys, members=index.members,
+                 shard_bytes=index.shard_bytes)
+
+
+def index_folder(data_dir: str | os.PathLike, *, workers: int = 1,
+                 progress: Callable[[int], None] | None = None) -> int:
+    """Write (or rewrite) the index of every shard of a converted folder, in ``workers``
+    processes; ``progress`` gets each shard's sample count. Returns the number of shards."""
+    data_dir = Path(data_dir)
+    shards = read_manifest(data_dir).shards
+    jobs = [data_dir / s.name for s in shards], shards
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        for count in (pool.map if pool else map)(_index_shard, *jobs):
+            if progress:
+                progress(count)
+    return len(shards)
+
+
+def _index_shard(shard: Path, info: ShardInfo) -> int:
+    check_shard(shard, info)
+    index = build_index(shard)
+    if len(index.keys) != info.count:
+        raise ShardError(f"{shard}: holds {len(index.keys)} samples, manifest says {info.count}")
+    write_index(shard, index)
+    return info.count
+
+
+def same_index(a: ShardIndex, b: ShardIndex) -> bool:
+    return (a.shard_bytes == b.shard_bytes and a.keys.tolist() == b.keys.tolist()
+            and np.array_equal(a.members, b.members))
+
+
+def read_index(shard: Path) -> ShardIndex | None:
+    """``shard``'s index, None when it has none; ShardError naming the index file when it is
+    unreadable or indexes a shard of another size."""
+    path = index_path(shard)
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            version, keys, members = int(stored["version"]), stored["keys"], stored["members"]
+            shard_bytes = int(stored["shard_bytes"])
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        raise ShardError(f"{path}: unreadable shard index ({type(exc).__name__}: {exc}); "
+                         f"{REBUILD}") from exc
+    if version != FORMAT_VERSION or members.shape != (len(keys), 4):
+        raise ShardError(f"{path}: not a version-{FORMAT_VERSION} shard index; {REBUILD}")
+    size = shard.stat().st_size
+    if shard_bytes != size:
+        raise ShardError(f"{shard}: {size} bytes, its index {path.name} was made for "
+                         f"{shard_bytes} (a truncated or rewritten shard; if the shard is right, "
+                         f"{REBUILD})")
+    return ShardIndex(keys, members, shard_bytes)
+
+
+def indexed_samples(shard: Path, index: ShardIndex, start: int, stop: int,
+                    drop: Collection[int] = ()) -> Iterator[dict]:
+    """Samples [start, stop) of ``shard`` less the positions in ``drop``, as
+    :func:`data_pipeline.tar_reader.tar_samples` gives them (``__key__``, ``jpg``, ``cls``
+    bytes), read at the offsets of its ``index``."""
+    if stop > len(index.keys):
+        raise ShardError(f"{index_path(shard)}: indexes {len(index.keys)} samples, expected at "
+                         f"least {stop}; {REBUILD}")
+    keys, rows = index.keys[start:stop].tolist(), index.members[start:stop].tolist()
+    try:
+        with open(shard, "rb") as f, mapped(f) as data:
+            for row in (0, len(rows) - 1) if rows else ():
+                _check_member(data, shard, keys[row], *rows[row][:2])
+            for position, key, (jpg, jpg_size, cls, cls_size) in zip(
+                    range(start, stop), keys, rows, strict=True):
+                if position in drop:
+                    continue
+                sample = {"__key__": key}
+                if jpg_size >= 0:
+                    sample["jpg"] = data[jpg:jpg + jpg_size]
+                if cls_size >= 0:
+                    sample["cls"] = data[cls:cls + cls_size]
+                yield sample
+    except OSError as exc:
+        raise ShardError(f"{shard}: unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_member(data, shard: Path, key: str, offset: int, size: int) -> None:
+    """ShardError unless the tar header before ``offset`` is ``key``'s jpg of ``size`` bytes
+    (or the sample has no jpg: nothing to check)."""
+    if offset < 0:
+        return
+    header = data[offset - BLOCK:offset] if offset >= BLOCK else b""
+    try:
+        matches = (len(header) == BLOCK and member_name(header) == f"{key}.jpg"
+                   and member_size(header) == size)
+    except UnicodeDecodeError:
+        matches = False
+    if not matches:
+        raise ShardError(f"{index_path(shard)}: does not match {shard.name} (no member "
+                         f"{key}.jpg of {size} bytes at byte {offset}); {REBUILD}")
