@@ -92,7 +92,7 @@ def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False,
     array like ``out``; a new one when None): decoded into ``out``, copied to ``scratch`` and
     reversed back while both are still in cache.
     """
-    if decoder == "simplejpeg" and data[:3] == JPEG_MAGIC:
+    if decoder == "simplejpeg":  # not a JPEG (a PNG stored by hand): ValueError, then PIL
         try:
             got = simplejpeg.decode_jpeg(data, colorspace="BGR" if flip else "RGB",
                                          strict=True, buffer=out)
@@ -102,7 +102,7 @@ def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False,
                     np.copyto(scratch, out)
                     _reverse_rows(scratch.reshape(len(out), -1), out.reshape(len(out), -1))
                 return
-        except ValueError:  # corrupt, or larger than `out`: decode_image tells which
+        except ValueError:  # corrupt, not a JPEG or larger than `out`: decode_image tells which
             pass
     image = decode_image(data, out.shape[0], decoder)
     np.copyto(out, image[:, ::-1] if flip else image)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import math
 import os
 import signal
@@ -101,8 +102,8 @@ class _EpochStream(IterableDataset):
         buffer = plan.shuffle_buffer if plan.shuffle else 0
         pipeline = wds.DataPipeline(
             functools.partial(stages.read_pieces, pieces, self.paths, self.infos),
-            wds.filters.shuffle(buffer, initial=buffer, seed=f"shuffle-{tag}") if buffer > 1
-            else None,
+            wds.filters.shuffle(buffer, initial=buffer, rng=stages.ShuffleRandom(f"shuffle-{tag}"))
+            if buffer > 1 else None,
             stages.annotate(f"flip-{tag}", self.flip, self.skips[worker]),
             stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
                                  self.num_classes, pool),
@@ -290,7 +291,7 @@ class _ShardLoader(EpochBatches):
                                    IMAGE_SIZE)
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
-                             collate_fn=_as_is, worker_init_fn=_outlive_stop_signals,
+                             collate_fn=_as_is, worker_init_fn=_start_worker,
                              generator=torch.Generator().manual_seed(self.seed))
         try:
             yield from self._batches_of(batches, stream.pool)
@@ -378,7 +379,18 @@ class _ShardLoader(EpochBatches):
         return (concat(images, self.pin_memory), concat(labels, self.pin_memory), keys)
 
 
-def _outlive_stop_signals(worker: int) -> None:
+def _start_worker(worker: int) -> None:
+    """DataLoader's ``worker_init_fn``: outlive stop signals, and move the objects the worker
+    inherited from its rank into the garbage collector's permanent generation
+    (``gc.freeze``), so the worker's collections scan only what it allocates. Otherwise each
+    full collection walks, and so copies on write, the rank's whole heap: 183 ms of CPU in a
+    worker forked from a process holding torch, deepspeed, wandb and 300k small objects
+    (0 ms frozen)."""
+    _outlive_stop_signals()
+    gc.freeze()
+
+
+def _outlive_stop_signals() -> None:
     """A worker outlives a SIGTERM, SIGUSR1 or SIGINT sent to every process of the job
     (``scancel``, a batch system's time limit, Ctrl-C): the trainer stops at the next step
     boundary (``trainer.preemption``) and ends its workers itself. SIGUSR1 and SIGINT are

@@ -34,6 +34,7 @@ from data_pipeline.tar_reader import (
     mapped,
     member_name,
     member_size,
+    memory_map,
     split_name,
     tar_members,
 )
@@ -143,28 +144,32 @@ def read_index(shard: Path) -> ShardIndex | None:
 def indexed_samples(shard: Path, index: ShardIndex, start: int, stop: int,
                     drop: Collection[int] = ()) -> Iterator[dict]:
     """Samples [start, stop) of ``shard`` less the positions in ``drop``, as
-    :func:`data_pipeline.tar_reader.tar_samples` gives them (``__key__``, ``jpg``, ``cls``
-    bytes), read at the offsets of its ``index``."""
+    :func:`data_pipeline.tar_reader.tar_samples` gives them (``__key__``, ``jpg``, ``cls``),
+    read at the offsets of its ``index``. ``jpg`` is a memoryview of the mapped shard, not a
+    copy (the map stays while a sample in a shuffle buffer holds one); ``cls`` is bytes,
+    which ``int`` reads."""
     if stop > len(index.keys):
         raise ShardError(f"{index_path(shard)}: indexes {len(index.keys)} samples, expected at "
                          f"least {stop}; {REBUILD}")
     keys, rows = index.keys[start:stop].tolist(), index.members[start:stop].tolist()
     try:
-        with open(shard, "rb") as f, mapped(f) as data:
-            for row in (0, len(rows) - 1) if rows else ():
-                _check_member(data, shard, keys[row], *rows[row][:2])
-            for position, key, (jpg, jpg_size, cls, cls_size) in zip(
-                    range(start, stop), keys, rows, strict=True):
-                if position in drop:
-                    continue
-                sample = {"__key__": key}
-                if jpg_size >= 0:
-                    sample["jpg"] = data[jpg:jpg + jpg_size]
-                if cls_size >= 0:
-                    sample["cls"] = data[cls:cls + cls_size]
-                yield sample
+        with open(shard, "rb") as f:
+            data = memory_map(f)
     except OSError as exc:
         raise ShardError(f"{shard}: unreadable ({type(exc).__name__}: {exc})") from exc
+    for row in (0, len(rows) - 1) if rows else ():
+        _check_member(data, shard, keys[row], *rows[row][:2])
+    view = memoryview(data)
+    for position, key, (jpg, jpg_size, cls, cls_size) in zip(range(start, stop), keys, rows,
+                                                             strict=True):
+        if position in drop:
+            continue
+        sample = {"__key__": key}
+        if jpg_size >= 0:
+            sample["jpg"] = view[jpg:jpg + jpg_size]
+        if cls_size >= 0:
+            sample["cls"] = data[cls:cls + cls_size]
+        yield sample
 
 
 def _check_member(data, shard: Path, key: str, offset: int, size: int) -> None:

@@ -87,15 +87,24 @@ def member_name(header: bytes) -> str:
     return name
 
 
+def memory_map(f) -> mmap.mmap | bytes:
+    """The open file ``f`` as a read-only memory map (an empty file, which cannot be mapped,
+    as empty bytes: the tar reader then reports it truncated). It stays mapped, after ``f`` is
+    closed, until it and every view of it are gone."""
+    if os.fstat(f.fileno()).st_size == 0:
+        return b""
+    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 @contextlib.contextmanager
 def mapped(f) -> Iterator[mmap.mmap | bytes]:
-    """The open file ``f`` as a read-only memory map (an empty file, which cannot be mapped,
-    as empty bytes: the tar reader then reports it truncated)."""
-    if os.fstat(f.fileno()).st_size == 0:
-        yield b""
-        return
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    """:func:`memory_map` of ``f``, unmapped on exit."""
+    data = memory_map(f)
+    try:
         yield data
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
 
 
 def member_size(header: bytes) -> int | None:

@@ -212,3 +212,39 @@ def test_loader_workers_outlive_a_job_wide_sigterm_and_sigusr1(synthetic_data):
                 os.kill(child.pid, signal.SIGTERM)
                 os.kill(child.pid, signal.SIGUSR1)
     assert got == reference
+
+
+def test_a_worker_starts_with_its_ranks_heap_frozen_and_stop_signals_ignored():
+    """The rank's objects go to the permanent generation in a worker (its collections then
+    never walk, and copy on write, the rank's heap); SIGUSR1 is ignored there."""
+    import gc
+    import multiprocessing
+    import signal
+
+    from data_pipeline.loader import _start_worker
+
+    def worker(out):
+        before = gc.get_freeze_count()
+        _start_worker(0)
+        out.put((before, gc.get_freeze_count(), signal.getsignal(signal.SIGUSR1)))
+
+    queue = multiprocessing.get_context("fork").SimpleQueue()
+    child = multiprocessing.get_context("fork").Process(target=worker, args=(queue,))
+    child.start()
+    before, after, usr1 = queue.get()
+    child.join()
+    assert before == 0 and after > 1000 and usr1 == signal.SIG_IGN
+
+
+def test_the_shuffle_draws_what_random_randint_draws():
+    """ShuffleRandom's one-call randint keeps webdataset's shuffle order (and so the sample
+    order a checkpoint's positions refer to) exactly as with random.Random."""
+    import random
+
+    from data_pipeline.stages import ShuffleRandom
+
+    for seed in ("shuffle-0-0-0-0", "shuffle-3-1-2-1", 12345):
+        ours, theirs = ShuffleRandom(seed), random.Random(seed)
+        bounds = [(0, n) for n in range(1200)] + [(5, 7), (0, 2**40), (3, 3)]
+        assert [ours.randint(a, b) for a, b in bounds * 2] == \
+            [theirs.randint(a, b) for a, b in bounds * 2]
