@@ -34,6 +34,10 @@ class Figures:
     when first asked for (:func:`measure_activations`). ``r50_images_per_s``: iresnet50's
     single-H100 training throughput; ``head_matmul_flops_per_s``: the head's three matmuls';
     ``loader_images_per_s``: one loader worker's (one CPU core) images per second.
+    ``forward_flops``: :func:`backbone_flops` at D=512 per backbone name, tabled so that the
+    config check (``trainer.config.pace``) needs no model; ``cpu_train_seconds_per_flop``:
+    seconds of one CPU process's training step (forward, backward, optimizer) per forward
+    flop of its images, from one measured iresnet50 step.
     """
 
     activations: dict[tuple[str, str], int]
@@ -41,22 +45,26 @@ class Figures:
     r50_images_per_s: float
     head_matmul_flops_per_s: float
     loader_images_per_s: float
+    forward_flops: dict[str, int]
+    cpu_train_seconds_per_flop: float
 
 
 @functools.cache
 def figures() -> Figures:
     """:data:`FIGURES`, read once."""
     data = json.loads(FIGURES.read_text())
-    act, h100, loader = data["activations"], data["h100"], data["loader"]
+    act, h100, loader, cpu = data["activations"], data["h100"], data["loader"], data["cpu_pace"]
 
     def table(entries: dict[str, int]) -> dict[tuple[str, str], int]:
         return {tuple(key.split("/")): value for key, value in entries.items()}
 
     shape = h100["head_matmul_shape"]
     flops = memory.head_matmul_flops(shape["n"], shape["classes"], shape["dim"])
+    forward, step = data["forward_flops"]["per_image"], cpu["step"]
     return Figures(table(act["per_image"]), table(act["per_vit_block"]),
                    h100["iresnet50_images_per_s"], flops / h100["head_matmul_seconds"],
-                   loader["images_per_cpu_s"])
+                   loader["images_per_cpu_s"], forward,
+                   step["seconds"] / (forward[step["backbone"]] * step["batch"]))
 
 
 class PlanError(Refused, ValueError):
