@@ -10,7 +10,8 @@ initial weights on the same batches:
 - arcface_torch: its ``PartialFC_V2``, ``CombinedMarginLoss(64, m1, m2, m3)``, iresnet
   (``IResNet(IBasicBlock, [1, 1, 1, 1])``), one ``torch.optim.SGD`` over backbone and head,
   ``PolynomialLRWarmup``, under DDP as train_v2.py wraps it (``broadcast_buffers=False``,
-  ``find_unused_parameters``, static graph) and its fp32 step (backward, clip at 5, step);
+  by this torch's name: ``trainer.engine.ddp.buffer_sync``; ``find_unused_parameters``,
+  static graph) and its fp32 step (backward, clip at 5, step);
 - partial-fc: ``trainer.engine.Engine`` (the trainer's own step) on the same iresnet, with
   the options a converted arcface_torch config sets (``trainer.insightface.config``);
 - partial-fc again, its first gradients multiplied by ``1 +- 5e-7`` (random signs): how far
@@ -165,6 +166,7 @@ def _watch(engine, shared) -> None:
 def _run_config(name, modules, args, rank, world):
     margin_list, gradient, rate, update = CONFIGS[name]
     import partial_fc.head as head_module
+    from trainer.engine.ddp import buffer_sync
 
     torch.manual_seed(0)  # train_v2: one seed, the same backbone and head shards everywhere
     their_backbone = modules["iresnet"].IResNet(modules["iresnet"].IBasicBlock, [1, 1, 1, 1],
@@ -178,7 +180,7 @@ def _run_config(name, modules, args, rank, world):
     perturbed = _ours(their_backbone, their_head, *setting)
     shared["perturb"] = id(perturbed)
     ddp = torch.nn.parallel.DistributedDataParallel(
-        their_backbone, broadcast_buffers=False, bucket_cap_mb=16, find_unused_parameters=True)
+        their_backbone, **buffer_sync(False), bucket_cap_mb=16, find_unused_parameters=True)
     ddp._set_static_graph()
     opt = torch.optim.SGD([{"params": ddp.parameters()}, {"params": their_head.parameters()}],
                           lr=LR, momentum=MOMENTUM, weight_decay=DECAY)

@@ -6,6 +6,7 @@ reported loss capped at -ln 1e-30. Each against the behaviour written out here."
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -98,14 +99,14 @@ def _ddp_setting(rank, broadcast, compression):
     from trainer.dist import attach
     from trainer.engine.ddp import DDPBackend
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    model = _model()
     cfg = Config.model_validate({"engine": {"broadcast_buffers": broadcast,
                                             "grad_compression": compression}})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    backend = DDPBackend(cfg, model, model, opt, attach(torch.device("cpu")))
-    g = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(5, 3, generator=g) * (rank + 1) + 1.7 * rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = DDPBackend(cfg, model, model, opt, attach(torch.device("cpu")))
+    x = _batch(rank)
     backend.model(x)  # each rank's statistics move with its own batch
     model.eval()
     backend.model(x)  # no update in eval: only DDP's broadcast (if on) changes them
@@ -121,7 +122,41 @@ def _ddp_setting(rank, broadcast, compression):
     copy.load_state_dict(model.state_dict())
     ((copy(x) * torch.linspace(0.3, 1.1, 3)).sum()).backward()
     mine = [p.grad.clone() for p in copy.parameters()]
-    return {"mean": mean, "reduced": local, "mine": mine}
+    deprecated = [str(w.message) for w in caught
+                  if issubclass(w.category, FutureWarning | DeprecationWarning)]
+    return {"mean": mean, "reduced": local, "mine": mine, "deprecated": deprecated}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(5, 3, generator=g) * (rank + 1) + 1.7 * rank
+
+
+def _own_mean(rank):
+    """The BatchNorm running mean after one training forward of ``rank``'s batch, one
+    process, no DDP."""
+    with torch.random.fork_rng():
+        model = _model()
+    model(_batch(rank))
+    return model[1].running_mean
+
+
+def test_buffer_sync_names_broadcast_buffers_where_ddp_lacks_forward_sync_buffers(monkeypatch):
+    from trainer.engine import ddp
+
+    class Older:  # DistributedDataParallel's signature before forward_sync_buffers
+        def __init__(self, module, device_ids=None, broadcast_buffers=True,
+                     process_group=None):
+            pass
+
+    monkeypatch.setattr(ddp, "DistributedDataParallel", Older)
+    assert ddp.buffer_sync(False) == {"broadcast_buffers": False}
+    assert ddp.buffer_sync(True) == {"broadcast_buffers": True}
 
 
 @pytest.mark.slow
@@ -131,8 +166,12 @@ def test_ddp_buffer_broadcast_fp16_gradient_compression_and_per_rank_init():
     compressed = [r[(False, "fp16")] for r in (rank0, rank1)]
     assert torch.equal(rank1["per_rank"], rank0["per_rank"][:20])  # 21 + 20 rows
     assert torch.equal(rank1["per_class"], init_rows_(torch.empty(20, D), 21, seed=7))
-    assert torch.equal(kept[0]["mean"], kept[1]["mean"])  # rank 0's, broadcast
-    assert not torch.equal(compressed[0]["mean"], compressed[1]["mean"])  # each its own
+    for rank in range(2):
+        torch.testing.assert_close(kept[rank]["mean"], _own_mean(0))  # rank 0's, broadcast
+        torch.testing.assert_close(compressed[rank]["mean"], _own_mean(rank))  # each its own
+        for setting in (kept, compressed):  # the switch goes by torch's current name
+            assert not [m for m in setting[rank]["deprecated"] if "broadcast_buffers" in m]
+    assert not torch.equal(_own_mean(0), _own_mean(1))
     for i in range(len(compressed[0]["reduced"])):
         a, b = (compressed[r]["mine"][i] for r in range(2))
         want = (a.half() / 2 + b.half() / 2).float()  # fp16_compress_hook: cast, divide, sum

@@ -9,6 +9,7 @@ verdict (``trainer.engine.backend.Verdict``), and the optimizer steps only on a 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -26,6 +27,28 @@ from trainer.engine.backend import (
 )
 
 
+def buffer_sync(forward: bool) -> dict[str, bool]:
+    """DDP's keyword for copying rank 0's buffers (BatchNorm running statistics) to every
+    rank before each forward (``engine.broadcast_buffers``), by the name this torch's
+    ``DistributedDataParallel`` accepts: ``forward_sync_buffers`` where its signature has it
+    (torch 2.13 on, which deprecates ``broadcast_buffers`` with a FutureWarning), else
+    ``broadcast_buffers`` (torch 2.11 and 2.12).
+
+    The two differ at construction only when ``forward`` is false: ``broadcast_buffers=False``
+    also leaves the buffers out of DDP's initial broadcast from rank 0, while
+    ``forward_sync_buffers=False`` still broadcasts them there (the parameters are broadcast
+    either way). For this trainer that broadcast copies equal values: every rank builds the
+    backbone from the same seed and the same ``backbone.weights`` (``trainer.loop.build``),
+    so its buffers are equal on every rank (BatchNorm's start at the constants 0, 1 and 0:
+    mean, var, batches tracked), and a resumed run loads its checkpoint (the rank mean of
+    the buffers, ``trainer.checkpoint.state.average_buffers``) after the engine is built.
+    Past construction the names mean the same: rank 0's buffers before every forward, or
+    (false) each rank's own."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in params
+            else "broadcast_buffers": forward}
+
+
 class DDPBackend:
     """:class:`trainer.engine.backend.BackboneBackend` over ``DistributedDataParallel`` on
     ``env.group``."""
@@ -34,7 +57,7 @@ class DDPBackend:
                  optimizer: torch.optim.Optimizer, env: DistEnv):
         ids = [env.device.index] if env.device.type == "cuda" else None
         self.model = DistributedDataParallel(module, device_ids=ids, process_group=env.group,
-                                             broadcast_buffers=cfg.engine.broadcast_buffers)
+                                             **buffer_sync(cfg.engine.broadcast_buffers))
         if cfg.engine.grad_compression == "fp16":
             self.model.register_comm_hook(env.group, fp16_compress_hook)
         self.input_dtype = torch.float32
