@@ -49,7 +49,7 @@ class SlotPool:
         ``[count, 3, size, size]`` (channels_last strides); its slot is released."""
         source = self.buffers[worker, index % self.slots, :count]
         out = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pin_memory)
-        np.copyto(out.numpy(), source.numpy())  # a memcpy; see data_pipeline.loader.concat
+        np.copyto(out.numpy(), source.numpy())  # a memcpy; see data_pipeline.epoch_batches.concat
         self.released[worker] += 1
         return out.permute(0, 3, 1, 2)
 
