@@ -6,8 +6,9 @@ Public API: `make_loader` (an `EpochBatches`, the batch-source interface), `read
 `Manifest`, and the error types; `data_pipeline.orl.find_orl_root` for the ORL test faces.
 """
 
+from data_pipeline.epoch_batches import EpochBatches
 from data_pipeline.errors import CorruptImageError, DataError, ShardError
-from data_pipeline.loader import EpochBatches, make_loader
+from data_pipeline.loader import make_loader
 from data_pipeline.manifest import Manifest, ShardInfo, read_manifest
 from data_pipeline.synthetic import write_synthetic_dataset
 from data_pipeline.synthetic_stream import SyntheticStream

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.random import default_rng  # imported once here, not in every worker
 
 from partial_fc.partition import split_evenly
 
@@ -36,7 +37,7 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) ->
     """Shard indices in this epoch's reading order, a permutation seeded by (seed, epoch)."""
     if not shuffle:
         return list(range(num_shards))
-    return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(num_shards)]
+    return [int(i) for i in default_rng([seed, epoch]).permutation(num_shards)]
 
 
 def samples_per_rank(num_samples: int, world_size: int) -> int:

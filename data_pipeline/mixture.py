@@ -22,8 +22,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from data_pipeline.epoch_batches import EpochBatches, concat
 from data_pipeline.errors import DataError
-from data_pipeline.loader import EpochBatches, concat, make_loader
+from data_pipeline.loader import make_loader
 from data_pipeline.position import MixturePosition
 
 

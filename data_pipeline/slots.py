@@ -14,7 +14,6 @@ so one counter per worker says which slots are free.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -29,8 +28,7 @@ class SlotPool:
 
     def __init__(self, workers: int, slots: int, batch_size: int, size: int):
         shape = (workers, slots, batch_size, size, size, 3)
-        storage = torch.UntypedStorage._new_shared(math.prod(shape))
-        self.buffers = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+        self.buffers = torch.empty(shape, dtype=torch.uint8).share_memory_()
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.slots = slots  # released[workers] = 1: the epoch's reader has gone
         self.reader = os.getpid()
@@ -39,8 +37,9 @@ class SlotPool:
         """In worker ``worker``: the buffer for its chunk number ``index``, once the chunk
         ``index - slots`` is released; None when the main process stopped reading or died
         (a worker waiting here does not reach DataLoader's own check of its parent)."""
-        while index - int(self.released[worker]) >= self.slots:
-            if self.released[-1] or os.getppid() != self.reader != os.getpid():
+        released = self.released.numpy()  # polled: numpy reads cost a tenth of torch's
+        while index - released[worker] >= self.slots:
+            if released[-1] or os.getppid() != self.reader != os.getpid():
                 return None
             time.sleep(0.0002)
         return self.buffers[worker, index % self.slots]
@@ -50,7 +49,7 @@ class SlotPool:
         ``[count, 3, size, size]`` (channels_last strides); its slot is released."""
         source = self.buffers[worker, index % self.slots, :count]
         out = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pin_memory)
-        np.copyto(out.numpy(), source.numpy())  # a memcpy; see data_pipeline.loader.concat
+        np.copyto(out.numpy(), source.numpy())  # a memcpy; see data_pipeline.epoch_batches.concat
         self.released[worker] += 1
         return out.permute(0, 3, 1, 2)
 

@@ -20,7 +20,7 @@ every rank yields ``T // (B*W)`` batches of ``B`` (the trainer's equal batches),
 together see each sample of the epoch at most once, and the last ``T mod (B*W)`` positions
 are the epoch's drop (``dropped_fraction``).
 
-The interface is :class:`data_pipeline.loader.EpochBatches`', as ``launch.train`` uses it:
+The interface is :class:`data_pipeline.epoch_batches.EpochBatches`', as ``launch.train`` uses it:
 ``len``, iteration (uint8 ``[B, 3, 112, 112]`` images and int64 ``[B]`` labels, on
 ``device``; normalisation stays in the engine), ``set_epoch``, ``epoch``, ``batches_done``,
 ``position``/``restore`` (``state_dict``/``load_state_dict`` at a checkpoint),
@@ -34,8 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from data_pipeline.epoch_batches import EpochBatches
 from data_pipeline.errors import DataError
-from data_pipeline.loader import EpochBatches
 from data_pipeline.position import SyntheticPlan, SyntheticPosition
 
 SIZE = 112

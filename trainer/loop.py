@@ -39,7 +39,7 @@ from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import RunLogger, WriteFailed
 
 if TYPE_CHECKING:
-    from data_pipeline.loader import EpochBatches
+    from data_pipeline.epoch_batches import EpochBatches
     from trainer.engine import Engine
 
 

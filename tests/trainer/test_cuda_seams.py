@@ -195,7 +195,7 @@ def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synth
     two chunks (after corrupt samples) is assembled in page-locked memory; the batches equal
     the unpinned ones (``test_device_plumbing.py`` pins for real on CUDA)."""
     from data_pipeline import make_loader
-    from data_pipeline.loader import concat
+    from data_pipeline.epoch_batches import concat
 
     plain = list(make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False))
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
