@@ -79,47 +79,53 @@ def decode_image(data: bytes, size: int = 112, decoder: str = "auto") -> np.ndar
     return resize_square(image, size)
 
 
-def decode_into(data: bytes, out: np.ndarray, decoder: str, flip: bool = False,
-                scratch: np.ndarray | None = None) -> None:
-    """Decode into ``out`` (uint8 ``[size, size, 3]``, C-contiguous), mirrored left-right if
-    ``flip``; CorruptImageError if undecodable. Writing into the caller's batch saves the
-    copy of a returned array; a JPEG of another size (or a PNG) takes :func:`decode_image`'s
-    path (decode, stretch) and is copied in.
+def decode_into(data: bytes, out: np.ndarray, decoder: str,
+                mirror: Mirror | None = None) -> None:
+    """Decode into ``out`` (uint8 ``[size, size, 3]``, C-contiguous), mirrored left-right by
+    ``mirror`` when one is given; CorruptImageError if undecodable. Writing into the caller's
+    batch saves the copy of a returned array; a JPEG of another size (or a PNG) takes
+    :func:`decode_image`'s path (decode, stretch) and is copied in.
 
-    The mirror decodes as BGR and reverses each row's bytes, which reverses the pixels and
-    turns BGR into RGB in one pass (:func:`_reverse_rows`; numpy's pixel-wise ``[:, ::-1]``
-    copy costs about as much as decoding a 112x112 JPEG). It goes through ``scratch`` (an
-    array like ``out``; a new one when None): decoded into ``out``, copied to ``scratch`` and
-    reversed back while both are still in cache.
+    A mirrored JPEG is decoded as BGR, which :class:`Mirror` turns into the mirrored RGB.
     """
     if decoder == "simplejpeg":  # not a JPEG (a PNG stored by hand): ValueError, then PIL
         try:
-            got = simplejpeg.decode_jpeg(data, colorspace="BGR" if flip else "RGB",
+            got = simplejpeg.decode_jpeg(data, colorspace="RGB" if mirror is None else "BGR",
                                          strict=True, buffer=out)
             if got.shape == out.shape:
-                if flip:
-                    scratch = np.empty_like(out) if scratch is None else scratch
-                    np.copyto(scratch, out)
-                    _reverse_rows(scratch.reshape(len(out), -1), out.reshape(len(out), -1))
+                if mirror is not None:
+                    mirror(out)
                 return
         except ValueError:  # corrupt, not a JPEG or larger than `out`: decode_image tells which
             pass
     image = decode_image(data, out.shape[0], decoder)
-    np.copyto(out, image[:, ::-1] if flip else image)
+    np.copyto(out, image if mirror is None else image[:, ::-1])
 
 
-_SWAPPED_WORDS = np.dtype(np.uint64).newbyteorder()
+class Mirror:
+    """Turns a ``size`` x ``size`` BGR image into its left-right mirror in RGB, in place.
 
+    Reversing each row's bytes reverses the pixels and turns BGR into RGB in one pass: 8-byte
+    words in reverse order, each byte-swapped by numpy's cast from the foreign byte order (3x
+    faster than a byte-wise reversed copy, which numpy does not vectorise; numpy's pixel-wise
+    ``[:, ::-1]`` copy costs about as much as decoding a 112x112 JPEG). Rows whose length is
+    not a multiple of 8 take the byte-wise copy. The image is copied into a scratch image,
+    while both are in cache, and reversed back; the scratch's reversed view is made once (a
+    numpy call costs a third of the copy).
+    """
 
-def _reverse_rows(source: np.ndarray, out: np.ndarray) -> None:
-    """``out[i] = source[i][::-1]`` for uint8 rows: 8-byte words in reverse order, each
-    byte-swapped by numpy's cast from the foreign byte order (3x faster than a byte-wise
-    reversed copy, which numpy does not vectorise). Rows whose length is not a multiple of 8
-    take the byte-wise copy."""
-    if source.shape[1] % 8:
-        np.copyto(out, source[:, ::-1])
-        return
-    np.copyto(out.view(np.uint64), source.view(_SWAPPED_WORDS)[:, ::-1], casting="unsafe")
+    def __init__(self, size: int):
+        self.scratch = np.empty((size, size, 3), np.uint8)
+        rows = self.scratch.reshape(size, size * 3)
+        self.in_words = size * 3 % 8 == 0
+        self.reversed = (rows.view(np.dtype(np.uint64).newbyteorder()) if self.in_words
+                         else rows)[:, ::-1]
+
+    def __call__(self, image: np.ndarray) -> None:
+        np.copyto(self.scratch, image)
+        rows = image.reshape(len(image), -1)
+        np.copyto(rows.view(np.uint64) if self.in_words else rows, self.reversed,
+                  casting="unsafe")
 
 
 def prepare_jpeg(data: bytes, size: int | None) -> bytes:

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import webdataset as wds
 
-from data_pipeline.codec import decode_into
+from data_pipeline.codec import Mirror, decode_into
 from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.manifest import ShardInfo
@@ -102,7 +101,7 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
     :class:`DataError` naming the shard and the sample's key.
     """
     batch, end = _Filling(batch_size, size, pool, worker, 0), None
-    scratch = np.empty((size, size, 3), np.uint8)  # where a mirrored image is reversed from
+    mirror = Mirror(size)
     for sample in data:
         rows, keys = batch.array, batch.keys
         if rows is None:
@@ -111,7 +110,8 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
         end = position + 1
         try:
             label = int(sample["cls"])
-            decode_into(sample["jpg"], rows[len(keys)], decoder, sample["__flip__"], scratch)
+            decode_into(sample["jpg"], rows[len(keys)], decoder,
+                        mirror if sample["__flip__"] else None)
         except (CorruptImageError, ValueError, KeyError):
             batch.skipped.append(position)
             continue

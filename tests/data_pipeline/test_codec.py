@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_pipeline.codec import decode_image, decode_into, resolve_decoder
+from data_pipeline.codec import Mirror, decode_image, decode_into, resolve_decoder
 from data_pipeline.errors import CorruptImageError
 
 
@@ -23,11 +23,12 @@ def _encoded(size, fmt="JPEG") -> bytes:
 @pytest.mark.parametrize("size,fmt", [((112, 112), "JPEG"), ((64, 80), "JPEG"),
                                       ((200, 160), "JPEG"), ((112, 112), "PNG")])
 @pytest.mark.parametrize("flip", [False, True])
-def test_decode_into_equals_decode_image(decoder, size, fmt, flip):
+@pytest.mark.parametrize("side", [112, 100])  # rows of 336 bytes (8-byte words) and of 300
+def test_decode_into_equals_decode_image(decoder, size, fmt, flip, side):
     data = _encoded(size, fmt)
-    want = decode_image(data, 112, decoder)
-    out = np.full((112, 112, 3), 7, np.uint8)
-    decode_into(data, out, decoder, flip)
+    want = decode_image(data, side, decoder)
+    out = np.full((side, side, 3), 7, np.uint8)
+    decode_into(data, out, decoder, Mirror(side) if flip else None)
     np.testing.assert_array_equal(out, want[:, ::-1] if flip else want)
 
 
@@ -35,4 +36,5 @@ def test_decode_into_equals_decode_image(decoder, size, fmt, flip):
 def test_decode_into_refuses_corrupt_bytes(flip):
     data = _encoded((112, 112))
     with pytest.raises(CorruptImageError):
-        decode_into(data[:200], np.empty((112, 112, 3), np.uint8), resolve_decoder("auto"), flip)
+        decode_into(data[:200], np.empty((112, 112, 3), np.uint8), resolve_decoder("auto"),
+                    Mirror(112) if flip else None)
