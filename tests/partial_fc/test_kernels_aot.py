@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 ARCHS = sorted(kernels_aot.DEVICES)
+TIGHTEST = min(ARCHS, key=lambda arch: kernels_aot.DEVICES[arch]["smem_per_block"])
 COMPILE = """
 import dataclasses, json, sys
 from tools.kernels_aot import compile_row, launches
@@ -54,13 +55,15 @@ def test_default_configurations_compile_without_spills(operands, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("operands", sorted(set(kernels_aot.OPERANDS)
                                             - set(kernels_aot.DEFAULT_OPERANDS)))
-def test_every_other_configuration_compiles_within_shared_memory(operands, arch):
-    """fp32 and fp16 operands: they must compile and fit; their spills are reported by
-    ``make kernels-aot`` (docs/kernels.md), not refused (fp32 dots are the slow path)."""
-    assert [p for row in _compiled(operands, arch) for p in row.problems()] == []
+def test_every_other_configuration_compiles_within_shared_memory(operands):
+    """fp32 and fp16 operands, on the device with the least shared memory per block: they
+    must compile and fit; their spills are reported by ``make kernels-aot`` (docs/kernels.md),
+    not refused (fp32 dots are the slow path). Their sm_90 compiles (another minute of the
+    suite, 30 s for fp32 IEEE alone) are left to ``make kernels-aot``, which compiles every
+    configuration for every device."""
+    assert [p for row in _compiled(operands, TIGHTEST) for p in row.problems()] == []
 
 
 def test_problems_name_what_the_suite_refuses():
