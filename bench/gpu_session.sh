@@ -12,7 +12,8 @@
 #      synthetic stream; bench/head.py at C_local 1M r=1 (fp32 and bf16 state), r=0.1, 4M r=0.1
 #   2  bench/train.py, iresnet50 bf16 batch 128 (1k and 1M classes): DDP, DeepSpeed ZeRO-1;
 #      the short scale demo (make demo-scale, 300 steps, the four runs two at a time);
-#      torch.compile; the bf16 head state
+#      torch.compile; the bf16 head state; bench/loader.py on the node's cores (1, 4, 8 workers:
+#      the planner's loader rate, trainer/plan_figures.json, was measured on a 2-core VM)
 #
 # Each stage first installs .gpu/whl into /tmp/site (as .gpu/device-setup.sh does, wheel by
 # wheel when one fails). Every step runs under `timeout`, its limit clipped so the stage ends
@@ -120,6 +121,7 @@ stage2() {
         "DEMO_PNG=$work/demo_png" ARGS="--work $work/runs/demo --fresh"
     train_bench compile 150 --compile --warmup 30 --runs 1000:1.0,1000000:0.1
     train_bench bf16-state 90 --state-dtype bf16 --runs 1000000:1.0,1000000:0.1
+    step loader 90 "$PY" bench/loader.py --images 16000 --repeats 2 --workers 1,4,8
 }
 
 collect() {  # the runs' metrics and the demo's figures join the logs, then the summary

@@ -24,7 +24,7 @@ STEPS = {
     "1": ["setup", "versions", "cuda-tests", "recipe", "head-1m-r1", "head-1m-r0.1",
           "head-1m-r1-bf16-state", "head-4m-r0.1"],
     "2": ["setup", "versions", "train-ddp", "train-deepspeed", "demo", "train-compile",
-          "train-bf16-state"],
+          "train-bf16-state", "loader"],
 }
 KEYS = {"stage", "date", "dry_run", "budget_s", "elapsed_s", "ok", "versions", "steps", "tests",
         "recipe", "demo", "head", "train"}
