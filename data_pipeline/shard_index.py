@@ -35,8 +35,7 @@ from data_pipeline.tar_reader import (
     member_name,
     member_size,
     memory_map,
-    split_name,
-    tar_members,
+    sample_members,
 )
 
 INDEX_SUFFIX = ".idx"
@@ -63,20 +62,18 @@ def index_path(shard: Path) -> Path:
 
 def build_index(shard: Path) -> ShardIndex:
     """The index of ``shard``, from the checksum-verified tar parse (ShardError when the shard
-    is corrupt or truncated). Samples are runs of members with one key, as the loader reads
-    them."""
+    is corrupt or truncated), its samples counted as every reader counts them
+    (:func:`data_pipeline.tar_reader.sample_members`)."""
     keys, rows = [], []
     try:
         with open(shard, "rb") as f, mapped(f) as data:
-            for name, offset, size in tar_members(data, shard):
-                key, ext = split_name(name)
-                if not keys or keys[-1] != key:
-                    keys.append(key)
-                    rows.append([-1, -1, -1, -1])
-                if offset + size > len(data):
-                    raise ShardError(f"{shard}: member {name} truncated")
-                if ext in COLUMNS:
-                    rows[-1][COLUMNS[ext]:COLUMNS[ext] + 2] = offset, size
+            for key, members in sample_members(data, shard):
+                row = [-1, -1, -1, -1]
+                for ext, offset, size in members:
+                    if ext in COLUMNS:
+                        row[COLUMNS[ext]:COLUMNS[ext] + 2] = offset, size
+                keys.append(key)
+                rows.append(row)
             size = len(data)
     except OSError as exc:
         raise ShardError(f"{shard}: unreadable ({type(exc).__name__}: {exc})") from exc

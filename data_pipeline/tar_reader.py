@@ -44,30 +44,45 @@ def tar_samples(path: Path, start: int = 0, stop: int | None = None, drop: Colle
     The shard is memory-mapped: a member is a slice of the map, not a read() call (six
     system calls per sample cost a third of the loader's time next to the JPEG decode).
     """
-    seen, current = 0, None  # samples started so far; the one being assembled (number seen-1)
-    wanted = False  # whether the sample being assembled is yielded
+    seen = 0  # samples started so far
     try:
         with open(path, "rb") as f, mapped(f) as data:
-            for name, offset, size in tar_members(data, path):
-                key, ext = split_name(name)
-                if current is None or key != current["__key__"]:
-                    if wanted:
-                        yield current
-                    if seen == stop:
-                        return
-                    current, seen = {"__key__": key}, seen + 1
-                    wanted = seen > start and seen - 1 not in drop
-                if wanted and (exts is None or ext in exts):
-                    current[ext] = data[offset:offset + size]
-                    if len(current[ext]) != size:
-                        raise ShardError(f"{path}: member {name} truncated")
+            for number, (key, members) in enumerate(sample_members(data, path)):
+                if number == stop:
+                    return
+                seen = number + 1
+                if number < start or number in drop:
+                    continue
+                sample = {"__key__": key}
+                for ext, offset, size in members:
+                    if exts is None or ext in exts:
+                        sample[ext] = data[offset:offset + size]
+                yield sample
     except OSError as exc:
         raise ShardError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
-    if wanted:
-        yield current
     if stop is not None and seen < stop:
         raise ShardError(f"{path}: holds {seen} samples, expected at least {stop} "
                          "(truncated shard)")
+
+
+def sample_members(data: mmap.mmap | bytes, path: Path
+                   ) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
+    """The samples of a ustar archive held in ``data``: ``(key, [(extension, data offset,
+    size), ...])`` for each run of consecutive members with one key (:func:`split_name`),
+    as the loader, its member index and every other reader count them. ShardError for a
+    member that runs past the end of ``data``."""
+    key, members = None, []
+    for name, offset, size in tar_members(data, path):
+        if offset + size > len(data):
+            raise ShardError(f"{path}: member {name} truncated")
+        member_key, ext = split_name(name)
+        if member_key != key:
+            if members:
+                yield key, members
+            key, members = member_key, []
+        members.append((ext, offset, size))
+    if members:
+        yield key, members
 
 
 def split_name(name: str) -> tuple[str, str]:
