@@ -18,23 +18,18 @@ the listed keys; every rank returns the same result, equal to one process's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
-from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.errors import CorruptImageError
 from data_pipeline.manifest import read_manifest
-from data_pipeline.tar_reader import tar_samples
 from partial_fc.distributed import all_reduce, get_rank, get_world_size
-from trainer.evaluation import _eval_mode, embed_images
+from trainer.evaluation import embed_images, eval_mode
+from trainer.folder_scan import labelled_batches
 
 DEFAULT_THRESHOLD = 75.0  # degrees, the paper's
 
@@ -59,35 +54,6 @@ def head_centres(weight: torch.Tensor, num_classes: int) -> torch.Tensor:
     return F.normalize(weight.float().view(num_classes, rows // num_classes, dim), dim=2)
 
 
-def labelled_batches(data_dir: str | Path, batch_size: int, rank: int, world: int,
-                     progress: bool = False) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
-    """``(keys, labels [B], images uint8 [B, 3, 112, 112])`` of the shards ``rank::world`` of
-    a converted folder, each sample once; undecodable samples are passed over (as training
-    passes over them). ``progress``: a bar over this rank's shards."""
-    manifest = read_manifest(data_dir)
-    decoder = resolve_decoder("auto")
-    shards = manifest.shards[rank::world]
-    batch: list[tuple[str, int, np.ndarray]] = []
-    for shard in tqdm(shards, desc="launch.clean", unit="shard", disable=not progress):
-        for sample in tar_samples(Path(data_dir) / shard.name):
-            try:
-                image = decode_image(sample["jpg"], 112, decoder).transpose(2, 0, 1)
-                label = int(sample["cls"])
-            except (KeyError, ValueError, CorruptImageError):
-                continue
-            batch.append((sample["__key__"], label, image))
-            if len(batch) == batch_size:
-                yield _stack(batch)
-                batch = []
-    if batch:
-        yield _stack(batch)
-
-
-def _stack(batch):
-    keys, labels, images = zip(*batch, strict=True)
-    return list(keys), np.asarray(labels, dtype=np.int64), np.stack(images)
-
-
 @torch.no_grad()
 def find_noisy(backbone: nn.Module, centres: torch.Tensor, data_dir: str | Path,
                threshold_deg: float = DEFAULT_THRESHOLD, batch_size: int = 128,
@@ -105,9 +71,9 @@ def find_noisy(backbone: nn.Module, centres: torch.Tensor, data_dir: str | Path,
     centres = centres.to(device)
     votes = torch.zeros(num_classes, k, dtype=torch.float64, device=device)
     keys, labels, cosines = [], [], []
-    with _eval_mode(backbone):
-        for batch_keys, y, images in labelled_batches(data_dir, batch_size, rank, world,
-                                                      progress):
+    with eval_mode(backbone):
+        for batch_keys, y, images in labelled_batches(
+                data_dir, batch_size, rank, world, "launch.clean" if progress else None):
             y = torch.from_numpy(y).to(device)
             emb = embed_images(backbone, images, batch_size, device)  # [B, D] unit
             cos = torch.einsum("bd,bkd->bk", emb, centres[y])  # [B, K]

@@ -24,7 +24,7 @@ from partial_fc.eval.verification import evaluate_pairs
 
 
 @contextlib.contextmanager
-def _eval_mode(backbone: nn.Module):
+def eval_mode(backbone: nn.Module):
     """``backbone`` in eval mode for the block; its train/eval mode is restored after."""
     was_training = backbone.training
     backbone.eval()
@@ -89,7 +89,7 @@ def evaluate_bins(
     if len(set(names)) != len(names):
         raise ValueError(f"verification sets need distinct file names, got {list(bin_paths)}")
     results = {}
-    with _eval_mode(backbone):
+    with eval_mode(backbone):
         for name, path in zip(names, bin_paths, strict=True):
             encoded, issame = read_bin(path)
             # A face appears in several pairs (ORL's 1,800 entries hold 100 images): embed
@@ -111,7 +111,7 @@ def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_s
     meta = read_ijb_meta(root, target)
     batches = iter_aligned_faces(meta, batch_size)
     total = math.ceil(len(meta.names) / batch_size)
-    with _eval_mode(backbone):
+    with eval_mode(backbone):
         feats = [embed_images(backbone, b, batch_size, device).cpu()
                  for b in tqdm(batches, total=total, desc=target, disable=not progress)]
     return evaluate_ijb(torch.cat(feats).numpy(), meta.templates, meta.medias,

@@ -16,7 +16,7 @@ summation order of the centres).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.errors import CorruptImageError
+from data_pipeline.codec import resolve_decoder
 from data_pipeline.manifest import read_manifest
-from data_pipeline.tar_reader import tar_samples
 from partial_fc.distributed import all_reduce, get_rank, get_world_size
-from trainer.evaluation import _eval_mode, embed_images
+from trainer.evaluation import embed_images, eval_mode
+from trainer.folder_scan import batched, decoded, labelled_batches
 
 DEFAULT_THRESHOLD = 0.5  # cosine; an ArcFace r50/r100's impostor cosines lie near 0 +- 0.1
 
@@ -44,40 +43,6 @@ class SetOverlap:
     classes: frozenset[int]  # training labels with a centre within the threshold of an image
 
 
-def _decoded(encoded: Iterable[tuple[int, bytes]], decoder: str) -> Iterator[tuple]:
-    """(tag, CHW uint8 image) of each decodable blob (an undecodable one is passed over, as
-    the training loader passes over it)."""
-    for tag, blob in encoded:
-        try:
-            yield tag, decode_image(blob, 112, decoder).transpose(2, 0, 1)
-        except CorruptImageError:
-            continue
-
-
-def _batches(items: Iterator[tuple], batch_size: int) -> Iterator[tuple[list, np.ndarray]]:
-    """(tags, images ``[B, 3, 112, 112]``) batches of :func:`_decoded`'s output."""
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == batch_size:
-            yield [t for t, _ in batch], np.stack([x for _, x in batch])
-            batch = []
-    if batch:
-        yield [t for t, _ in batch], np.stack([x for _, x in batch])
-
-
-def _labelled(path: Path, num_classes: int) -> Iterator[tuple[int, bytes]]:
-    """(label, JPEG) of each sample of the shard with a label in ``[0, num_classes)`` (what
-    the training loader would refuse or skip is left out here too)."""
-    for sample in tar_samples(path, exts=("jpg", "cls")):
-        try:
-            label = int(sample.get("cls", b"-1"))
-        except ValueError:
-            continue
-        if "jpg" in sample and 0 <= label < num_classes:
-            yield label, sample["jpg"]
-
-
 @torch.no_grad()
 def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
                   device: torch.device | str, process_group=None) -> tuple[torch.Tensor,
@@ -86,19 +51,15 @@ def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
     and each class's image count ``[C]`` (a class without a decodable image: a zero row).
     Collective over ``process_group``; shards ``rank::world`` are read here."""
     rank, world = get_rank(process_group), get_world_size(process_group)
-    manifest = read_manifest(data_dir)
-    decoder = resolve_decoder("auto")
-    with _eval_mode(backbone):
+    num_classes = read_manifest(data_dir).num_classes
+    with eval_mode(backbone):
         dim = embed_images(backbone, np.zeros((1, 3, 112, 112), np.uint8), 1, device).shape[1]
-        sums = torch.zeros(manifest.num_classes, dim, device=device)
-        counts = torch.zeros(manifest.num_classes, device=device)
-        for shard in manifest.shards[rank::world]:
-            samples = _decoded(_labelled(Path(data_dir) / shard.name, manifest.num_classes),
-                               decoder)
-            for labels, images in _batches(samples, batch_size):
-                idx = torch.tensor(labels, device=device)
-                sums.index_add_(0, idx, embed_images(backbone, images, batch_size, device))
-                counts.index_add_(0, idx, torch.ones(len(idx), device=device))
+        sums = torch.zeros(num_classes, dim, device=device)
+        counts = torch.zeros(num_classes, device=device)
+        for _, labels, images in labelled_batches(data_dir, batch_size, rank, world):
+            idx = torch.from_numpy(labels).to(device)
+            sums.index_add_(0, idx, embed_images(backbone, images, batch_size, device))
+            counts.index_add_(0, idx, torch.ones(len(idx), device=device))
     sums, counts = all_reduce(sums, process_group), all_reduce(counts, process_group)
     return nn.functional.normalize(sums, dim=1), counts
 
@@ -113,7 +74,7 @@ def set_overlap(name: str, images: Callable[[int, int], Iterator[np.ndarray]], c
     rank, world = get_rank(process_group), get_world_size(process_group)
     hit = torch.zeros(len(centres), device=device)
     matched = torch.zeros(1, device=device)
-    with _eval_mode(backbone):
+    with eval_mode(backbone):
         for batch in images(rank, world):
             sims = embed_images(backbone, batch, batch_size, device) @ centres.T  # [B, C]
             close = sims >= threshold
@@ -128,8 +89,8 @@ def bin_images(encoded: list[bytes], batch_size: int) -> Callable[[int, int], It
     """A ``.bin``'s images (give them distinct) as :func:`set_overlap`'s per-rank source."""
 
     def share(rank: int, world: int) -> Iterator[np.ndarray]:
-        items = _decoded(enumerate(encoded[rank::world]), resolve_decoder("auto"))
-        return (images for _, images in _batches(items, batch_size))
+        items = decoded(enumerate(encoded[rank::world]), resolve_decoder("auto"))
+        return (images for _, images in batched(items, batch_size))
 
     return share
 
