@@ -1,6 +1,7 @@
 """Loader throughput per worker vs bare JPEG decoding with the same decoder, interleaved.
 
     .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5] [--no-index]
+                                     [--flip deferred|worker|none]
 
 On 112x112 JPEG shards generated in a temp dir. For each worker count N, each repeat times
 bare decoding of the shards' own bytes (``decode_image``, the loader's decoder) in N forked
@@ -18,7 +19,9 @@ batch slots) costs it tens of milliseconds per epoch, a tenth of this short epoc
 in a real one (about 90k images per worker per epoch for MS1M on 8 GPUs with 8 workers).
 Prints the median and the range over the repeats, and the load average. ``--no-index``
 deletes the shards' member indexes first, so the loader parses the tars (a folder converted
-before indexes existed). Never run by the tests.
+before indexes existed). ``--flip``: ``deferred`` (the default, as the trainer runs it: the
+workers draw the flip bits and the engine mirrors on its device), ``worker`` (the workers
+mirror: ``make_loader(flip=True)``) or ``none``. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.shard_index import index_path
 from data_pipeline.tar_reader import tar_samples
+
+FLIPS = {"deferred": "deferred", "worker": True, "none": False}  # --flip: make_loader's flip
 
 
 class Rates(NamedTuple):
@@ -79,19 +84,21 @@ def _workers_cpu() -> float:
     return total / tick
 
 
-def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str) -> Rates:
+def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str,
+                flip: bool | str) -> Rates:
     """Wall images/s per worker from the first batch on (start-up excluded); images per
     CPU-second of the workers (all of them together) over the whole epoch, and from the first
     batch to the last but one (the workers' start and end apart, which a long epoch
     amortises); of this process at 0 workers."""
     epoch_cpu = _cpu(children=workers > 0)
     steady_cpu = _workers_cpu if workers else time.process_time
-    loader = make_loader(data_dir, batch_size=batch_size, num_workers=workers, decoder=decoder)
+    loader = make_loader(data_dir, batch_size=batch_size, num_workers=workers, decoder=decoder,
+                         flip=flip)
     batches = iter(loader)
     next(batches)
     start, first_cpu = time.perf_counter(), steady_cpu()
     count = steady = 0
-    for done, (_, labels) in enumerate(batches, 2):
+    for done, (_, labels, *_) in enumerate(batches, 2):
         count += len(labels)
         if done == len(loader) - 1:
             steady = count / (steady_cpu() - first_cpu)
@@ -115,6 +122,9 @@ def main() -> None:
     parser.add_argument("--decoder", default="auto")
     parser.add_argument("--no-index", action="store_true",
                         help="read the shards without their member indexes")
+    parser.add_argument("--flip", choices=sorted(FLIPS), default="deferred",
+                        help="who mirrors: the engine on its device (the trainer's way), "
+                             "the workers, or nobody")
     args = parser.parse_args()
     decoder = resolve_decoder(args.decoder)
     counts = [int(w) for w in args.workers.split(",")]
@@ -130,13 +140,14 @@ def main() -> None:
         mean_kb = sum(map(len, blobs)) / len(blobs) / 1024
         print(f"{len(blobs)} JPEGs 112x112, mean {mean_kb:.1f} KiB, {os.cpu_count()} CPUs, "
               f"load average before {os.getloadavg()[0]:.2f}; decoder={decoder}, batch "
-              f"{args.batch_size}, flip, shuffle buffer 1000, "
+              f"{args.batch_size}, flip {args.flip}, shuffle buffer 1000, "
               f"{'no member index' if args.no_index else 'member index'}")
         bare, rates = {w: [] for w in counts}, {w: [] for w in counts}
         for _ in range(args.repeats):
             for w in counts:
                 bare[w].append(bare_decode_rate(blobs, decoder, w))
-                rates[w].append(loader_rate(data, w, args.batch_size, decoder))
+                rates[w].append(loader_rate(data, w, args.batch_size, decoder,
+                                            FLIPS[args.flip]))
         print(f"median [range] over {args.repeats} repeats; bare decode: that many processes "
               "decoding at once (0: in this one); img/s per worker (wall), img per CPU-second "
               "of the workers (the main process apart) over the epoch, and steady: from the "

@@ -21,14 +21,16 @@ class EpochBatches(Protocol):
     ``synthetic_stream.SyntheticStream``): everything ``trainer.loop`` calls.
 
     Iterating yields ``(images uint8 [B, 3, 112, 112], labels int64 [B])`` for the rest of
-    the current epoch. ``len``: batches per epoch, the same on every rank; ``batches_done``:
-    how many of this epoch's were handed out. ``set_epoch(e)`` starts epoch ``e`` (the same
-    epoch again keeps a resumed position); ``position()`` / ``restore(p)``: where it is, a
-    typed value (data_pipeline.position); ``state_dict()`` / ``load_state_dict()``: the same
-    as a checkpoint stores it, a JSON-able dict. ``epoch``; ``num_skipped`` (corrupt samples)
-    and ``num_padded`` (samples repeated to fill the last batch) in the current epoch;
-    ``num_excluded`` (samples an exclusion list leaves out of every epoch);
-    ``num_unindexed`` (shards without a member index, read more slowly);
+    the current epoch, and ``flips`` (bool ``[B]``) after the labels when the flip is
+    deferred to the consumer (``flip="deferred"``: rows to mirror left-right on its device,
+    ``partial_fc.backbones.normalize_images``). ``len``: batches per epoch, the same on
+    every rank; ``batches_done``: how many of this epoch's were handed out. ``set_epoch(e)``
+    starts epoch ``e`` (the same epoch again keeps a resumed position); ``position()`` /
+    ``restore(p)``: where it is, a typed value (data_pipeline.position); ``state_dict()`` /
+    ``load_state_dict()``: the same as a checkpoint stores it, a JSON-able dict. ``epoch``;
+    ``num_skipped`` (corrupt samples) and ``num_padded`` (samples repeated to fill the last
+    batch) in the current epoch; ``num_excluded`` (samples an exclusion list leaves out of
+    every epoch); ``num_unindexed`` (shards without a member index, read more slowly);
     ``dropped_fraction`` of each epoch. Implementations subclass it and set ``_len`` and
     ``_batches`` for the two methods it defines.
     """

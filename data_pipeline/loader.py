@@ -1,17 +1,17 @@
 """The training loader: equal batches on every rank, each sample at most once per epoch.
 
 Per rank, `num_workers` DataLoader workers each stream a contiguous slice of the epoch's
-plan (epoch_plan.py) through seeded shuffle -> decode (with the flip) and emit chunks of up
-to `batch_size`, decoded into shared-memory slots (slots.py); the main process copies them
-out, re-cuts them into exactly `batch_size` batches (uint8, channels_last strides) and stops
-after `len(loader)` batches, which is the same number on every rank (computed from the
-manifest, less the samples of an exclusion list, `exclude`). Samples beyond that (fewer
-than world_size + batch_size per rank) are the epoch's drop, reported as
-`dropped_fraction`. Corrupt samples are skipped and counted in `num_skipped` (per epoch: the
-same files fail every epoch); they are replaced by the rank's spare samples, and only if
-those run out is the last batch filled with repeats of the previous one (counted in
-`num_padded`; after a resume inside that padded tail, repeats of the epoch's first
-decodable chunk).
+plan (epoch_plan.py) through seeded shuffle -> decode (with the flip, or with its bits
+handed on: ``flip="deferred"``) and emit chunks of up to `batch_size`, decoded into
+shared-memory slots (slots.py); the main process copies them out, re-cuts them into exactly
+`batch_size` batches (uint8, channels_last strides) and stops after `len(loader)` batches,
+which is the same number on every rank (computed from the manifest, less the samples of an
+exclusion list, `exclude`). Samples beyond that (fewer than world_size + batch_size per
+rank) are the epoch's drop, reported as `dropped_fraction`. Corrupt samples are skipped and
+counted in `num_skipped` (per epoch: the same files fail every epoch); they are replaced by
+the rank's spare samples, and only if those run out is the last batch filled with repeats of
+the previous one (counted in `num_padded`; after a resume inside that padded tail, repeats
+of the epoch's first decodable chunk).
 
 Resume (`position` / `restore`, or `state_dict` / `load_state_dict` at the checkpoint
 boundary, data_pipeline.position): the state is the epoch, the batches handed out and each
@@ -78,7 +78,8 @@ class _EpochStream(IterableDataset):
         self.paths = loader.shard_paths
         self.plan = loader.plan_key()
         self.rank, self.epoch, self.skips = loader.rank, epoch, skips
-        self.flip, self.decoder = loader.flip, loader.decoder
+        self.flip, self.decoder = bool(loader.flip), loader.decoder
+        self.mirror = loader.flip is True  # in the worker; "deferred": by the consumer
         self.num_classes = loader.manifest.num_classes
 
     pool: SlotPool | None = None  # set before the DataLoader starts its workers
@@ -105,19 +106,25 @@ class _EpochStream(IterableDataset):
             if buffer > 1 else None,
             stages.annotate(f"flip-{tag}", self.flip, self.skips[worker]),
             stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
-                                 self.num_classes, pool),
+                                 self.num_classes, pool, self.mirror),
         )
         return iter(pipeline)
 
 
 class _ShardLoader(EpochBatches):
     """The training loader for a converted data folder: an iterable over (images uint8
-    [B,3,112,112], labels int64 [B][, keys list[str]]); see the module docstring for the
-    guarantees. Built by `make_loader`, the one public name.
+    [B,3,112,112], labels int64 [B][, flips bool [B]][, keys list[str]]); see the module
+    docstring for the guarantees. Built by `make_loader`, the one public name.
 
     rank/world_size: this process's data-parallel position (pass them explicitly; the
         trainer reads them from its process group). batch_size is per rank.
     shuffle=False reads shards in order with no sample shuffle (evaluation, debugging).
+    flip: True mirrors each image left-right with probability 1/2 (a seeded draw per stream
+        position) in the worker; "deferred" draws the same bits but leaves the images as
+        decoded and yields the bits (``flips``) after the labels, for the consumer to apply
+        on its device (``partial_fc.backbones.normalize_images(images, flips)``: the trainer
+        does, where it costs nothing on a GPU and frees the worker's CPU from it); False
+        never mirrors.
     decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
     pin_memory: batches in page-locked memory, for asynchronous copies to a CUDA device
         (needs CUDA; the trainer sets it when it trains on one).
@@ -128,7 +135,7 @@ class _ShardLoader(EpochBatches):
 
     def __init__(self, data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
-                 flip: bool = True, with_keys: bool = False, shuffle: bool = True,
+                 flip: bool | str = True, with_keys: bool = False, shuffle: bool = True,
                  shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2,
                  pin_memory: bool = False, exclude: str | os.PathLike | None = None):
         if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0 or world_size < 1:
@@ -137,6 +144,8 @@ class _ShardLoader(EpochBatches):
                              "batch_size and world_size must be >= 1, the others >= 0")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} outside [0, world_size={world_size})")
+        if flip not in (True, False, "deferred"):
+            raise ValueError(f"flip={flip!r}: choose True, False or 'deferred'")
         self.data_dir = Path(data_dir)
         self.manifest = read_manifest(self.data_dir)
         self.shard_paths = [self.data_dir / s.name for s in self.manifest.shards]
@@ -248,15 +257,18 @@ class _ShardLoader(EpochBatches):
                 stream.pool.close()
 
     def _received(self, chunk: stages.Chunk, pool: SlotPool | None) -> stages.Chunk:
-        """A chunk as the main process keeps it: images out of the worker's pool slot (in
-        page-locked memory with ``pin_memory``), labels a tensor."""
-        images, labels = chunk.images, torch.tensor(chunk.labels, dtype=torch.int64)
+        """A chunk as the main process keeps it: images out of the worker's pool slot, labels
+        and flip bits tensors (all in page-locked memory with ``pin_memory``)."""
+        images = chunk.images
         if pool is not None:
             images = pool.receive(chunk.worker, chunk.slot, len(chunk.keys), self.pin_memory)
         elif self.pin_memory:
             images = images.pin_memory()
-        return chunk._replace(images=images,
-                              labels=labels.pin_memory() if self.pin_memory else labels)
+        labels = torch.tensor(chunk.labels, dtype=torch.int64)
+        flips = torch.tensor(chunk.flips, dtype=torch.bool)
+        if self.pin_memory:
+            labels, flips = labels.pin_memory(), flips.pin_memory()
+        return chunk._replace(images=images, labels=labels, flips=flips)
 
     def _batches_of(self, batches, pool: SlotPool | None):
         pending: deque[_Pending] = deque()
@@ -279,7 +291,7 @@ class _ShardLoader(EpochBatches):
             pending.clear()
             buffered = 0
             last = _pad(parts, last, self.batch_size)
-            self.num_padded += self.batch_size - (len(parts[2]) if parts else 0)
+            self.num_padded += self.batch_size - (len(parts[-1]) if parts else 0)
             yield self._emit(last)
 
     def _advance(self, entry: _Pending, position: int) -> None:
@@ -298,17 +310,21 @@ class _ShardLoader(EpochBatches):
             for chunk in stream.chunks(worker):
                 if chunk.keys:
                     chunk = self._received(chunk, None)
-                    return chunk.images, chunk.labels, chunk.keys
+                    return chunk.images, chunk.labels, chunk.flips, chunk.keys
         raise DataError(f"{self.data_dir}: no decodable sample in rank {self.rank}'s "
                         f"share of epoch {self.epoch}")
 
     def _emit(self, batch: tuple) -> tuple:
+        """``(images, labels, flips, keys)`` as the loader's options ask for it."""
         self._batches += 1
-        return batch if self.with_keys else batch[:2]
+        images, labels, flips, keys = batch
+        return ((images, labels) + ((flips,) if self.flip == "deferred" else ())
+                + ((keys,) if self.with_keys else ()))
 
     def _take(self, pending: deque[_Pending], count: int) -> tuple:
-        """Cut `count` samples off the front of the pending chunks; advance worker positions."""
-        images, labels, keys = [], [], []
+        """Cut `count` samples off the front of the pending chunks; advance worker positions.
+        Returns ``(images, labels, flips, keys)``."""
+        images, labels, flips, keys = [], [], [], []
         while count > 0 or (pending and not pending[0].chunk.keys):
             entry = pending[0]
             chunk, offset = entry.chunk, entry.offset
@@ -316,6 +332,7 @@ class _ShardLoader(EpochBatches):
             if n > 0:
                 images.append(chunk.images[offset:offset + n])
                 labels.append(chunk.labels[offset:offset + n])
+                flips.append(chunk.flips[offset:offset + n])
                 keys.extend(chunk.keys[offset:offset + n])
                 self._advance(entry, chunk.positions[offset + n - 1] + 1)
             count -= n
@@ -324,7 +341,7 @@ class _ShardLoader(EpochBatches):
                 pending.popleft()
             else:
                 entry.offset = offset + n
-        return (concat(images, self.pin_memory), concat(labels, self.pin_memory), keys)
+        return (*(concat(parts, self.pin_memory) for parts in (images, labels, flips)), keys)
 
 
 def _start_worker(worker: int) -> None:
@@ -357,16 +374,17 @@ def _as_is(chunk: stages.Chunk) -> stages.Chunk:
 
 
 def _pad(parts: tuple | None, last: tuple | None, batch_size: int) -> tuple:
-    """A full batch from the leftover `parts` plus repeats of `last` (or of parts itself)."""
+    """A full batch ``(images, labels, flips, keys)`` from the leftover `parts` plus repeats
+    of `last` (or of parts itself)."""
     source = last if last is not None else parts
-    have = len(parts[2]) if parts else 0
-    idx = torch.arange(batch_size - have) % len(source[2])
-    images, labels = source[0][idx], source[1][idx]
-    keys = [source[2][i] for i in idx.tolist()]
+    have = len(parts[-1]) if parts else 0
+    idx = torch.arange(batch_size - have) % len(source[-1])
+    tensors = [t[idx] for t in source[:-1]]
+    keys = [source[-1][i] for i in idx.tolist()]
     if parts:
-        images, labels, keys = (torch.cat([parts[0], images]), torch.cat([parts[1], labels]),
-                                parts[2] + keys)
-    return images, labels, keys
+        tensors = [torch.cat([p, t]) for p, t in zip(parts[:-1], tensors, strict=True)]
+        keys = parts[-1] + keys
+    return (*tensors, keys)
 
 
 def make_loader(data_dir: str | os.PathLike, **options) -> EpochBatches:

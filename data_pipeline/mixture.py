@@ -45,7 +45,7 @@ def batch_shares(batch_size: int, weights: Sequence[float]) -> list[int]:
 
 
 class MixedLoader(EpochBatches):
-    """Batches (images uint8 [B,3,112,112], labels int64 [B][, keys]) mixing the folders
+    """Batches (images uint8 [B,3,112,112], labels int64 [B][, flips][, keys]) mixing the folders
     ``data_dirs``; see the module docstring. ``weights`` (default: the sets' sample counts),
     ``excludes`` (one exclusion list or None per folder, in that folder's own labels) and the
     loader options (``make_loader``'s; ``num_workers`` is split over the sets by batch share,
@@ -74,6 +74,7 @@ class MixedLoader(EpochBatches):
         self.offsets = np.cumsum([0] + [m.num_classes for m in manifests]).tolist()
         self.num_classes = self.offsets[-1]
         self.batch_size, self.with_keys, self.pin_memory = batch_size, with_keys, pin_memory
+        self.deferred_flip = options.get("flip") == "deferred"  # sets yield their flip bits
         self._len = max(len(s) for s in self.sets)
         self._batches, self.epoch = 0, self.sets[0].epoch
         read = sum(len(s) * s.batch_size for s in self.sets) * self.sets[0].world_size
@@ -115,16 +116,18 @@ class MixedLoader(EpochBatches):
             self._batches = 0
         streams = [_endless(s) for s in self.sets]
         while self._batches < self._len:
-            parts = [next(stream) for stream in streams]
+            parts = [next(stream) for stream in streams]  # (images, labels[, flips], keys)
             images = concat([p[0] for p in parts], self.pin_memory)
             labels = concat([p[1] + off if off else p[1]
                              for p, off in zip(parts, self.offsets, strict=False)],
                             self.pin_memory)
+            batch = (images, labels)
+            if self.deferred_flip:
+                batch += (concat([p[2] for p in parts], self.pin_memory),)
             self._batches += 1
             if self.with_keys:
-                yield images, labels, [f"{i}:{k}" for i, p in enumerate(parts) for k in p[2]]
-            else:
-                yield images, labels
+                batch += ([f"{i}:{k}" for i, p in enumerate(parts) for k in p[-1]],)
+            yield batch
 
 
 def _endless(loader: EpochBatches) -> Iterator[tuple]:

@@ -1,7 +1,8 @@
 """Loader stages: plain generators over sample dicts, curried with `wds.pipelinefilter`.
 
 A worker's stream is  read_pieces -> shuffle (webdataset's buffer, seeded) -> annotate
-(stream position and flip bit; the resumed part skipped) -> decode_chunks (into a batch buffer).
+(stream position and flip bit; the resumed part skipped) -> decode_chunks (into a batch buffer,
+mirrored there, or the flip bits handed on for the consumer to apply on its device).
 Positions are taken after the shuffle, so a resumed worker replays the same shuffled stream
 without decoding and skips exactly the samples it had handed out. Sample dicts carry
 `__key__`, `jpg` (bytes), `cls` (bytes), `__pos__`, `__flip__`.
@@ -80,6 +81,7 @@ class Chunk(NamedTuple):
     images: torch.Tensor | None  # uint8 [b, 3, H, W], channels_last strides
     labels: torch.Tensor | list[int]  # int64 [b]
     keys: list[str]
+    flips: list[bool]  # each sample's flip bit (applied already unless the flip is deferred)
     positions: list[int]  # stream position of each sample
     end: int  # stream position after everything the chunk accounts for
     skipped: list[int]  # stream positions of the corrupt samples dropped while filling it
@@ -88,10 +90,11 @@ class Chunk(NamedTuple):
 
 
 def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: int, worker: int,
-                   num_classes: int | None = None, pool: SlotPool | None = None
-                   ) -> Iterator[Chunk]:
+                   num_classes: int | None = None, pool: SlotPool | None = None,
+                   mirror: bool = True) -> Iterator[Chunk]:
     """Decode `jpg` straight into the rows of a ``[batch_size, size, size, 3]`` buffer
-    (mirrored where the flip was drawn: ``codec.decode_into``) and emit it as a
+    (mirrored where the flip was drawn, ``codec.decode_into``, unless ``mirror`` is False:
+    then the chunk's ``flips`` say which rows its consumer mirrors) and emit it as a
     :class:`Chunk` when full (the last one may be partial, or empty when it only passed over
     corrupt samples). The buffers are ``pool``'s slots in a DataLoader worker, fresh
     tensors otherwise; the stream ends early when the pool's reader has gone.
@@ -101,7 +104,7 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
     :class:`DataError` naming the shard and the sample's key.
     """
     batch, end = _Filling(batch_size, size, pool, worker, 0), None
-    mirror = Mirror(size)
+    mirrored = Mirror(size) if mirror else None
     for sample in data:
         rows, keys = batch.array, batch.keys
         if rows is None:
@@ -109,9 +112,8 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
         position = sample["__pos__"]
         end = position + 1
         try:
-            label = int(sample["cls"])
-            decode_into(sample["jpg"], rows[len(keys)], decoder,
-                        mirror if sample["__flip__"] else None)
+            label, flip = int(sample["cls"]), sample["__flip__"]
+            decode_into(sample["jpg"], rows[len(keys)], decoder, mirrored if flip else None)
         except (CorruptImageError, ValueError, KeyError):
             batch.skipped.append(position)
             continue
@@ -119,6 +121,7 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
             raise DataError(f"{sample.get('__shard__', 'shard')}: sample {sample['__key__']!r} "
                             f"has label {label}, outside [0, {num_classes}) of manifest.json")
         batch.labels.append(label)
+        batch.flips.append(flip)
         keys.append(sample["__key__"])
         batch.positions.append(position)
         if len(keys) == batch_size:
@@ -141,14 +144,14 @@ class _Filling:
             self.images = pool.acquire(worker, index)
         self.array = self.images.numpy() if self.images is not None else None
         self.pooled, self.worker, self.index = pool is not None, worker, index
-        self.labels, self.keys, self.positions = [], [], []
+        self.labels, self.keys, self.flips, self.positions = [], [], [], []
         self.skipped: list[int] = []
 
     def chunk(self, end: int) -> Chunk:
         """The filled rows as a chunk (images: a channels_last view, no copy; or left in the
         pool's slot)."""
         images = None if self.pooled else self.images[:len(self.keys)].permute(0, 3, 1, 2)
-        return Chunk(images=images, labels=self.labels, keys=self.keys,
+        return Chunk(images=images, labels=self.labels, keys=self.keys, flips=self.flips,
                      positions=self.positions, end=end, skipped=self.skipped,
                      worker=self.worker, slot=self.index if self.pooled else -1)
 

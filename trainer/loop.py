@@ -164,7 +164,9 @@ def build(cfg: Config, env: DistEnv) -> Run:
 
 def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
     """This rank's batches: the shard loader on ``data.dir`` (or mixing ``data.dirs``), or
-    (``data.source=synthetic``) batches generated on the rank's device; seeded by ``seed``."""
+    (``data.source=synthetic``) batches generated on the rank's device; seeded by ``seed``.
+    The shard loaders' flip is deferred to the engine, which mirrors on the run's device
+    (``flip="deferred"``: the same images, one image in two less for a decoding worker)."""
     from data_pipeline import SyntheticStream, make_loader
 
     common = {"batch_size": cfg.train.batch_size, "rank": env.rank,
@@ -172,7 +174,8 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
     if cfg.data.source == "synthetic":
         return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
                                device=env.device, **common)
-    common.update(num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda")
+    common.update(num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda",
+                  flip="deferred" if cfg.data.flip else False)
     if cfg.data.dirs is not None:
         from data_pipeline.mixture import make_mixed_loader
 

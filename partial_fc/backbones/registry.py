@@ -90,12 +90,17 @@ def build_backbone(name: str, embedding_size: int = 512, dropout: float = 0.0, *
     return _BACKBONES[name](embedding_size=embedding_size, dropout=dropout, **options)
 
 
-def normalize_images(images: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[N, 3, H, W]`` in [0, 255] -> float32 in [-1, 1], i.e. ``(x/255 - 0.5)/0.5``.
+def normalize_images(images: torch.Tensor, flips: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 ``[N, 3, H, W]`` in [0, 255] -> float32 in [-1, 1], i.e. ``(x/255 - 0.5)/0.5``,
+    with the images where ``flips`` (bool ``[N]``) is set mirrored left-right first.
 
     Runs on whatever device ``images`` is on, so the loader can ship uint8 and the
-    conversion happens on the accelerator.
+    conversion happens on the accelerator, and so can the training flip (the loader's
+    ``flip="deferred"``): on a GPU it costs nothing next to the step, where the loader's
+    workers would spend a tenth of their CPU on it (docs/benchmarks.md, "Loader").
     """
     if images.dtype != torch.uint8:
         raise TypeError(f"normalize_images expects uint8 images, got dtype {images.dtype}")
+    if flips is not None:
+        images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
     return images.float().div_(127.5).sub_(1.0)

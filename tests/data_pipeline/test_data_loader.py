@@ -90,6 +90,27 @@ def test_flip_and_tuple_shape(uneven):
     assert 0 < mirrored < 64
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_deferred_flip_hands_on_the_bits_of_the_flip_in_the_worker(uneven, num_workers):
+    """``flip="deferred"`` yields the images as decoded plus the bits that, applied, give
+    exactly the batches of the flip in the worker (the same draw per stream position)."""
+    options = dict(batch_size=6, num_workers=num_workers, shuffle_buffer=8, seed=3,
+                   with_keys=True)
+    in_worker = list(make_loader(uneven, flip=True, **options))
+    deferred = list(make_loader(uneven, flip="deferred", **options))
+    mirrored = 0
+    for (want, labels, keys), (images, got_labels, flips, got_keys) in zip(
+            in_worker, deferred, strict=True):
+        assert flips.dtype == torch.bool and keys == got_keys and torch.equal(labels, got_labels)
+        assert torch.equal(torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images), want)
+        mirrored += int(flips.sum())
+    assert 0 < mirrored < 6 * len(deferred)
+    plain = [b[0] for b in make_loader(uneven, flip=False, **options)]
+    assert all(torch.equal(a, b[0]) for a, b in zip(plain, deferred, strict=True))
+    with pytest.raises(ValueError, match="flip='worker'"):
+        make_loader(uneven, batch_size=6, flip="worker")
+
+
 def test_resume_mid_epoch_is_exact(uneven):
     kwargs = dict(batch_size=3, rank=1, world_size=2, num_workers=2, shuffle_buffer=8,
                   with_keys=True, seed=5)

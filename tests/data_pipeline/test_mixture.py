@@ -3,6 +3,7 @@ read exactly once per its own epoch, exact resume across a set's epoch boundary,
 never collide."""
 
 import pytest
+import torch
 from shard_helpers import make_shards
 
 from data_pipeline.errors import DataError
@@ -59,6 +60,16 @@ def test_each_set_once_per_its_epoch_with_its_labels(folders, num_workers):
         for start in range(0, len(mine) - epoch_len + 1, epoch_len):  # once per its epoch
             keys = {k for k, _ in mine[start:start + epoch_len]}
             assert len(keys) == epoch_len >= total - 1
+
+
+def test_deferred_flip_bits_follow_their_samples(folders):
+    """The sets' flip bits are cut together with their images: applied, they give the
+    batches of the flip in the sets' workers."""
+    in_worker, deferred = mixed(folders, flip=True), mixed(folders, flip="deferred")
+    for (want, labels, keys), (images, got_labels, flips, got_keys) in zip(
+            in_worker, deferred, strict=True):
+        assert keys == got_keys and torch.equal(labels, got_labels) and len(flips) == 4
+        assert torch.equal(torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images), want)
 
 
 def test_resume_across_a_set_epoch_boundary_is_exact(folders):

@@ -118,6 +118,16 @@ def test_normalize_images():
         normalize_images(images.float())
 
 
+def test_normalize_images_mirrors_the_flipped_rows_in_their_layout():
+    images = torch.randint(0, 256, (4, 5, 7, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    flips = torch.tensor([True, False, False, True])
+    out = normalize_images(images, flips)
+    for i, flip in enumerate(flips.tolist()):
+        row = images[i:i + 1].flip(-1) if flip else images[i:i + 1]
+        assert torch.equal(out[i:i + 1], normalize_images(row))
+    assert out.is_contiguous(memory_format=torch.channels_last)  # as the loader ships them
+
+
 
 def test_iresnet_layer_order():
     """ArcFace's iResNet: blocks BN-conv-BN-PReLU-conv-BN (+ conv-BN projection), output

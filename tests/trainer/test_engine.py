@@ -319,3 +319,26 @@ def test_deepspeed_accelerator_follows_the_run_device(monkeypatch):
         assert os.environ["DS_ACCELERATOR"] == "cpu"
     finally:
         set_accelerator(before)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_flip_bits_mirror_on_the_device_as_the_loader_would(one_rank_group, grad_accum):
+    """Micro-batches ``(images, labels, flips)`` from a loader that defers its flip step
+    exactly as the same images mirrored by the loader: losses and every state bit-equal."""
+    def run(with_bits: bool) -> tuple[list, dict]:
+        cfg = make_config(f"train.grad_accum={grad_accum}",
+                          f"train.batch_size={GLOBAL_BATCH // grad_accum}")
+        engine, losses = build_engine(cfg), []
+        for step in range(2):
+            batches = local_micro_batches(step, GLOBAL_BATCH, 0, 1, grad_accum)
+            flips = [torch.rand(len(y), generator=torch.Generator().manual_seed(step)) < 0.5
+                     for _, y in batches]
+            batches = ([(x, y, f) for (x, y), f in zip(batches, flips, strict=True)]
+                       if with_bits else
+                       [(torch.where(f.view(-1, 1, 1, 1), x.flip(-1), x), y)
+                        for (x, y), f in zip(batches, flips, strict=True)])
+            losses.append(engine.step(step, batches).loss)
+        return losses, snapshot(engine)
+
+    (bits_losses, bits), (mirrored_losses, mirrored) = run(True), run(False)
+    assert bits_losses == mirrored_losses and same_snapshots(bits, mirrored)

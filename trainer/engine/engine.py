@@ -215,11 +215,13 @@ class Engine:
     def step(
         self,
         step: int,
-        micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        micro_batches: Sequence[tuple[torch.Tensor, ...]],
         angles: bool = False,
         stop: StopRequest = NO_STOP,
     ) -> StepResult:
-        """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels.
+        """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels
+        (+ the flip bits of a loader that defers its flip to the device: ``(images, labels,
+        flips)``).
 
         ``stop`` (this rank's request, ``trainer.stopping``) is agreed over the ranks in the
         step's one all-reduce with its flags (``trainer.engine.backend.Verdict``), so every
@@ -247,13 +249,13 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
         if k > 1:  # one class sample and one head step for all k: exact accumulation
-            micro_batches = [(x, self._on_device(y)) for x, y in micro_batches]  # copied once
-            self.head.begin_step(torch.cat([y for _, y in micro_batches]),
+            micro_batches = [(x, self._on_device(y), *f) for x, y, *f in micro_batches]
+            self.head.begin_step(torch.cat([y for _, y, *_ in micro_batches]),
                                  sizes=[k * self.cfg.train.batch_size] * self.env.world_size)
-        for i, (images, labels) in enumerate(micro_batches):
+        for i, (images, labels, *flips) in enumerate(micro_batches):
             last = i == k - 1
             with self.backend.micro_batch(boundary=last):
-                e, y, loss, surrogate = self._forward(images, labels, k)
+                e, y, loss, surrogate = self._forward(images, labels, k, *flips)
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
                 loss_sum += loss.detach()  # fp64: the sum Python floats gave
                 if not last:
@@ -280,13 +282,15 @@ class Engine:
                           numbers=DeviceScalars({"loss": loss_sum / k,
                                                  "grad_norm": update.grad_norm}))
 
-    def _forward(self, images: Tensor, labels: Tensor, k: int
+    def _forward(self, images: Tensor, labels: Tensor, k: int, flips: Tensor | None = None
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One micro-batch: the backbone's forward, the head's forward and backward on the
         detached embeddings, and the backbone's surrogate loss (module docstring, step 2).
+        ``flips``: the rows to mirror, from a loader that defers its flip to here.
         Returns ``(e, labels, loss, surrogate)``: ``e`` the head's fp32 input holding
         ``dL_global/de_local`` in ``e.grad``."""
-        x = normalize_images(self._on_device(images))
+        x = normalize_images(self._on_device(images),
+                             None if flips is None else self._on_device(flips))
         x = x.to(dtype=self.backend.input_dtype, memory_format=self.memory_format)
         y = self._on_device(labels)
         with self.backend.autocast():
@@ -300,8 +304,8 @@ class Engine:
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
 
     def _on_device(self, batch: Tensor) -> Tensor:
-        """``batch`` (images or labels) on the run's device; from the loader's pinned memory
-        the copy to a GPU is asynchronous, so the host does not wait for it."""
+        """``batch`` (images, labels or flip bits) on the run's device; from the loader's pinned
+        memory the copy to a GPU is asynchronous, so the host does not wait for it."""
         return batch.to(self.device, non_blocking=True)
 
     def _update_head(self, applied: bool, rows: SampledRows, saved: Snapshot) -> None:
