@@ -145,21 +145,24 @@ def test_compiled_backbone_keeps_inductors_layout_choice_on_cuda_only(monkeypatc
 
 
 def test_engine_copies_the_batch_to_its_device_without_waiting(one_rank_group, monkeypatch):
-    """``non_blocking=True`` on the images and the labels: from pinned memory the copy to a
-    GPU is asynchronous (on CPU the flag changes nothing, so only the call is checked)."""
+    """``non_blocking=True`` on the images, the labels and the flip bits: from pinned memory
+    the copy to a GPU is asynchronous (on CPU the flag changes nothing, so only the call is
+    checked)."""
     engine = build_engine(make_config("train.batch_size=4"))
     images, labels = local_micro_batches(0, 4, 0, 1, 1)[0]
-    seen = []
+    flips = torch.tensor([True, False, False, True])
+    batch, seen = (images, labels, flips), []
     real_to = torch.Tensor.to
 
     def to(self, *args, **kwargs):
-        if (self is images or self is labels) and args and isinstance(args[0], torch.device):
-            seen.append((self is images, args, kwargs.get("non_blocking")))  # a device copy
+        if any(self is t for t in batch) and args and isinstance(args[0], torch.device):
+            which = next(i for i, t in enumerate(batch) if self is t)
+            seen.append((which, args, kwargs.get("non_blocking")))  # a device copy
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", to)
-    engine.step(0, [(images, labels)])
-    assert sorted(seen) == [(False, (engine.device,), True), (True, (engine.device,), True)]
+    engine.step(0, [batch])
+    assert sorted(seen) == [(i, (engine.device,), True) for i in range(3)]
 
 
 def test_deepspeed_accelerator_follows_a_cuda_run(monkeypatch):
@@ -190,23 +193,43 @@ def test_trainer_asks_for_pinned_batches_on_cuda_only(synthetic_data, device, pi
     assert build_loader(cfg, DistEnv(0, 1, 0, device)).pin_memory is pinned
 
 
+@pytest.mark.parametrize(("flip", "expected"), [("true", "deferred"), ("false", False)])
+@pytest.mark.parametrize("folders", [1, 2])
+def test_trainer_leaves_the_flip_to_its_engine(synthetic_data, flip, expected, folders):
+    """The trainer's shard loaders (one folder or a mixture) hand the flip bits to the
+    engine, which mirrors on the run's device (``test_engine.py`` checks the step)."""
+    from trainer.dist import DistEnv
+    from trainer.loop import build_loader
+
+    data = (f"data.dir={synthetic_data}" if folders == 1 else
+            f"data.dirs=[{synthetic_data},{synthetic_data}]")
+    cfg = make_config(data, f"data.flip={flip}", "data.num_workers=0")
+    loader = build_loader(cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    for source in getattr(loader, "sets", [loader]):
+        assert source.flip == expected
+    assert len(next(iter(loader))) == (3 if expected else 2)
+
+
 def test_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies, synthetic_data):
-    """With an accelerator (faked), the loader pins each decoded chunk, and a batch cut across
-    two chunks (after corrupt samples) is assembled in page-locked memory; the batches equal
-    the unpinned ones (``test_device_plumbing.py`` pins for real on CUDA)."""
+    """With an accelerator (faked), the loader pins each decoded chunk (images, labels and
+    the deferred flip bits), and a batch cut across two chunks (after corrupt samples) is
+    assembled in page-locked memory; the batches equal the unpinned ones
+    (``test_device_plumbing.py`` pins for real on CUDA)."""
     from data_pipeline import make_loader
     from data_pipeline.epoch_batches import concat
 
-    plain = list(make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False))
+    options = {"batch_size": 6, "num_workers": 0, "shuffle": False, "flip": "deferred"}
+    plain = list(make_loader(synthetic_data, **options))
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: CUDA0)
-    loader = make_loader(synthetic_data, batch_size=6, num_workers=0, shuffle=False,
-                         pin_memory=True)
+    loader = make_loader(synthetic_data, pin_memory=True, **options)
     pinned = list(loader)
-    assert len(fake_cuda_copies.pinned) >= len(pinned), "the loader did not pin every chunk"
+    kinds = [t.dtype for t in fake_cuda_copies.pinned]
+    assert min(kinds.count(d) for d in (torch.uint8, torch.int64, torch.bool)) >= len(pinned), \
+        "the loader did not pin every chunk's images, labels and flip bits"
     assert len(pinned) == len(plain)
-    for (x, y), (xp, yp) in zip(plain, pinned, strict=True):
-        assert torch.equal(x, xp) and torch.equal(y, yp)
+    for want, got in zip(plain, pinned, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     empty, asked = torch.empty, []
 
     def fake_empty(*args, pin_memory=None, **kwargs):
