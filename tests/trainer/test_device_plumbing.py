@@ -1,5 +1,6 @@
 """Device plumbing of a training step: channels_last backbone and input,
-cuDNN autotuning and page-locked batches on CUDA; CPU runs exactly as before.
+cuDNN autotuning, page-locked batches and the training flip on CUDA; CPU runs exactly as
+before.
 
 The CPU tests check that nothing changes there (the switches default to on); the cuda-marked
 tests check that the switches take effect and that a channels_last step computes the same
@@ -43,14 +44,19 @@ def test_loader_does_not_pin_by_default(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("workers", [0, 1])
 def test_loader_pins_batches_on_cuda(tmp_path, workers):
+    """Pinned batches with the flip deferred, mirrored on the GPU as the engine does, equal
+    the batches the workers mirror themselves."""
     from data_pipeline import make_loader, write_synthetic_dataset
+    from partial_fc.backbones import normalize_images
 
     write_synthetic_dataset(tmp_path, num_classes=4, images_per_class=6, seed=0)
     plain = list(make_loader(tmp_path, batch_size=5, num_workers=workers))
-    pinned = list(make_loader(tmp_path, batch_size=5, num_workers=workers, pin_memory=True))
-    assert all(x.is_pinned() and y.is_pinned() for x, y in pinned), workers
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-               for a, b in zip(plain, pinned, strict=True)), workers
+    pinned = list(make_loader(tmp_path, batch_size=5, num_workers=workers, pin_memory=True,
+                              flip="deferred"))
+    assert all(t.is_pinned() for batch in pinned for t in batch), workers
+    for (x, y), (xp, yp, flips) in zip(plain, pinned, strict=True):
+        on_gpu = normalize_images(xp.cuda(non_blocking=True), flips.cuda(non_blocking=True))
+        assert torch.equal(on_gpu.cpu(), normalize_images(x)) and torch.equal(y, yp), workers
 
 
 @pytest.mark.cuda
