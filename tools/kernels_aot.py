@@ -138,6 +138,8 @@ def compile_one(launch: Launch, arch: int, aligned: bool, num_warps: int,
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from partial_fc.tiles.triton import FP_FUSION
+
     unhinted = set(launch.class_sized) | (set() if aligned else set(launch.batch_sized))
     signature, attrs = {}, {}
     for i, param in enumerate(launch.kernel.params):
@@ -151,7 +153,8 @@ def compile_one(launch: Launch, arch: int, aligned: bool, num_warps: int,
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = triton.compiler.ASTSource(launch.kernel, signature, launch.constexprs, attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           enable_fp_fusion=FP_FUSION))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()

@@ -199,6 +199,12 @@ def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_b
     tl.store(OUT + split * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
 
 
+FP_FUSION = True
+"""Multiply-adds compiled into FMAs (one rounding instead of two), stated rather than left to
+Triton's default: that default is on through Triton 3.9 (which warns at every compile while
+it is unset) and off from 3.10, and the kernels' figures (docs/kernels.md) were taken with it on."""
+
+
 @dataclass(frozen=True)
 class Tiles:
     """Tile sizes the kernels launch with (``docs/kernels.md`` has the choices and ptxas'
@@ -212,6 +218,12 @@ class Tiles:
     num_stages: int
     programs: int  # what the class splits (stats) and K splits (grad_e) aim at: a few per SM
     buffer_bytes: int  # budget of the backward's G' chunk [N, width]
+
+    @property
+    def launch_options(self) -> dict:
+        """Triton's compile options for each launch (``FP_FUSION`` stated with them)."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
+                "enable_fp_fusion": FP_FUSION}
 
     def chunk_width(self, n: int, itemsize: int) -> int:
         """Columns of one backward chunk: whole cos tiles within ``buffer_bytes``, at most
@@ -322,7 +334,7 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     _stats_kernel[(row_blocks, splits)](
         e, w, inv_norm, target_col, scale, max_p, sum_p, cos_p, n, s_cols, d,
         e.stride(0), w.stride(0), per, BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth,
-        num_warps=t.num_warps, num_stages=t.num_stages, **consts)
+        **t.launch_options, **consts)
     row_max = max_p.amax(dim=0)
     shift = torch.where(torch.isinf(row_max), 0.0, row_max)  # all splits empty -> sum 0
     row_sum = (sum_p * torch.exp(max_p - shift)).sum(dim=0)
@@ -364,16 +376,14 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     out_tiles = triton.cdiv(n, t.gemm) * triton.cdiv(d, t.gemm)
     grad_e = torch.zeros(n, d, dtype=torch.float32, device=e.device)
     grad_w = torch.empty(s_cols, d, dtype=w.dtype, device=e.device)
-    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, num_warps=t.num_warps,
-                num_stages=t.num_stages, **consts)
+    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **t.launch_options, **consts)
     for col0 in range(0, s_cols, width_max):
         width = min(width_max, s_cols - col0)
         g, w_c, r = buffer[:, :width], w[col0:col0 + width], radial[:, :width]
         _dcos_kernel[(row_blocks, triton.cdiv(width, t.cols))](
             e, w, inv_norm, target_col, scale, lse, coef, target_grad, g, r, n, d,
             e.stride(0), w.stride(0), g.stride(0), r.stride(0), col0, width, BLOCK_N=t.rows,
-            BLOCK_S=t.cols, BLOCK_D=t.depth, num_warps=t.num_warps,
-            num_stages=t.num_stages, **consts)
+            BLOCK_S=t.cols, BLOCK_D=t.depth, **t.launch_options, **consts)
         splits, per = _splits(out_tiles, width, t.depth, t.programs)  # split-K over classes
         part = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
         _gemm_kernel[(triton.cdiv(n, t.gemm), triton.cdiv(d, t.gemm), splits)](

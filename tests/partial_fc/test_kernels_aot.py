@@ -42,6 +42,7 @@ def _compiled(operands: str, arch: int) -> list[kernels_aot.Row]:
     out = subprocess.run([sys.executable, "-c", COMPILE, operands, str(arch)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "TRITON_DEFAULT_FP_FUSION" not in out.stderr, "a compile left FP fusion to Triton"
     return [kernels_aot.Row(**row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
 
 

@@ -292,6 +292,25 @@ def test_kernels_compose_into_autograds_margin_softmax_gradients():
     torch.testing.assert_close(grad_w.cpu().double(), w_ref.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_every_launch_states_fp_fusion(monkeypatch):
+    """Each kernel launch passes Triton the tiles' options with ``enable_fp_fusion`` set
+    (``tm.FP_FUSION``): left unset, the kernels' rounding would change with Triton 3.10's new
+    default, and 3.9 warns at every compile. Recorded at the launch seam (the interpreter
+    drops compile options; ``test_kernels_aot.py`` compiles with them)."""
+    launched = []
+    for kernel in (tm._stats_kernel, tm._dcos_kernel, tm._gemm_kernel):
+        def spy(*args, kernel=kernel, run=kernel.run, **kwargs):
+            launched.append((kernel, kwargs.get("enable_fp_fusion"), kwargs.get("num_warps")))
+            return run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", spy)
+    e, w, inv, tgt = _inputs(5, 9, 16, torch.float32, torch.float32, "mixed")
+    row_max, row_sum, _ = tm.class_tile_stats(e, w, inv, tgt, 8.0)
+    lse, coef, tgrad = _backward_inputs(5, 9, tgt, torch.log(row_sum) + row_max)
+    tm.class_tile_grads(e, w, inv, tgt, 8.0, lse, coef, tgrad)
+    assert {k for k, *_ in launched} == {tm._stats_kernel, tm._dcos_kernel, tm._gemm_kernel}
+    assert all(fusion is tm.FP_FUSION and warps for _, fusion, warps in launched), launched
+
+
 def test_rejects_mismatched_inputs():
     e, w, inv, tgt = _inputs(8, 5, 16, torch.float32, torch.float32, "mixed")
     with pytest.raises(ValueError, match="same D"):
