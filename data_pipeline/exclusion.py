@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,13 @@ def read_exclusions(path: str | os.PathLike) -> Exclusions:
                             "'class <label>' (a label is an integer >= 0; comments start "
                             "with #)")
     return Exclusions(frozenset(samples), frozenset(classes))
+
+
+def made_by(tool: str, settings: dict[str, object], summary: str) -> str:
+    """A header for :func:`write_exclusions`: the tool with its settings on one line, then the
+    time (UTC) and what it found, so that a list read months later says where it came from."""
+    options = " ".join(f"{name}={value}" for name, value in settings.items())
+    return f"{tool} {options}\n{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}: {summary}"
 
 
 def write_exclusions(path: str | os.PathLike, exclusions: Exclusions, header: str = "") -> None:

@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
-from data_pipeline.exclusion import Exclusions, write_exclusions
+from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from launch.cli import checkpoint_program_parser
 from trainer.checkpoint import CheckpointError
 from trainer.cleaning import DEFAULT_THRESHOLD
@@ -86,10 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         dist.shutdown()
     if env.is_main:
-        header = (f"launch.clean checkpoint={args.checkpoint} data={args.data} threshold="
-                  f"{args.threshold:g} degrees\n{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}: "
-                  f"{len(result.noisy)} of {result.samples} samples listed; dominant-center "
-                  f"share {result.dominant_share:.4f}")
+        header = made_by("launch.clean", {"checkpoint": args.checkpoint, "data": args.data,
+                                           "threshold": f"{args.threshold:g} degrees"},
+                         f"{len(result.noisy)} of {result.samples} samples listed; "
+                         f"dominant-center share {result.dominant_share:.4f}")
         write_exclusions(args.out, Exclusions(samples=result.noisy), header=header)
         print(f"{len(result.noisy)} of {result.samples} samples farther than "
               f"{args.threshold:g} degrees from their class's dominant centre (dominant-center "

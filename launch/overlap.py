@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
-from data_pipeline.exclusion import Exclusions, write_exclusions
+from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
@@ -85,10 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.shutdown()
     if env.is_main:
         shared = frozenset().union(*(r.classes for r in results))
-        header = (f"launch.overlap checkpoint={args.checkpoint} data={args.data} threshold="
-                  f"{args.threshold:g} sets={','.join(r.name for r in results)}\n"
-                  f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}: {len(shared)} of "
-                  f"{int((counts > 0).sum())} training identities shared")
+        header = made_by("launch.overlap", {"checkpoint": args.checkpoint, "data": args.data,
+                                             "threshold": f"{args.threshold:g}",
+                                             "sets": ",".join(r.name for r in results)},
+                         f"{len(shared)} of {int((counts > 0).sum())} training identities "
+                         "shared")
         write_exclusions(args.out, Exclusions(classes=shared), header=header)
         print(format_table(results))
         print(f"{len(shared)} training identities listed in {args.out} (train with "

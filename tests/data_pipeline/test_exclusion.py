@@ -1,13 +1,15 @@
 """Exclusion lists: the shared file format, and ``data.exclude`` in the loader (excluded
 samples never read, every kept sample once per epoch, exact resume)."""
 
+import re
+
 import numpy as np
 import pytest
 from shard_helpers import epoch_keys, make_shards
 
 from data_pipeline import epoch_plan, make_loader
 from data_pipeline.errors import DataError
-from data_pipeline.exclusion import Exclusions, read_exclusions, write_exclusions
+from data_pipeline.exclusion import Exclusions, made_by, read_exclusions, write_exclusions
 
 COUNTS = [13, 5, 9, 1, 17, 8, 11]  # 64 samples, labels pos % 7
 
@@ -27,6 +29,15 @@ def test_round_trip_and_format(tmp_path):
     assert read_exclusions(path) == wanted
     (tmp_path / "y.txt").write_text("# c\n\nclass 2\n  sample k1  \n")
     assert read_exclusions(tmp_path / "y.txt") == Exclusions(frozenset({"k1"}), frozenset({2}))
+
+
+def test_made_by_names_the_tool_its_settings_and_when(tmp_path):
+    header = made_by("launch.clean", {"checkpoint": "runs/a", "threshold": "75 degrees"},
+                     "3 of 40 samples listed")
+    write_exclusions(tmp_path / "x.txt", Exclusions(samples=frozenset({"k"})), header=header)
+    first, second, *_ = (tmp_path / "x.txt").read_text().splitlines()
+    assert first == "# launch.clean checkpoint=runs/a threshold=75 degrees"
+    assert re.fullmatch(r"# \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ: 3 of 40 samples listed", second)
 
 
 @pytest.mark.parametrize("line", ["class -1", "class x", "sample", "sample a b", "key 3"])
