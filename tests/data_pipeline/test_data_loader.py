@@ -90,6 +90,18 @@ def test_flip_and_tuple_shape(uneven):
     assert 0 < mirrored < 64
 
 
+def _mirrored(batch: tuple) -> tuple:
+    """A deferred-flip batch ``(images, labels, flips, keys)`` with its flips applied."""
+    images, labels, flips, keys = batch
+    return torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images), labels, keys
+
+
+def _same_batches(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) and torch.equal(lx, ly) and kx == ky
+        for (x, lx, kx), (y, ly, ky) in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_deferred_flip_hands_on_the_bits_of_the_flip_in_the_worker(uneven, num_workers):
     """``flip="deferred"`` yields the images as decoded plus the bits that, applied, give
@@ -98,17 +110,34 @@ def test_deferred_flip_hands_on_the_bits_of_the_flip_in_the_worker(uneven, num_w
                    with_keys=True)
     in_worker = list(make_loader(uneven, flip=True, **options))
     deferred = list(make_loader(uneven, flip="deferred", **options))
-    mirrored = 0
-    for (want, labels, keys), (images, got_labels, flips, got_keys) in zip(
-            in_worker, deferred, strict=True):
-        assert flips.dtype == torch.bool and keys == got_keys and torch.equal(labels, got_labels)
-        assert torch.equal(torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images), want)
-        mirrored += int(flips.sum())
-    assert 0 < mirrored < 6 * len(deferred)
+    assert _same_batches(in_worker, [_mirrored(b) for b in deferred])
+    flips = torch.cat([b[2] for b in deferred])
+    assert flips.dtype == torch.bool and 0 < int(flips.sum()) < len(flips)
     plain = [b[0] for b in make_loader(uneven, flip=False, **options)]
     assert all(torch.equal(a, b[0]) for a, b in zip(plain, deferred, strict=True))
     with pytest.raises(ValueError, match="flip='worker'"):
         make_loader(uneven, batch_size=6, flip="worker")
+
+
+def test_deferred_flip_bits_follow_padding_and_a_resume_into_it(tmp_path):
+    """Padding repeats a sample's flip bit with its image, also after a resume into the
+    padded tail (its source is then read again in-process)."""
+    folder = make_shards(tmp_path / "bad", [10, 10], corrupt={4, 9, 14, 15, 19})  # 15 good
+    options = dict(batch_size=5, num_workers=0, with_keys=True, seed=1)  # 4th batch: padding
+    for resume_after in (None, 2):
+        runs = []
+        for flip in (True, "deferred"):
+            loader, first = make_loader(folder, flip=flip, **options), None
+            if resume_after is not None:
+                first = make_loader(folder, flip=flip, **options)
+                for step, _ in enumerate(first):
+                    if step == resume_after:
+                        break
+                loader.load_state_dict(first.state_dict())
+            batches = list(loader)
+            runs.append(batches if flip is True else [_mirrored(b) for b in batches])
+            assert loader.num_padded == 5
+        assert _same_batches(*runs) and len(runs[0]) == (4 if resume_after is None else 1)
 
 
 def test_resume_mid_epoch_is_exact(uneven):
