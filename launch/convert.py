@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command.startswith("insightface-"):
             return _insightface(args)
-        if args.command in ("verify", "index"):
-            return (_verify if args.command == "verify" else _index)(args)
-        return _convert(args)
+        return {"verify": _verify, "index": _index}.get(args.command, _convert)(args)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
