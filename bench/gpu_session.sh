@@ -14,6 +14,9 @@
 #      the short scale demo (make demo-scale, 300 steps, the four runs two at a time);
 #      torch.compile; the bf16 head state; bench/loader.py on the node's cores (1, 4, 8 workers:
 #      the planner's loader rate, trainer/plan_figures.json, was measured on a 2-core VM)
+#   3  after mending what 1 and 2 showed, on what device time is left: make test-gpu again,
+#      DeepSpeed's bench, what is alive at the head's CUDA memory peak (bench/cuda_peak.py,
+#      r=1 and r=0.1), the recipe again, then torch.compile and the loader if time remains
 #
 # Each stage first installs .gpu/whl into /tmp/site (as .gpu/device-setup.sh does, wheel by
 # wheel when one fails). Every step runs under `timeout`, its limit clipped so the stage ends
@@ -32,7 +35,7 @@ for a in "$@"; do
     if [[ $a == --dry-run ]]; then dry=1; else args+=("$a"); fi
 done
 stage=${args[0]:-}
-[[ $stage == 1 || $stage == 2 ]] || { echo "usage: bash bench/gpu_session.sh 1|2 [--dry-run]" >&2; exit 2; }
+[[ $stage == [123] ]] || { echo "usage: bash bench/gpu_session.sh 1|2|3 [--dry-run]" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session/out}
 work=${GPU_SESSION_WORK:-/tmp/gpu_session}
 budget=${GPU_SESSION_BUDGET:-500}
@@ -99,15 +102,22 @@ train_bench() {  # train_bench NAME LIMIT FLAGS...: bench/train.py with its figu
     step "train-$name" "$limit" "$PY" bench/train.py --json "$logs/train-$name.json" "$@"
 }
 
-stage1() {
+cuda_tests() {  # make test-gpu with a JUnit report
     local workers=""
     "$PY" -c "import xdist" 2> /dev/null && workers="-n 4"
     step cuda-tests 270 make -s test-gpu "${make_py[@]}" \
         "PYTEST_ARGS=$workers -p no:randomly --junitxml=$logs/cuda-tests.xml"
+}
+recipe() {  # the ms1mv3-r50 recipe on one GPU, on the synthetic stream
     step recipe 150 make -s ms1mv3-r50 "${make_py[@]}" NPROC_PER_NODE=1 MAX_RESTARTS=0 \
         ARGS="data.source=synthetic data.num_samples=null data.synthetic_images_per_class=55 \
 train.max_steps=150 log.every=10 log.progress=false log.wandb=disabled \
 output=$work/runs/recipe checkpoint.every=100 checkpoint.resume=none"
+}
+
+stage1() {
+    cuda_tests
+    recipe
     head_bench 1m-r1 -C 1000000 -r 1.0
     head_bench 1m-r0.1 -C 1000000 -r 0.1
     head_bench 1m-r1-bf16-state -C 1000000 -r 1.0 --state-dtype bf16
@@ -121,6 +131,16 @@ stage2() {
         "DEMO_PNG=$work/demo_png" ARGS="--work $work/runs/demo --fresh"
     train_bench compile 150 --compile --warmup 30 --runs 1000:1.0,1000000:0.1
     train_bench bf16-state 90 --state-dtype bf16 --runs 1000000:1.0,1000000:0.1
+    step loader 90 "$PY" bench/loader.py --images 16000 --repeats 2 --workers 1,4,8
+}
+
+stage3() {
+    cuda_tests
+    train_bench deepspeed 100 --engine deepspeed --runs 1000:1.0,1000000:0.1
+    step peak-r1 45 "$PY" bench/cuda_peak.py --rate 1.0
+    step peak-r0.1 45 "$PY" bench/cuda_peak.py --rate 0.1
+    recipe
+    train_bench compile 150 --compile --warmup 30 --runs 1000:1.0,1000000:0.1
     step loader 90 "$PY" bench/loader.py --images 16000 --repeats 2 --workers 1,4,8
 }
 

@@ -69,7 +69,7 @@ def global_stats(shard: Shard, row_max: Tensor, row_sum: Tensor, cos_sum: Tensor
     packed[:n] = shard.cos_t.double()  # 0 on rows whose target another rank owns
     if dynamic:  # exp(row_max - s_prev) <= ~1 (cos <= 1): no overflow whatever s is
         packed[n: 2 * n] = (row_sum * torch.exp(row_max - s_prev)).double()
-    packed[2 * n] = sampled
+    packed[2 * n].fill_(sampled)  # a kernel argument: `packed[i] = int` is a host copy
     packed[2 * n + 1] = cos_sum.double().sum()
     packed = dist_ops.all_reduce(packed, process_group)
     target_cos, total = packed[:n].float(), packed[2 * n]

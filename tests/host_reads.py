@@ -16,7 +16,11 @@ What counts: the methods that hand a value to Python (``item``, ``tolist``, ``__
 ``allclose``, ``is_nonzero``), the ops whose output size depends on the data (``nonzero``,
 ``argwhere``, ``unique``, ``unique_consecutive``, ``masked_select``, ``repeat_interleave``
 without ``output_size``) and indexing with a boolean mask (``x[mask]``; ``x[mask] = tensor``,
-while ``x[mask] = 3.0`` is a ``masked_fill`` and reads nothing). Not counted: collectives
+while ``x[mask] = 3.0`` is a ``masked_fill`` and reads nothing). Counted too, as ``upload``:
+a Python number written through any other index (``x[i] = 3``). torch lifts the number into
+a host tensor and copies it over, from pageable memory, which the host waits for as for a
+read (the first GPU run, 2026-11-27, caught the head's statistics doing this every step;
+``x[i].fill_(3)`` passes the number as a kernel argument instead). Not counted: collectives
 (they wait on the device, not the host), ``.to("cpu")`` (on a CPU run it cannot be told from
 a host tensor moved to the CPU device), and reads inside C++ that never reach Python.
 """
@@ -54,7 +58,7 @@ def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
     if name == "__getitem__":
         return _has_mask(args[1])
     if name == "__setitem__":
-        return _has_mask(args[1]) and isinstance(args[2], torch.Tensor)
+        return isinstance(args[2], torch.Tensor) == _has_mask(args[1])
     return False
 
 
@@ -86,7 +90,8 @@ class HostReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if _is_read(name, args, kwargs):
-            self.reads.append((name, _caller()))
+            self.reads.append(("upload" if name == "__setitem__" and not _has_mask(args[1])
+                               else name, _caller()))
         return func(*args, **kwargs)
 
     def __enter__(self):

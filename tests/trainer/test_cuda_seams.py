@@ -310,3 +310,24 @@ def test_evaluate_runs_on_the_gpu_when_one_is_there(monkeypatch, gpu_visible, ca
     assert placed == used == [torch.device("cuda")]
     assert evaluate.main(["--checkpoint", "run", "--bin", "lfw.bin", "--device", "cpu"]) == 0
     assert used[-1] == torch.device("cpu")
+
+
+@pytest.mark.parametrize("engine_type", ["ddp", "deepspeed"])
+def test_channels_last_reaches_the_parameters_only_where_the_backend_keeps_them(
+        one_rank_group, monkeypatch, engine_type):
+    """On a GPU the input is channels_last; DDP holds the convolution weights channels_last
+    too, DeepSpeed contiguous: its start-up broadcast views each parameter as bytes, which a
+    channels_last weight refuses (the first GPU run's crash at step 1 of every DeepSpeed
+    recipe). ``_cuda_settings`` is faked to answer as on CUDA; only the engine is built, no
+    step (the CPU's channels_last convolution backward is not to be trusted, engine.py)."""
+    from trainer.engine import Engine
+
+    monkeypatch.setattr(Engine, "_cuda_settings", lambda self: torch.channels_last)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed insists; torchrun sets it
+    engine = build_engine(make_config(f"engine.type={engine_type}"))
+    assert engine.memory_format == torch.channels_last
+    weights = [p for p in engine.backbone.parameters() if p.dim() == 4]
+    assert weights
+    held = [p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+            for p in weights]
+    assert all(held) if engine_type == "ddp" else not any(held)

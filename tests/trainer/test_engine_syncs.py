@@ -243,8 +243,10 @@ def test_engine_step_on_cuda_synchronises_once():
                 engine.step(2, batches[2])
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        # Not torch's own "Synchronization debug mode is a prototype" notice: the syncs.
+        syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
         assert len(syncs) == 1, [f"{w.filename}:{w.lineno} {w.message}" for w in syncs]
-        assert syncs[0].filename.endswith(os.path.join("trainer", "engine", "engine.py"))
+        # The verdict's flags read once (Verdict.read, trainer/engine/backend.py).
+        assert syncs[0].filename.endswith(os.path.join("trainer", "engine", "backend.py"))
     finally:
         dist.destroy_process_group()

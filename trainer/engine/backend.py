@@ -103,6 +103,8 @@ class BackboneBackend(Protocol):
 
     model: nn.Module  # the wrapped module the forward is called on
     input_dtype: torch.dtype  # the dtype the images must have (DeepSpeed: its parameters')
+    # Whether the backbone's parameters may be held channels_last (the input is either way).
+    channels_last_parameters: bool
 
     def micro_batch(self, boundary: bool) -> AbstractContextManager:
         """Context of one micro-batch's forward and backward; ``boundary``: the step's last

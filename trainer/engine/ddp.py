@@ -53,6 +53,8 @@ class DDPBackend:
     """:class:`trainer.engine.backend.BackboneBackend` over ``DistributedDataParallel`` on
     ``env.group``."""
 
+    channels_last_parameters = True  # DDP's buckets follow each gradient's strides
+
     def __init__(self, cfg: Config, module: nn.Module, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, env: DistEnv):
         ids = [env.device.index] if env.device.type == "cuda" else None

@@ -136,6 +136,14 @@ class DeepSpeedBackend:
     a loss-scale skip from a bad step (:func:`loss_scale_overflow`).
     """
 
+    # DeepSpeed broadcasts each parameter as bytes at start-up (``p.data.view(torch.uint8)``
+    # in ``DeepSpeedEngine._broadcast_model``), which needs a unit last stride: a
+    # channels_last convolution weight fails there ("self.stride(-1) must be 1", the first
+    # GPU run, 2026-11-27). ZeRO then points every parameter into its contiguous flat buffers
+    # anyway. The input stays channels_last, so cuDNN still runs NHWC kernels (it takes that
+    # layout when the input or the weight has it).
+    channels_last_parameters = False
+
     def __init__(self, cfg: Config, module: nn.Module, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, env: DistEnv):
         deepspeed = import_deepspeed(env.device)

@@ -48,7 +48,7 @@ from trainer.engine.snapshot import Snapshot
 from trainer.engine.state import EngineState, Rows
 from trainer.stopping import NO_STOP, StopRequest
 
-BACKENDS: dict[str, Callable[..., BackboneBackend]] = {
+BACKENDS: dict[str, type[BackboneBackend]] = {
     "ddp": DDPBackend,
     "deepspeed": DeepSpeedBackend,
 }
@@ -156,8 +156,10 @@ class Engine:
         warmup_steps: int,
     ):
         self.cfg, self.env, self.device = cfg, env, env.device
-        self.memory_format = self._cuda_settings()
-        self.backbone = backbone.to(self.device, memory_format=self.memory_format)
+        self.memory_format = self._cuda_settings()  # the input's
+        held = (self.memory_format if BACKENDS[cfg.engine.type].channels_last_parameters
+                else torch.contiguous_format)
+        self.backbone = backbone.to(self.device, memory_format=held)
         self.head = head.to(self.device)
         self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
                                                   cfg.head.max_update_mib << 20,
