@@ -14,9 +14,10 @@
 #      the short scale demo (make demo-scale, 300 steps, the four runs two at a time);
 #      torch.compile; the bf16 head state; bench/loader.py on the node's cores (1, 4, 8 workers:
 #      the planner's loader rate, trainer/plan_figures.json, was measured on a 2-core VM)
-#   3  after mending what 1 and 2 showed, on what device time is left: make test-gpu again,
-#      DeepSpeed's bench, what is alive at the head's CUDA memory peak (bench/cuda_peak.py,
-#      r=1 and r=0.1), the recipe again, then torch.compile and the loader if time remains
+#   3  after mending what 1 and 2 showed, on what device time is left: make test-gpu again;
+#      DeepSpeed's bench with channels_last input, then in NCHW beside DDP in NCHW (is its
+#      slow backward the layout or DeepSpeed?); what is alive at the head's CUDA memory peak
+#      (bench/cuda_peak.py, r=1 and r=0.1); the recipe again; torch.compile; the loader
 #
 # Each stage first installs .gpu/whl into /tmp/site (as .gpu/device-setup.sh does, wheel by
 # wheel when one fails). Every step runs under `timeout`, its limit clipped so the stage ends
@@ -137,6 +138,8 @@ stage2() {
 stage3() {
     cuda_tests
     train_bench deepspeed 100 --engine deepspeed --runs 1000:1.0,1000000:0.1
+    train_bench deepspeed-nchw 60 --engine deepspeed --nchw --runs 1000:1.0
+    train_bench ddp-nchw 60 --nchw --runs 1000:1.0
     step peak-r1 45 "$PY" bench/cuda_peak.py --rate 1.0
     step peak-r0.1 45 "$PY" bench/cuda_peak.py --rate 0.1
     recipe

@@ -103,7 +103,8 @@ def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.d
                      "depth": args.depth},
         "head": {"sample_rate": rate, "kernel": args.kernel, "state_dtype": args.state_dtype},
         "train": {"batch_size": args.batch},
-        "engine": {"type": args.engine, "precision": args.precision, "compile": args.compile},
+        "engine": {"type": args.engine, "precision": args.precision, "compile": args.compile,
+                   "channels_last": not args.nchw},
     })
 
 
@@ -144,7 +145,8 @@ def _collect(rows: list[dict[str, float]], warmup: int) -> dict[str, tuple[float
 def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
     cfg = _config(args, 2, 1.0, device)
     torch.manual_seed(0)
-    fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    fmt = (torch.channels_last if device.type == "cuda" and cfg.engine.channels_last
+           else torch.contiguous_format)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
@@ -324,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp",
                    help="the trainer's backbone engine (deepspeed: ZeRO-1, the schema's default "
                    "stage); the ceiling is always plain torch")
+    p.add_argument("--nchw", action="store_true", help="engine.channels_last=false, and the "
+                   "ceiling in NCHW too (DeepSpeed holds its parameters NCHW either way)")
     p.add_argument("--compile", action="store_true", help="engine.compile=true, and the "
                    "ceiling's backbone torch.compile'd too")
     source = p.add_mutually_exclusive_group()

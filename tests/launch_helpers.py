@@ -95,11 +95,9 @@ def snapshot(engine) -> dict:
 def same_snapshots(a: dict, b: dict) -> bool:
     """Whether two :func:`snapshot` s hold bit-identical head rows, backbone state, head
     optimizer state and head buffers."""
-    same = torch.equal(a["rows"], b["rows"])
-    for part in ("backbone", "head_opt", "head_state"):
-        same &= a[part].keys() == b[part].keys()
-        same &= all(torch.equal(a[part][k], b[part][k]) for k in a[part])
-    return same
+    return torch.equal(a["rows"], b["rows"]) and all(
+        a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+        for part in ("backbone", "head_opt", "head_state"))
 
 
 def full_rows(snaps: list[dict], key: str | None = None) -> torch.Tensor:

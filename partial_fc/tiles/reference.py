@@ -146,6 +146,7 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, k, nont
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     wide = w.dtype == torch.float32
     lse, coef = lse.float()[:, None], coef.float()[:, None]
+    ones = torch.ones(e.shape[0], device=e.device)  # column sums as a GEMV, below
     for a in range(0, cols, chunk):
         b = min(a + chunk, cols)
         lo, hi = a * k, b * k  # the rows of classes a:b
@@ -159,7 +160,10 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, k, nont
         _put_targets(g, target_col, a, target_grad.float())
         if k > 1:  # each class's gradient to its argmax centre
             g = spread(g, arg, k)
-        r = cos.mul_(g).sum(dim=0)  # [hi - lo]: w_hat_k . g_k (cos is not needed any more)
+        # [hi - lo]: w_hat_k . g_k (cos is not needed any more). A GEMV, not sum(dim=0):
+        # on CUDA that sum held two tiles' worth of temporaries at the head's peak
+        # (bench/cuda_peak.py, H200, 2026-11-27); the GEMV needs none.
+        r = torch.mv(cos.mul_(g).t(), ones)
         del cos, best
         inv = inv_norm[lo:hi]
         # fp32 w: written in place (no [chunk, D] temporary); bf16: an fp32 chunk, rounded once

@@ -32,7 +32,9 @@ def _train(data: Path, run: Path, *overrides: str, torchrun_ranks: int = 0
     cmd = [*launcher, "-m", "launch.train", "--config", str(ROOT / "configs" / "smoke.yaml"),
            f"data.dir={data}", f"output={run}", "device=cuda", "log.wandb=disabled",
            "log.progress=false", "log.every=1", "data.num_workers=2", "train.batch_size=32",
-           f"train.max_steps={STEPS}", "checkpoint.every=10", *overrides]
+           # epochs high enough that max_steps ends the run (smoke.yaml's 4 epochs of this
+           # set are 20 steps, and the earlier of the two ends it)
+           "train.epochs=100", f"train.max_steps={STEPS}", "checkpoint.every=10", *overrides]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

@@ -136,6 +136,16 @@ def _real_overflow(rank: int, world: int) -> list[tuple[bool, bool, bool]]:
     return seen
 
 
+def test_a_step_that_creates_optimizer_state_is_no_longer_the_same_snapshot():
+    """The first applied step gives the head's optimizer its momentum: the snapshots differ
+    (``same_snapshots`` says so rather than failing on the new key, as it did on the GPU)."""
+    rows = torch.zeros(2, 3)
+    before = {"rows": rows, "backbone": {}, "head_opt": {}, "head_state": {}}
+    after = {**before, "head_opt": {"momentum_buffer": torch.zeros(2, 3)}}
+    assert same_snapshots(before, dict(before)) and not same_snapshots(after, before)
+    assert not same_snapshots(before, after)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_fp16_overflow_skips_backbone_and_head():
