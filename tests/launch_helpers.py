@@ -96,7 +96,8 @@ def same_snapshots(a: dict, b: dict) -> bool:
     """Whether two :func:`snapshot` s hold bit-identical head rows, backbone state, head
     optimizer state and head buffers."""
     return torch.equal(a["rows"], b["rows"]) and all(
-        a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+        a[part].keys() == b[part].keys()
+        and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
         for part in ("backbone", "head_opt", "head_state"))
 
 
