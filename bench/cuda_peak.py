@@ -55,6 +55,39 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, str]]]:
     return peak, sorted(at_peak, reverse=True)
 
 
+def step_peak(head: PartialFC, opt: SampledSGD, emb: torch.Tensor, labels: torch.Tensor
+              ) -> tuple[int, list[tuple[int, str]]]:
+    """One engine-style head step after a warm-up step (state and cuBLAS workspaces exist):
+    the allocator's peak minus what was allocated before it, and the blocks alive then
+    (:func:`live_at_peak`). ``tests/trainer/test_plan.py`` holds the peak to the model."""
+
+    def step():
+        head(emb.clone().requires_grad_(), labels).backward()
+        opt.step(head.pop_sampled_rows())
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(stacks="python")
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return measured, live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])[1]
+
+
+def by_place(blocks: list[tuple[int, str]], most: int = 12) -> str:
+    """The live blocks summed by where they were allocated, largest first, one per line."""
+    sizes: Counter = Counter()
+    for size, where in blocks:
+        sizes[where] += size
+    return "\n".join(f"  {size / (1 << 20):9.1f} MiB  {where}"
+                     for where, size in sizes.most_common(most))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--classes", type=int, default=200_000)
@@ -68,35 +101,13 @@ def main() -> None:
     opt = SampledSGD(head.weight, lr=0.1)
     emb = torch.randn(args.N, args.dim, device="cuda")
     labels = torch.randint(0, args.classes, (args.N,), device="cuda")
-
-    def step():
-        head(emb.clone().requires_grad_(), labels).backward()
-        opt.step(head.pop_sampled_rows())
-        opt.zero_grad(set_to_none=True)
-
-    step()  # state and cuBLAS workspaces
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(stacks="python")
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated() - before
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    measured, blocks = step_peak(head, opt, emb, labels)
     want = head_memory(args.classes, 1, args.dim, args.N, args.rate,
                        max_tile_bytes=head.max_tile_bytes, max_update_bytes=UPDATE)
     model = want.gradient + want.working
-    trace = snapshot["device_traces"][torch.cuda.current_device()]
-    peak, blocks = live_at_peak(trace)
-    mib = 1 << 20
-    print(f"rate {args.rate}: measured peak {measured / mib:.1f} MiB (trace {peak / mib:.1f}), "
-          f"model gradient + working {model / mib:.1f} MiB, ratio {measured / model:.2f}")
-    by_place = Counter()
-    for size, where in blocks:
-        by_place[where] += size
-    for where, size in by_place.most_common(12):
-        print(f"  {size / mib:9.1f} MiB  {where}")
+    print(f"rate {args.rate}: measured peak {measured / (1 << 20):.1f} MiB, model gradient + "
+          f"working {model / (1 << 20):.1f} MiB, ratio {measured / model:.2f}")
+    print(by_place(blocks))
 
 
 if __name__ == "__main__":
