@@ -128,7 +128,7 @@ class SchemaKey:
     description: str
 
 
-def _merged(name: str, fields: list[tuple[str, dataclasses.Field, Any]]) -> SchemaKey:
+def merge_key(name: str, fields: list[tuple[str, dataclasses.Field, Any]]) -> SchemaKey:
     """The schema key ``name`` from every type's declaration ``(type, field, annotation)``."""
     kinds = {str(ann) for _, _, ann in fields}
     if len(kinds) != 1:
@@ -164,7 +164,7 @@ def schema_keys() -> list[SchemaKey]:
         hints = typing.get_type_hints(spec.config)
         for f in dataclasses.fields(spec.config):
             declared.setdefault(f.name, []).append((spec.name, f, hints[f.name]))
-    return out + [_merged(name, fields) for name, fields in declared.items()]
+    return out + [merge_key(name, fields) for name, fields in declared.items()]
 
 
 def normface_scale_bound(num_classes: int, p_w: float) -> float:
