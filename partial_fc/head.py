@@ -39,8 +39,8 @@ from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.head_checks import check_head_args, check_inputs
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
-from partial_fc.margins.step import MarginBatch
 from partial_fc.margins import Margin
+from partial_fc.margins.step import MarginBatch
 from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range

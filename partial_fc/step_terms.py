@@ -19,8 +19,8 @@ from partial_fc import distributed as dist_ops
 from partial_fc import metric_names as names
 from partial_fc.aux_losses import AuxLosses, inter_loss, intra_loss, triplet_loss
 from partial_fc.batch_stats import GlobalStats
-from partial_fc.margins.step import MarginBatch
 from partial_fc.margins import Margin
+from partial_fc.margins.step import MarginBatch
 from partial_fc.nontarget import NonTarget
 from partial_fc.softmax import RowTerm, Shard, TargetTerms
 

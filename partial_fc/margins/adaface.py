@@ -24,7 +24,8 @@ class AdaFaceConfig:
     m: float = key(0.4, "radians added to the target angle at z_hat = -1 (and subtracted "
                    "from the cosine at z_hat = 1)", ge=0, lt=math.pi)
     h: float = key(0.333, "concentration of the norm's z-score", gt=0)
-    ema: float = key(0.01, "EMA weight of the global batch's norm mean and std (Eq. 12)", gt=0, le=1)
+    ema: float = key(0.01, "EMA weight of the global batch's norm mean and std (Eq. 12)",
+                     gt=0, le=1)
     clamp_nontarget: bool = key(True, "clamp the non-target cosines to [-1 + 1e-3, 1 - 1e-3] "
                                 "as the authors' head.py does (the torch tile path); false: "
                                 "the target only (the Triton kernels)")

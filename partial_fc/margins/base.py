@@ -16,6 +16,7 @@ holds the scale state.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 from torch import Tensor, nn
 

@@ -50,8 +50,8 @@ TYPE_DESCRIPTION = ("target-logit transform (partial_fc.margins; docs/margins.md
                     + ", ".join(MARGIN_TYPES))
 _SHARED = tuple(f.name for f in dataclasses.fields(SharedConfig))
 # The keys build_margin reads: type, the shared ones and every type's own.
-MARGIN_KEYS = frozenset({"type", *_SHARED,
-                         *(f.name for s in REGISTRY.values() for f in dataclasses.fields(s.config))})
+MARGIN_KEYS = frozenset({"type", *_SHARED, *(f.name for spec in REGISTRY.values()
+                                              for f in dataclasses.fields(spec.config))})
 
 
 def _given(cfg: Mapping[str, Any]) -> dict[str, Any]:
