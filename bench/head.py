@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
 from partial_fc import distributed as dist_ops
-from partial_fc.margin_rules import MARGIN_TYPES
+from partial_fc.margins.registry import MARGIN_TYPES
 from partial_fc.sampling import local_targets, sample_size
 from partial_fc.tiles import KERNELS
 

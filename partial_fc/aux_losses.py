@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from partial_fc import distributed as dist_ops
+from partial_fc.margins.base import acos
 from partial_fc.softmax import RowTerm, Shard
 
 __all__ = ["AuxLosses", "inter_loss", "intra_loss", "triplet_loss"]
-
-_EPS = 1e-7  # acos clamp, as partial_fc.margins
 
 
 @dataclass(frozen=True)
@@ -50,13 +49,9 @@ class AuxLosses:
                 raise ValueError(f"loss.{key}={value!r}: must be a finite number >= 0")
 
 
-def _angle(c: Tensor) -> Tensor:
-    return torch.acos(c.clamp(-1.0 + _EPS, 1.0 - _EPS))
-
-
 def intra_loss(weight: float):
     """Eq. 5's per-sample term of target cosines ``c``: ``weight * theta / pi``."""
-    return lambda c: weight * _angle(c.float()) / math.pi
+    return lambda c: weight * acos(c.float()) / math.pi
 
 
 def inter_loss(shard: Shard, negatives: Tensor, weight: float, chunk: int,
@@ -81,7 +76,7 @@ def inter_loss(shard: Shard, negatives: Tensor, weight: float, chunk: int,
             keep = torch.ones_like(cos, dtype=torch.bool)
             hit = (shard.targets >= a) & (shard.targets < b)
             keep[rows[hit], shard.targets[hit] - a] = False
-            part = torch.where(keep, _angle(cos), 0.0).sum()
+            part = torch.where(keep, acos(cos), 0.0).sum()
             g_t, g_w = torch.autograd.grad(part, [t, w])
         total += part.detach().double()
         grad_t += g_t
@@ -104,7 +99,7 @@ def triplet_loss(e: Tensor, labels: Tensor, rows: slice, margin: float) -> Tenso
     own = torch.arange(rows.start, rows.stop, device=e.device)
     self_pair = own[:, None] == torch.arange(e.shape[0], device=e.device)[None, :]
     pos, neg = same & ~self_pair, ~same
-    theta = _angle(e[rows] @ e.t())
+    theta = acos(e[rows] @ e.t())
     hardest_pos = torch.where(pos, theta, -math.inf).amax(dim=1)
     hardest_neg = torch.where(neg, theta, math.inf).amin(dim=1)
     valid = pos.any(dim=1) & neg.any(dim=1)

@@ -10,7 +10,7 @@ gradient convention)::
       classes: never an [N, S_r] buffer), target cosines from the gathered target rows
     no-grad all-reduce of global statistics  -> AdaCos s_t, stats   (partial_fc.batch_stats;
       dynamic AdaCos: the tile statistics at s_{t-1} for B_avg, then again at s_t)
-    the margin sees the global batch (partial_fc.margin_step, step_terms): its psi, EMAs,
+    the margin sees the global batch (partial_fc.margins.step, step_terms): its psi, EMAs,
       optional non-target transform (then the tile statistics again, torch tiles), loss terms
     partial_fc.softmax (one autograd Function): target logits s * psi(cos_target);
       max: all-reduce MAX (detached); sum-exp and shifted target logit: all-reduce SUM
@@ -39,8 +39,8 @@ from partial_fc.batch_stats import global_stats, stats_readout
 from partial_fc.head_checks import check_head_args, check_inputs
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
-from partial_fc.margin_step import MarginBatch
 from partial_fc.margins import Margin
+from partial_fc.margins.step import MarginBatch
 from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows, check_label_range

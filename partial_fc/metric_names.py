@@ -23,7 +23,7 @@ HEAD_STATS = (*SCALE_DYNAMICS, LOSS)
 # Statistics only some heads have (a log record lists those present).
 OPTIONAL_STATS = (SUBCENTER_SHARE,)
 
-# The margins' own statistics (partial_fc.adaptive_margins, partial_fc.aux_losses), present in
+# The margins' own statistics (partial_fc.margins, partial_fc.aux_losses), present in
 # ``PartialFC.stats`` when the margin or loss is in use: feature norms (AdaFace, MagFace) over
 # the global batch, AdaFace's EMAs and its z_hat histogram as the share of the batch in eight
 # equal bins over [-1, 1], CurricularFace's t and share of hard negatives among the sampled

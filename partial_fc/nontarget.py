@@ -1,6 +1,6 @@
 """Transforms of the non-target cosines: ``z_ik = s * f_i(cos_ik)`` for ``k != y_i``.
 
-Most margins touch the target logit only; two features change the others too, so the class
+Most margins touch the target logit only; three features change the others too, so the class
 tiles must apply them column by column (``partial_fc.tiles.reference``; the Triton kernels do
 not, and the head says at start-up when a margin takes the torch path for that reason):
 
@@ -13,7 +13,11 @@ not, and the head says at start-up when a margin takes the torch path for that r
   denominator, with no gradient), else ``c``. It screens out the classes a noisy sample's
   feature is closest to besides its label, on every shard.
 
-When both are set the filter applies first: ``f = curricular(filter(c))``.
+- AdaFace's clamp (its authors' ``head.py``): ``f(c) = clamp(c, -1 + eps, 1 - eps)``, zero
+  gradient past the band.
+
+When several are set the clamp applies first, then the filter:
+``f = curricular(filter(clamp(c)))``.
 """
 
 from __future__ import annotations
@@ -34,18 +38,24 @@ class NonTarget:
     and ``t`` (0-d fp32) its modulation, both or neither (CurricularFace); ``tau``: the
     inter-class filter's threshold or None. ``hard_rows`` ``[N]`` fp32, when given, is an
     output: the forward statistics pass adds each row's hard negatives to it (the
-    hard-negative share that CurricularFace reports).
+    hard-negative share that CurricularFace reports). ``clamp``: the ``eps`` of AdaFace's
+    clamp to ``[-1 + eps, 1 - eps]``, or None.
     """
 
     hard_above: Tensor | None = None
     t: Tensor | None = None
     tau: float | None = None
     hard_rows: Tensor | None = None
+    clamp: float | None = None
 
     def apply(self, cos: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """``(f(cos), f'(cos), hard)`` for an ``[N, chunk]`` tile (every row, some classes);
         ``hard`` the bool mask of the hard negatives (None without CurricularFace)."""
         out, slope, hard = cos, torch.ones_like(cos), None
+        if self.clamp is not None:
+            inside = (cos >= -1 + self.clamp) & (cos <= 1 - self.clamp)
+            out = cos.clamp(-1 + self.clamp, 1 - self.clamp)
+            slope = inside.to(cos.dtype)
         if self.tau is not None:
             dirty = cos > self.tau
             out = torch.where(dirty, 0.0, out)

@@ -1,5 +1,5 @@
 """One forward's loss terms besides the plain softmax: the margin's answer to the global batch
-(``partial_fc.margin_step``) and ArcFace's auxiliary losses (``partial_fc.aux_losses``).
+(``partial_fc.margins.step``) and ArcFace's auxiliary losses (``partial_fc.aux_losses``).
 
 ``PartialFC.forward`` calls :func:`step_terms` after the statistics all-reduce
 (``partial_fc.batch_stats``), when every rank holds the global batch's target cosines, and
@@ -19,8 +19,8 @@ from partial_fc import distributed as dist_ops
 from partial_fc import metric_names as names
 from partial_fc.aux_losses import AuxLosses, inter_loss, intra_loss, triplet_loss
 from partial_fc.batch_stats import GlobalStats
-from partial_fc.margin_step import MarginBatch
 from partial_fc.margins import Margin
+from partial_fc.margins.step import MarginBatch
 from partial_fc.nontarget import NonTarget
 from partial_fc.softmax import RowTerm, Shard, TargetTerms
 

@@ -6,7 +6,7 @@ full ``[N, C]`` logits, ``F.cross_entropy``, autograd for every gradient.
 embeddings (AdaFace and MagFace read their norms), the rows the softmax runs over and the
 labels as columns of them; ``state`` holds the EMAs before the forward and the returned one
 after it. ElasticFace's draws are the library's documented recipe
-(``partial_fc.adaptive_margins.elastic_generator``), spelled out here again.
+(``partial_fc.margins.elasticface.elastic_generator``), spelled out here again.
 """
 
 from __future__ import annotations
@@ -50,23 +50,31 @@ def adaface(c: Tensor, norms: Tensor, cfg: dict, state: dict) -> tuple[Tensor, d
 
 def magface(c: Tensor, norms: Tensor, cfg: dict) -> tuple[Tensor, Tensor]:
     """MagFace arXiv:2103.06627 Eq. 3-5: ``m(a)`` linear in the clamped norm, ArcFace's
-    transform with it, and ``lambda_g * mean g(a)``, ``g(a) = a / u_a^2 + 1 / a``."""
+    transform with it (the authors' easy margin: none where ``cos <= 0``; without it the
+    fallback past ``pi - m``), and ``lambda_g * mean g(a)``, ``g(a) = a / u_a^2 + 1 / a``."""
     a = norms.clamp(cfg["l_a"], cfg["u_a"])
     m = (cfg["u_m"] - cfg["l_m"]) / (cfg["u_a"] - cfg["l_a"]) * (a - cfg["l_a"]) + cfg["l_m"]
-    out = torch.where(c > torch.cos(math.pi - m), torch.cos(_acos(c) + m),
-                      c - torch.sin(math.pi - m) * m)
+    if cfg.get("easy_margin", True):
+        out = torch.where(c > 0, torch.cos(_acos(c) + m), c)
+    else:
+        out = torch.where(c > torch.cos(math.pi - m), torch.cos(_acos(c) + m),
+                          c - torch.sin(math.pi - m) * m)
     return out, cfg["lambda_g"] * (a / cfg["u_a"] ** 2 + 1 / a).mean()
 
 
 def elastic_margins(c: Tensor, cfg: dict, step: int, draw: int) -> Tensor:
-    """ElasticFace arXiv:2109.09416 Eq. 4-5: ``m_i ~ N(m, sigma^2)``; ElasticFace+ gives the
-    sorted draws to the samples by descending target cosine (largest cosine, least margin)."""
+    """ElasticFace arXiv:2109.09416 Eq. 4-5: ``m_i ~ N(m, sigma^2)``; ElasticFace+ sorts the
+    draws and gives sample ``i`` ``sorted[order[i]]`` (the authors' code; ``order`` the
+    descending argsort of the target cosines) or, ``elastic_sort="paper"``, the draw of its
+    rank (largest cosine, least margin)."""
     gen = torch.Generator().manual_seed(derive_seed(0xE1A5, step, draw))
     draws = (torch.randn(len(c), generator=gen, dtype=torch.float64) * cfg["sigma"]
              + cfg["m"]).float().double()  # the library draws in fp64 and keeps fp32
-    if not cfg.get("elastic_sort"):
+    if not cfg["type"].endswith("_plus"):
         return draws
     order = torch.sort(c.detach(), descending=True, stable=True).indices
+    if cfg.get("elastic_sort", "authors") == "authors":
+        return draws.sort().values[order]
     out = torch.empty_like(draws)
     out[order] = draws.sort().values
     return out
@@ -99,6 +107,8 @@ def reference(cfg: dict, aux: dict, emb: Tensor, weight: Tensor, labels: Tensor,
     if cfg.get("interclass_filter"):  # arcface_torch: non-target cosines above tau -> 0
         nontarget = torch.where(cos > cfg["interclass_filter"], 0.0, nontarget)
     if kind == "adaface":
+        if cfg.get("clamp_nontarget", True):  # the authors clamp every cosine
+            nontarget = nontarget.clamp(-1 + ADAFACE_EPS, 1 - ADAFACE_EPS)
         target, state = adaface(c, norms, cfg, state)
     elif kind == "curricularface":  # arXiv:2004.00288 Eq. 6-9
         t = cfg["ema"] * c.detach().mean().item() + (1 - cfg["ema"]) * state["t"]
@@ -110,9 +120,9 @@ def reference(cfg: dict, aux: dict, emb: Tensor, weight: Tensor, labels: Tensor,
         target = arcface(c, cfg["m"])
     elif kind == "magface":
         target, extra = magface(c, norms, cfg)
-    elif kind == "elasticface_arc":
+    elif kind.startswith("elasticface_arc"):
         target = torch.cos(_acos(c) + elastic_margins(c, cfg, step, draw))
-    elif kind == "elasticface_cos":
+    elif kind.startswith("elasticface_cos"):
         target = c - elastic_margins(c, cfg, step, draw)
     else:
         target = arcface(c, cfg["m"])

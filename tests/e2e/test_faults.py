@@ -379,6 +379,22 @@ def test_resume_drift_refuses_another_model_and_notes_schedule_changes():
     assert resume_drift(None, other, "x") == ["none compared (the checkpoint holds no config)"]
 
 
+def test_resume_drift_compares_the_margin_as_it_reads_its_keys():
+    """A run folder written before a margin default changed: keys of other types, and a null
+    that meant the type's default, are not a drift; a default the run did not train with is."""
+    from trainer.config import ConfigError, resume_drift
+
+    now = make_config("margin.type=arcface")
+    saved = now.model_dump(mode="json")
+    saved["margin"] |= {"m": None, "h": 0.5, "sigma": 0.05, "easy_margin": False}
+    assert resume_drift(saved, now, "CKPT") == []
+    magface = make_config("margin.type=magface")
+    saved = magface.model_dump(mode="json")
+    saved["margin"]["easy_margin"] = False  # trained before the authors' easy margin
+    with pytest.raises(ConfigError, match="margin.easy_margin False -> True"):
+        resume_drift(saved, magface, "CKPT")
+
+
 def test_resume_refuses_another_margin_and_accepts_a_new_lr(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train_in_process(tiny_data, run, "train.max_steps=2") == 0

@@ -1,6 +1,6 @@
-"""partial_fc.adaptive_margins on one process: config rules, the EMAs' state (in the head's
-state_dict, frozen in eval), bf16 head state, and the margins' statistics in ``head.stats``.
-Exactness over ranks is ``test_margins_distributed``."""
+"""The adaptive margins (partial_fc.margins) on one process: config rules, the EMAs' state
+(in the head's state_dict, frozen in eval), bf16 head state, and the margins' statistics in
+``head.stats``. Exactness over ranks is ``test_margins_distributed``."""
 
 import pytest
 import torch
@@ -8,10 +8,11 @@ import torch
 from partial_fc import PartialFC, build_margin
 from partial_fc import metric_names as names
 from partial_fc.aux_losses import AuxLosses
-from partial_fc.margin_rules import margin_errors
+from partial_fc.margins.registry import margin_errors
 
 D, C, N = 8, 13, 6
-TYPES = ("adaface", "curricularface", "magface", "elasticface_arc", "elasticface_cos")
+TYPES = ("adaface", "curricularface", "magface", "elasticface_arc", "elasticface_cos",
+         "elasticface_arc_plus", "elasticface_cos_plus")
 
 
 def _batch(seed=0):
@@ -20,12 +21,16 @@ def _batch(seed=0):
 
 
 @pytest.mark.parametrize(("cfg", "needle"), [
-    (dict(type="adaface", h=0.0), "margin.h=0.0: must be > 0"),
-    (dict(type="curricularface", ema=1.5), "margin.ema=1.5: must be in (0, 1]"),
+    (dict(type="adaface", h=0.0), "margin.h=0.0: adaface needs a finite number > 0"),
+    (dict(type="curricularface", ema=1.5), "margin.ema=1.5: curricularface needs a "
+     "finite number > 0 and <= 1"),
     (dict(type="magface", l_a=120.0), "MagFace needs 0 < l_a < u_a"),
     (dict(type="magface", l_m=0.9), "MagFace needs 0 <= l_m <= u_m < pi"),
-    (dict(type="elasticface_cos", sigma=-1.0), "margin.sigma=-1.0: must be >= 0"),
-    (dict(type="arcface", elastic_sort=True), "only for type elasticface_arc|elasticface_cos"),
+    (dict(type="elasticface_cos", sigma=-1.0), "margin.sigma=-1.0: elasticface_cos needs "
+     "a finite number >= 0"),
+    (dict(type="elasticface_cos_plus", elastic_sort=True), "margin.elastic_sort=True: not one "
+     "of authors|paper"),
+    (dict(type="magface", easy_margin=1), "margin.easy_margin=1: magface needs true or false"),
     (dict(type="cosface", interclass_filter=1.0), "margin.interclass_filter=1.0"),
 ])
 def test_rules_name_key_and_value(cfg, needle):

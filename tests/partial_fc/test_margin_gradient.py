@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
-from partial_fc.margin_rules import margin_errors
-from partial_fc.margin_step import MarginBatch
+from partial_fc.margins.registry import margin_errors
+from partial_fc.margins.step import MarginBatch
 
 if not torch.cuda.is_available():  # must precede the first import of triton
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from partial_fc import PartialFC, build_margin
-from partial_fc.margin_rules import margin_errors
-from partial_fc.margin_step import MarginBatch
+from partial_fc.margins.registry import margin_errors
+from partial_fc.margins.step import MarginBatch
 
 TYPES = {
     "normface": dict(type="normface"),

@@ -30,16 +30,20 @@ CASES = {
     "curricularface": (dict(type="curricularface", s=S, m=0.5, ema=0.01), {}),
     "magface": (dict(type="magface", s=S, l_a=10.0, u_a=110.0, l_m=0.45, u_m=0.8,
                      lambda_g=35.0), {}),
+    "magface_fallback": (dict(type="magface", s=S, l_a=10.0, u_a=110.0, l_m=0.45, u_m=0.8,
+                              lambda_g=35.0, easy_margin=False), {}),
     "elasticface_cos": (dict(type="elasticface_cos", s=S, m=0.35, sigma=0.05), {}),
-    "elasticface_arc_plus": (dict(type="elasticface_arc", s=S, m=0.5, sigma=0.05,
-                                  elastic_sort=True), {}),
+    "elasticface_arc_plus": (dict(type="elasticface_arc_plus", s=S, m=0.5, sigma=0.05), {}),
+    "elasticface_cos_plus_paper": (dict(type="elasticface_cos_plus", s=S, m=0.35, sigma=0.05,
+                                        elastic_sort="paper"), {}),
     "arcface_filter": (dict(type="arcface", s=S, m=0.5, interclass_filter=0.2), {}),
     "arcface_aux": (dict(type="arcface", s=S, m=0.5),
                     dict(intra=0.7, inter=0.9, triplet=0.8, triplet_margin=0.35)),
 }
 EMA_CASES = ("adaface", "curricularface")
 # a statistic a per-GPU code gets wrong
-LOCAL_CASES = ("adaface", "curricularface", "magface", "elasticface_arc_plus")
+LOCAL_CASES = ("adaface", "curricularface", "magface", "elasticface_arc_plus",
+               "elasticface_cos_plus_paper")
 EMA_STEPS = 5
 TILE = 4 * 2 * N * 7  # 7-column class chunks even for two micro-batches
 
@@ -89,7 +93,7 @@ def _local_statistic(head, world):
                                    rows=slice(0, rows.stop - rows.start))
 
     def local(batch):
-        if not getattr(margin, "sort", False):
+        if getattr(margin, "sort", None) is None:
             return inner(margin, cut(batch, batch.rows))
         n = len(batch.target_cos) // world
         return torch.cat([inner(margin, cut(batch, slice(r * n, (r + 1) * n))) + r * n

@@ -22,9 +22,9 @@ pytest.importorskip("partial_fc.tiles.triton", reason="triton is not installed")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 C, D, N = 40, 24, 10
 TARGET_ONLY = {
-    "adaface": (dict(type="adaface", s=16.0), {}),
+    "adaface_target_clamp": (dict(type="adaface", s=16.0, clamp_nontarget=False), {}),
     "magface": (dict(type="magface", s=16.0), {}),
-    "elasticface_arc_plus": (dict(type="elasticface_arc", s=16.0, elastic_sort=True), {}),
+    "elasticface_arc_plus": (dict(type="elasticface_arc_plus", s=16.0), {}),
     "arcface_aux": (dict(type="arcface", s=16.0), dict(intra=0.5, inter=0.5, triplet=0.5)),
 }
 
@@ -55,7 +55,7 @@ def test_target_only_margins_run_on_the_triton_tiles(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-@pytest.mark.parametrize("cfg", [dict(type="curricularface"),
+@pytest.mark.parametrize("cfg", [dict(type="curricularface"), dict(type="adaface"),
                                  dict(type="arcface", interclass_filter=0.3)])
 def test_nontarget_transforms_take_the_torch_path_and_say_so(cfg):
     head = PartialFC(D, C, build_margin(cfg), kernel="triton")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from partial_fc.margin_rules import normface_scale_bound
+from partial_fc.margins.registry import normface_scale_bound
 from trainer.config import (
     ConfigError,
     ConfigWarning,
@@ -111,9 +111,9 @@ BAD = [
     (
         {"margin": {"type": "sphereface", "m": 0.5}},
         [],
-        ["cfg.yaml: margin.m=0.5: SphereFace needs an integer m >= 1"],
+        ["cfg.yaml: margin.m=0.5: sphereface needs an integer >= 1"],
     ),
-    ({}, ["margin.m=3.2"], ["margin.m=3.2: ArcFace needs 0 <= m < pi"]),
+    ({}, ["margin.m=3.2"], ["margin.m=3.2: arcface needs a finite number >= 0 and < pi"]),
     ({"margin": {"type": "adacos"}}, [], ["margin.adacos=None", "fixed|dynamic"]),
     (
         {"margin": {"type": "adacos", "adacos": "dynamic"}, "train": {"grad_accum": 4}},
@@ -127,7 +127,7 @@ BAD = [
                                 "vit_* only"]),
     ({}, ["optim.decay=some"], ["optim.decay='some'", "'all' or 'weights'"]),
     ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1", "greater than or equal to 0"]),
-    (  # a rule of partial_fc.margin_rules, reported by the config check
+    (  # a rule of partial_fc.margins, reported by the config check
         {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
         [],
         ["cfg.yaml: margin.m2=0.5: easy_margin needs m1*pi/2 + m2 <= pi (m1=2.0)"],
@@ -389,24 +389,50 @@ def test_help_lists_every_key_with_its_description(capsys):
     for key, description in keys.items():  # the description follows its key line
         following = " ".join(ln.strip() for ln in lines[shown[key] + 1 : shown[key] + 6])
         assert following.startswith(" ".join(description.split())[:40]), key
-    assert lines[shown["margin.type"]].endswith("elasticface_arc|elasticface_cos = arcface")
+    assert lines[shown["margin.type"]].endswith("|elasticface_cos_plus = arcface")
     assert lines[shown["train.max_steps"]] == "  train.max_steps: int (> 0) | null = null"
     assert lines[shown["optim.betas"]].endswith("(length 2) = [0.9, 0.999]")
 
 
 def test_margin_schema_holds_exactly_build_margins_keys():
-    """MarginConfig declares the keys partial_fc.margin_rules names (plus p_w), no more, no less;
-    its types are the ones margin_rules.py lists."""
+    """MarginConfig declares the keys the margin registry names (plus p_w), no more, no less;
+    its types are the registry's."""
     from pydantic import ValidationError
 
-    from partial_fc.margin_rules import MARGIN_KEYS, MARGIN_TYPES
+    from partial_fc.margins.registry import MARGIN_KEYS, MARGIN_TYPES
     from trainer.config import MarginConfig
 
     assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}
     for kind in MARGIN_TYPES:  # each listed type is accepted (a refusal raises) ...
         MarginConfig(type=kind)
-    with pytest.raises(ValidationError, match="'elasticface_cos'"):  # ... and no other
+    with pytest.raises(ValidationError, match="'elasticface_cos_plus'"):  # ... and no other
         MarginConfig(type="focal")
+
+
+def test_margin_schema_defaults_are_the_registrys():
+    """Every default of the margin section comes from the registry: a key every declaring
+    type agrees on has that default, any other is null, and what the margin reads from the
+    schema's defaults is its type's dataclass defaults."""
+    import dataclasses
+
+    from partial_fc.margins.keys import SharedConfig
+    from partial_fc.margins.registry import REGISTRY, effective
+    from trainer.config import MarginConfig
+
+    declared: dict[str, set] = {}
+    for spec in REGISTRY.values():
+        for f in dataclasses.fields(spec.config):
+            declared.setdefault(f.name, set()).add(repr(f.default))
+    for f in dataclasses.fields(SharedConfig):
+        declared[f.name] = {repr(f.default)}
+    for name, defaults in declared.items():
+        want = eval(defaults.pop()) if len(defaults) == 1 else None  # noqa: S307 - reprs
+        assert MarginConfig.model_fields[name].default == want, name
+    for kind, spec in REGISTRY.items():
+        read = effective(MarginConfig(type=kind).model_dump(exclude={"p_w"}))
+        own = {f.name: f.default for f in dataclasses.fields(spec.config)}
+        assert {k: read[k] for k in own} == own, kind
+        assert read["s"] == SharedConfig.s, kind
 
 
 def test_data_dirs_sum_their_manifests_and_check_each(tmp_path):

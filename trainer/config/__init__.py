@@ -29,7 +29,15 @@ from trainer.config.checks import (
     semantic_errors,
     theory_warnings,
 )
-from trainer.config.files import apply_overrides, load_tree, schema_errors, shown, source_of
+from trainer.config.files import (
+    apply_overrides,
+    load_tree,
+    margin_type,
+    retype_margin,
+    schema_errors,
+    shown,
+    source_of,
+)
 from trainer.config.machine import Machine
 from trainer.config.on_disk import path_errors, read_data_manifest
 from trainer.config.pace import cpu_pace_warning
@@ -119,7 +127,9 @@ def load_config(
     origin: dict[str, str] = {}
     top = shown(Path(path))
     tree = load_tree(Path(path), origin)
+    recipe_type = margin_type(tree)
     errors = apply_overrides(tree, list(overrides), origin)
+    retyped = retype_margin(tree, origin, recipe_type)
     broken: set[str] = set()
     try:
         cfg = Config.model_validate(tree)
@@ -143,7 +153,7 @@ def load_config(
     ]
     if errors:
         raise ConfigError("\n".join(errors))
-    for msg in theory_warnings(cfg) + pace:
+    for msg in [retyped] * bool(retyped) + theory_warnings(cfg) + pace:
         warnings.warn(msg, ConfigWarning, stacklevel=2)
     return cfg
 

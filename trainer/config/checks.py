@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from partial_fc.margin_rules import margin_errors, margin_warnings
+from partial_fc.margins.registry import effective, margin_errors, margin_warnings
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
 
@@ -32,7 +32,7 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     """Cross-field checks that the schema alone cannot express: (dotted key, message)."""
     out: list[tuple[str, str]] = []
     m = cfg.margin
-    out += margin_errors(cfg.margin_kwargs())  # partial_fc.margin_rules owns the margin rules
+    out += margin_errors(cfg.margin_kwargs())  # partial_fc.margins owns the margin rules
     # Accumulation shares one class sample and one head step over the micro-batches
     # (PartialFC.begin_step), so sampling, SphereFace's lambda and the margin warm-up are
     # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes.
@@ -115,7 +115,7 @@ def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
 
 
 def theory_warnings(cfg: Config) -> list[str]:
-    """The theory checks (``partial_fc.margin_rules.margin_warnings``) as one string each; empty
+    """The theory checks (``partial_fc.margins.registry.margin_warnings``) as one string each; empty
     while ``data.num_classes`` is unknown."""
     if cfg.data.num_classes is None:
         return []
@@ -308,6 +308,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _margin_as_read(tree: dict) -> dict:
+    """``tree`` with its margin section as the margin reads it (``partial_fc.margins``'
+    ``effective``: the type's keys, defaults filled), so that keys of other types and a null
+    meaning the default that was then in force compare equal; left as written when the
+    section is not valid today."""
+    margin = {k: v for k, v in (tree.get("margin") or {}).items() if k != "p_w"}
+    if not margin or margin_errors(margin):
+        return tree
+    return {**tree, "margin": {**effective(margin), "p_w": tree["margin"].get("p_w")}}
+
+
 def resume_drift(saved: dict | None, cfg: Config, where: str) -> list[str]:
     """Compare the config a checkpoint was saved with (``saved``, as :func:`dump_config`
     wrote it) to ``cfg``; return notes on the schedule keys that changed.
@@ -319,7 +330,8 @@ def resume_drift(saved: dict | None, cfg: Config, where: str) -> list[str]:
     """
     if saved is None:
         return ["none compared (the checkpoint holds no config)"]
-    old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    old = _flatten(_margin_as_read(saved))
+    new = _flatten(_margin_as_read(cfg.model_dump(mode="json")))
     changed = [
         f"{key} {old.get(key)!r} -> {new.get(key)!r}"
         for key in sorted(old.keys() | new.keys())

@@ -13,6 +13,7 @@ reports, schema errors included (:func:`schema_errors`), names the file to edit.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from pathlib import Path
@@ -21,9 +22,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from partial_fc.margins.keys import SharedConfig
+from partial_fc.margins.registry import DEFAULT_TYPE, REGISTRY, effective
 from trainer.config.schema import Config, ConfigError
 
 CLI = "command line"
+# The margin keys that stay when the command line changes margin.type: those of every type
+# except s, which recipes tune with their margin (smoke.yaml: CosFace at s=30).
+KEPT_ON_RETYPE = frozenset(f.name for f in dataclasses.fields(SharedConfig)) - {"s"} | {"p_w"}
 
 
 
@@ -139,6 +145,38 @@ def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) ->
             nested = {part: nested}
         _merge(tree, nested, CLI, origin)
     return errors
+
+
+def margin_type(tree: dict) -> Any:
+    """The ``margin.type`` of a merged tree (the schema's default when none is set)."""
+    margin = tree.get("margin")
+    return margin.get("type", DEFAULT_TYPE) if isinstance(margin, dict) else None
+
+
+def retype_margin(tree: dict, origin: dict[str, str], recipe_type: Any) -> str | None:
+    """When the command line set ``margin.type`` to another type than the recipe's
+    (``recipe_type``), drop the margin keys the recipe files set for their type (all but
+    ``KEPT_ON_RETYPE`` and those the command line set too), so that the new type takes its
+    own defaults; return the one line that says so (None when nothing changed)."""
+    margin = tree.get("margin")
+    if not isinstance(margin, dict) or origin.get("margin.type") != CLI:
+        return None
+    new = margin.get("type")
+    if new == recipe_type or new not in REGISTRY:
+        return None
+    dropped = {k: v for k, v in margin.items()
+               if k not in KEPT_ON_RETYPE | {"type"} and origin.get(f"margin.{k}") != CLI}
+    read = effective({"type": new})
+    changed = [k for k, v in dropped.items() if k in read and v != read[k]]
+    files = sorted({origin.get(f"margin.{k}", "the recipe") for k in changed})
+    for k in dropped:
+        del margin[k]
+        origin.pop(f"margin.{k}", None)
+    if not changed:
+        return None
+    shown_keys = ", ".join(f"margin.{k} {dropped[k]!r} -> {read[k]!r}" for k in changed)
+    return (f"margin.type={new} (command line) replaces {recipe_type} ({', '.join(files)}): "
+            f"{shown_keys}, {new}'s defaults; give a key on the command line to keep it")
 
 
 # ----------------------------------------------------------------------------- schema errors

@@ -9,14 +9,15 @@ out-of-range values; what needs several keys, the data or the machine is checked
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from partial_fc.margin_rules import AdaCosMode, MarginGradient, MarginType
+from partial_fc.margins.registry import SchemaKey, schema_keys
 from partial_fc.tiles import KERNELS
 from trainer.errors import Refused
 
@@ -25,7 +26,6 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 UnitFloat = Annotated[float, Field(ge=0, lt=1)]
-MAX_SCALE = 1024.0  # margin.s: the published recipes use 30-64
 
 
 class ConfigError(Refused, ValueError):
@@ -126,84 +126,28 @@ class BackboneConfig(_Section):
                 "depth": self.depth}
 
 
-class MarginConfig(_Section):
-    """Passed to ``partial_fc.build_margin`` minus ``p_w`` (a validation-only knob): one
-    field per ``partial_fc.margin_rules.MARGIN_KEYS``, whose rules (``margin_errors``) the
-    config check calls."""
+def _margin_field(key: SchemaKey) -> tuple[Any, Any]:
+    """A ``margin:`` field from the registry's key: its bounds (where every type that
+    declares it agrees) as pydantic constraints."""
+    ann, b = key.annotation, key.bounds
+    if b is not None and (b.ge, b.gt, b.le, b.lt) != (None,) * 4:
+        inner = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
+        bounded = Annotated[inner[0], Field(ge=b.ge, gt=b.gt, le=b.le, lt=b.lt)]
+        ann = bounded | None if type(None) in typing.get_args(ann) else bounded
+    return ann, Field(key.default, description=key.description)
 
-    type: MarginType = Field(
-        "arcface", description="target-logit transform (partial_fc.margins): cos(m1*theta + m2)"
-        " - m3 and its special cases, SphereFace's cos(m*theta), or AdaCos's adaptive scale"
-    )
-    # s*cos are the logits: past ~1e3 the softmax is a hard max and fp32 loses the margin.
-    s: Annotated[float, Field(gt=0, le=MAX_SCALE)] = Field(
-        64.0, description="fixed logit scale (ignored when margin.adacos is set)"
-    )
-    m: float | None = Field(
-        None, description="the margin of sphereface (integer >= 1, default 4), cosface and "
-        "elasticface_cos (subtracted from the cosine; 0.35), arcface, curricularface, "
-        "elasticface_arc (radians added to the angle; 0.5) or adaface (0.4); null = the "
-        "type's default"
-    )
-    m1: PosFloat = Field(1.0, description="combined: multiplies the angle (SphereFace-like)")
-    m2: float = Field(0.5, description="combined: radians added to the angle, in [0, pi)")
-    m3: float = Field(0.0, description="combined: subtracted from the cosine, >= 0")
-    adacos: AdaCosMode | None = Field(
-        None, description="AdaCos scale (arXiv:1905.00292) instead of margin.s: fixed or "
-        "dynamic; required for type=adacos, combinable with any type"
-    )
-    easy_margin: bool = Field(
-        False, description="arcface/combined: apply the margin only where cos(theta) > 0"
-    )
-    lambda_base: NonNegFloat = Field(
-        1000.0, description="sphereface annealing: the initial weight of the plain cosine; "
-        "0 disables the annealing"
-    )
-    lambda_gamma: NonNegFloat = Field(
-        0.12, description="sphereface annealing: lambda = lambda_base*(1 + gamma*step)^-power"
-    )
-    lambda_power: NonNegFloat = Field(1.0, description="sphereface annealing: decay exponent")
-    lambda_min: NonNegFloat = Field(5.0, description="sphereface annealing: floor of lambda")
-    warmup_steps: NonNegInt = Field(
-        0, description="any type: the margin's penalty ramps linearly from 0 (plain cosine) to "
-        "its full value over this many training steps (eases ArcFace on ViTs); 0 = none"
-    )
-    h: PosFloat = Field(0.333, description="adaface: concentration of the norm's z-score")
-    ema: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.01, description="adaface and curricularface: EMA weight of the step's global batch "
-        "statistic (norm mean/std; mean target cosine)"
-    )
-    l_a: PosFloat = Field(10.0, description="magface: lower bound of the feature norm")
-    u_a: PosFloat = Field(110.0, description="magface: upper bound of the feature norm")
-    l_m: NonNegFloat = Field(0.45, description="magface: the margin at norm l_a (radians)")
-    u_m: NonNegFloat = Field(0.8, description="magface: the margin at norm u_a (radians)")
-    lambda_g: NonNegFloat = Field(35.0, description="magface: weight of the norm regulariser")
-    sigma: NonNegFloat = Field(
-        0.05, description="elasticface_arc/cos: std of the per-sample margin N(m, sigma^2)"
-    )
-    elastic_sort: bool = Field(
-        False, description="elasticface_arc/cos: ElasticFace+, the sorted margins go to the "
-        "samples by target cosine over the global batch (largest cosine, smallest margin)"
-    )
-    interclass_filter: Annotated[float, Field(ge=0, lt=1)] = Field(
-        0.0, description="any type: non-target cosines above this are zeroed (arcface_torch's "
-        "interclass_filtering_threshold); 0 = off"
-    )
-    gradient: MarginGradient = Field(
-        "exact", description="exact: the margin's true derivative; straight_through: forward "
-        "unchanged, d psi/d cos = 1 (insightface arcface_torch's gradient, which its published "
-        "ArcFace numbers used)"
-    )
-    subcenters: PosInt = Field(
-        1, description="sub-center ArcFace (Deng et al., ECCV 2020): K centres per class, a "
-        "class's cosine the largest of its K, with any margin type; 1 = off, the paper's K is "
-        "3; the head holds K x the rows (launch.plan counts them); launch.clean lists the "
-        "samples far from their class's dominant centre"
-    )
-    p_w: Annotated[float, Field(gt=0, lt=1)] = Field(
+
+# The margin section: generated from partial_fc.margins' registry (every type's keys, their
+# defaults, bounds and descriptions), plus p_w, a validation-only knob. The rules that tie keys
+# together (partial_fc.margins.registry.margin_errors) are reported by the config check.
+MarginConfig = create_model(
+    "MarginConfig", __base__=_Section, __doc__="Passed to ``partial_fc.build_margin`` minus "
+    "``p_w``; generated from ``partial_fc.margins.REGISTRY``.",
+    **{key.name: _margin_field(key) for key in schema_keys()},
+    p_w=(Annotated[float, Field(gt=0, lt=1)], Field(
         0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
-        "checked against (a warning only; not passed to the margin)"
-    )
+        "checked against (a warning only; not passed to the margin)")),
+)
 
 
 class LossConfig(_Section):
