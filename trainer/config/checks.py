@@ -82,7 +82,9 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
     dirs = data.dirs
     if dirs is not None and not dirs:
         out.append(("data.dirs", "data.dirs=[]: name at least one folder (or use data.dir)"))
-    if dirs is not None and "dir" in data.model_fields_set:
+    # Against the default, not "was it set": a run folder's config.yaml holds every key, the
+    # default data.dir included, and must load again as it was written.
+    if dirs is not None and data.dir != _default(data, "dir"):
         out.append(("data.dir", f"data.dir={data.dir!r}: give data.dir or data.dirs, not both"))
     if dirs is not None and data.source == "synthetic":
         out.append(("data.dirs", "data.dirs: shard folders are not read with "
@@ -98,6 +100,11 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("data.exclude", f"data.exclude={data.exclude!r}: a list names labels of one "
                     f"folder; give a list parallel to data.dirs ({n} folders, null for none)"))
     return out
+
+
+def _default(section: Any, key: str) -> Any:
+    """The schema's default of ``section.key``."""
+    return type(section).model_fields[key].get_default(call_default_factory=True)
 
 
 def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
@@ -176,10 +183,11 @@ def _sized(cfg: Config, manifest: Manifest | None) -> Resolved:
                         "a recipe's count: add data.num_samples=null (and e.g. "
                         f"data.synthetic_images_per_class={per_class})"))
     else:
-        if "synthetic_images_per_class" in data.model_fields_set:
+        if data.synthetic_images_per_class != _default(data, "synthetic_images_per_class"):
             out.append(("data.synthetic_images_per_class", "data.synthetic_images_per_class="
                         f"{data.synthetic_images_per_class}: only read with data.source="
-                        "synthetic (data.source='shards')"))
+                        "synthetic (data.source='shards'; drop the key, or give "
+                        "data.synthetic_images_per_class=null for its default)"))
         for key in ("num_classes", "num_samples") if manifest is not None else ():
             have, want = getattr(data, key), getattr(manifest, key)
             if have is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,17 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+# Keys that replace each other: an override of one drops the other where a file set it, so
+# a run folder's config.yaml (which names data.dir) trains on data.dirs given after it.
+ALTERNATIVES = {"data.dir": "data.dirs", "data.dirs": "data.dir"}
+
+
 def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) -> list[str]:
     """Merge each ``dotted.key=value`` into ``tree`` (origin: ``command line``); returns one
-    error line per malformed override instead of raising, so they join the full report."""
+    error line per malformed override instead of raising, so they join the full report.
+
+    ``key=null`` for a key that cannot be null removes what the files set: the key takes the
+    schema's default (the way back for a key a run folder's config.yaml spells out)."""
     errors = []
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -134,11 +143,36 @@ def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) ->
         except yaml.YAMLError:
             errors.append(f"{CLI}: {key}={text!r}: not a valid YAML value")
             continue
+        if key in ALTERNATIVES and origin.get(ALTERNATIVES[key], CLI) != CLI:
+            _remove(tree, ALTERNATIVES[key], origin)
+        if value is None and not _nullable(key):
+            _remove(tree, key, origin)
+            continue
         nested: dict[str, Any] = value
         for part in reversed(key.split(".")):
             nested = {part: nested}
         _merge(tree, nested, CLI, origin)
     return errors
+
+
+def _nullable(dotted: str) -> bool:
+    """Whether the schema's ``dotted`` key takes null (an unknown key: yes, so that the
+    schema names it)."""
+    *parents, leaf = dotted.split(".")
+    model = _model_at(tuple(parents))
+    field = model.model_fields.get(leaf) if model else None
+    return field is None or type(None) in typing.get_args(field.annotation)
+
+
+def _remove(tree: dict, dotted: str, origin: dict[str, str]) -> None:
+    """Drop ``dotted`` (and what was under it) from ``tree`` and ``origin``."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    if isinstance(tree, dict):
+        tree.pop(leaf, None)
+    for k in [k for k in origin if k == dotted or k.startswith(dotted + ".")]:
+        del origin[k]
 
 
 # ----------------------------------------------------------------------------- schema errors

@@ -110,6 +110,8 @@ def import_model(src: Path, out: Path, config: Path | None, overrides: list[str]
     weights = shards_io.write_backbone_only(out, state, model)
     facts = {"backbone.name": name, "backbone.embedding_size": size,
              "backbone.weights": os.path.abspath(weights), "output": str(out / "finetune"),
+             # a new head: the fine-tuning data's manifest sizes it, not the old run's count
+             "data.num_classes": None, "data.num_samples": None,
              "name": _get(tree, "name") or f"{out.name}-finetune"}
     cfg = finish_config(tree, origin, facts, overrides, shown(config) if config else CLI)
     (out / "config.yaml").write_text(dump_config(cfg))
