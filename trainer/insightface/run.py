@@ -44,7 +44,7 @@ def start_tree(config: Path | None) -> tuple[dict, dict[str, str], str | None]:
         return tree, origin, None
     if config.suffix == ".py":
         converted = read_config(config)
-        return converted.tree, origin, converted.network
+        return converted.tree, converted.origin, converted.network
     return load_tree(config, origin), origin, None
 
 
