@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Overrides are dotted keys of the schema below, values in YAML syntax, e.g.\n"
         "  margin.type=cosface margin.m=0.35 optim.lr=0.05 eval.bins=[lfw.bin,cfp_fp.bin]\n"
+        "key=null gives a key that cannot be null its default back (e.g. over a run folder's "
+        "config.yaml,\nwhich spells out every key).\n"
         "Recipes: configs/*.yaml (a recipe holds only differences from these defaults).\n\n"
         "config keys (key: type = default):\n" + describe_keys() + "\n\n" + EXIT_STATUS,
     )
@@ -64,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--errors-only", action="store_true",
                         help="--check: print no warnings (the run that follows prints them)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    return parser.parse_args(argv)
+    # Options and overrides in any order (`make train ARGS="--config X output=Y"` follows
+    # the Makefile's own overrides; the last --config wins).
+    return parser.parse_intermixed_args(argv)
 
 
 def launch_machine(nproc_per_node: str, nnodes: int, here: Machine) -> Machine | str:
