@@ -215,7 +215,26 @@ def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> lis
         else:
             value = e.get("input")
             given = "<missing>" if e["type"] == "missing" else repr(value)
-            lines.append(f"{src}: {dotted}={given}: {e['msg']}")
+            lines.append(f"{src}: {dotted}={given}: {e['msg']}{_hint(e, loc)}")
     return lines
+
+
+def _hint(error: dict, loc: tuple[str, ...]) -> str:
+    """What follows pydantic's message: the nearest choice of a mistyped enum value, or an
+    example of the type a value did not parse as (the key's default)."""
+    value = error.get("input")
+    if error["type"] == "literal_error" and isinstance(value, str):
+        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+        near = difflib.get_close_matches(value, choices, n=1)
+        return f" (did you mean {near[0]!r}?)" if near else ""
+    if not error["type"].endswith(("_parsing", "_type")):
+        return ""
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(loc[-1]) if model else None
+    default = field.get_default(call_default_factory=True) if field else None
+    if default is None or default == [] or isinstance(default, BaseModel):
+        return ""
+    shown_default = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...")
+    return f" (e.g. {'.'.join(loc)}={shown_default.strip()})"
 
 
