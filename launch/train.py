@@ -27,11 +27,11 @@ from trainer.config import (
     load_config,
     machine_notes,
 )
-from trainer.dist import init_distributed, launcher_rank, shutdown
+from trainer.dist import init_distributed, shutdown
 from trainer.errors import EXIT_STATUS, yield_to_reporter
 from trainer.loop import report_failure, train
 from trainer.preemption import LAUNCHER_WATCH, Interrupted, forget_requests
-from trainer.run_lock import run_folder_lock
+from trainer.run_lock import RunFolderInUse, RunLock, run_folder_lock
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
 
@@ -129,11 +129,11 @@ def _main(args: argparse.Namespace) -> int:
         return err.exit_code
     for w in caught if not args.errors_only else ():
         print_main(f"warning: {w.message}")
-    if args.check:
-        return 0
-    if not args.print_config and launcher_rank() == 0:
-        for w in caught:  # the run's record: train.log keeps what the console said
-            append_log(cfg.run_dir, f"warning: {w.message}")
+    if args.check:  # before torchrun: a folder another job holds is refused now
+        refusal = RunLock(cfg.run_dir).probe() if not args.print_config else None
+        if refusal:
+            print(f"launch error: {refusal}", file=sys.stderr)
+        return 2 if refusal else 0
     if args.print_config:
         for note in notes:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)
@@ -149,9 +149,14 @@ def _main(args: argparse.Namespace) -> int:
         return err.exit_code
     try:
         with run_folder_lock(cfg.run_dir, env):  # one job per run folder
+            if env.is_main:
+                for w in caught:  # the run's record: train.log keeps what the console said
+                    append_log(cfg.run_dir, f"warning: {w.message}")
             train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
-        return report_failure(err, env.rank, cfg.run_dir)
+        # a refused job writes nothing into the folder of the job that holds it
+        logged = None if isinstance(err, RunFolderInUse) else cfg.run_dir
+        return report_failure(err, env.rank, logged)
     finally:
         shutdown()
     return 0

@@ -380,9 +380,10 @@ def finish(run: Run, stopped_by: str | None) -> dict:
     return run.log.close(run.step, run.saved)
 
 
-def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
+def report_failure(err: Exception, rank: int, run_dir: Path | None) -> int:
     """Print a failure after the process group started, and append it to ``run_dir``'s
-    train.log (every rank that reports); returns the exit code.
+    train.log (every rank that reports; None: the folder is not this job's); returns the
+    exit code.
 
     Which ranks print, what and the exit code are the error's to say
     (:func:`trainer.errors.classify`): one line from rank 0 for an error every rank raises
@@ -393,7 +394,8 @@ def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
     if report.prints:
         print(report.text, end="" if report.text.endswith("\n") else "\n", file=sys.stderr,
               flush=True)
-        append_log(run_dir, report.logged)
+        if run_dir is not None:
+            append_log(run_dir, report.logged)
     else:
         yield_to_reporter()
     return report.exit_code
