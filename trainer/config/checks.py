@@ -114,7 +114,8 @@ def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
     b = cfg.backbone
     out = []
     for msg in backbone_errors(**b.build_kwargs()):
-        key = next((k for k in ("checkpointing", "depth", "drop_path", "mask_ratio") if msg.startswith(k)), "name")
+        keys = ("checkpointing", "depth", "drop_path", "mask_ratio")
+        key = next((k for k in keys if msg.startswith(k)), "name")
         if key != "name":  # "depth=3: why" -> "why": the line names the key itself
             msg = msg.split(": ", 1)[-1]
         out.append((f"backbone.{key}", f"backbone.{key}={getattr(b, key)!r}: {msg}"))

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import yaml
 
-from trainer.config.files import CLI
 from trainer.insightface.backbones import ImportRefused
 from trainer.insightface.checkpoint import SHARD
 from trainer.insightface.config import read_config
