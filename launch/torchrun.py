@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     from trainer.errors import EXIT_STATUS
+    from trainer.run_lock import RunLock
 
     parser = get_args_parser()
     parser.prog = "python -m launch.torchrun"
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     run_dir = run_folder(args)
-    log = None if run_dir is None else AgentLog(run_dir)
+    # another job's folder: this launch's report stays on stderr, out of that job's train.log
+    theirs = run_dir is not None and RunLock(run_dir).probe() is not None
+    log = None if run_dir is None or theirs else AgentLog(run_dir)
     if log is not None:
         agent = logging.getLogger("torch.distributed.elastic")
         agent.addHandler(log)

@@ -27,11 +27,11 @@ from trainer.config import (
     load_config,
     machine_notes,
 )
-from trainer.dist import init_distributed, launcher_rank, shutdown
+from trainer.dist import init_distributed, shutdown
 from trainer.errors import EXIT_STATUS, yield_to_reporter
 from trainer.loop import report_failure, train
 from trainer.preemption import LAUNCHER_WATCH, Interrupted, forget_requests
-from trainer.run_lock import run_folder_lock
+from trainer.run_lock import RunFolderInUse, RunLock, run_folder_lock
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
 
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Overrides are dotted keys of the schema below, values in YAML syntax, e.g.\n"
         "  margin.type=cosface margin.m=0.35 optim.lr=0.05 eval.bins=[lfw.bin,cfp_fp.bin]\n"
+        "key=null gives a key that cannot be null its default back (e.g. over a run folder's "
+        "config.yaml,\nwhich spells out every key).\n"
         "Recipes: configs/*.yaml (a recipe holds only differences from these defaults).\n\n"
         "config keys (key: type = default):\n" + describe_keys() + "\n\n" + EXIT_STATUS,
     )
@@ -64,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--errors-only", action="store_true",
                         help="--check: print no warnings (the run that follows prints them)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    return parser.parse_args(argv)
+    # Options and overrides in any order (`make train ARGS="--config X output=Y"` follows
+    # the Makefile's own overrides; the last --config wins).
+    return parser.parse_intermixed_args(argv)
 
 
 def launch_machine(nproc_per_node: str, nnodes: int, here: Machine) -> Machine | str:
@@ -125,11 +129,11 @@ def _main(args: argparse.Namespace) -> int:
         return err.exit_code
     for w in caught if not args.errors_only else ():
         print_main(f"warning: {w.message}")
-    if args.check:
-        return 0
-    if not args.print_config and launcher_rank() == 0:
-        for w in caught:  # the run's record: train.log keeps what the console said
-            append_log(cfg.run_dir, f"warning: {w.message}")
+    if args.check:  # before torchrun: a folder another job holds is refused now
+        refusal = RunLock(cfg.run_dir).probe() if not args.print_config else None
+        if refusal:
+            print(f"launch error: {refusal}", file=sys.stderr)
+        return 2 if refusal else 0
     if args.print_config:
         for note in notes:
             print(f"note: {note} (training would refuse this)", file=sys.stderr)
@@ -145,9 +149,14 @@ def _main(args: argparse.Namespace) -> int:
         return err.exit_code
     try:
         with run_folder_lock(cfg.run_dir, env):  # one job per run folder
+            if env.is_main:
+                for w in caught:  # the run's record: train.log keeps what the console said
+                    append_log(cfg.run_dir, f"warning: {w.message}")
             train(cfg, env)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
-        return report_failure(err, env.rank, cfg.run_dir)
+        # a refused job writes nothing into the folder of the job that holds it
+        logged = None if isinstance(err, RunFolderInUse) else cfg.run_dir
+        return report_failure(err, env.rank, logged)
     finally:
         shutdown()
     return 0

@@ -62,8 +62,10 @@ class PartialFC(nn.Module):
         embedding_size: ``D``.
         num_classes: ``C``, split contiguously over the ranks of ``process_group``.
         margin: from ``partial_fc.build_margin``; owns the scale (fixed or AdaCos).
-        sample_rate: ``r in (0, 1]``; in training each rank keeps every positive of the
-            global batch plus random negatives, ``max(ceil(r * num_local), #positives)`` rows.
+        sample_rate: ``r in [0, 1]``; in training each rank keeps every positive of the
+            global batch plus random negatives, ``max(ceil(r * num_local), #positives)`` rows
+            and at least one: ``r = 0`` is positives only (arcface_torch's PartialFC_V2 at
+            ``sample_rate = 0``), one random row on a rank that owns none, where it keeps none.
         process_group: ``None`` = WORLD, resolved when called; no initialised process group
             = one rank (no collectives at all).
         seed: seeds the weight init (per global class) and the negative sampling.

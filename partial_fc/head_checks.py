@@ -32,8 +32,8 @@ def check_head_args(embedding_size: int, num_classes: int, world: int, margin: M
             f"PartialFC: num_classes={num_classes} < world size {world}: every rank needs "
             "at least one class"
         )
-    if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"PartialFC: sample_rate={sample_rate} must be in (0, 1]")
+    if not 0.0 <= sample_rate <= 1.0:
+        raise ValueError(f"PartialFC: sample_rate={sample_rate} must be in [0, 1]")
     if not isinstance(margin, Margin):
         raise TypeError(f"PartialFC: margin must come from build_margin, got {margin!r}")
     if seed < 0:

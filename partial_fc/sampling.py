@@ -26,7 +26,7 @@ __all__ = ["StepSample", "local_targets", "sample_classes", "sample_size"]
 
 def sample_size(sample_rate: float, num_local: int) -> int:
     """``ceil(r * num_local)``, robust to binary rounding (``0.7 * 10`` is 7, not 8), and at
-    least 1 for ``r > 0`` (a rank owning no positive still contributes a class)."""
+    least 1 (a rank owning no positive still contributes a class, also at ``r = 0``)."""
     return min(num_local, max(1, math.ceil(round(sample_rate * num_local, 6))))
 
 
@@ -46,7 +46,7 @@ def sample_classes(
     Args:
         labels: ``[N_global]`` int64 global labels of the whole (gathered) batch.
         class_start, num_local: this rank's contiguous class range.
-        sample_rate: ``r in (0, 1]``; the sample holds ``max(ceil(r * num_local), P)``
+        sample_rate: ``r in [0, 1]``; the sample holds ``max(ceil(r * num_local), P)``
             classes, ``P`` the number of distinct positives this rank owns.
         seed, step, rank: seed the negatives' generator (``derive_seed(seed, step, rank)``).
 

@@ -33,6 +33,7 @@ from trainer.errors import (
     is_collective_failure,
     yield_to_reporter,
 )
+from trainer.overrules import epochs_end_first, margin_words, run_length, schedule_jump
 from trainer.preemption import StopSignals
 from trainer.stopping import NO_STOP, StopReason, StopRequest, StopRequested, StopRequests
 from trainer.telemetry.console import append_log
@@ -149,12 +150,12 @@ def build(cfg: Config, env: DistEnv) -> Run:
     steps_per_epoch = len(loader) // k
     if steps_per_epoch == 0:
         raise ConfigError(f"train.grad_accum={k}: more than the {len(loader)} batches per epoch")
-    total = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps is not None:
-        total = min(total, cfg.train.max_steps)
-    warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
+    total, warmup = run_length(cfg, steps_per_epoch)
     engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
+    overruled = epochs_end_first(cfg, steps_per_epoch)
+    if overruled:
+        log.info(overruled)
     if warmup >= total:  # known only here: the steps per epoch depend on the loader
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
                  f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
@@ -193,10 +194,14 @@ def resume(run: Run) -> None:
     if path is None:
         torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), from the seed
     else:
-        changed = resume_drift(checkpoint.read_meta(path).config, cfg, str(path))
+        saved = checkpoint.read_meta(path).config
+        changed = resume_drift(saved, cfg, str(path))
         if changed:
             run.log.info(f"resuming with changed settings: {', '.join(changed)}")
         meta = checkpoint.load(path, run.engine)
+        jump = schedule_jump(saved, cfg, meta.step, run.steps_per_epoch, changed)
+        if jump and meta.step < run.total:
+            run.log.info(jump)
         run.step, run.saved = meta.step, path
         run.bad_steps = meta.bad_steps
         run.skipped_steps = meta.skipped_steps
@@ -209,7 +214,8 @@ def resume(run: Run) -> None:
         run.log.info(f"resumed from {path} at step {run.step} "
                      f"(saved on {meta.world_size} ranks)")
     run.log.info(
-        f"{cfg.name}: {env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
+        f"{cfg.name} ({cfg.run_dir}): {margin_words(cfg)}; "
+        f"{env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
         + (f", excluded {loader.num_excluded} samples (data.exclude)" if loader.num_excluded
@@ -374,9 +380,10 @@ def finish(run: Run, stopped_by: str | None) -> dict:
     return run.log.close(run.step, run.saved)
 
 
-def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
+def report_failure(err: Exception, rank: int, run_dir: Path | None) -> int:
     """Print a failure after the process group started, and append it to ``run_dir``'s
-    train.log (every rank that reports); returns the exit code.
+    train.log (every rank that reports; None: the folder is not this job's); returns the
+    exit code.
 
     Which ranks print, what and the exit code are the error's to say
     (:func:`trainer.errors.classify`): one line from rank 0 for an error every rank raises
@@ -387,7 +394,8 @@ def report_failure(err: Exception, rank: int, run_dir: Path) -> int:
     if report.prints:
         print(report.text, end="" if report.text.endswith("\n") else "\n", file=sys.stderr,
               flush=True)
-        append_log(run_dir, report.logged)
+        if run_dir is not None:
+            append_log(run_dir, report.logged)
     else:
         yield_to_reporter()
     return report.exit_code

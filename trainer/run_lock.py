@@ -108,13 +108,7 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            locked = self._lock(fd)
-            old, now = _read(fd), time.time()
-            # the lease decides where the fcntl lock cannot: no fcntl, or another node's
-            lease_lives = old is not None and old.alive(self.host, now) and (
-                locked is None or old.host != self.host)
-            if locked is False or lease_lives:
-                raise RunFolderInUse(self._refusal(old))
+            old, now = self._check(fd)
         except BaseException:
             os.close(fd)  # drops the fcntl lock taken above, if any
             raise
@@ -128,6 +122,34 @@ class RunLock:
         ago = now - old.heartbeat
         return (f"run lock: took over {self.path} from {old.names()} (last heartbeat "
                 f"{ago:.0f} s ago): that job is gone")
+
+    def probe(self) -> str | None:
+        """Without taking the folder: the refusal :meth:`acquire` would raise now (another
+        live job holds it), else None. What a launcher checks before it starts any rank, so
+        a second job is refused at once and writes nothing into the first one's files."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:  # no lock file (never run) or no folder: free
+            return None
+        try:
+            self._check(fd)
+        except RunFolderInUse as err:
+            return str(err)
+        finally:
+            os.close(fd)  # drops the fcntl lock the check took
+        return None
+
+    def _check(self, fd: int) -> tuple[Lease | None, float]:
+        """Take the fcntl lock on ``fd`` and read the lease; raises :class:`RunFolderInUse`
+        when a live job holds the folder. Returns (the lease found, now)."""
+        locked = self._lock(fd)
+        old, now = _read(fd), time.time()
+        # the lease decides where the fcntl lock cannot: no fcntl, or another node's
+        lease_lives = old is not None and old.alive(self.host, now) and (
+            locked is None or old.host != self.host)
+        if locked is False or lease_lives:
+            raise RunFolderInUse(self._refusal(old))
+        return old, now
 
     def _lock(self, fd: int) -> bool | None:
         """True: the fcntl lock is ours; False: another process holds it; None: this file

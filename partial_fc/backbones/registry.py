@@ -32,7 +32,7 @@ _BACKBONES: dict[str, Callable[..., nn.Module]] = {
 }
 # What each option applies to (a factory of another name refuses it).
 CHECKPOINTING = frozenset(n for n in _BACKBONES if n.startswith(("iresnet", "vit_")))
-DEPTH = frozenset(n for n in _BACKBONES if n.startswith("vit_"))
+DEPTH = frozenset(n for n in _BACKBONES if n.startswith("vit_"))  # also drop_path, mask_ratio
 
 
 def list_backbones() -> list[str]:
@@ -41,7 +41,9 @@ def list_backbones() -> list[str]:
 
 
 def backbone_errors(name: str, embedding_size: int = 512, dropout: float = 0.0, *,
-                    checkpointing: int = 0, depth: int | None = None) -> list[str]:
+                    checkpointing: int = 0, depth: int | None = None,
+                    drop_path: float | None = None, mask_ratio: float | None = None
+                    ) -> list[str]:
     """Why :func:`build_backbone` would refuse these arguments, one line each (empty when it
     builds; a ``timm:`` name is checked only when built, as timm may be absent here)."""
     out = []
@@ -60,11 +62,17 @@ def backbone_errors(name: str, embedding_size: int = 512, dropout: float = 0.0, 
     if depth is not None and (type(depth) is not int or depth < 1 or name not in DEPTH):
         out.append(f"depth={depth!r}: a positive block count for vit_* only (null: the "
                    "architecture's own)")
+    for key, rate in (("drop_path", drop_path), ("mask_ratio", mask_ratio)):
+        if rate is not None and not (0.0 <= rate < 1.0 and name in DEPTH):
+            out.append(f"{key}={rate!r}: a rate in [0, 1) for vit_* only (null: the "
+                       "architecture's own)")
     return out
 
 
 def build_backbone(name: str, embedding_size: int = 512, dropout: float = 0.0, *,
-                   checkpointing: int = 0, depth: int | None = None) -> nn.Module:
+                   checkpointing: int = 0, depth: int | None = None,
+                   drop_path: float | None = None, mask_ratio: float | None = None
+                   ) -> nn.Module:
     """Build a freshly initialised backbone.
 
     The model maps float ``[N, 3, 112, 112]`` in [-1, 1] (see :func:`normalize_images`)
@@ -72,21 +80,23 @@ def build_backbone(name: str, embedding_size: int = 512, dropout: float = 0.0, *
     :func:`list_backbones` or ``timm:<model>`` (:mod:`partial_fc.backbones.timm_adapter`).
     ``checkpointing`` (iResNets, ViTs): 0 = off, k = activation checkpointing of every k-th
     block, exact (:mod:`partial_fc.backbones.checkpointing`). ``depth`` (ViTs): blocks instead
-    of the architecture's (tests and CPU smoke runs).
+    of the architecture's (tests and CPU smoke runs); ``drop_path`` and ``mask_ratio`` (ViTs):
+    the last block's stochastic-depth rate and the masked share of tokens instead of the
+    architecture's (arcface_torch's plain ``vit_t|s|b`` use 0.1 and 0.1).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the valid names), non-positive
             ``embedding_size``, ``dropout`` outside [0, 1), an option the backbone lacks.
     """
+    vit_options = {"depth": depth, "drop_path": drop_path, "mask_ratio": mask_ratio}
     errors = backbone_errors(name, embedding_size, dropout, checkpointing=checkpointing,
-                             depth=depth)
+                             **vit_options)
     if errors:
         raise ValueError("; ".join(errors))
     if name.startswith(TIMM_PREFIX):
         return build_timm(name, embedding_size=embedding_size, dropout=dropout)
     options = {"checkpointing": checkpointing} if name in CHECKPOINTING else {}
-    if depth is not None:
-        options["depth"] = depth
+    options.update({k: v for k, v in vit_options.items() if v is not None})
     return _BACKBONES[name](embedding_size=embedding_size, dropout=dropout, **options)
 
 

@@ -153,7 +153,8 @@ class VisionTransformer(nn.Module):
 
 def _vit(width: int, depth: int, drop_path: float, mask_ratio: float):
     def build(embedding_size: int = 512, dropout: float = 0.0, *, checkpointing: int = 0,
-              depth: int = depth) -> VisionTransformer:
+              depth: int = depth, drop_path: float = drop_path,
+              mask_ratio: float = mask_ratio) -> VisionTransformer:
         return VisionTransformer(width, depth, embedding_size, drop_path=drop_path,
                                  mask_ratio=mask_ratio, dropout=dropout,
                                  checkpointing=checkpointing)

@@ -74,8 +74,8 @@ def test_bad_shapes_and_arguments_are_clear_errors():
         head(torch.randn(2, 4), torch.tensor([True, False]))
     with pytest.raises(ValueError, match="global batch is empty"):
         head(torch.randn(0, 4), torch.zeros(0, dtype=torch.int64))
-    with pytest.raises(ValueError, match="sample_rate=0"):
-        _head(MARGINS["cosface"], sample_rate=0)
+    with pytest.raises(ValueError, match=r"sample_rate=-0.1 must be in \[0, 1\]"):
+        _head(MARGINS["cosface"], sample_rate=-0.1)
     with pytest.raises(ValueError, match="num_classes=2"):
         _head(dict(type="adacos", adacos="fixed"), num_classes=2)
     with pytest.raises(TypeError, match="build_margin"):

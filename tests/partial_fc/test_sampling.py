@@ -18,9 +18,16 @@ def test_sample_size_is_ceil_without_rounding_surprises(rate, n, want):
     assert sample_size(rate, n) == want
 
 
-def test_tiny_rate_without_positives_still_samples_a_class():
-    index, targets = sample_classes(torch.tensor([0, 1]), 10, 10, 1e-9, seed=0, step=0, rank=1)
+@pytest.mark.parametrize("rate", [1e-9, 0.0])
+def test_tiny_rate_without_positives_still_samples_a_class(rate):
+    index, targets = sample_classes(torch.tensor([0, 1]), 10, 10, rate, seed=0, step=0, rank=1)
     assert index is not None and len(index) == 1 and targets.tolist() == [-1, -1]
+
+
+def test_rate_zero_keeps_the_positives_only():
+    """arcface_torch's ``sample_rate = 0``: PartialFC_V2 keeps the batch's own classes."""
+    index, targets = sample_classes(torch.tensor([3, 7, 3]), 0, 10, 0.0, seed=0, step=0, rank=0)
+    assert index.tolist() == [3, 7] and targets.tolist() == [0, 1, 0]
 
 
 def test_local_targets_marks_other_shards():

@@ -97,7 +97,7 @@ BAD = [
     ({"log": {"progress": 1}}, [], ["log.progress=1", "valid boolean"]),
     ({}, ["margin.type=foo"], ["command line: margin.type='foo'", "'cosface'", "'adacos'"]),
     ({}, ["engine.zero_stage=3"], ["engine.zero_stage=3", "0, 1 or 2"]),
-    ({}, ["head.sample_rate=0"], ["head.sample_rate=0", "greater than 0"]),
+    ({}, ["head.sample_rate=-0.5"], ["head.sample_rate=-0.5", "greater than or equal to 0"]),
     ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5", "less than or equal to 1"]),
     ({}, ["optim.betas=[0.9]"], ["optim.betas=[0.9]", "at least 2"]),
     ({}, ["lr=0.1"], ["command line: lr: unknown key"]),

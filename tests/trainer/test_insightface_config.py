@@ -116,5 +116,46 @@ def test_a_margin_list_arcface_torch_cannot_run_is_refused(tmp_path, capsys):
     path = _configs(tmp_path, job)
     assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"import error: {path}: margin_list=[1.35, 0.0, 0.0]: arcface_torch's "
+        f"import error: {path}:4: margin_list=[1.35, 0.0, 0.0]: arcface_torch's "
         "CombinedMarginLoss supports m1 == 1 with m3 == 0 (ArcFace) or m3 > 0 (CosFace) only")
+
+
+def test_its_special_values_map_to_what_its_code_does(tmp_path, capsys):
+    """``sample_rate = 0`` (PartialFC_V2: positives only), ``warmup_epoch = -1`` (never warms
+    up, decays from lr x 20/21), ``rec = 'synthetic'`` (its synthetic loader) and the
+    inter-class filter all convert, and the recipe passes ``launch.train --check``."""
+    from launch.train import main as train
+
+    job = _job("synthetic", "config.sample_rate = 0\nconfig.warmup_epoch = -1\n"
+               "config.interclass_filtering_threshold = 0.4\n")
+    out = tmp_path / "job.yaml"
+    assert convert(["insightface-config", str(_configs(tmp_path, job)), str(out)]) == 0
+    printed = capsys.readouterr().out
+    tree = yaml.safe_load(out.read_text())
+    assert tree["head"]["sample_rate"] == 0.0 and tree["margin"]["interclass_filter"] == 0.4
+    assert tree["schedule"]["warmup_epochs"] == 0.0
+    assert tree["optim"]["lr"] == pytest.approx(0.02 * 20 / 21)
+    assert tree["data"] == {"num_workers": 2, "source": "synthetic", "num_classes": 20}
+    assert "no counterpart: interclass" not in printed and "launch.convert insightface " \
+        "synthetic" not in printed
+    assert "note: rec = 'synthetic': data.source=synthetic" in printed
+    assert train(["--config", str(out), "--check", "backbone.name=iresnet_tiny",
+                  "engine.precision=fp32", f"output={tmp_path / 'run'}"]) == 0
+
+
+@pytest.mark.parametrize("network, want", [
+    ("vit_t", {"name": "vit_t", "drop_path": 0.1, "mask_ratio": 0.1}),
+    ("vit_t_dp005_mask0", {"name": "vit_t"}),  # ours as built
+])
+def test_its_vits_keep_their_drop_path_and_mask(tmp_path, network, want):
+    job = _job(tmp_path).replace('"r18"', repr(network))
+    out = tmp_path / "job.yaml"
+    assert convert(["insightface-config", str(_configs(tmp_path, job)), str(out)]) == 0
+    assert yaml.safe_load(out.read_text())["backbone"] == {**want, "embedding_size": 512}
+
+
+def test_a_refused_value_names_its_file_and_line(tmp_path, capsys):
+    path = _configs(tmp_path, _job(tmp_path, "config.sample_rate = 1.5\n"))
+    assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:16: head.sample_rate=1.5: Input should be less than or equal to 1" in err

@@ -53,7 +53,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
 
 def backbone_spec(cfg: dict[str, Any], config_path: Path) -> dict[str, Any]:
     """``build_backbone``'s arguments from the trainer's resolved config (``backbone.name``,
-    ``embedding_size``, ``dropout``, ``depth``; no checkpointing: evaluation needs none)."""
+    ``embedding_size``, ``dropout``, the ViT options; no checkpointing: evaluation needs
+    none)."""
     section = cfg.get("backbone")
     if not isinstance(section, dict):
         raise CheckpointError(f"{config_path}: no 'backbone' section")
@@ -61,7 +62,8 @@ def backbone_spec(cfg: dict[str, Any], config_path: Path) -> dict[str, Any]:
         if section.get(key) is None:
             raise CheckpointError(f"{config_path}: missing key backbone.{key}")
     return {"name": section["name"], "embedding_size": section["embedding_size"],
-            "dropout": float(section.get("dropout", 0.0)), "depth": section.get("depth")}
+            "dropout": float(section.get("dropout", 0.0)),
+            **{k: section.get(k) for k in ("depth", "drop_path", "mask_ratio")}}
 
 
 def load_initial_weights(model: nn.Module, path: str | os.PathLike) -> None:

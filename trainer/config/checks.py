@@ -82,7 +82,9 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
     dirs = data.dirs
     if dirs is not None and not dirs:
         out.append(("data.dirs", "data.dirs=[]: name at least one folder (or use data.dir)"))
-    if dirs is not None and "dir" in data.model_fields_set:
+    # Against the default, not "was it set": a run folder's config.yaml holds every key, the
+    # default data.dir included, and must load again as it was written.
+    if dirs is not None and data.dir != _default(data, "dir"):
         out.append(("data.dir", f"data.dir={data.dir!r}: give data.dir or data.dirs, not both"))
     if dirs is not None and data.source == "synthetic":
         out.append(("data.dirs", "data.dirs: shard folders are not read with "
@@ -100,6 +102,11 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
     return out
 
 
+def _default(section: Any, key: str) -> Any:
+    """The schema's default of ``section.key``."""
+    return type(section).model_fields[key].get_default(call_default_factory=True)
+
+
 def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
     """``partial_fc.backbones.backbone_errors`` on the section, each under the key it names."""
     from partial_fc.backbones import backbone_errors
@@ -107,7 +114,8 @@ def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
     b = cfg.backbone
     out = []
     for msg in backbone_errors(**b.build_kwargs()):
-        key = next((k for k in ("checkpointing", "depth") if msg.startswith(k)), "name")
+        keys = ("checkpointing", "depth", "drop_path", "mask_ratio")
+        key = next((k for k in keys if msg.startswith(k)), "name")
         if key != "name":  # "depth=3: why" -> "why": the line names the key itself
             msg = msg.split(": ", 1)[-1]
         out.append((f"backbone.{key}", f"backbone.{key}={getattr(b, key)!r}: {msg}"))
@@ -176,10 +184,11 @@ def _sized(cfg: Config, manifest: Manifest | None) -> Resolved:
                         "a recipe's count: add data.num_samples=null (and e.g. "
                         f"data.synthetic_images_per_class={per_class})"))
     else:
-        if "synthetic_images_per_class" in data.model_fields_set:
+        if data.synthetic_images_per_class != _default(data, "synthetic_images_per_class"):
             out.append(("data.synthetic_images_per_class", "data.synthetic_images_per_class="
                         f"{data.synthetic_images_per_class}: only read with data.source="
-                        "synthetic (data.source='shards')"))
+                        "synthetic (data.source='shards'; drop the key, or give "
+                        "data.synthetic_images_per_class=null for its default)"))
         for key in ("num_classes", "num_samples") if manifest is not None else ():
             have, want = getattr(data, key), getattr(manifest, key)
             if have is None:

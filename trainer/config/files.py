@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +127,17 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+# Keys that replace each other: an override of one drops the other where a file set it, so
+# a run folder's config.yaml (which names data.dir) trains on data.dirs given after it.
+ALTERNATIVES = {"data.dir": "data.dirs", "data.dirs": "data.dir"}
+
+
 def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) -> list[str]:
     """Merge each ``dotted.key=value`` into ``tree`` (origin: ``command line``); returns one
-    error line per malformed override instead of raising, so they join the full report."""
+    error line per malformed override instead of raising, so they join the full report.
+
+    ``key=null`` for a key that cannot be null removes what the files set: the key takes the
+    schema's default (the way back for a key a run folder's config.yaml spells out)."""
     errors = []
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -139,6 +148,11 @@ def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) ->
             value = parse_value(text)
         except yaml.YAMLError:
             errors.append(f"{CLI}: {key}={text!r}: not a valid YAML value")
+            continue
+        if key in ALTERNATIVES and origin.get(ALTERNATIVES[key], CLI) != CLI:
+            _remove(tree, ALTERNATIVES[key], origin)
+        if value is None and not _nullable(key):
+            _remove(tree, key, origin)
             continue
         nested: dict[str, Any] = value
         for part in reversed(key.split(".")):
@@ -177,6 +191,26 @@ def retype_margin(tree: dict, origin: dict[str, str], recipe_type: Any) -> str |
     shown_keys = ", ".join(f"margin.{k} {dropped[k]!r} -> {read[k]!r}" for k in changed)
     return (f"margin.type={new} (command line) replaces {recipe_type} ({', '.join(files)}): "
             f"{shown_keys}, {new}'s defaults; give a key on the command line to keep it")
+
+
+def _nullable(dotted: str) -> bool:
+    """Whether the schema's ``dotted`` key takes null (an unknown key: yes, so that the
+    schema names it)."""
+    *parents, leaf = dotted.split(".")
+    model = _model_at(tuple(parents))
+    field = model.model_fields.get(leaf) if model else None
+    return field is None or type(None) in typing.get_args(field.annotation)
+
+
+def _remove(tree: dict, dotted: str, origin: dict[str, str]) -> None:
+    """Drop ``dotted`` (and what was under it) from ``tree`` and ``origin``."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    if isinstance(tree, dict):
+        tree.pop(leaf, None)
+    for k in [k for k in origin if k == dotted or k.startswith(dotted + ".")]:
+        del origin[k]
 
 
 # ----------------------------------------------------------------------------- schema errors
@@ -219,7 +253,26 @@ def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> lis
         else:
             value = e.get("input")
             given = "<missing>" if e["type"] == "missing" else repr(value)
-            lines.append(f"{src}: {dotted}={given}: {e['msg']}")
+            lines.append(f"{src}: {dotted}={given}: {e['msg']}{_hint(e, loc)}")
     return lines
+
+
+def _hint(error: dict, loc: tuple[str, ...]) -> str:
+    """What follows pydantic's message: the nearest choice of a mistyped enum value, or an
+    example of the type a value did not parse as (the key's default)."""
+    value = error.get("input")
+    if error["type"] == "literal_error" and isinstance(value, str):
+        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+        near = difflib.get_close_matches(value, choices, n=1)
+        return f" (did you mean {near[0]!r}?)" if near else ""
+    if not error["type"].endswith(("_parsing", "_type")):
+        return ""
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(loc[-1]) if model else None
+    default = field.get_default(call_default_factory=True) if field else None
+    if default is None or default == [] or isinstance(default, BaseModel):
+        return ""
+    shown_default = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...")
+    return f" (e.g. {'.'.join(loc)}={shown_default.strip()})"
 
 

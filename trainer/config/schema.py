@@ -116,6 +116,12 @@ class BackboneConfig(_Section):
                                      "backward; exact (docs/vit.md)")
     depth: PosInt | None = Field(None, description="vit_* only: transformer blocks instead "
                                  "of the architecture's (small CPU runs); null = its own")
+    drop_path: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        None, description="vit_* only: the last block's stochastic-depth rate; null = the "
+        "architecture's own (arcface_torch's plain vit_t|s|b: 0.1)")
+    mask_ratio: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        None, description="vit_* only: the share of tokens masked in training; null = the "
+        "architecture's own (arcface_torch's plain vit_t|s|b: 0.1)")
     weights: str | None = Field(None, description="a local state_dict to start from (the "
                                 "backbone's; for timm:<model> the timm model's); null = random")
 
@@ -123,7 +129,7 @@ class BackboneConfig(_Section):
         """``partial_fc.backbones.build_backbone``'s arguments this section sets."""
         return {"name": self.name, "embedding_size": self.embedding_size,
                 "dropout": self.dropout, "checkpointing": self.checkpointing,
-                "depth": self.depth}
+                "depth": self.depth, "drop_path": self.drop_path, "mask_ratio": self.mask_ratio}
 
 
 def _margin_field(key: SchemaKey) -> tuple[Any, Any]:
@@ -164,9 +170,9 @@ class LossConfig(_Section):
 
 
 class HeadConfig(_Section):
-    sample_rate: Annotated[float, Field(gt=0, le=1)] = Field(
+    sample_rate: Annotated[float, Field(ge=0, le=1)] = Field(
         1.0, description="share of the classes (the batch's own always included) each step's "
-        "softmax is computed over (Partial FC); 1 = all"
+        "softmax is computed over (Partial FC); 1 = all, 0 = the batch's own only"
     )
     kernel: Literal[KERNELS] = Field(
         "auto", description="class-tile passes of the head: triton (CUDA kernels), torch "

@@ -28,6 +28,9 @@ NETWORKS = {
     "vit_s_dp005_mask_0": "vit_s", "vit_b": "vit_b", "vit_b_dp005_mask_005": "vit_b",
     "vit_l_dp005_mask_005": "vit_l", "vit_h": "vit_h", "mbf": "mbf", "mbf_large": "mbf_large",
 }
+# Ours are built as its WebFace42M variants (vit_t_dp005_mask0, ...); its plain ViTs train
+# with drop_path_rate=0.1 and mask_ratio=0.1 (its get_model), which these keys set.
+VIT_OPTIONS = {n: {"drop_path": 0.1, "mask_ratio": 0.1} for n in ("vit_t", "vit_s", "vit_b")}
 UNSUPPORTED = {"r2060": "iresnet2060 has no counterpart here"}
 POSITIONAL = frozenset({"mbf", "mbf_large"})  # same parameters in the same order, other names
 _RENAMES = ((re.compile(r"^patch_embed\.proj\."), "patch_embed."),
@@ -49,6 +52,13 @@ def our_network(network: str, where: str) -> str:
     raise ImportRefused(f"{where}: network {network!r} cannot be imported: {why}")
 
 
+def network_keys(network: str, where: str) -> dict[str, object]:
+    """The partial-fc ``backbone.*`` keys (dotted) that build arcface_torch's ``network``."""
+    options = VIT_OPTIONS.get(network, {})
+    return {"backbone.name": our_network(network, where),
+            **{f"backbone.{k}": v for k, v in options.items()}}
+
+
 def our_key(key: str) -> str:
     """An arcface_torch backbone state_dict key under our module names."""
     for pattern, replacement in _RENAMES:
@@ -68,11 +78,12 @@ def _embedding_size(state: Mapping[str, Tensor]) -> int:
     return int(last[-1].shape[0]) if last else 0
 
 
-def _shapes(name: str, embedding_size: int, depth: int | None
+def _shapes(name: str, embedding_size: int, depth: int | None, **vit_options: float
             ) -> dict[str, torch.Size] | None:
     try:
         with torch.device("meta"):  # no memory: shapes only
-            model = build_backbone(name, embedding_size=embedding_size, depth=depth)
+            model = build_backbone(name, embedding_size=embedding_size, depth=depth,
+                                   **vit_options)
     except ValueError:
         return None
     return {k: v.shape for k, v in model.state_dict().items()}
@@ -96,7 +107,7 @@ def convert_state(state: Mapping[str, Tensor], where: str, network: str | None =
         else sorted(set(NETWORKS.values()))
     best = None
     for name in names:
-        shapes = _shapes(name, size, depth)
+        shapes = _shapes(name, size, depth, **VIT_OPTIONS.get(network, {}))
         if shapes is None:
             continue
         mine = {k: v for k, v in renamed.items() if k in shapes or k != "mask_token"}

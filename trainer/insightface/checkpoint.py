@@ -35,6 +35,7 @@ from partial_fc.partition import split_evenly
 from trainer.checkpoint import LATEST, CheckpointMeta, tag_for
 from trainer.checkpoint.integrity import META, sha256
 from trainer.insightface.backbones import ImportRefused, convert_state, is_parameter
+from trainer.insightface.config import negative_warmup_lr
 
 SHARD = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
@@ -152,14 +153,17 @@ def schedule_settings(shards: Shards, grad_accum: int) -> dict[str, Any]:
     warmup = int(sched.get("warmup_iters", 0)) // grad_accum
     per_epoch = shards.global_step // grad_accum // max(shards.epoch, 1)
     out: dict[str, Any] = {"schedule.type": "poly"}
+    power = float(sched.get("power", 1.0))
     if "power" in sched:
-        out["schedule.power"] = float(sched["power"])
+        out["schedule.power"] = power
     if sched.get("base_lrs"):
         out["optim.lr"] = float(sched["base_lrs"][0])
+        if warmup < 0 < total:  # its warmup_epoch = -1: no warm-up, a lower start
+            out["optim.lr"] = negative_warmup_lr(out["optim.lr"], total, warmup, power)
     if total > 0:
         out["train.max_steps"] = total
         if per_epoch > 0:
-            out["schedule.warmup_epochs"] = warmup / per_epoch
+            out["schedule.warmup_epochs"] = max(warmup, 0) / per_epoch
     return out
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import yaml
 
-from trainer.config.files import CLI
 from trainer.insightface.backbones import ImportRefused
 from trainer.insightface.checkpoint import SHARD
 from trainer.insightface.config import read_config
@@ -34,7 +33,8 @@ def convert_config(src: Path, out: Path, _config: Path | None,
     the overrides), its header listing what had no counterpart and the notes."""
     converted = read_config(src)
     tree = converted.tree
-    finish_config(tree, {}, {}, overrides, CLI)  # validates; overrides land in the tree
+    # validates (a refused value names its file:line); overrides land in the tree
+    finish_config(tree, converted.origin, {}, overrides, str(src))
     lines = [f"converted {src} (with configs/base.py beside it, as arcface_torch merges them)"]
     lines += [f"note: {n}" for n in converted.notes]
     lines += [f"no counterpart: {u}" for u in converted.unmapped]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.insightface.backbones import ImportRefused, our_network
+from trainer.insightface.backbones import ImportRefused, network_keys
 
 LOSS_CAP = -math.log(1e-30)  # DistCrossEntropyFunc: loss.clamp_min_(1e-30).log_()
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -35,6 +35,7 @@ MAPPED = {
     "num_classes": "data.num_classes", "num_image": "data.num_samples", "rec": "data.dir",
     "gradient_acc": "train.grad_accum", "seed": "seed", "num_workers": "data.num_workers",
     "frequent": "log.every", "verbose": "eval.every", "output": "output",
+    "interclass_filtering_threshold": "margin.interclass_filter",
 }
 # Keys read below with a conversion of their own; the rest of arcface_torch's have no
 # counterpart and are listed.
@@ -43,23 +44,27 @@ _INT_KEYS = {"train.epochs", "train.batch_size", "train.grad_accum", "data.num_c
              "data.num_samples", "seed", "data.num_workers", "log.every", "eval.every",
              "backbone.embedding_size"}
 _FLOAT_KEYS = {"head.sample_rate", "optim.lr", "optim.momentum", "optim.weight_decay",
-               "schedule.warmup_epochs"}
+               "schedule.warmup_epochs", "margin.interclass_filter"}
 
 
 @dataclass
 class Converted:
-    """A converted config: the partial-fc tree, arcface_torch's network name, and the lines
-    to print (keys without a counterpart, notes on conversions that are not one to one)."""
+    """A converted config: the partial-fc tree, where each of its dotted keys came from
+    (``file:line``), arcface_torch's network name, and the lines to print (keys without a
+    counterpart, notes on conversions that are not one to one)."""
 
     tree: dict = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
     network: str | None = None
     unmapped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
-def parse_file(path: Path, into: dict[str, Any], errors: list[str]) -> None:
+def parse_file(path: Path, into: dict[str, Any], errors: list[str],
+               lines: dict[str, str]) -> None:
     """Add ``path``'s ``config.KEY = VALUE`` assignments to ``into`` (later ones win, as
-    ``dict.update`` would); one line per statement that is anything else."""
+    ``dict.update`` would) and each one's ``path:line`` to ``lines``; one error line per
+    statement that is anything else."""
     try:
         module = ast.parse(path.read_text(), filename=str(path))
     except (OSError, SyntaxError, UnicodeDecodeError) as exc:
@@ -81,6 +86,7 @@ def parse_file(path: Path, into: dict[str, Any], errors: list[str]) -> None:
             continue
         try:
             into[target.attr] = _value(node.value, into)
+            lines[target.attr] = f"{path}:{node.lineno}"
         except ValueError:
             errors.append(f"{path}:{node.lineno}: `{ast.unparse(node)}`: the value is not a "
                           "literal or arithmetic over literals and earlier config keys")
@@ -110,20 +116,22 @@ def _value(node: ast.expr, known: dict[str, Any]) -> Any:
     raise ValueError(ast.unparse(node))
 
 
-def merged(path: Path) -> dict[str, Any]:
-    """``base.py`` (beside ``path``, if there) updated by ``path``, as get_config merges them;
-    refuses with every statement it would have had to run."""
+def merged(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """``base.py`` (beside ``path``, if there) updated by ``path``, as get_config merges them,
+    and the ``file:line`` each value came from; refuses with every statement it would have
+    had to run."""
     values: dict[str, Any] = {}
     errors: list[str] = []
+    lines: dict[str, str] = {}
     base = path.parent / "base.py"
     if base.is_file() and base.resolve() != path.resolve():
-        parse_file(base, values, errors)
+        parse_file(base, values, errors, lines)
     job: dict[str, Any] = {}
-    parse_file(path, job, errors)
+    parse_file(path, job, errors, lines)
     if errors:
         raise ImportRefused("\n".join(errors))
     values.update(job)
-    return values
+    return values, lines
 
 
 def margin_of(margin_list: Any, where: str, notes: list[str]) -> dict[str, Any]:
@@ -174,39 +182,90 @@ def _typed(dotted: str, value: Any) -> Any:
 
 
 def read_config(path: Path) -> Converted:
-    """``path`` (an arcface_torch config) merged with its ``base.py`` and mapped."""
+    """``path`` (an arcface_torch config) merged with its ``base.py`` and mapped; each key's
+    ``file:line`` is kept, so that a refused value names the line to edit."""
     path = Path(path)
     if not path.is_file():
         raise ImportRefused(f"{path}: no such file")
-    values = merged(path)
+    values, lines = merged(path)
     out = Converted()
     for key, value in arcface_torch_behaviour().items():
         put(out.tree, key, value)
     for key, value in values.items():
         if key in MAPPED and value is not None:
             put(out.tree, MAPPED[key], _typed(MAPPED[key], value))
+            out.origin[MAPPED[key]] = lines[key]
         elif key not in _CONVERTED and key not in MAPPED:
             out.unmapped.append(f"{key} = {value!r}")
     if "margin_list" in values:
-        out.tree["margin"] = {**out.tree.get("margin", {}),
-                              **margin_of(values["margin_list"], str(path), out.notes)}
+        margin = margin_of(values["margin_list"], lines["margin_list"], out.notes)
+        out.tree["margin"] = {**out.tree.get("margin", {}), **margin}
+        out.origin.update({f"margin.{k}": lines["margin_list"] for k in margin})
     if values.get("network") is not None:
         out.network = values["network"]
-        put(out.tree, "backbone.name", our_network(out.network, str(path)))
+        for key, value in network_keys(out.network, lines["network"]).items():
+            put(out.tree, key, value)
+            out.origin[key] = lines["network"]
     if values.get("fp16"):
         put(out.tree, "engine.precision", "bf16")
-        out.notes.append("fp16 = True (autocast fp16 with a GradScaler): engine.precision=bf16, "
-                         "which needs no loss scale; engine.precision=fp16 needs "
-                         "engine.type=deepspeed")
-    if (values.get("gradient_acc") or 1) > 1:
-        out.notes.append(f"gradient_acc = {values['gradient_acc']}: arcface_torch sums the "
-                         "micro-batches' gradients (an SGD step k times larger); "
-                         "train.grad_accum averages them")
-    if values.get("dali"):
-        out.notes.append("dali = True: partial-fc's loader decodes the webdataset shards itself "
-                         "(no DALI); nothing to set")
-    if values.get("rec") is not None:
-        out.notes.append(f"rec = {values['rec']!r}: data.dir must name a converted folder: "
-                         f"python -m launch.convert insightface {values['rec']} OUT, then "
-                         "data.dir=OUT")
+        out.origin["engine.precision"] = lines["fp16"]
+    _special_values(values, lines, out)
+    _notes(values, out.notes)
     return out
+
+
+def negative_warmup_lr(lr: float, total: float, warmup: float, power: float) -> float:
+    """The peak lr of our poly decay (no warm-up) equal to arcface_torch's
+    ``PolynomialLRWarmup`` at ``warmup_iters = warmup < 0``: its ``last_epoch <= warmup``
+    never holds, so from step 1 it decays ``lr * ((t - l) / (t - warmup)) ** power``, which
+    is ``lr * (t / (t - warmup)) ** power`` decayed as ours, ``(1 - l / t) ** power`` (its
+    step 0 alone keeps ``lr``)."""
+    return lr * (total / (total - warmup)) ** power
+
+
+def _special_values(values: dict[str, Any], lines: dict[str, str], out: Converted) -> None:
+    """Values that arcface_torch's code reads as a switch rather than a number, mapped to
+    what that code does."""
+    warmup, epochs = values.get("warmup_epoch"), values.get("num_epoch")
+    if isinstance(warmup, int | float) and warmup < 0 and isinstance(epochs, int | float):
+        lr = negative_warmup_lr(float(values.get("lr", 0.1)), epochs, warmup, 1.0)
+        put(out.tree, "schedule.warmup_epochs", 0.0)
+        put(out.tree, "optim.lr", lr)
+        out.origin["optim.lr"] = lines["warmup_epoch"]
+        out.notes.append(f"warmup_epoch = {warmup!r}: arcface_torch never warms up and decays "
+                         f"from lr x num_epoch / (num_epoch - warmup_epoch): "
+                         f"schedule.warmup_epochs=0, optim.lr={lr:.6g}")
+    if values.get("sample_rate") == 0:
+        out.notes.append("sample_rate = 0: PartialFC_V2 keeps the batch's own classes only; "
+                         "head.sample_rate=0 does the same (one random class on a rank that "
+                         "owns none of them, where it keeps none)")
+    if values.get("rec") == "synthetic":  # train_v2's get_dataloader: no files at all
+        put(out.tree, "data.source", "synthetic")
+        out.origin["data.source"] = lines["rec"]
+        for key in ("data.dir", "data.num_samples"):
+            *section, leaf = key.split(".")
+            out.tree[section[0]].pop(leaf, None)
+            out.origin.pop(key, None)
+        out.notes.append("rec = 'synthetic': data.source=synthetic (generated identities, no "
+                         "folder); its epoch is num_image images of one repeated random batch, "
+                         "ours num_classes x data.synthetic_images_per_class learnable images, "
+                         "so train.max_steps sets the length")
+
+
+def _notes(values: dict[str, Any], notes: list[str]) -> None:
+    """What converts without a key, said once each."""
+    if values.get("fp16"):
+        notes.append("fp16 = True (autocast fp16 with a GradScaler): engine.precision=bf16, "
+                     "which needs no loss scale; engine.precision=fp16 needs "
+                     "engine.type=deepspeed")
+    if (values.get("gradient_acc") or 1) > 1:
+        notes.append(f"gradient_acc = {values['gradient_acc']}: arcface_torch sums the "
+                     "micro-batches' gradients (an SGD step k times larger); "
+                     "train.grad_accum averages them")
+    if values.get("dali"):
+        notes.append("dali = True: partial-fc's loader decodes the webdataset shards itself "
+                     "(no DALI); nothing to set")
+    if values.get("rec") not in (None, "synthetic"):
+        notes.append(f"rec = {values['rec']!r}: data.dir must name a converted folder: "
+                     f"python -m launch.convert insightface {values['rec']} OUT, then "
+                     "data.dir=OUT")

@@ -44,7 +44,7 @@ def start_tree(config: Path | None) -> tuple[dict, dict[str, str], str | None]:
         return tree, origin, None
     if config.suffix == ".py":
         converted = read_config(config)
-        return converted.tree, origin, converted.network
+        return converted.tree, converted.origin, converted.network
     return load_tree(config, origin), origin, None
 
 
@@ -110,6 +110,8 @@ def import_model(src: Path, out: Path, config: Path | None, overrides: list[str]
     weights = shards_io.write_backbone_only(out, state, model)
     facts = {"backbone.name": name, "backbone.embedding_size": size,
              "backbone.weights": os.path.abspath(weights), "output": str(out / "finetune"),
+             # a new head: the fine-tuning data's manifest sizes it, not the old run's count
+             "data.num_classes": None, "data.num_samples": None,
              "name": _get(tree, "name") or f"{out.name}-finetune"}
     cfg = finish_config(tree, origin, facts, overrides, shown(config) if config else CLI)
     (out / "config.yaml").write_text(dump_config(cfg))
