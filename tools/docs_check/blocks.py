@@ -29,8 +29,8 @@ _ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 # launch.train's --check on this machine's fixtures: no GPU here, and the fixture's counts (the
 # manifest fills them) stand in for the recipe's data set.
 CHECK_OVERRIDES = ("device=cpu", "data.num_classes=null", "data.num_samples=null")
-# A training command that runs here: on the CPU, a few steps.
-RUN_OVERRIDES = ("device=cpu", "train.max_steps=4")
+# A training command that runs here: on the CPU, a few small steps.
+RUN_OVERRIDES = ("device=cpu", "train.max_steps=4", "train.batch_size=8")
 
 
 class DocError(ValueError):

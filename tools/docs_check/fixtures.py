@@ -14,7 +14,7 @@ from pathlib import Path
 PLACEHOLDERS = {
     "/data/faces_emore": "faces_emore",
     "/data/ms1mv3": "shards", "/shared/ms1mv3": "shards", "data/glint360k": "small_shards",
-    "data/wf42m": "small_shards", "YOUR_SHARDS": "small_shards", "data/my_faces": "other_shards",
+    "data/wf42m": "small_shards", "data/my_faces": "other_shards",
     "runs/ms1mv2_r50": "run", "runs/glint360k_r100_subcenter": "subcenter_run",
     "lfw.bin": "bins/lfw.bin", "cfp_fp.bin": "bins/cfp_fp.bin",
     "agedb_30.bin": "bins/agedb_30.bin", "/data/lfw.bin": "bins/lfw.bin",
@@ -28,6 +28,9 @@ PLACEHOLDERS = {
     "NODE_RANK=i": "=NODE_RANK=0", "--node_rank i": "=--node_rank 0", "--nnodes N": "=--nnodes 2",
     "<node 0>": "=127.0.0.1",
 }
+# The placeholders of the commands the programs print for the user to type next.
+PRINTED_PLACEHOLDERS = {"YOUR_SHARDS": "small_shards", "OUT": "=data/converted",
+                        "/train_tmp/WebFace42M": "faces_emore"}
 # Where one doc's name means a run to read and another's a folder a command writes.
 DOC_PLACEHOLDERS = {"docs/data.md": {"runs/ms1mv3_r50": "run"}}
 
@@ -52,10 +55,10 @@ def _trained(*overrides: str) -> Callable[[Path, "Fixtures"], None]:
 
 
 def _bins(dest: Path, _fx: "Fixtures") -> None:
-    """ORL's s31-s40 pairs under the names of the sets the docs evaluate on."""
+    """ORL's s31-s35 pairs (450) under the names of the sets the docs evaluate on."""
     from data_pipeline.orl_pairs import write_orl_verification_bin
     dest.mkdir(parents=True)
-    first = write_orl_verification_bin(dest / "lfw.bin")
+    first = write_orl_verification_bin(dest / "lfw.bin", range(31, 36), num_impostor_pairs=225)
     for name in ("cfp_fp.bin", "agedb_30.bin"):
         shutil.copy(first, dest / name)
 
@@ -114,14 +117,13 @@ def _arcface_run(dest: Path, _fx: "Fixtures") -> None:
 
 
 def _arcface_model(dest: Path, _fx: "Fixtures") -> None:
-    """A folder holding only its model.pt (an iresnet18)."""
+    """A folder holding only its model.pt (its MobileFaceNet, the converter tells it by its keys)."""
     import torch
 
     from partial_fc.backbones import build_backbone
     dest.mkdir(parents=True)
     torch.manual_seed(0)
-    torch.save(build_backbone("iresnet18", embedding_size=EMBEDDING).state_dict(),
-               dest / "model.pt")
+    torch.save(build_backbone("mbf", embedding_size=EMBEDDING).state_dict(), dest / "model.pt")
 
 
 BUILDERS: dict[str, Callable[[Path, "Fixtures"], None]] = {
@@ -160,6 +162,11 @@ class Fixtures:
 def table(doc: str) -> dict[str, str]:
     """The placeholders of one doc."""
     return {**PLACEHOLDERS, **DOC_PLACEHOLDERS.get(doc, {})}
+
+
+def printed_table(doc: str) -> dict[str, str]:
+    """The placeholders of the commands printed while running one doc's commands."""
+    return {**table(doc), **PRINTED_PLACEHOLDERS}
 
 
 def run_python(cwd: Path, env: dict) -> Callable[..., None]:

@@ -13,7 +13,8 @@ from tools.docs_check.blocks import CHECK_OVERRIDES, RUN_OVERRIDES
 
 _PYTHON = r"(?:python3?|\.venv/bin/python)"
 _TRAIN = re.compile(rf"^{_PYTHON} -m launch\.train\b")
-_PRINTED = re.compile(rf"(?:{_PYTHON} -m launch\.\w+|torchrun) [^;\n]*")
+# up to a ';', a ', ' (prose goes on) or the line's end
+_PRINTED = re.compile(rf"(?:{_PYTHON} -m launch\.\w+|torchrun) (?:[^;,\n]|,(?! ))*")
 
 
 class CannotRewrite(ValueError):
@@ -75,6 +76,7 @@ def for_run(text: str) -> str:
 
 def printed_commands(output: str) -> list[str]:
     """The commands a program told the user to type (``python -m launch.X ...`` or ``torchrun
-    ...`` up to a ``;`` or the line's end)."""
-    found = (m.group(0).rstrip().rstrip(".,)'\"`").rstrip() for m in _PRINTED.finditer(output))
-    return list(dict.fromkeys(found))
+    ...`` up to a ``;``, a ``, `` or the line's end); a template holding ``...`` is left out."""
+    found = (m.group(0).rstrip() for m in _PRINTED.finditer(output))
+    ends = (c.rstrip(".)'\"`").rstrip() for c in found if "..." not in c)
+    return list(dict.fromkeys(ends))

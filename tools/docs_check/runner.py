@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.docs_check.blocks import Command, read_doc
-from tools.docs_check.fixtures import Fixtures, run_python, table
+from tools.docs_check.fixtures import Fixtures, printed_table, run_python, table
 from tools.docs_check.rewrite import (CannotRewrite, for_check, for_run, printed_commands,
                                       substitute)
 
@@ -34,7 +34,8 @@ class Outcome:
 
 def copy_repository(dest: Path) -> Path:
     """The repository's files as a clone holds them (tracked and new, not ignored), with the
-    running interpreter's environment as ``.venv``."""
+    running interpreter's environment as ``.venv``; a folder already there is replaced."""
+    shutil.rmtree(dest, ignore_errors=True)
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
     for name in filter(None, names.split("\0")):
@@ -72,10 +73,9 @@ def execute(script: str, copy: Path, env: dict) -> Outcome:
     return Outcome(script.splitlines()[-1], reasons, output, time.monotonic() - start)
 
 
-def check_command(cmd: Command, copy: Path, env: dict, fixtures: Fixtures,
-                  placeholders: dict) -> list[str]:
+def check_command(cmd: Command, copy: Path, env: dict, fixtures: Fixtures, doc: str) -> list[str]:
     """Runs one command and the commands it prints; returns its report lines."""
-    text = substitute(cmd.text, placeholders, fixtures.path)
+    text = substitute(cmd.text, table(doc), fixtures.path)
     try:
         text = for_check(text, copy) if cmd.mode == "check" else for_run(text)
     except CannotRewrite as e:
@@ -86,7 +86,13 @@ def check_command(cmd: Command, copy: Path, env: dict, fixtures: Fixtures,
         return _failure(cmd, outcome, "; ".join(outcome.reasons))
     lines = [f"{label:5} {outcome.seconds:6.1f}s  {cmd.where}  {cmd.text}"]
     for printed in printed_commands(outcome.output):
-        then = execute(for_run(substitute(printed, placeholders, fixtures.path)), copy, env)
+        # in a copy of the folder as it is now: the doc's next command finds what it would
+        scratch = copy.with_name(copy.name + ".printed")
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.copytree(copy, scratch, symlinks=True)
+        then = execute(for_run(substitute(printed, printed_table(doc), fixtures.path)), scratch,
+                       {**env, "PYTHONPATH": str(scratch)})
+        shutil.rmtree(scratch, ignore_errors=True)
         if then.reasons:
             return lines + _failure(cmd, then, f"the command it printed, `{printed}`, then "
                                                 f"failed: {'; '.join(then.reasons)}")
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the commands and how each is "
                    "run, run nothing")
     p.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a "
-                   "temporary one, removed)")
+                   "temporary one, removed); its fixtures are reused by the next --keep run")
     args = p.parse_args(argv)
     commands, errors = {}, []
     for doc in _docs(args.docs):
@@ -134,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         for doc, cmds in commands.items():
             name = str(doc.relative_to(ROOT))
             copy = copy_repository(work / name.replace("/", "_"))
-            env, placeholders = environment(copy), table(name)
+            env = environment(copy)
             for cmd in cmds:
                 if cmd.mode == "skip":
                     print(f"skip          {cmd.where}  {cmd.text}: {cmd.reason}", flush=True)
                     continue
-                lines = check_command(cmd, copy, env, fixtures, placeholders)
+                lines = check_command(cmd, copy, env, fixtures, name)
                 failed += any(line.startswith("FAIL") for line in lines)
                 print("\n".join(lines), flush=True)
         print(f"docs-check: {failed} failed" if failed else "docs-check: every command passed")
