@@ -32,7 +32,7 @@ SMOKE_DIR      = $(if $(filter data.dir=% data.dirs=%,$(ARGS)),,data.dir=$(SMOKE
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
 
-.PHONY: setup train train-orl bench-orl demo-scale test test-fast test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl demo-scale test test-fast docs-check test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3`: no venv is built there.
@@ -49,6 +49,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -n 2 -q -m "not slow and not plan_full"
+
+# Every command in README.md's and docs/*.md's code blocks, as a user types it, on small data
+# it builds (tools/docs_check: placeholders -> fixtures; GPU and multi-node commands marked in
+# the doc run with --check). About 20 minutes on 2 cores, so CI runs it beside `make test`.
+docs-check: setup
+	$(PY) -m tools.docs_check
 
 # The planner's whole activation table re-measured (minutes of CPU); `make test` checks a sample.
 test-plan-full: setup

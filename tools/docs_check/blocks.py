@@ -115,11 +115,10 @@ def is_assignment(text: str) -> bool:
     return bool(words) and all(_ASSIGNMENT.match(w) for w in words)
 
 
-def read_doc(path: Path, root: Path) -> tuple[list[Command], list[DocError]]:
+def read_doc(path: Path, doc: str) -> tuple[list[Command], list[DocError]]:
     """Every command of one doc, markers applied, and the doc's errors: a bad marker, one that
     selects nothing or is not followed by a command block, an untagged block that starts with
-    a command."""
-    doc = str(path.relative_to(root))
+    a command. ``doc`` is the name its file:line places use."""
     lines = path.read_text().splitlines()
     commands: list[Command] = []
     errors: list[DocError] = []

@@ -106,10 +106,11 @@ def _failure(cmd: Command, outcome: Outcome, reason: str) -> list[str]:
             *(f"      | {line}" for line in tail)]
 
 
-def _docs(names: list[str]) -> list[Path]:
-    if names:
-        return [Path(n).resolve() for n in names]
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+def _docs(names: list[str]) -> dict[str, Path]:
+    """name (relative to the repository where inside it) -> path."""
+    paths = ([Path(n).resolve() for n in names] if names else
+             [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    return {str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p): p for p in paths}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                    "temporary one, removed); its fixtures are reused by the next --keep run")
     args = p.parse_args(argv)
     commands, errors = {}, []
-    for doc in _docs(args.docs):
-        commands[doc], found = read_doc(doc, ROOT)
+    for name, path in _docs(args.docs).items():
+        commands[name], found = read_doc(path, name)
         errors += [f"FAIL  {e}" for e in found]
     if args.list:
         for cmds in commands.values():
@@ -137,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(errors), flush=True) if errors else None
         fixture_copy = copy_repository(work / "fixture-repo")
         fixtures = Fixtures(work / "fixtures", run_python(fixture_copy, environment(fixture_copy)))
-        for doc, cmds in commands.items():
-            name = str(doc.relative_to(ROOT))
-            copy = copy_repository(work / name.replace("/", "_"))
+        for name, cmds in commands.items():
+            copy = copy_repository(work / name.strip("/").replace("/", "_"))
             env = environment(copy)
             for cmd in cmds:
                 if cmd.mode == "skip":
