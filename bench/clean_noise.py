@@ -8,7 +8,7 @@ another identity under its label) to ``WORK/data``, trains the smoke recipe on i
 ``margin.subcenters=3`` (one process; trailing ``key=value`` go to ``launch.train``), runs
 ``python -m launch.clean`` on the run and prints how many samples it listed, how many of them
 were planted (precision) and how many of the planted it found (recall), and the training
-time. Asserts nothing (``tests/trainer/test_cleaning.py`` holds the cheap, constructed
+time. Asserts nothing (``tests/offline/test_cleaning.py`` holds the cheap, constructed
 check).
 """
 

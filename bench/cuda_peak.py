@@ -1,7 +1,7 @@
 """What is alive at the CUDA allocator's peak during one head step, and where it was allocated.
 
 Why: the planner's memory model (``partial_fc.memory.head_memory``) matches the CPU peak that
-torch.profiler measures within 0.8-1.25x (``tests/trainer/test_plan.py``), but the first GPU
+torch.profiler measures within 0.8-1.25x (``tests/offline/test_plan.py``), but the first GPU
 run (2026-11-27, H200, torch 2.11) measured about 64 MiB more than the model at r = 1 and
 r = 0.1 alike (``test_head_memory_on_cuda_within_factor``). This replays the allocator's
 own trace of the measured step (after a warm-up step, as the test does) and prints the
@@ -59,7 +59,7 @@ def step_peak(head: PartialFC, opt: SampledSGD, emb: torch.Tensor, labels: torch
               ) -> tuple[int, list[tuple[int, str]]]:
     """One engine-style head step after a warm-up step (state and cuBLAS workspaces exist):
     the allocator's peak minus what was allocated before it, and the blocks alive then
-    (:func:`live_at_peak`). ``tests/trainer/test_plan.py`` holds the peak to the model."""
+    (:func:`live_at_peak`). ``tests/offline/test_plan.py`` holds the peak to the model."""
 
     def step():
         head(emb.clone().requires_grad_(), labels).backward()

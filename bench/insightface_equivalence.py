@@ -13,7 +13,7 @@ initial weights on the same batches:
   by this torch's name: ``trainer.engine.ddp.buffer_sync``; ``find_unused_parameters``,
   static graph) and its fp32 step (backward, clip at 5, step);
 - partial-fc: ``trainer.engine.Engine`` (the trainer's own step) on the same iresnet, with
-  the options a converted arcface_torch config sets (``trainer.insightface.config``);
+  the options a converted arcface_torch config sets (``offline.insightface.config``);
 - partial-fc again, its first gradients multiplied by ``1 +- 5e-7`` (random signs): how far
   float noise of that size carries over the same steps.
 
@@ -103,12 +103,12 @@ def _batch(step: int, rank: int, world: int, per_rank: int, classes: int, size: 
 
 def _ours(theirs_backbone, theirs_head, margin_list, gradient, rate, update, args, shared):
     """A partial-fc Engine holding arcface_torch's initial weights, as converted."""
+    from offline.insightface.config import LOSS_CAP, margin_of
     from partial_fc import PartialFC, build_margin
     from partial_fc.backbones.iresnet import IResNet
     from trainer.config import Config
     from trainer.dist import attach
     from trainer.engine import Engine
-    from trainer.insightface.config import LOSS_CAP, margin_of
 
     backbone = IResNet((1, 1, 1, 1), (64, 128, 256, 512), embedding_size=EMBEDDING)
     backbone.load_state_dict(theirs_backbone.state_dict())

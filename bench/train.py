@@ -54,13 +54,13 @@ from pathlib import Path
 import torch
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
+from offline import plan
+from offline.plan_inputs import resolve_inputs
 from partial_fc import PartialFC, build_margin
 from partial_fc.backbones import build_backbone
-from trainer import plan
 from trainer.config import Config
 from trainer.dist import DistEnv, init_distributed, resolve_device, shutdown
 from trainer.engine import Engine, make_optimizer
-from trainer.plan_inputs import resolve_inputs
 
 PHASES = ("data", "input", "bb fwd", "head fwd", "head bwd", "bb bwd", "optim", "other")
 

@@ -77,7 +77,7 @@ class SyntheticPlan:
 
 @dataclass(frozen=True)
 class ImportedPlan:
-    """The plan of a position converted from an arcface_torch run (trainer.insightface): it
+    """The plan of a position converted from an arcface_torch run (offline.insightface): it
     matches no loader's, so the position resumes at its epoch's start on any data and ranks."""
 
     num_samples: int = 0

@@ -8,7 +8,7 @@ RUN must have been trained with ``margin.subcenters`` (K > 1) on DIR. Each class
 centre is the one most of its samples are nearest to; a sample whose angle to it exceeds
 ``--threshold`` degrees (the sub-center ArcFace paper's 75) is listed (``sample KEY`` lines).
 Every rank streams its share of DIR's shards once (progress on rank 0). Train again with
-``data.exclude=noisy.txt``. The work is ``trainer.cleaning``.
+``data.exclude=noisy.txt``. The work is ``offline.cleaning``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from launch.cli import checkpoint_program_parser
+from offline.cleaning import DEFAULT_THRESHOLD
 from trainer.checkpoint import CheckpointError
-from trainer.cleaning import DEFAULT_THRESHOLD
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -47,10 +47,10 @@ def load_subcenter_run(path: str | Path):
     """``(backbone in eval mode on the CPU, centres [C, K, D], the run's config)`` of a
     sub-center run's verified checkpoint; collective when a process group is up (the head's
     rows are read with DCP). Raises :class:`CheckpointError` naming the problem."""
+    from offline.cleaning import head_centres
     from trainer.checkpoint.backbone import load_backbone, resolve_checkpoint
     from trainer.checkpoint.integrity import verify
     from trainer.checkpoint.layout import read_rows
-    from trainer.cleaning import head_centres
 
     backbone, cfg = load_backbone(path)
     k = (cfg.get("margin") or {}).get("subcenters", 1)
@@ -66,8 +66,8 @@ def load_subcenter_run(path: str | Path):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    from offline.cleaning import find_noisy
     from trainer import dist
-    from trainer.cleaning import find_noisy
 
     env = dist.init_distributed(args.device)
     try:

@@ -87,7 +87,7 @@ def _insightface_parsers(commands) -> None:
 
 
 def _insightface(args: argparse.Namespace) -> int:
-    from trainer.insightface.commands import convert_checkpoint, convert_config
+    from offline.insightface.commands import convert_checkpoint, convert_config
 
     run = convert_config if args.command == "insightface-config" else convert_checkpoint
     for line in run(Path(args.src), Path(args.out), args.__dict__.get("config"),

@@ -10,7 +10,7 @@ Each training identity's centre (mean unit embedding over its images in DIR's sh
 compared with every evaluation image; an identity within the cosine threshold of any image
 is listed (``class LABEL`` lines, DIR's own labels). Train again with
 ``data.exclude=overlap.txt`` (with ``data.dirs``: run once per folder, one list each). The
-work is ``trainer.overlap``.
+work is ``offline.overlap``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
-from trainer.overlap import DEFAULT_THRESHOLD
+from offline.overlap import DEFAULT_THRESHOLD
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,8 +59,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     from data_pipeline.verification_bin import read_bin
+    from offline.overlap import bin_images, class_centres, ijb_images, set_overlap
     from trainer import dist
-    from trainer.overlap import bin_images, class_centres, ijb_images, set_overlap
 
     env = dist.init_distributed(args.device)
     try:

@@ -17,9 +17,9 @@ import sys
 from dataclasses import asdict
 
 from launch.cli import EXIT_STATUS, plain_help
+from offline.plan import GIB, PlanError, PlanResult, StepTime, plan, step_model
+from offline.plan_inputs import MACHINE, resolve_inputs
 from partial_fc.backbones import list_backbones
-from trainer.plan import GIB, PlanError, PlanResult, StepTime, plan, step_model
-from trainer.plan_inputs import MACHINE, resolve_inputs
 
 
 def build_parser() -> argparse.ArgumentParser:

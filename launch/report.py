@@ -5,7 +5,7 @@ Reads only the run folder (``config.yaml``, ``metrics.jsonl``, ``histograms.json
 needs no W&B and works on a run that is still going (a partial last line is skipped). The
 page is self-contained: figures are PNGs embedded as base64. ``--png DIR`` also writes them
 as files (``DIR/<figure>.png``, at ``--dpi``). The figures and what to read in them:
-:mod:`trainer.telemetry.figures`.
+:mod:`offline.report_figures`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
+from offline.report_figures import FIGURES, RunData
 from trainer.errors import EXIT_STATUS, Refused
 from trainer.telemetry import run_files
-from trainer.telemetry.figures import FIGURES, RunData
 
 
 class ReportError(Refused, ValueError):

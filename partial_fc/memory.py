@@ -25,7 +25,7 @@ this rank owns: ``C_local (1 - exp(-N / C))`` expected for uniformly drawn label
   weight, its state and (bf16) its gradient, plus the formula's scratch tensors; at
   ``S = C_local`` an fp32 weight and state are updated in place (scratch only).
 
-tests/trainer/test_plan.py measures the gradient plus the working memory within 0.8-1.25x.
+tests/offline/test_plan.py measures the gradient plus the working memory within 0.8-1.25x.
 :func:`tensor_bytes` counts a sparse gradient through ``_indices()/_values()``, PyTorch's
 documented accessors for an uncoalesced COO tensor (the head's accumulated ``weight.grad``
 is one), because the public ``indices()/values()`` would need a ``coalesce()`` copy.

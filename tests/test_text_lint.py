@@ -16,14 +16,14 @@ def test_the_repository_has_no_issue_numbers_in_code_and_no_dead_test_paths():
 
 def test_planted_rot_is_found_with_its_place(tmp_path, capsys):
     (tmp_path / "trainer").mkdir()
-    (tmp_path / "tests" / "trainer").mkdir(parents=True)
-    (tmp_path / "tests" / "trainer" / "test_plan.py").write_text("")
+    (tmp_path / "tests" / "offline").mkdir(parents=True)
+    (tmp_path / "tests" / "offline" / "test_plan.py").write_text("")
     (tmp_path / "docs").mkdir()
-    issue, gone = "Issue" + " 12", "tests/trainer/" + "test_gone.py"
+    issue, gone = "Issue" + " 12", "tests/offline/" + "test_gone.py"
     old = "tests/" + "test_old.py"
     (tmp_path / "trainer" / "step.py").write_text(
         f'"""Since {issue} the step agrees once."""\n'
-        f"# see tests/trainer/test_plan.py and {gone}\n")
+        f"# see tests/offline/test_plan.py and {gone}\n")
     (tmp_path / "docs" / "a.md").write_text(f"{issue} is fine in docs; {old}\n"
                                             "tests/made_up/test_x.py is test data\n")
     assert problems(tmp_path) == [

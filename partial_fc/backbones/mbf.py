@@ -7,7 +7,7 @@ and 512 channels instead of a multiple of the input. Stem: 3x3 stride 2; then a 
 convolution (64 groups) or the first stage's residuals; a stride-2 bottleneck opens each later
 stage; 1x1 to 512; the 7x7 depthwise GDConv; ``Linear(512, D)`` without bias + BN1d. Built from
 ``mobilefacenet``'s blocks, parameters in its modules' order, so an arcface_torch state_dict
-maps onto it position by position (``trainer.insightface``).
+maps onto it position by position (``offline.insightface``).
 """
 
 from __future__ import annotations

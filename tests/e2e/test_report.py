@@ -13,9 +13,9 @@ from launch_helpers import train_in_process
 from matplotlib.collections import QuadMesh
 
 from launch import report
+from offline.report_figures import FIGURES, MARGIN_FIGURES
 from partial_fc import metric_names as names
 from partial_fc.scale import fixed_adacos_scale
-from trainer.telemetry.figures import FIGURES, MARGIN_FIGURES
 
 STEPS = 12
 PLAIN = [slug for slug in FIGURES if slug not in MARGIN_FIGURES]  # what ArcFace/AdaCos runs draw
@@ -97,7 +97,7 @@ def _check_angles(fig, runs) -> None:
 
 def test_sparse_histograms_are_thin_columns_at_their_steps():
     """A 124-step run with log.hist_every=50: two samples, not two 50-step blocks."""
-    from trainer.telemetry.figures import RunData
+    from offline.report_figures import RunData
     from trainer.telemetry.run_files import Histograms
 
     rows = [{"step": i, "loss": 1.0, "theta_med": 1.0 - i / 200} for i in range(5, 125, 5)]
@@ -189,7 +189,7 @@ def test_run_still_going_and_folders_that_are_not_runs(runs, tmp_path, capsys):
 
 
 def test_scale_axis_turns_logarithmic_when_scales_differ_tenfold():
-    from trainer.telemetry.figures import RunData
+    from offline.report_figures import RunData
 
     def run(label, s):
         rows = [{"step": i, "loss": 1.0, "scale": s} for i in (1, 2)]
@@ -205,7 +205,7 @@ def test_margin_figures_draw_the_margins_statistics():
     eight bin shares per run."""
     from matplotlib.collections import PolyCollection
 
-    from trainer.telemetry.figures import RunData
+    from offline.report_figures import RunData
 
     rows = [{"step": i, "loss": 1.0, **{k: 0.1 * i for k in names.MARGIN_STATS},
              **{k: 1 / 8 for k in names.ADAFACE_ZHAT_BINS}} for i in (1, 2, 3)]

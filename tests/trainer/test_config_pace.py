@@ -11,7 +11,8 @@ import pytest
 import yaml
 from launch_helpers import ROOT
 
-from trainer import plan
+from offline import plan
+from trainer import measured_figures
 from trainer.config import ConfigWarning, Machine, load_config
 from trainer.config.pace import cpu_pace_warning, cpu_step_seconds
 
@@ -22,8 +23,8 @@ SAMPLED_FLOPS = ["iresnet_tiny", "iresnet50", "mobilefacenet", "vit_t"]
 
 def _stale_flops(names) -> dict:
     """``{name: (table, counted)}`` for each of ``names`` whose ``forward_flops`` entry differs
-    from :func:`trainer.plan.backbone_flops` at D=512 now."""
-    table = plan.figures().forward_flops
+    from :func:`offline.plan.backbone_flops` at D=512 now."""
+    table = measured_figures.figures().forward_flops
     counted = {name: plan.backbone_flops.__wrapped__(name, 512) for name in names}
     return {name: (table[name], counted[name]) for name in names if counted[name] != table[name]}
 
@@ -34,7 +35,7 @@ def test_a_sample_of_tabled_flops_matches_the_planner():
 
 @pytest.mark.plan_full
 def test_every_tabled_flops_entry_matches_the_planner():
-    stale = _stale_flops(plan.figures().forward_flops)
+    stale = _stale_flops(measured_figures.figures().forward_flops)
     assert not stale, stale  # name: (table, counted)
 
 
@@ -46,7 +47,8 @@ def test_the_default_backbone_on_a_cpu_warns_with_the_estimate(tmp_path):
     with pytest.warns(ConfigWarning) as caught:
         cfg = load_config(path, machine=cpu)
     [warned] = [str(w.message) for w in caught if "no GPU" in str(w.message)]
-    measured = json.loads(plan.FIGURES.read_text())["cpu_pace"]["step"]  # the defaults' step
+    # the defaults' step
+    measured = json.loads(measured_figures.FIGURES.read_text())["cpu_pace"]["step"]
     assert (cfg.backbone.name, cfg.train.batch_size) == (measured["backbone"], measured["batch"])
     assert warned.startswith("no GPU: one step of iresnet50 at train.batch_size=128 x grad_accum"
                              f"=1 on 1 CPU rank(s) takes about {measured['seconds'] / 60:.1f} min "

@@ -18,6 +18,7 @@ from spawn import run_ranks
 
 from data_pipeline.errors import CorruptImageError, DataError, ShardError
 from launch.report import ReportError
+from offline.plan import PlanError
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.engine.deepspeed_backend import LossScaleFloor
@@ -32,7 +33,6 @@ from trainer.errors import (
     is_collective_failure,
 )
 from trainer.loop import CollectiveFailed, Diverged, report_failure
-from trainer.plan import PlanError
 from trainer.telemetry.logger import WriteFailed
 from trainer.telemetry.run_files import RunFileError
 

@@ -4,7 +4,8 @@ The schema's defaults describe a GPU run (iresnet50 at batch 128); on a CPU one 
 takes minutes, and a run that says nothing for that long looks hung. :func:`cpu_pace_warning`
 estimates the step from the backbone's forward flops and CPU seconds per forward flop, both
 measured figures in ``trainer/plan_figures.json`` (``forward_flops``, and ``cpu_pace``: one
-iresnet50 step, its machine and command), read without building a model; the estimate is
+iresnet50 step, its machine and command; read by ``trainer.measured_figures``), without
+building a model; the estimate is
 meant to tell seconds from minutes, not to predict a time.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from trainer.config.machine import Machine
 from trainer.config.schema import Config
-from trainer.plan import figures
+from trainer.measured_figures import figures
 
 WARN_AFTER_S = 60.0  # a planned step longer than this gets a warning
 

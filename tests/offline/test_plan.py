@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from launch import plan as plan_cli
+from offline import plan
 from partial_fc import PartialFC, SampledAdamW, SampledSGD, build_margin
 from partial_fc.backbones import build_backbone
 from partial_fc.memory import (
@@ -28,7 +29,6 @@ from partial_fc.memory import (
     largest_fitting,
     tensor_bytes,
 )
-from trainer import plan
 
 OPTIMIZERS = {"sgd": SampledSGD, "adamw": SampledAdamW}
 LR = {"sgd": 0.1, "adamw": 0.01}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from offline.plan import Inputs, PlanError
 from partial_fc.backbones import list_backbones
 from trainer.config import Config, ConfigError, load_config
-from trainer.plan import Inputs, PlanError
 
 FROM_RECIPE = {  # input -> the recipe key supplying it (trainer.config's schema: the defaults)
     "classes": "data.num_classes",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.insightface.backbones import ImportRefused, network_keys
+from offline.insightface.backbones import ImportRefused, network_keys
 
 LOSS_CAP = -math.log(1e-30)  # DistCrossEntropyFunc: loss.clamp_min_(1e-30).log_()
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

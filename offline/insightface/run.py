@@ -1,6 +1,6 @@
 """Write the partial-fc run folder an arcface_torch output folder becomes (one process).
 
-``trainer.insightface.checkpoint`` reads and checks the files; this module settles the run's
+``offline.insightface.checkpoint`` reads and checks the files; this module settles the run's
 config (the ``--config`` file, a partial-fc YAML or an arcface_torch ``.py``, then what the
 files say: architecture, classes, optimizer, schedule; then the overrides) and writes
 ``OUT/config.yaml`` and the checkpoint through the trainer's own engine and storage.
@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from offline.insightface import checkpoint as shards_io
+from offline.insightface.backbones import ImportRefused, convert_state
+from offline.insightface.config import arcface_torch_behaviour, put, read_config
 from trainer.config import Config, ConfigError
 from trainer.config.files import CLI, apply_overrides, load_tree, schema_errors, shown
 from trainer.config.schema import dump_config
-from trainer.insightface import checkpoint as shards_io
-from trainer.insightface.backbones import ImportRefused, convert_state
-from trainer.insightface.config import arcface_torch_behaviour, put, read_config
 
 
 def _get(tree: dict, dotted: str) -> Any:

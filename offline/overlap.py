@@ -26,9 +26,9 @@ from torch import nn
 
 from data_pipeline.codec import resolve_decoder
 from data_pipeline.manifest import read_manifest
+from offline.folder_scan import batched, decoded, labelled_batches
 from partial_fc.distributed import all_reduce, get_rank, get_world_size
 from trainer.evaluation import embed_images, eval_mode
-from trainer.folder_scan import batched, decoded, labelled_batches
 
 DEFAULT_THRESHOLD = 0.5  # cosine; an ArcFace r50/r100's impostor cosines lie near 0 +- 0.1
 

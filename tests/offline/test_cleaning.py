@@ -1,4 +1,4 @@
-"""``python -m launch.clean`` (trainer.cleaning): planted label noise is found.
+"""``python -m launch.clean`` (offline.cleaning): planted label noise is found.
 
 The data: synthetic identities where every tenth image is another identity's image under this
 identity's label (``data_pipeline.synthetic.MislabelledSource``: 10% label noise, one per
@@ -154,7 +154,7 @@ def test_the_loader_leaves_out_exactly_the_listed_samples(noisy_run, cleaned, wo
 
 def _on_ranks(rank: int, world: int, run: str, data: str) -> list[str]:
     from launch.clean import load_subcenter_run
-    from trainer.cleaning import find_noisy
+    from offline.cleaning import find_noisy
 
     backbone, centres, _ = load_subcenter_run(run)
     result = find_noisy(backbone, centres, data, progress=False)
@@ -164,7 +164,7 @@ def _on_ranks(rank: int, world: int, run: str, data: str) -> list[str]:
 @pytest.mark.slow
 def test_two_ranks_list_what_one_process_lists(noisy_run):
     from launch.clean import load_subcenter_run
-    from trainer.cleaning import find_noisy
+    from offline.cleaning import find_noisy
 
     data, run = noisy_run
     backbone, centres, _ = load_subcenter_run(run)

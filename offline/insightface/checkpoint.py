@@ -31,11 +31,11 @@ from torch import Tensor
 
 from data_pipeline.manifest import atomic_write_bytes
 from data_pipeline.position import ImportedPlan
+from offline.insightface.backbones import ImportRefused, convert_state, is_parameter
+from offline.insightface.config import negative_warmup_lr
 from partial_fc.partition import split_evenly
 from trainer.checkpoint import LATEST, CheckpointMeta, tag_for
 from trainer.checkpoint.integrity import META, sha256
-from trainer.insightface.backbones import ImportRefused, convert_state, is_parameter
-from trainer.insightface.config import negative_warmup_lr
 
 SHARD = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import yaml
 
-from trainer.insightface.backbones import ImportRefused
-from trainer.insightface.checkpoint import SHARD
-from trainer.insightface.config import read_config
-from trainer.insightface.run import finish_config, import_model, import_run
+from offline.insightface.backbones import ImportRefused
+from offline.insightface.checkpoint import SHARD
+from offline.insightface.config import read_config
+from offline.insightface.run import finish_config, import_model, import_run
 
 
 def convert_checkpoint(src: Path, out: Path, config: Path | None,

@@ -1,5 +1,5 @@
 """A converted folder's samples decoded and batched, each once, for the tools that embed a
-whole training set (``trainer.cleaning``, ``trainer.overlap``): rank ``r`` of ``P`` reads the
+whole training set (``offline.cleaning``, ``offline.overlap``): rank ``r`` of ``P`` reads the
 shards ``r, r + P, ...``. Samples the training loader would not train on are passed over here
 too: an undecodable image (the loader skips it) and a label outside ``[0, num_classes)`` (the
 loader refuses it).

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from launch.convert import main as convert
+from offline.insightface.backbones import our_key
 from partial_fc.backbones import build_backbone
 from partial_fc.partition import split_evenly
 from tests.launch_helpers import ROOT
-from trainer.insightface.backbones import our_key
 
 C, D = 23, 16
 

@@ -1,4 +1,4 @@
-"""Train/test overlap (``trainer.overlap``, ``python -m launch.overlap``): identities planted
+"""Train/test overlap (``offline.overlap``, ``python -m launch.overlap``): identities planted
 into a verification set are found, 2 ranks agree with one process, the CLI writes an
 exclusion list.
 
@@ -24,7 +24,7 @@ from torch import nn
 from data_pipeline.exclusion import read_exclusions
 from data_pipeline.synthetic import SyntheticSource
 from data_pipeline.verification_bin import write_bin
-from trainer.overlap import DEFAULT_THRESHOLD, bin_images, class_centres, set_overlap
+from offline.overlap import DEFAULT_THRESHOLD, bin_images, class_centres, set_overlap
 
 PLANTED = (3, 7, 11, 15, 19)  # of the 20 training identities (conftest's synthetic_data)
 
@@ -106,7 +106,7 @@ def test_planted_identities_are_found_in_an_ijb_folder(synthetic_data, tmp_path)
 
     from data_pipeline.codec import decode_image
     from data_pipeline.ijb import read_ijb_meta
-    from trainer.overlap import ijb_images
+    from offline.overlap import ijb_images
 
     def crop(blob: bytes) -> np.ndarray:
         canvas = np.zeros((250, 250, 3), np.uint8)

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_pipeline.manifest import read_manifest
+from offline.folder_scan import labelled_batches
 from partial_fc.distributed import all_reduce, get_rank, get_world_size
 from trainer.evaluation import embed_images, eval_mode
-from trainer.folder_scan import labelled_batches
 
 DEFAULT_THRESHOLD = 75.0  # degrees, the paper's
 
