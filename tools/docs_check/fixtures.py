@@ -103,7 +103,7 @@ config.val_targets = []
 
 
 def _arcface_configs(dest: Path, _fx: "Fixtures") -> None:
-    from tests.trainer.test_insightface_config import BASE
+    from tests.offline.test_insightface_config import BASE
     dest.mkdir(parents=True)
     (dest / "base.py").write_text(BASE)
     (dest / "wf42m_pfc02_r100.py").write_text(_ARCFACE_CONFIG)
@@ -111,7 +111,7 @@ def _arcface_configs(dest: Path, _fx: "Fixtures") -> None:
 
 def _arcface_run(dest: Path, _fx: "Fixtures") -> None:
     """What train_v2.py leaves on 2 GPUs after 1 step (checkpoint_gpu_0/1.pt, model.pt)."""
-    from tests.trainer.test_insightface_import import C, D, write_arcface_torch_run
+    from tests.offline.test_insightface_import import C, D, write_arcface_torch_run
     assert (C, D) == (SMALL_CLASSES, EMBEDDING)
     write_arcface_torch_run(dest, world=2, step=1, epoch=0, network="mbf")
 
