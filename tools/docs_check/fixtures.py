@@ -64,10 +64,13 @@ def _bins(dest: Path, _fx: "Fixtures") -> None:
 
 
 def _ijb(dest: Path, _fx: "Fixtures") -> None:
-    from tests.data_pipeline.test_ijb import _FACES
+    """An IJB_release folder: IJBB and IJBC, 4 templates of 5 plain-coloured faces each."""
     from tests.eval_helpers import write_ijb
+    white, red = (255, 255, 255), (255, 0, 0)
+    faces = [("1.png", 1, 1, white, 1.0), ("2.png", 2, 2, white, 0.9), ("3.png", 3, 3, red, 0.8),
+             ("4.png", 4, 4, red, 1.0), ("5.png", 4, 5, white, 0.5)]
     for target in ("IJBB", "IJBC"):
-        write_ijb(dest / target, _FACES, [(1, 2, 1), (1, 4, 1), (3, 4, 0)], target.lower())
+        write_ijb(dest / target, faces, [(1, 2, 1), (3, 4, 1), (1, 3, 0)], target.lower())
 
 
 def _faces_emore(dest: Path, fx: "Fixtures") -> None:

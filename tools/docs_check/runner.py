@@ -48,12 +48,13 @@ def copy_repository(dest: Path) -> Path:
 
 
 def environment(copy: Path) -> dict:
-    """A user's shell with the environment active, in the copy; sub-makes skip setup (this
-    check runs after it) and use the same interpreter."""
+    """A user's shell with the environment active, in the copy; make skips setup (this check
+    runs after it), uses the same interpreter and does not echo its recipes' lines (they are
+    not commands printed for the user to type)."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(copy)
-    env["MAKEFLAGS"] = f"PY={sys.executable} SETUP="
+    env["MAKEFLAGS"] = f"-s PY={sys.executable} SETUP="
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
