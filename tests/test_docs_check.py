@@ -8,8 +8,7 @@ import pytest
 
 from tools.docs_check.blocks import CHECK_OVERRIDES, RUN_OVERRIDES, read_doc, strip_comment
 from tools.docs_check.fixtures import BUILDERS, DOC_PLACEHOLDERS, PLACEHOLDERS
-from tools.docs_check.rewrite import (CannotRewrite, for_check, for_run, printed_commands,
-                                      substitute)
+from tools.docs_check.rewrite import CannotRewrite, for_check, for_run, printed_commands, substitute
 from tools.docs_check.runner import ROOT, main
 
 DOC = """# a doc
@@ -106,11 +105,13 @@ def test_check_mode_rewrites_each_kind_of_launch():
 def test_printed_commands_end_where_the_prose_goes_on():
     out = ("note: python -m launch.convert insightface /a OUT, then data.dir=OUT\n"
            "evaluate: python -m launch.evaluate --checkpoint r --bin ...; export: python -m "
-           "launch.export --checkpoint r --out m.onnx\nreport: python -m launch.report runs/s; W&B\n"
+           "launch.export --checkpoint r --out m.onnx\n"
+           "report: python -m launch.report runs/s; W&B\n"
            "check (python -m launch.plan --bins a,b --gpus 8).")
     assert printed_commands(out) == [
-        "python -m launch.convert insightface /a OUT", "python -m launch.export --checkpoint r "
-        "--out m.onnx", "python -m launch.report runs/s", "python -m launch.plan --bins a,b --gpus 8"]
+        "python -m launch.convert insightface /a OUT",
+        "python -m launch.export --checkpoint r --out m.onnx", "python -m launch.report runs/s",
+        "python -m launch.plan --bins a,b --gpus 8"]
 
 
 def test_strip_comment_leaves_quoted_hashes():

@@ -43,6 +43,7 @@ def convert_config(src: Path, out: Path, _config: Path | None,
     out.write_text(header + yaml.safe_dump(tree, sort_keys=False))
     # its rec is arcface_torch's .rec folder until converted: the check then needs the shards
     rec = tree.get("data", {}).get("dir")
-    shards = "" if rec is None or (Path(rec) / "manifest.json").is_file() else " data.dir=YOUR_SHARDS"
+    converted = rec is None or (Path(rec) / "manifest.json").is_file()
+    shards = "" if converted else " data.dir=YOUR_SHARDS"
     return [*lines, f"wrote {out}; check it with: python -m launch.train --config {out}{shards} "
                     "--check"]

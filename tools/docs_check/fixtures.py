@@ -38,23 +38,23 @@ SMALL_CLASSES = 23  # = the arcface_torch output folder's class count (its head'
 EMBEDDING = 16
 
 
-def _synthetic(classes: int, images: int) -> Callable[[Path, "Fixtures"], None]:
-    def build(dest: Path, _fx: "Fixtures") -> None:
+def _synthetic(classes: int, images: int) -> Callable[[Path, Fixtures], None]:
+    def build(dest: Path, _fx: Fixtures) -> None:
         from data_pipeline import write_synthetic_dataset
         write_synthetic_dataset(dest, classes, images, seed=0)
     return build
 
 
-def _trained(*overrides: str) -> Callable[[Path, "Fixtures"], None]:
+def _trained(*overrides: str) -> Callable[[Path, Fixtures], None]:
     """A run of configs/smoke.yaml, 3 steps on the small shards (launch.train, as a user runs)."""
-    def build(dest: Path, fx: "Fixtures") -> None:
+    def build(dest: Path, fx: Fixtures) -> None:
         fx.python("-m", "launch.train", "--config", "configs/smoke.yaml",
                   f"data.dir={fx.path('small_shards')}", f"output={dest}",
                   "train.max_steps=3", "train.batch_size=8", "log.wandb=disabled", *overrides)
     return build
 
 
-def _bins(dest: Path, _fx: "Fixtures") -> None:
+def _bins(dest: Path, _fx: Fixtures) -> None:
     """ORL's s31-s35 pairs (450) under the names of the sets the docs evaluate on."""
     from data_pipeline.orl_pairs import write_orl_verification_bin
     dest.mkdir(parents=True)
@@ -63,7 +63,7 @@ def _bins(dest: Path, _fx: "Fixtures") -> None:
         shutil.copy(first, dest / name)
 
 
-def _ijb(dest: Path, _fx: "Fixtures") -> None:
+def _ijb(dest: Path, _fx: Fixtures) -> None:
     """An IJB_release folder: IJBB and IJBC, 4 templates of 5 plain-coloured faces each."""
     from tests.eval_helpers import write_ijb
     white, red = (255, 255, 255), (255, 0, 0)
@@ -73,7 +73,7 @@ def _ijb(dest: Path, _fx: "Fixtures") -> None:
         write_ijb(dest / target, faces, [(1, 2, 1), (3, 4, 1), (1, 3, 0)], target.lower())
 
 
-def _faces_emore(dest: Path, fx: "Fixtures") -> None:
+def _faces_emore(dest: Path, fx: Fixtures) -> None:
     """An insightface .rec folder (1,100 images of 11 classes: one step of 8 GPUs x 128) with
     its verification bins."""
     from tests.data_pipeline.test_data_recordio import ir_payload, jpeg, write_rec
@@ -105,22 +105,23 @@ config.val_targets = []
 """
 
 
-def _arcface_configs(dest: Path, _fx: "Fixtures") -> None:
+def _arcface_configs(dest: Path, _fx: Fixtures) -> None:
     from tests.offline.test_insightface_config import BASE
     dest.mkdir(parents=True)
     (dest / "base.py").write_text(BASE)
     (dest / "wf42m_pfc02_r100.py").write_text(_ARCFACE_CONFIG)
 
 
-def _arcface_run(dest: Path, _fx: "Fixtures") -> None:
+def _arcface_run(dest: Path, _fx: Fixtures) -> None:
     """What train_v2.py leaves on 2 GPUs after 1 step (checkpoint_gpu_0/1.pt, model.pt)."""
     from tests.offline.test_insightface_import import C, D, write_arcface_torch_run
     assert (C, D) == (SMALL_CLASSES, EMBEDDING)
     write_arcface_torch_run(dest, world=2, step=1, epoch=0, network="mbf")
 
 
-def _arcface_model(dest: Path, _fx: "Fixtures") -> None:
-    """A folder holding only its model.pt (its MobileFaceNet, the converter tells it by its keys)."""
+def _arcface_model(dest: Path, _fx: Fixtures) -> None:
+    """A folder holding only its model.pt: a MobileFaceNet, which the converter tells by its
+    keys."""
     import torch
 
     from partial_fc.backbones import build_backbone
@@ -129,7 +130,7 @@ def _arcface_model(dest: Path, _fx: "Fixtures") -> None:
     torch.save(build_backbone("mbf", embedding_size=EMBEDDING).state_dict(), dest / "model.pt")
 
 
-BUILDERS: dict[str, Callable[[Path, "Fixtures"], None]] = {
+BUILDERS: dict[str, Callable[[Path, Fixtures], None]] = {
     "shards": _synthetic(64, 40),  # one step of 16 ranks x 128 (the recipes' --check)
     "small_shards": _synthetic(SMALL_CLASSES, 4),
     "other_shards": _synthetic(12, 4),
@@ -158,7 +159,11 @@ class Fixtures:
         name, _, part = value.partition("/")
         dest = self.root / name
         if not dest.exists():
-            BUILDERS[name](dest, self)
+            try:
+                BUILDERS[name](dest, self)
+            except BaseException:
+                shutil.rmtree(dest, ignore_errors=True)  # built again by the next use
+                raise
         return str(dest / part) if part else str(dest)
 
 

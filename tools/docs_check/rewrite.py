@@ -47,7 +47,8 @@ def for_check(text: str, root: Path) -> str:
         return f"python -m launch.train --check {shape} {shlex.join(rest)}{extra}"
     if words[0] == "sbatch":
         script = (root / words[1]).read_text()
-        nodes, gpus = (re.search(rf"#SBATCH --{k}=(\d+)", script) for k in ("nodes", "gpus-per-node"))
+        nodes, gpus = (re.search(rf"#SBATCH --{k}=(\d+)", script)
+                       for k in ("nodes", "gpus-per-node"))
         if not (nodes and gpus):
             raise CannotRewrite(f"{words[1]}: no '#SBATCH --nodes=' and '--gpus-per-node=' lines")
         return (f"bash -n {shlex.quote(words[1])} && python -m launch.train --check "

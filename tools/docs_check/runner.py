@@ -16,8 +16,7 @@ from pathlib import Path
 
 from tools.docs_check.blocks import Command, read_doc
 from tools.docs_check.fixtures import Fixtures, printed_table, run_python, table
-from tools.docs_check.rewrite import (CannotRewrite, for_check, for_run, printed_commands,
-                                      substitute)
+from tools.docs_check.rewrite import CannotRewrite, for_check, for_run, printed_commands, substitute
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900  # one command; the slowest documented one (make train) takes about 2 minutes
@@ -76,10 +75,10 @@ def execute(script: str, copy: Path, env: dict) -> Outcome:
 
 def check_command(cmd: Command, copy: Path, env: dict, fixtures: Fixtures, doc: str) -> list[str]:
     """Runs one command and the commands it prints; returns its report lines."""
-    text = substitute(cmd.text, table(doc), fixtures.path)
     try:
+        text = substitute(cmd.text, table(doc), fixtures.path)
         text = for_check(text, copy) if cmd.mode == "check" else for_run(text)
-    except CannotRewrite as e:
+    except (CannotRewrite, RuntimeError) as e:  # RuntimeError: a fixture that failed to build
         return [f"FAIL  {cmd.where}  {cmd.text}: {e}"]
     outcome = execute("\n".join([*cmd.prelude, text]), copy, env)
     label = "check" if cmd.mode == "check" else "ok"
