@@ -80,8 +80,18 @@ def test_merged_and_mapped_and_passes_the_check(tmp_path, synthetic_data, capsys
         assert f"no counterpart: {key}" in printed and f"# no counterpart: {key}" in \
             out.read_text()
     assert "note: fp16 = True" in printed
+    # its rec is a converted folder here: the printed check needs no data.dir
+    assert printed.rstrip().endswith(f"python -m launch.train --config {out} --check")
     assert train(["--config", str(out), "--check", "backbone.name=iresnet_tiny",
                   "engine.precision=fp32"]) == 0
+
+
+def test_the_printed_check_names_the_shards_an_unconverted_rec_needs(tmp_path, capsys):
+    out = tmp_path / "job.yaml"
+    assert convert(["insightface-config", str(_configs(tmp_path, _job(tmp_path / "x.rec"))),
+                    str(out)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        f"python -m launch.train --config {out} data.dir=YOUR_SHARDS --check")
 
 
 def test_nothing_is_executed_and_every_other_statement_is_named(tmp_path, capsys):
