@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from data_pipeline.errors import ShardError
-from data_pipeline.manifest import ShardInfo
-from data_pipeline.remote import RemoteFolder, Retry
+from data_pipeline.manifest import Manifest, ShardInfo, read_manifest
+from data_pipeline.remote import RemoteFolder, Retry, open_folder
 from data_pipeline.shard_cache import ShardCache
 from data_pipeline.shard_index import (
     INDEX_SUFFIX,
@@ -145,6 +145,16 @@ class RemoteShards:
         spans = _spans(index, positions, round(self.streaming.gap_mib * MIB))
         return _ShardPlan(shard, info.name, where.removesuffix(INDEX_SUFFIX), positions, index,
                           spans, _cut([(lo, hi) for lo, hi, _ in spans], block))
+
+
+def check_remote_folder(url: str) -> Manifest:
+    """The manifest at ``url``, its shards checked there with their sizes: what stops a run
+    before training (``--check`` included). StorageError or ShardError, one line, if not."""
+    folder = open_folder(url)
+    manifest = read_manifest(folder)
+    if isinstance(folder, RemoteFolder):
+        RemoteShards(folder, manifest.shards)
+    return manifest
 
 
 def ahead(tasks: Iterator[Callable], window: int, pool: ThreadPoolExecutor) -> Iterator:

@@ -116,8 +116,16 @@ class FaultProxy:
         self.upstream, self.faults, self.connections = upstream, deque(faults), 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.closed = False
+        self.closed, self.open = False, set()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def inject(self, faults):
+        """Queue ``faults`` for the next connections and end the open ones (a client's
+        keep-alive connections would otherwise never meet them)."""
+        self.faults.extend(faults)
+        for client in list(self.open):
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
 
     def _accept(self):
         while not self.closed:
@@ -130,6 +138,7 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(client, fault), daemon=True).start()
 
     def _serve(self, client: socket.socket, fault):
+        self.open.add(client)
         with client:
             if fault and fault[0] == "503":
                 client.recv(65536)
@@ -143,6 +152,7 @@ class FaultProxy:
                 limit = fault[1] if fault and fault[0] == "cut" else None
                 delay = fault[1] if fault and fault[0] == "delay" else 0
                 _pump(upstream, client, limit, delay)
+        self.open.discard(client)
 
     def close(self):
         self.closed = True
