@@ -17,8 +17,6 @@ from trainer.config.schema import Config
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
-    from data_pipeline.remote import is_url
-    from data_pipeline.remote_shards import check_remote_folder
 
 MAKE_DATA = ("convert a data set with `python -m launch.convert insightface SRC DIR` (or "
              "`imagefolder SRC DIR`), or `make train` for the synthetic set in data/synthetic")
