@@ -1,4 +1,4 @@
-"""Shards at a URL: the loader against real servers on loopback (tests/remote_servers.py), an
+"""Shards at a URL: the loader against real servers on loopback (tools/remote_servers.py), an
 HTTP file server with Range support and moto's S3 server, with faults from a TCP proxy between.
 What the local loader promises must hold: the same batches, each sample once per epoch, an
 exact resume; transient faults cost retries, never a sample; permanent ones one line."""
@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from remote_servers import FaultProxy, FileServer, S3Server, clear_clients, upload
 from shard_helpers import epoch_keys, make_shards
 
 from data_pipeline import make_loader
@@ -15,6 +14,7 @@ from data_pipeline.errors import ShardError
 from data_pipeline.remote import Retry, StorageError, scrub
 from data_pipeline.remote_shards import Streaming
 from data_pipeline.shard_index import read_index
+from tools.remote_servers import FaultProxy, FileServer, S3Server, clear_clients, upload
 
 UNEVEN = [13, 5, 9, 1, 17, 8, 11]  # 64 samples
 FAST = Streaming(retry=Retry(attempts=6, first_delay_s=0.01, max_delay_s=0.05, timeout_s=0.5))

@@ -1,5 +1,5 @@
 """Training from a URL: 2 torchrun ranks from an S3 server and one rank from an HTTP server
-(both on loopback, tests/remote_servers.py), each resumed from its checkpoint inside an epoch
+(both on loopback, tools/remote_servers.py), each resumed from its checkpoint inside an epoch
 and a shard, ending with the weights of the unbroken run; the HTTP run's also equal those of
 a run on the same shards in a local folder, which reads each sample once per epoch
 (tests/data_pipeline/test_data_loader.py; the S3 loader's epochs equal the local ones in
@@ -15,8 +15,9 @@ import sys
 import pytest
 import torch
 from launch_helpers import ROOT
-from remote_servers import FileServer, S3Server, upload
 from shard_helpers import make_shards
+
+from tools.remote_servers import FileServer, S3Server, upload
 
 COMMON = ["--config", str(ROOT / "configs" / "smoke.yaml"), "engine.type=ddp",
           "train.batch_size=8", "log.every=1", "log.progress=false", "log.wandb=disabled",

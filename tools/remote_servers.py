@@ -1,6 +1,7 @@
-"""Real servers on loopback for the remote-data tests: a plain HTTP file server with Range
-support, moto's S3 server, and a TCP proxy that injects faults in front of either. Nothing
-here mocks a client library: the loader's fsspec clients talk to these over sockets."""
+"""Real servers on loopback for the remote-data tests and bench/loader.py: a plain HTTP file
+server with Range support, moto's S3 server, and a TCP proxy in front of either that adds
+latency or injects faults. Nothing here mocks a client library: the loader's fsspec clients
+talk to these over sockets. Loopback only (127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -110,10 +112,11 @@ class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of ``upstream`` (host, port). Each new connection
     takes the next fault of ``faults`` (none once they run out): ``("503",)`` answers its
     first request with a 503 and closes; ``("cut", n)`` closes it after ``n`` bytes of
-    response; ``("delay", s)`` holds the response ``s`` seconds. ``connections`` counts them."""
+    response; ``("delay", s)`` holds the response ``s`` seconds. ``latency_s`` delays every
+    request (each read from a client) that long: a round trip to a distant store."""
 
-    def __init__(self, upstream: tuple[str, int], faults=()):
-        self.upstream, self.faults, self.connections = upstream, deque(faults), 0
+    def __init__(self, upstream: tuple[str, int], faults=(), latency_s: float = 0.0):
+        self.upstream, self.faults, self.latency_s = upstream, deque(faults), latency_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.closed, self.open = False, set()
@@ -133,7 +136,6 @@ class FaultProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            self.connections += 1
             fault = self.faults.popleft() if self.faults else None
             threading.Thread(target=self._serve, args=(client, fault), daemon=True).start()
 
@@ -147,8 +149,8 @@ class FaultProxy:
                 return
             upstream = socket.create_connection(self.upstream)
             with upstream:
-                threading.Thread(target=_pump, args=(client, upstream, None, 0),
-                                 daemon=True).start()
+                threading.Thread(target=_pump, args=(client, upstream, None, 0,
+                                                     self.latency_s), daemon=True).start()
                 limit = fault[1] if fault and fault[0] == "cut" else None
                 delay = fault[1] if fault and fault[0] == "delay" else 0
                 _pump(upstream, client, limit, delay)
@@ -159,17 +161,18 @@ class FaultProxy:
         self.listener.close()
 
 
-def _pump(source: socket.socket, sink: socket.socket, limit: int | None, delay: float):
+def _pump(source: socket.socket, sink: socket.socket, limit: int | None, delay: float,
+          every: float = 0.0):
     """Copy ``source`` to ``sink`` until either closes, or ``limit`` bytes have passed (then
-    both are shut), holding the first bytes back ``delay`` seconds."""
+    both are shut), holding the first bytes back ``delay`` seconds and every read ``every``."""
     sent = 0
     try:
         while True:
             data = source.recv(65536)
             if not data:
                 break
-            if delay:
-                threading.Event().wait(delay)
+            if delay or every:
+                time.sleep(delay or every)
                 delay = 0
             if limit is not None and sent + len(data) >= limit:
                 sink.sendall(data[:limit - sent])
