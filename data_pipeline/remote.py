@@ -95,12 +95,13 @@ def open_folder(location: str | os.PathLike, retry: Retry | None = None) -> Path
     from fsspec.implementations.local import LocalFileSystem
 
     if isinstance(folder.fs, LocalFileSystem):
-        return Path(folder.fs._strip_protocol(folder.url))
+        return Path(folder.path)
     return folder
 
 
 class RemoteFolder:
-    """A folder of files at ``url``, read through fsspec with :class:`Retry`'s retries.
+    """A folder of files at ``url``, read through fsspec with :class:`Retry`'s retries
+    (``path``: the URL as its client names it, once the client is made).
 
     Picklable (a DataLoader worker gets a copy): the fsspec client is made again in each
     process (an async client's event loop does not survive a fork)."""
@@ -108,7 +109,7 @@ class RemoteFolder:
     def __init__(self, url: str, retry: Retry):
         self.url, self.retry, self.stats = url, retry, FetchStats()
         self.shown = scrub(url)
-        self._fs, self._pid = None, None
+        self._fs, self._pid, self.path = None, None, ""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fs": None, "_pid": None}
@@ -123,7 +124,7 @@ class RemoteFolder:
             try:
                 from fsspec.core import url_to_fs
 
-                self._fs = url_to_fs(self.url)[0]
+                self._fs, self.path = url_to_fs(self.url)
             except ImportError as exc:
                 raise StorageError(f"{self.shown}: {exc} ({INSTALL})") from exc
             except ValueError as exc:  # fsspec: "Protocol not known"

@@ -127,7 +127,7 @@ class RemoteShards:
         cache = self.cache
         fetched = ahead((functools.partial(cache.fetch, self.infos[s], self.indexed[s])
                          for s, _ in wanted), 2, pool)
-        for (shard, positions), path in zip(wanted, fetched, strict=True):
+        for (shard, positions), _ in zip(wanted, fetched, strict=True):  # fetched ahead
             with cache.reading(self.infos[shard], self.indexed[shard]) as path:
                 yield from tagged(shard, positions, path, local_samples(path, positions))
 

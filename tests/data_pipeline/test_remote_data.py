@@ -11,7 +11,7 @@ from shard_helpers import epoch_keys, make_shards
 
 from data_pipeline import make_loader
 from data_pipeline.errors import ShardError
-from data_pipeline.remote import Retry, StorageError, scrub
+from data_pipeline.remote import Retry, StorageError, open_folder, scrub
 from data_pipeline.remote_shards import Streaming
 from data_pipeline.shard_index import read_index
 from tools.remote_servers import FaultProxy, FileServer, S3Server, clear_clients, upload
@@ -70,6 +70,13 @@ def test_an_epoch_read_from_a_url_is_the_local_epoch(root, request, source, work
         local = batches(make_loader(root / "set", rank=rank, **kwargs))
         remote = batches(make_loader(url, rank=rank, streaming=FAST, **kwargs))
         assert same(local, remote) and len(remote) == 8
+
+
+def test_a_file_url_is_the_local_folder(root):
+    assert open_folder(f"file://{root}/set/") == root / "set"
+    keys = epoch_keys(make_loader(f"file://{root}/set", batch_size=4, num_workers=0,
+                                  with_keys=True))
+    assert sorted(keys) == sorted(f"{i:09d}" for i in range(64))
 
 
 def test_two_ranks_from_s3_read_each_sample_once_and_resume_mid_shard_exactly(root, s3):
