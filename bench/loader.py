@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5] [--no-index]
                                      [--flip deferred|worker|none]
+    .venv/bin/python bench/loader.py --source s3|http [--latency-ms 0,20,100] [--workers 1,2]
 
 On 112x112 JPEG shards generated in a temp dir. For each worker count N, each repeat times
 bare decoding of the shards' own bytes (``decode_image``, the loader's decoder) in N forked
@@ -21,7 +22,15 @@ Prints the median and the range over the repeats, and the load average. ``--no-i
 deletes the shards' member indexes first, so the loader parses the tars (a folder converted
 before indexes existed). ``--flip``: ``deferred`` (the default, as the trainer runs it: the
 workers draw the flip bits and the engine mirrors on its device), ``worker`` (the workers
-mirror: ``make_loader(flip=True)``) or ``none``. Never run by the tests.
+mirror: ``make_loader(flip=True)``) or ``none``.
+
+``--source s3|http`` serves the same shards from a server on loopback (moto's S3 server or a
+plain HTTP server, tools/remote_servers.py) behind a proxy that delays every request by each
+of ``--latency-ms``, and times the loader reading them from the URL against the local loader
+on the same folder in the same repeat (img/s per worker from the first batch on, and their
+ratio), then a cache line: a second epoch read from a node-local cache (``data.cache_dir``)
+filled by the first. The servers run in this process, on the same CPUs as the workers.
+Never run by the tests.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from typing import NamedTuple
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from data_pipeline.codec import decode_image, resolve_decoder
+from data_pipeline.remote_shards import Streaming
 from data_pipeline.shard_index import index_path
 from data_pipeline.tar_reader import tar_samples
 
@@ -84,8 +94,8 @@ def _workers_cpu() -> float:
     return total / tick
 
 
-def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str,
-                flip: bool | str) -> Rates:
+def loader_rate(data_dir: Path | str, workers: int, batch_size: int, decoder: str,
+                flip: bool | str, streaming: Streaming | None = None, epoch: int = 0) -> Rates:
     """Wall images/s per worker from the first batch on (start-up excluded); images per
     CPU-second of the workers (all of them together) over the whole epoch, and from the first
     batch to the last but one (the workers' start and end apart, which a long epoch
@@ -93,7 +103,8 @@ def loader_rate(data_dir: Path, workers: int, batch_size: int, decoder: str,
     epoch_cpu = _cpu(children=workers > 0)
     steady_cpu = _workers_cpu if workers else time.process_time
     loader = make_loader(data_dir, batch_size=batch_size, num_workers=workers, decoder=decoder,
-                         flip=flip)
+                         flip=flip, streaming=streaming)
+    loader.set_epoch(epoch)
     batches = iter(loader)
     next(batches)
     start, first_cpu = time.perf_counter(), steady_cpu()
@@ -125,9 +136,16 @@ def main() -> None:
     parser.add_argument("--flip", choices=sorted(FLIPS), default="deferred",
                         help="who mirrors: the engine on its device (the trainer's way), "
                              "the workers, or nobody")
+    parser.add_argument("--source", choices=("local", "s3", "http"), default="local",
+                        help="where the loader reads the shards: this folder, or a server on "
+                             "loopback (compared with the local loader)")
+    parser.add_argument("--latency-ms", default="0,20,100",
+                        help="--source s3|http: comma-separated delays added to each request")
     args = parser.parse_args()
     decoder = resolve_decoder(args.decoder)
     counts = [int(w) for w in args.workers.split(",")]
+    if args.source != "local":
+        return remote(args, decoder, [w or 1 for w in counts])
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp)
         write_synthetic_dataset(data, num_classes=args.images // 20, images_per_class=20,
@@ -164,6 +182,65 @@ def main() -> None:
                     f"{_spread(r, '.0f'):>18}", f"{_spread(ratio, '.2f'):>16}"]
             print("  ".join(row))
         print(f"load average after {os.getloadavg()[0]:.2f}")
+
+
+def remote(args, decoder: str, counts: list[int]) -> None:
+    """``--source s3|http``: the loader from a URL against the local one, per latency."""
+    from tools.remote_servers import FaultProxy, FileServer, S3Server, upload
+
+    flip = FLIPS[args.flip]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "set"
+        write_synthetic_dataset(data, num_classes=args.images // 20, images_per_class=20,
+                                samples_per_shard=1000)
+        if args.source == "s3":
+            server = S3Server()
+            os.environ.update(server.environment(), AWS_EC2_METADATA_DISABLED="true")
+            upload(data, "s3://bench/set")
+            upstream, path = server.endpoint, "s3://bench/set"
+        else:
+            server = FileServer(Path(tmp))
+            upstream, path = server.url, "/set"
+        host, port = upstream.removeprefix("http://").split(":")
+        print(f"{args.images} JPEGs 112x112 in shards of 1000, from {args.source} on loopback "
+              f"vs the local folder, {os.cpu_count()} CPUs, load average before "
+              f"{os.getloadavg()[0]:.2f}; decoder={decoder}, batch {args.batch_size}, flip "
+              f"{args.flip}; median [range] over {args.repeats} repeats, img/s per worker")
+        print(f"{'latency':>8}  {'workers':>7}  {'local img/s':>18}  {'remote img/s':>18}  "
+              f"{'remote / local':>16}")
+        try:
+            for latency in [float(ms) for ms in args.latency_ms.split(",")]:
+                proxy = FaultProxy((host, int(port)), latency_s=latency / 1000)
+                url = path if args.source == "s3" else proxy.url + path
+                if args.source == "s3":
+                    os.environ["AWS_ENDPOINT_URL"] = proxy.url
+                for w in counts:
+                    local, far = [], []
+                    for _ in range(args.repeats):
+                        local.append(loader_rate(data, w, args.batch_size, decoder, flip).wall)
+                        far.append(loader_rate(url, w, args.batch_size, decoder, flip).wall)
+                    _remote_row(f"{latency:g} ms", w, local, far)
+                with tempfile.TemporaryDirectory() as cache:
+                    streaming = Streaming(cache_dir=cache)
+                    loader_rate(url, counts[-1], args.batch_size, decoder, flip, streaming)
+                    local, far = [], []
+                    for epoch in range(1, args.repeats + 1):
+                        local.append(loader_rate(data, counts[-1], args.batch_size, decoder,
+                                                 flip, epoch=epoch).wall)
+                        far.append(loader_rate(url, counts[-1], args.batch_size, decoder, flip,
+                                               streaming, epoch).wall)
+                    _remote_row(f"{latency:g} ms", counts[-1], local, far, "cached")
+                proxy.close()
+        finally:
+            server.close()
+        print(f"load average after {os.getloadavg()[0]:.2f}")
+
+
+def _remote_row(latency: str, workers: int, local: list[float], far: list[float],
+                note: str = "") -> None:
+    ratio = [f / n for f, n in zip(far, local, strict=True)]
+    print(f"{latency:>8}  {workers:>7}  {_spread(local, '.0f'):>18}  {_spread(far, '.0f'):>18}  "
+          f"{_spread(ratio, '.2f'):>16}  {note}")
 
 
 if __name__ == "__main__":

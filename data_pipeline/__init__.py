@@ -1,6 +1,7 @@
 """Data pipeline: convert face data sets to webdataset tar shards and stream them to training.
 
-Public API: `make_loader` (an `EpochBatches`, the batch-source interface), `read_manifest`,
+Public API: `make_loader` (an `EpochBatches`, the batch-source interface; a local folder or
+a URL, data_pipeline.remote), `read_manifest`,
 `write_synthetic_dataset`, `write_dataset`,
 `SyntheticStream` (synthetic batches generated on the device, no files),
 `Manifest`, and the error types; `data_pipeline.orl.find_orl_root` for the ORL test faces.

@@ -51,9 +51,9 @@ from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
 from data_pipeline.parent_death import die_with_parent
 from data_pipeline.position import ShardPlan, ShardPosition
-from data_pipeline.shard_index import index_path
+from data_pipeline.remote import open_folder
+from data_pipeline.remote_shards import RemoteShards, Streaming
 from data_pipeline.slots import SlotPool
-from data_pipeline.tar_reader import check_shard
 
 IMAGE_SIZE = 112
 
@@ -74,8 +74,7 @@ class _EpochStream(IterableDataset):
         super().__init__()
         self.counts, self.kept = loader.manifest.shard_counts, loader.kept_counts
         self.excluded = loader.excluded
-        self.infos = list(loader.manifest.shards)
-        self.paths = loader.shard_paths
+        self.reader = loader.reader
         self.plan = loader.plan_key()
         self.rank, self.epoch, self.skips = loader.rank, epoch, skips
         self.flip, self.decoder = bool(loader.flip), loader.decoder
@@ -98,21 +97,33 @@ class _EpochStream(IterableDataset):
                                           worker=worker, num_workers=plan.num_workers,
                                           shuffle=plan.shuffle)
         pieces = epoch_plan.with_exclusions(pieces, self.counts, self.excluded)
-        tag = f"{plan.seed}-{self.epoch}-{self.rank}-{worker}"
-        buffer = plan.shuffle_buffer if plan.shuffle else 0
+        skip = self.skips[worker]  # a resumed stream: its reader fetches only what is left
+        wanted = stages.wanted(pieces, self._ordered(pieces, worker, skip) if skip else None)
         pipeline = wds.DataPipeline(
-            functools.partial(stages.read_pieces, pieces, self.paths, self.infos),
-            wds.filters.shuffle(buffer, initial=buffer, rng=stages.ShuffleRandom(f"shuffle-{tag}"))
-            if buffer > 1 else None,
-            stages.annotate(f"flip-{tag}", self.flip, self.skips[worker]),
+            lambda: self._ordered(pieces, worker, skip),
+            stages.fill(self.reader.samples(wanted)),
             stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
                                  self.num_classes, pool, self.mirror),
         )
         return iter(pipeline)
 
+    def _ordered(self, pieces: list[epoch_plan.Piece], worker: int, skip: int):
+        """Worker ``worker``'s stream of sample placeholders: shuffled, numbered, flip bits
+        drawn, its first ``skip`` passed over (data_pipeline.stages)."""
+        plan = self.plan
+        tag = f"{plan.seed}-{self.epoch}-{self.rank}-{worker}"
+        buffer = plan.shuffle_buffer if plan.shuffle else 0
+        return iter(wds.DataPipeline(
+            functools.partial(stages.piece_refs, pieces),
+            wds.filters.shuffle(buffer, initial=buffer, rng=stages.ShuffleRandom(f"shuffle-{tag}"))
+            if buffer > 1 else None,
+            stages.annotate(f"flip-{tag}", self.flip, skip),
+        ))
+
 
 class _ShardLoader(EpochBatches):
-    """The training loader for a converted data folder: an iterable over (images uint8
+    """The training loader for a converted data folder (a local path or a URL,
+    data_pipeline.remote): an iterable over (images uint8
     [B,3,112,112], labels int64 [B][, flips bool [B]][, keys list[str]]); see the module
     docstring for the guarantees. Built by `make_loader`, the one public name.
 
@@ -131,13 +142,16 @@ class _ShardLoader(EpochBatches):
     exclude: an exclusion list (data_pipeline.exclusion) of this folder's sample keys and
         labels: those samples are left out of every epoch before it is planned (each kept
         sample is still read once per epoch), and counted in `num_excluded`.
+    streaming: how a folder at a URL is read (data_pipeline.remote_shards.Streaming: request
+        size, requests in flight, retries, the node-local cache); unused for a local folder.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, epoch: int = 0, num_workers: int = 2,
                  flip: bool | str = True, with_keys: bool = False, shuffle: bool = True,
                  shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2,
-                 pin_memory: bool = False, exclude: str | os.PathLike | None = None):
+                 pin_memory: bool = False, exclude: str | os.PathLike | None = None,
+                 streaming: Streaming | None = None):
         if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0 or world_size < 1:
             raise ValueError(f"batch_size={batch_size}, num_workers={num_workers}, "
                              f"shuffle_buffer={shuffle_buffer}, world_size={world_size}: "
@@ -146,12 +160,14 @@ class _ShardLoader(EpochBatches):
             raise ValueError(f"rank={rank} outside [0, world_size={world_size})")
         if flip not in (True, False, "deferred"):
             raise ValueError(f"flip={flip!r}: choose True, False or 'deferred'")
-        self.data_dir = Path(data_dir)
-        self.manifest = read_manifest(self.data_dir)
-        self.shard_paths = [self.data_dir / s.name for s in self.manifest.shards]
-        for path, info in zip(self.shard_paths, self.manifest.shards, strict=True):
-            check_shard(path, info)
-        self.num_unindexed = sum(not index_path(p).is_file() for p in self.shard_paths)
+        streaming = streaming or Streaming()
+        self.folder = open_folder(data_dir, streaming.retry)
+        self.data_dir = self.folder if isinstance(self.folder, Path) else self.folder.shown
+        self.manifest = read_manifest(self.folder)
+        self.reader = (stages.LocalShards(self.folder, self.manifest.shards)
+                       if isinstance(self.folder, Path) else
+                       RemoteShards(self.folder, self.manifest.shards, streaming))
+        self.num_unindexed = self.reader.num_unindexed
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.batch_size, self.num_workers = batch_size, num_workers
         self.flip, self.with_keys, self.shuffle = flip, with_keys, shuffle
@@ -179,14 +195,19 @@ class _ShardLoader(EpochBatches):
         """Per shard the positions ``path``'s list leaves out, and a fingerprint of them
         for the plan key ("" when nothing is excluded)."""
         if path is None:
-            return [np.empty(0, np.int64) for _ in self.shard_paths], ""
+            return [np.empty(0, np.int64) for _ in self.manifest.shards], ""
+        if not isinstance(self.folder, Path):
+            raise DataError(f"{path}: exclusion lists apply to local data folders; "
+                            f"{self.data_dir} is a URL (copy the set to a local folder to "
+                            "exclude samples of it)")
         exclusions = read_exclusions(path)
         wrong = sorted(c for c in exclusions.classes if c >= self.manifest.num_classes)
         if wrong:
             raise DataError(f"{path}: class {wrong[0]} outside [0, "
                             f"{self.manifest.num_classes}) of {self.data_dir} (an exclusion "
                             "list names labels of the data folder it was made for)")
-        excluded = excluded_positions(self.shard_paths, exclusions)
+        excluded = excluded_positions([self.folder / s.name for s in self.manifest.shards],
+                                      exclusions)
         digest = zlib.crc32(b"".join(e.tobytes() + b"/" for e in excluded))
         return excluded, f"{sum(map(len, excluded))}-{digest:08x}"
 

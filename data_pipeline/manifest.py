@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data_pipeline.errors import DataError
+from data_pipeline.remote import RemoteFolder, open_folder, scrub
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -23,11 +24,14 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One tar shard: file name relative to the data folder, sample count, size in bytes."""
+    """One tar shard: file name relative to the data folder, sample count, size in bytes,
+    and its SHA-256 (hex; "" in manifests written before it was recorded), which a node-local
+    cache of a remote folder checks each fetched shard against (data_pipeline.shard_cache)."""
 
     name: str
     count: int
     bytes: int
+    sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,16 +49,26 @@ class Manifest:
         return [s.count for s in self.shards]
 
 
-def read_manifest(data_dir: str | os.PathLike) -> Manifest:
-    """Load and validate `data_dir/manifest.json`; raises DataError naming the file on problems."""
-    path = Path(data_dir) / MANIFEST_NAME
-    if not path.is_file():
-        raise DataError(f"{path}: no manifest (not a converted data folder, "
-                        "or its conversion did not finish)")
+def read_manifest(data_dir: str | os.PathLike | RemoteFolder) -> Manifest:
+    """Load and validate ``data_dir/manifest.json`` (a local folder or a URL,
+    data_pipeline.remote); raises DataError naming the file on problems."""
+    folder = data_dir if isinstance(data_dir, RemoteFolder) else open_folder(data_dir)
+    if isinstance(folder, Path):
+        path = folder / MANIFEST_NAME
+        if not path.is_file():
+            raise DataError(f"{path}: no manifest (not a converted data folder, "
+                            "or its conversion did not finish)")
+        return parse_manifest(path.read_text(), str(path))
+    return parse_manifest(folder.read(MANIFEST_NAME).decode(), folder.url_of(MANIFEST_NAME))
+
+
+def parse_manifest(text: str, where: str) -> Manifest:
+    """The manifest stored as ``text`` (read from ``where``, named in errors), validated."""
+    path = scrub(where)
     try:
-        raw = json.loads(path.read_text())
-        shards = tuple(ShardInfo(str(s["name"]), int(s["count"]), int(s["bytes"]))
-                       for s in raw["shards"])
+        raw = json.loads(text)
+        shards = tuple(ShardInfo(str(s["name"]), int(s["count"]), int(s["bytes"]),
+                                 str(s.get("sha256", ""))) for s in raw["shards"])
         manifest = Manifest(num_classes=int(raw["num_classes"]),
                             num_samples=int(raw["num_samples"]), shards=shards,
                             source=dict(raw.get("source", {})),
@@ -77,7 +91,7 @@ def write_manifest(data_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (temp file, fsync, rename)."""
     path = Path(data_dir) / MANIFEST_NAME
     payload = asdict(manifest)
-    payload["shards"] = [asdict(s) for s in manifest.shards]
+    payload["shards"] = [{k: v for k, v in asdict(s).items() if v != ""} for s in manifest.shards]
     atomic_write_bytes(path, (json.dumps(payload, indent=1) + "\n").encode())
     return path
 

@@ -17,12 +17,14 @@ offsets.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import zipfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -64,20 +66,25 @@ def build_index(shard: Path) -> ShardIndex:
     """The index of ``shard``, from the checksum-verified tar parse (ShardError when the shard
     is corrupt or truncated), its samples counted as every reader counts them
     (:func:`data_pipeline.tar_reader.sample_members`)."""
-    keys, rows = [], []
     try:
         with open(shard, "rb") as f, mapped(f) as data:
-            for key, members in sample_members(data, shard):
-                row = [-1, -1, -1, -1]
-                for ext, offset, size in members:
-                    if ext in COLUMNS:
-                        row[COLUMNS[ext]:COLUMNS[ext] + 2] = offset, size
-                keys.append(key)
-                rows.append(row)
-            size = len(data)
+            return index_of(data, shard)
     except OSError as exc:
         raise ShardError(f"{shard}: unreadable ({type(exc).__name__}: {exc})") from exc
-    return ShardIndex(np.array(keys, dtype=str), np.array(rows, np.int64).reshape(-1, 4), size)
+
+
+def index_of(data: mmap.mmap | bytes, shard: Path | str) -> ShardIndex:
+    """The index of the shard whose bytes are ``data`` (``shard`` names it in errors)."""
+    keys, rows = [], []
+    for key, members in sample_members(data, shard):
+        row = [-1, -1, -1, -1]
+        for ext, offset, size in members:
+            if ext in COLUMNS:
+                row[COLUMNS[ext]:COLUMNS[ext] + 2] = offset, size
+        keys.append(key)
+        rows.append(row)
+    return ShardIndex(np.array(keys, dtype=str), np.array(rows, np.int64).reshape(-1, 4),
+                      len(data))
 
 
 def write_index(shard: Path, index: ShardIndex) -> None:
@@ -121,46 +128,57 @@ def read_index(shard: Path) -> ShardIndex | None:
     path = index_path(shard)
     if not path.is_file():
         return None
+    return parse_index(path, str(path), shard.stat().st_size)
+
+
+def parse_index(source: Path | BinaryIO, where: str, shard_bytes: int) -> ShardIndex:
+    """The index stored in ``source`` (a file, or a file object of its bytes; ``where`` names
+    it in errors) of a shard of ``shard_bytes`` bytes; ShardError when it is unreadable or was
+    made for a shard of another size."""
     try:
-        with np.load(path, allow_pickle=False) as stored:
+        with np.load(source, allow_pickle=False) as stored:
             version, keys, members = int(stored["version"]), stored["keys"], stored["members"]
-            shard_bytes = int(stored["shard_bytes"])
+            indexed_bytes = int(stored["shard_bytes"])
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-        raise ShardError(f"{path}: unreadable shard index ({type(exc).__name__}: {exc}); "
+        raise ShardError(f"{where}: unreadable shard index ({type(exc).__name__}: {exc}); "
                          f"{REBUILD}") from exc
     if version != FORMAT_VERSION or members.shape != (len(keys), 4):
-        raise ShardError(f"{path}: not a version-{FORMAT_VERSION} shard index; {REBUILD}")
-    size = shard.stat().st_size
-    if shard_bytes != size:
-        raise ShardError(f"{shard}: {size} bytes, its index {path.name} was made for "
-                         f"{shard_bytes} (a truncated or rewritten shard; if the shard is right, "
-                         f"{REBUILD})")
-    return ShardIndex(keys, members, shard_bytes)
+        raise ShardError(f"{where}: not a version-{FORMAT_VERSION} shard index; {REBUILD}")
+    shard = where.removesuffix(INDEX_SUFFIX)
+    if indexed_bytes != shard_bytes:
+        raise ShardError(f"{shard}: {shard_bytes} bytes, its index {where.rsplit('/', 1)[-1]} "
+                         f"was made for {indexed_bytes} (a truncated or rewritten shard; if the "
+                         f"shard is right, {REBUILD})")
+    return ShardIndex(keys, members, indexed_bytes)
 
 
-def indexed_samples(shard: Path, index: ShardIndex, start: int, stop: int,
-                    drop: Collection[int] = ()) -> Iterator[dict]:
-    """Samples [start, stop) of ``shard`` less the positions in ``drop``, as
+def check_positions(index: ShardIndex, positions: Sequence[int], where: str) -> None:
+    """ShardError unless ``index`` (its file named by ``where``) reaches ``positions``."""
+    if positions and positions[-1] >= len(index.keys):
+        raise ShardError(f"{where}: indexes {len(index.keys)} samples, expected at least "
+                         f"{positions[-1] + 1}; {REBUILD}")
+
+
+def indexed_samples(shard: Path, index: ShardIndex, positions: Sequence[int]) -> Iterator[dict]:
+    """The samples at ``positions`` (ascending) of ``shard``, as
     :func:`data_pipeline.tar_reader.tar_samples` gives them (``__key__``, ``jpg``, ``cls``),
     read at the offsets of its ``index``. ``jpg`` is a memoryview of the mapped shard, not a
     copy (the map stays while a sample in a shuffle buffer holds one); ``cls`` is bytes,
     which ``int`` reads."""
-    if stop > len(index.keys):
-        raise ShardError(f"{index_path(shard)}: indexes {len(index.keys)} samples, expected at "
-                         f"least {stop}; {REBUILD}")
-    keys, rows = index.keys[start:stop].tolist(), index.members[start:stop].tolist()
+    check_positions(index, positions, str(index_path(shard)))
     try:
         with open(shard, "rb") as f:
             data = memory_map(f)
     except OSError as exc:
         raise ShardError(f"{shard}: unreadable ({type(exc).__name__}: {exc})") from exc
-    for row in (0, len(rows) - 1) if rows else ():
-        _check_member(data, shard, keys[row], *rows[row][:2])
+    for position in (positions[0], positions[-1]) if positions else ():
+        offset, size = index.members[position, :2].tolist()
+        check_member(data[max(0, offset - BLOCK):offset], shard, index.keys[position], offset,
+                     size)
     view = memoryview(data)
-    for position, key, (jpg, jpg_size, cls, cls_size) in zip(range(start, stop), keys, rows,
-                                                             strict=True):
-        if position in drop:
-            continue
+    rows = index.members[positions].tolist()
+    for key, (jpg, jpg_size, cls, cls_size) in zip(index.keys[positions].tolist(), rows,
+                                                   strict=True):
         sample = {"__key__": key}
         if jpg_size >= 0:
             sample["jpg"] = view[jpg:jpg + jpg_size]
@@ -169,17 +187,17 @@ def indexed_samples(shard: Path, index: ShardIndex, start: int, stop: int,
         yield sample
 
 
-def _check_member(data, shard: Path, key: str, offset: int, size: int) -> None:
-    """ShardError unless the tar header before ``offset`` is ``key``'s jpg of ``size`` bytes
-    (or the sample has no jpg: nothing to check)."""
+def check_member(header: bytes, shard: Path | str, key: str, offset: int, size: int) -> None:
+    """ShardError unless ``header``, the 512 bytes before ``offset`` in ``shard``, is
+    ``key``'s jpg of ``size`` bytes (or the sample has no jpg: nothing to check)."""
     if offset < 0:
         return
-    header = data[offset - BLOCK:offset] if offset >= BLOCK else b""
     try:
         matches = (len(header) == BLOCK and member_name(header) == f"{key}.jpg"
                    and member_size(header) == size)
     except UnicodeDecodeError:
         matches = False
     if not matches:
-        raise ShardError(f"{index_path(shard)}: does not match {shard.name} (no member "
+        name = str(shard).rsplit("/", 1)[-1]
+        raise ShardError(f"{shard}{INDEX_SUFFIX}: does not match {name} (no member "
                          f"{key}.jpg of {size} bytes at byte {offset}); {REBUILD}")

@@ -1,10 +1,12 @@
 """Loader stages: plain generators over sample dicts, curried with `wds.pipelinefilter`.
 
-A worker's stream is  read_pieces -> shuffle (webdataset's buffer, seeded) -> annotate
-(stream position and flip bit; the resumed part skipped) -> decode_chunks (into a batch buffer,
-mirrored there, or the flip bits handed on for the consumer to apply on its device).
-Positions are taken after the shuffle, so a resumed worker replays the same shuffled stream
-without decoding and skips exactly the samples it had handed out. Sample dicts carry
+A worker's stream is  piece_refs (a placeholder per sample) -> shuffle (webdataset's buffer,
+seeded) -> annotate (stream position and flip bit; the resumed part skipped) -> fill (the
+sample's bytes, from a :class:`ShardReader`) -> decode_chunks (into a batch buffer, mirrored
+there, or the flip bits handed on for the consumer to apply on its device). Positions are
+taken after the shuffle, so a resumed worker replays the same shuffled stream without reading
+and skips exactly the samples it had handed out; its reader fetches only the rest (over a
+network: from the byte offset of the first one still wanted). Sample dicts carry `__ref__`,
 `__key__`, `jpg` (bytes), `cls` (bytes), `__pos__`, `__flip__`.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import webdataset as wds
@@ -22,25 +24,98 @@ from data_pipeline.codec import Mirror, decode_into
 from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.manifest import ShardInfo
-from data_pipeline.shard_index import indexed_samples, read_index
+from data_pipeline.shard_index import index_path, indexed_samples, read_index
 from data_pipeline.slots import SlotPool
 from data_pipeline.tar_reader import check_shard, tar_samples
 
+Wanted = list[tuple[int, list[int]]]  # (shard, ascending positions in it), in reading order
 
-def read_pieces(pieces: list[Piece], paths: list[Path], infos: list[ShardInfo]) -> Iterator[dict]:
-    """Source stage: the raw samples of `pieces` in order (less each piece's `drop`), read at
-    the offsets of the shard's index where it has one (data_pipeline.shard_index), else by
-    parsing its tar; shards are checked before reading."""
+
+class ShardReader(Protocol):
+    """Where a worker's sample bytes come from: a local folder (:class:`LocalShards`) or a
+    URL (data_pipeline.remote_shards). ``samples(wanted)`` yields ``((shard, position),
+    sample)`` for every position of ``wanted`` in that order, ``sample`` holding ``__key__``,
+    ``jpg``, ``cls`` and ``__shard__`` (the shard's name in errors)."""
+
+    num_unindexed: int  # shards without a member index (read by parsing their tar)
+
+    def samples(self, wanted: Wanted) -> Iterator[tuple[tuple[int, int], dict]]: ...
+
+
+class LocalShards:
+    """The shards of a local folder: each checked against the manifest, then read at the
+    offsets of its member index (data_pipeline.shard_index), or by parsing its tar where it
+    has none, from a memory map."""
+
+    def __init__(self, folder: Path, shards: tuple[ShardInfo, ...]):
+        self.paths, self.infos = [folder / s.name for s in shards], shards
+        for path, info in zip(self.paths, shards, strict=True):
+            check_shard(path, info)
+        self.num_unindexed = sum(not index_path(p).is_file() for p in self.paths)
+
+    def samples(self, wanted: Wanted) -> Iterator[tuple[tuple[int, int], dict]]:
+        for shard, positions in wanted:
+            path = self.paths[shard]
+            check_shard(path, self.infos[shard])
+            yield from tagged(shard, positions, path, local_samples(path, positions))
+
+
+def local_samples(path: Path, positions: list[int]) -> Iterator[dict]:
+    """The samples at ``positions`` (ascending) of the local shard ``path``: through its
+    member index, else its tar parsed."""
+    index = read_index(path)
+    if index is not None:
+        return indexed_samples(path, index, positions)
+    start, stop = positions[0], positions[-1] + 1
+    return tar_samples(path, start, stop, set(range(start, stop)).difference(positions),
+                       exts=("jpg", "cls"))
+
+
+def tagged(shard: int, positions: list[int], where: object, samples: Iterator[dict]
+           ) -> Iterator[tuple[tuple[int, int], dict]]:
+    """``samples`` (one per position) tagged with their ``(shard, position)`` and shard."""
+    for position, sample in zip(positions, samples, strict=True):
+        sample["__shard__"] = where
+        yield (shard, position), sample
+
+
+def piece_refs(pieces: list[Piece]) -> Iterator[dict]:
+    """Source stage: a placeholder per sample of ``pieces`` in order (less each piece's
+    ``drop``), ``__ref__`` = (shard, position). The shuffle and the stream positions need only
+    these; the bytes are filled in after them (:func:`fill`), so a resumed stream fetches only
+    the samples it has not handed out yet."""
     for piece in pieces:
-        path = paths[piece.shard]
-        check_shard(path, infos[piece.shard])
-        index = read_index(path)
-        samples = (tar_samples(path, piece.start, piece.stop, piece.drop, exts=("jpg", "cls"))
-                   if index is None else
-                   indexed_samples(path, index, piece.start, piece.stop, piece.drop))
-        for sample in samples:
-            sample["__shard__"] = path
-            yield sample
+        for position in range(piece.start, piece.stop):
+            if position not in piece.drop:
+                yield {"__ref__": (piece.shard, position)}
+
+
+def wanted(pieces: list[Piece], kept: Iterator[dict] | None = None) -> Wanted:
+    """What a worker reads: per piece the positions of its samples, all of them, or only those
+    of the placeholders ``kept`` (the stream after a resume's skip)."""
+    keep = None if kept is None else {sample["__ref__"] for sample in kept}
+    out = []
+    for piece in pieces:
+        positions = [p for p in range(piece.start, piece.stop) if p not in piece.drop
+                     and (keep is None or (piece.shard, p) in keep)]
+        if positions:
+            out.append((piece.shard, positions))
+    return out
+
+
+def _fill(data: Iterator[dict], samples: Iterator[tuple[tuple[int, int], dict]]
+          ) -> Iterator[dict]:
+    """Each placeholder of ``data`` (in shuffled order) completed with its sample's bytes
+    from ``samples`` (in reading order). The samples read but not yet asked for are held
+    here: no more than the shuffle buffer holds."""
+    held: dict[tuple[int, int], dict] = {}
+    for sample in data:
+        ref = sample["__ref__"]
+        while ref not in held:
+            got, raw = next(samples)
+            held[got] = raw
+        sample.update(held.pop(ref))
+        yield sample
 
 
 class ShuffleRandom(random.Random):
@@ -157,4 +232,5 @@ class _Filling:
 
 
 annotate = wds.pipelinefilter(_annotate)
+fill = wds.pipelinefilter(_fill)
 decode_chunks = wds.pipelinefilter(_decode_chunks)

@@ -17,6 +17,7 @@ conversion with the same fingerprint keeps the finished shards and rewrites only
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -90,7 +91,14 @@ def write_shard(path: Path, samples: Iterable[Sample]) -> ShardInfo:
                     tar.addfile(info, io.BytesIO(payload))
                 count += 1
     write_index(path, build_index(path))
-    return ShardInfo(path.name, count, path.stat().st_size)
+    return _shard_info(path, count)
+
+
+def _shard_info(path: Path, count: int) -> ShardInfo:
+    """The manifest's entry of the finished shard ``path`` of ``count`` samples."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return ShardInfo(path.name, count, path.stat().st_size, digest)
 
 
 def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | None = 112,
@@ -145,7 +153,7 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
         if path.is_file():  # renamed only when complete
             if not index_path(path).is_file():  # stopped between the shard and its index
                 write_index(path, build_index(path))
-            shards.append(ShardInfo(path.name, stop - start, path.stat().st_size))
+            shards.append(_shard_info(path, stop - start))
             if progress:
                 progress(stop - start)
             continue

@@ -169,6 +169,7 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
     The shard loaders' flip is deferred to the engine, which mirrors on the run's device
     (``flip="deferred"``: the same images, one image in two less for a decoding worker)."""
     from data_pipeline import SyntheticStream, make_loader
+    from data_pipeline.remote_shards import Streaming
 
     common = {"batch_size": cfg.train.batch_size, "rank": env.rank,
               "world_size": env.world_size, "seed": cfg.seed, "flip": cfg.data.flip}
@@ -176,7 +177,8 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
         return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
                                device=env.device, **common)
     common.update(num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda",
-                  flip="deferred" if cfg.data.flip else False)
+                  flip="deferred" if cfg.data.flip else False,
+                  streaming=Streaming(cache_dir=cfg.data.cache_dir, cache_gib=cfg.data.cache_gib))
     if cfg.data.dirs is not None:
         from data_pipeline.mixture import make_mixed_loader
 

@@ -1,6 +1,7 @@
 """The file-system facts the config checks need, read in this one place: the data's
-``manifest.json`` (and what is at ``data.dir`` instead of one), and the paths a run will open
-(``backbone.weights``, ``checkpoint.resume``, ``eval.bins``) or write (the run folder).
+``manifest.json`` (and what is at ``data.dir`` instead of one; at a URL, also its shards), and
+the paths a run will open (``backbone.weights``, ``checkpoint.resume``, ``eval.bins``) or write
+(the run folder).
 
 Each function returns (dotted key, message) pairs as the checks in
 :mod:`trainer.config.checks` do; :func:`trainer.config.load_config` reports them together.
@@ -30,11 +31,19 @@ def read_data_manifest(cfg: Config) -> tuple[Manifest | None, list[tuple[str, st
     from data_pipeline import read_manifest
     from data_pipeline.errors import DataError
     from data_pipeline.manifest import Manifest
+    from data_pipeline.remote import is_url
+    from data_pipeline.remote_shards import check_remote_folder
 
     keyed = [(f"data.dirs.{i}", f"data.dirs[{i}]", d) for i, d in enumerate(cfg.data.dirs)] \
         if cfg.data.dirs else [("data.dir", "data.dir", cfg.data.dir)]
     manifests, out = [], []
     for key, name, folder in keyed:
+        if is_url(folder):  # a URL: its manifest, then its shards' presence and sizes
+            try:
+                manifests.append(check_remote_folder(folder))
+            except DataError as err:  # denied, missing, no credentials: one line, the URL
+                out.append((key, f"{name}: {err}"))
+            continue
         data_dir = Path(folder)
         if not (data_dir / "manifest.json").is_file():
             out.append((key, f"{name}={folder!r}: {_no_manifest(data_dir)}"))

@@ -58,7 +58,8 @@ class DataConfig(_Section):
     )
     dir: str = Field(
         "data/synthetic", description="folder of webdataset shards and their manifest.json "
-        "(python -m launch.convert writes one); shards only"
+        "(python -m launch.convert writes one), or its URL (s3://, gs://, https://, file://: "
+        "streamed, docs/data.md); shards only"
     )
     dirs: list[str] | None = Field(
         None, description="several shard folders trained together instead of data.dir: every "
@@ -91,6 +92,12 @@ class DataConfig(_Section):
         "process (synthetic: unused, batches are generated on the device)"
     )
     flip: bool = Field(True, description="random horizontal flip of training images")
+    cache_dir: str | None = Field(
+        None, description="data at a URL: a node-local folder keeping whole shards once fetched "
+        "(shared by the node's ranks and workers; later epochs read it); null = stream only"
+    )
+    cache_gib: PosFloat = Field(100.0, description="data.cache_dir's bound in GiB (least "
+                                "recently read shards evicted)")
 
     def folders(self) -> list[str]:
         """The shard folders read: ``dirs``, else ``[dir]``."""

@@ -1,0 +1,238 @@
+"""Data folders at a URL: one client layer, fsspec, for every object store and web server.
+
+``data.dir`` may be ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``https://host/path``,
+``file:///path`` or a local path. :func:`open_folder` gives a :class:`~pathlib.Path` for a
+local path or a ``file://`` URL (the loader memory-maps those, as always) and a
+:class:`RemoteFolder` for anything else fsspec reads. Nothing here branches on the scheme: an
+object store's endpoint and credentials come from its client's standard places (``AWS_*``
+variables and profiles, ``AWS_ENDPOINT_URL`` for MinIO or Ceph,
+``GOOGLE_APPLICATION_CREDENTIALS``, fsspec's configuration), never through this project, which
+never prints them (:func:`scrub`) and refuses a URL that carries them.
+
+A read is one request: a whole small file (the manifest, a member index) or one byte range of
+a shard. Transient failures (a reset connection, a 5xx, a timeout, a body cut short) are
+retried with exponential backoff within :class:`Retry`'s bounds, the retry asking only for the
+bytes not yet received; each is counted (:attr:`RemoteFolder.stats`) and logged as one line on
+stderr. Permanent ones (403, 404, a missing bucket, missing credentials) raise
+:class:`StorageError` at once: one line naming the URL and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_pipeline.errors import DataError
+
+INSTALL = "pip install 'partial-fc[remote]' (fsspec with s3fs and aiohttp)"
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+# variables whose values a client library may echo in an error (never in ours)
+_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                     "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+class StorageError(DataError):
+    """A data folder's URL cannot be read: denied, missing, or still failing after the
+    retries. One line naming the URL (without credentials) and the fix."""
+
+
+def scrub(text: object) -> str:
+    """``text`` without credentials: a URL's ``user:password@`` and the values of the
+    standard credential variables replaced by ``***``."""
+    out = _USERINFO.sub("***@", str(text))
+    for name in _SECRET_VARIABLES:
+        value = os.environ.get(name, "")
+        if len(value) >= 4:
+            out = out.replace(value, "***")
+    return out
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    return "://" in os.fspath(location)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Bounds of the retries of one request: ``attempts`` tries in all, waiting
+    ``first_delay_s`` after the first failure and twice as long after each next one (at most
+    ``max_delay_s``); one request may take ``timeout_s``."""
+
+    attempts: int = 8
+    first_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+    timeout_s: float = 60.0
+
+
+@dataclass
+class FetchStats:
+    """What one process's reads of a folder cost: requests, bytes, retries and the seconds
+    slept between them."""
+
+    requests: int = 0
+    bytes: int = 0
+    retries: int = 0
+    retry_s: float = 0.0
+
+
+def open_folder(location: str | os.PathLike, retry: Retry | None = None) -> Path | RemoteFolder:
+    """A data folder: a local :class:`Path`, or a :class:`RemoteFolder` for a URL fsspec reads
+    remotely. StorageError for a URL with credentials in it, a scheme fsspec does not know, or
+    one whose client is not installed."""
+    text = os.fspath(location)
+    if not is_url(text):
+        return Path(text)
+    if _USERINFO.search(text):
+        raise StorageError(f"{scrub(text)}: credentials in a data URL would be written to "
+                           "config.yaml and the logs; give them in the client's standard places "
+                           "(AWS_* variables or profiles, GOOGLE_APPLICATION_CREDENTIALS, fsspec "
+                           "config) instead")
+    folder = RemoteFolder(text.rstrip("/"), retry or Retry())
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(folder.fs, LocalFileSystem):
+        return Path(folder.path)
+    return folder
+
+
+class RemoteFolder:
+    """A folder of files at ``url``, read through fsspec with :class:`Retry`'s retries
+    (``path``: the URL as its client names it, once the client is made).
+
+    Picklable (a DataLoader worker gets a copy): the fsspec client is made again in each
+    process (an async client's event loop does not survive a fork)."""
+
+    def __init__(self, url: str, retry: Retry):
+        self.url, self.retry, self.stats = url, retry, FetchStats()
+        self.shown = scrub(url)
+        self._fs, self._pid, self.path = None, None, ""
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fs": None, "_pid": None}
+
+    def __repr__(self) -> str:
+        return f"RemoteFolder({self.shown!r})"
+
+    @property
+    def fs(self):
+        """This process's fsspec client for the folder."""
+        if self._fs is None or self._pid != os.getpid():
+            try:
+                from fsspec.core import url_to_fs
+
+                self._fs, self.path = url_to_fs(self.url)
+            except ImportError as exc:
+                raise StorageError(f"{self.shown}: {exc} ({INSTALL})") from exc
+            except ValueError as exc:  # fsspec: "Protocol not known"
+                raise StorageError(f"{self.shown}: {scrub(exc)}") from exc
+            self._pid = os.getpid()
+        return self._fs
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of file ``name`` (to its end when ``end`` is None), retried
+        as the module docstring says; a body cut short is continued at its first missing
+        byte. StorageError for a permanent failure or when the retries run out."""
+        url, parts, got = self.url_of(name), [], 0
+        want = None if end is None else end - start
+        failures, delay = 0, self.retry.first_delay_s
+        while True:
+            at = start + got
+            try:
+                data = self._get(url, at, end)
+            except Exception as exc:  # noqa: BLE001 - classified: permanent or retried
+                fix = permanent_failure(exc)
+                if fix is not None:
+                    raise StorageError(f"{scrub(url)}: {fix}") from None
+                problem = f"{type(exc).__name__}: {scrub(exc) or 'no message'}"
+            else:
+                self.stats.requests += 1
+                self.stats.bytes += len(data)
+                if want is not None and got + len(data) > want:
+                    raise StorageError(f"{scrub(url)}: asked for bytes {at}-{end}, got "
+                                       f"{len(data)} bytes (a server that ignores Range "
+                                       "requests cannot serve shards)")
+                parts.append(data)
+                got += len(data)
+                if want is None or got == want:
+                    return b"".join(parts)
+                problem = f"body cut short at byte {start + got}"
+            failures += 1
+            if failures >= self.retry.attempts:
+                raise StorageError(f"{scrub(url)}: bytes {start}-{end if end else 'end'}: still "
+                                   f"failing after {failures} tries ({problem}); check the "
+                                   "network and the server, then resume the run")
+            print(f"data: {scrub(url)} bytes {at}-{end if end else 'end'}: {problem}; retry "
+                  f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s", file=sys.stderr,
+                  flush=True)
+            self.stats.retries += 1
+            self.stats.retry_s += delay
+            time.sleep(delay)
+            delay = min(2 * delay, self.retry.max_delay_s)
+
+    def _get(self, url: str, start: int, end: int | None) -> bytes:
+        """One request: fsspec's cat_file, under the request timeout where the client is
+        asynchronous (fsspec's own ``timeout``: a stalled connection becomes an error)."""
+        fs = self.fs
+        timeout = {"timeout": self.retry.timeout_s} if getattr(fs, "async_impl", False) else {}
+        return fs.cat_file(url, start=start or None, end=end, **timeout)
+
+    def sizes(self, names: list[str]) -> dict[str, int]:
+        """The sizes of those of ``names`` that exist: from one listing of the folder where
+        the store lists it, else (a web server, a listing denied) one request each."""
+        found: dict[str, int] = {}
+        try:
+            for entry in self.fs.ls(self.url, detail=True):
+                if entry.get("size") is not None and entry.get("type") != "directory":
+                    found[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
+        except Exception:  # noqa: BLE001 - a folder that does not list: asked one by one
+            pass
+        missing = [n for n in names if n not in found]
+        with ThreadPoolExecutor(16) as pool:
+            for name, size in zip(missing, pool.map(self._size, missing), strict=True):
+                if size is not None:
+                    found[name] = size
+        return {n: found[n] for n in names if n in found}
+
+    def _size(self, name: str) -> int | None:
+        """File ``name``'s size, None when it does not exist (StorageError when denied)."""
+        url = self.url_of(name)
+        for attempt in range(self.retry.attempts):
+            try:
+                return int(self.fs.info(url)["size"])
+            except FileNotFoundError:
+                return None
+            except Exception as exc:  # noqa: BLE001
+                fix = permanent_failure(exc)
+                if fix is not None or attempt + 1 == self.retry.attempts:
+                    raise StorageError(f"{scrub(url)}: {fix or scrub(exc)}") from None
+                time.sleep(min(self.retry.first_delay_s * 2 ** attempt, self.retry.max_delay_s))
+        return None
+
+
+def permanent_failure(exc: BaseException) -> str | None:
+    """What is wrong and the fix, for an error no retry cures (None: a transient one).
+
+    Generic over the clients: fsspec turns a 404 or a missing bucket into FileNotFoundError
+    and s3fs/gcsfs a 403 into PermissionError; a plain HTTP status is the exception's
+    ``status``; a client without credentials raises a ``...Credentials...Error``."""
+    status = getattr(exc, "status", None)
+    if isinstance(exc, FileNotFoundError) or status == 404:
+        return ("not found (404, or no such bucket): check the URL; a converted folder holds "
+                "manifest.json, its shards and their .idx files")
+    if isinstance(exc, PermissionError) or status in (401, 403):
+        return ("access denied (401/403): check the credentials in the client's standard places "
+                "(AWS_* variables or profile, GOOGLE_APPLICATION_CREDENTIALS) and their rights "
+                "on this prefix")
+    if any("Credentials" in kind.__name__ for kind in type(exc).__mro__):
+        return ("no credentials found: set them in the client's standard places (AWS_* "
+                "variables or profile, GOOGLE_APPLICATION_CREDENTIALS, fsspec config)")
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return f"refused with HTTP {status}: check the URL and the server's access rules"
+    return None

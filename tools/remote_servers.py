@@ -1,0 +1,194 @@
+"""Real servers on loopback for the remote-data tests and bench/loader.py: a plain HTTP file
+server with Range support, moto's S3 server, and a TCP proxy in front of either that adds
+latency or injects faults. Nothing here mocks a client library: the loader's fsspec clients
+talk to these over sockets. Loopback only (127.0.0.1)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class FileServer:
+    """Serves the files under ``root`` over HTTP/1.1 on 127.0.0.1 with byte ranges; paths
+    under ``deny`` get 403. ``requests`` logs ``(method, path, range header)``."""
+
+    def __init__(self, root: Path, deny: tuple[str, ...] = ()):
+        self.root, self.deny, self.requests = Path(root), deny, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_HEAD(self):
+                self.reply(head=True)
+
+            def do_GET(self):
+                self.reply(head=False)
+
+            def reply(self, head: bool):
+                server.requests.append((self.command, self.path, self.headers.get("Range")))
+                path = server.root / self.path.lstrip("/")
+                if any(self.path.startswith(d) for d in server.deny):
+                    return self.empty(403)
+                if not path.is_file():
+                    return self.empty(404)
+                data = path.read_bytes()
+                start, end, status = 0, len(data), 200
+                wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                if wanted:
+                    start = int(wanted[1])
+                    end = min(len(data), int(wanted[2]) + 1) if wanted[2] else len(data)
+                    status = 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(end - start))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data[start:end])
+
+            def empty(self, status: int):
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def gets(self, name: str) -> list[str | None]:
+        """The Range headers of the GETs of files whose path ends with ``name``."""
+        return [r for m, p, r in self.requests if m == "GET" and p.endswith("/" + name)]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1, and the client configuration that reaches it (as the
+    standard AWS_* variables, what a user sets for MinIO or Ceph)."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+
+    def environment(self, endpoint: str | None = None) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret-1234",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def close(self):
+        self.server.stop()
+
+
+def upload(folder: Path, url: str) -> str:
+    """Copy the files of ``folder`` to the (S3) ``url`` through fsspec; returns ``url``."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    with contextlib.suppress(FileExistsError):
+        fs.mkdir(root.split("/", 1)[0])
+    for path in sorted(folder.iterdir()):
+        fs.pipe_file(f"{url}/{path.name}", path.read_bytes())
+    return url
+
+
+class FaultProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``upstream`` (host, port). Each new connection
+    takes the next fault of ``faults`` (none once they run out): ``("503",)`` answers its
+    first request with a 503 and closes; ``("cut", n)`` closes it after ``n`` bytes of
+    response; ``("delay", s)`` holds the response ``s`` seconds. ``latency_s`` delays every
+    request (each read from a client) that long: a round trip to a distant store."""
+
+    def __init__(self, upstream: tuple[str, int], faults=(), latency_s: float = 0.0):
+        self.upstream, self.faults, self.latency_s = upstream, deque(faults), latency_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.closed, self.open = False, set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def inject(self, faults):
+        """Queue ``faults`` for the next connections and end the open ones (a client's
+        keep-alive connections would otherwise never meet them)."""
+        self.faults.extend(faults)
+        for client in list(self.open):
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            fault = self.faults.popleft() if self.faults else None
+            threading.Thread(target=self._serve, args=(client, fault), daemon=True).start()
+
+    def _serve(self, client: socket.socket, fault):
+        self.open.add(client)
+        with client:
+            if fault and fault[0] == "503":
+                client.recv(65536)
+                client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                               b"Connection: close\r\n\r\n")
+                return
+            upstream = socket.create_connection(self.upstream)
+            with upstream:
+                threading.Thread(target=_pump, args=(client, upstream, None, 0,
+                                                     self.latency_s), daemon=True).start()
+                limit = fault[1] if fault and fault[0] == "cut" else None
+                delay = fault[1] if fault and fault[0] == "delay" else 0
+                _pump(upstream, client, limit, delay)
+        self.open.discard(client)
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket, limit: int | None, delay: float,
+          every: float = 0.0):
+    """Copy ``source`` to ``sink`` until either closes, or ``limit`` bytes have passed (then
+    both are shut), holding the first bytes back ``delay`` seconds and every read ``every``."""
+    sent = 0
+    try:
+        while True:
+            data = source.recv(65536)
+            if not data:
+                break
+            if delay or every:
+                time.sleep(delay or every)
+                delay = 0
+            if limit is not None and sent + len(data) >= limit:
+                sink.sendall(data[:limit - sent])
+                break
+            sink.sendall(data)
+            sent += len(data)
+    except OSError:
+        pass
+    for s in (source, sink):
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+
+
+def clear_clients():
+    """Forget fsspec's cached S3 clients (each holds the endpoint it was made with)."""
+    with contextlib.suppress(ImportError):
+        from s3fs import S3FileSystem
+
+        S3FileSystem.clear_instance_cache()
