@@ -72,10 +72,13 @@ def _finish(fig: Figure, ax, ylabel: str, title: str) -> Figure:
 
 
 def _spread(runs: list[RunData], key: str) -> float:
-    """max / min of the positive values of ``key`` over all runs (1 when there are none)."""
+    """max / min of the values of ``key`` over all runs; 1 (no log axis) when there are none
+    or any is <= 0 (a loss with ArcFace's Inter-Loss term can be negative)."""
     values = np.concatenate([r.series(key)[1] for r in runs])
-    values = values[np.isfinite(values) & (values > 0)]
-    return float(values.max() / values.min()) if len(values) else 1.0
+    values = values[np.isfinite(values)]
+    if not len(values) or values.min() <= 0:
+        return 1.0
+    return float(values.max() / values.min())
 
 
 def _line_figure(key: str, ylabel: str, title: str, log: bool | str = False,
@@ -314,8 +317,9 @@ MARGIN_FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] 
 
 # slug -> (builder, caption): the report's order.
 FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
-    "loss": (_line_figure("loss", "loss", "training loss (global batch)"),
-             "Loss of the global batch, as the head computes it (margin and scale included)."),
+    "loss": (_line_figure("loss", "loss", "training loss (global batch)", log="auto"),
+             "Loss of the global batch, as the head computes it (margin and scale included); "
+             "a log axis when it spans more than a factor 5 and stays positive."),
     "lr": (_line_figure("lr", "learning rate", "learning rate"), "Learning rate (warm-up, decay)."),
     names.SCALE: (_line_figure(names.SCALE, "s", "logit scale s", log="auto",
                                reference=_adacos_fixed),

@@ -200,6 +200,19 @@ def test_scale_axis_turns_logarithmic_when_scales_differ_tenfold():
     assert build([run("a", 30.0), run("b", 16.0)]).axes[0].get_yscale() == "linear"
 
 
+def test_loss_axis_is_logarithmic_unless_a_loss_is_not_positive():
+    from offline.report_figures import RunData
+
+    def run(*losses):
+        rows = [{"step": i, "loss": v} for i, v in enumerate(losses, 1)]
+        return RunData("r", {}, rows, [], None)
+
+    build = FIGURES["loss"][0]
+    assert build([run(10.4, 2.0, 0.05)]).axes[0].get_yscale() == "log"  # make train's 10 -> 0.05
+    assert build([run(10.4, 2.0, -0.3)]).axes[0].get_yscale() == "linear"  # an Inter-Loss term
+    assert build([run(1.0, 0.8)]).axes[0].get_yscale() == "linear"
+
+
 def test_margin_figures_draw_the_margins_statistics():
     """Each margin figure draws from its metrics.jsonl keys; the z_hat histogram stacks the
     eight bin shares per run."""
