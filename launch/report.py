@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
-from offline.report_figures import FIGURES, RunData
+from offline.report_figures import FIGURES, WHEN_ABSENT, RunData
 from trainer.errors import EXIT_STATUS, Refused
 from trainer.telemetry import run_files
 
@@ -103,8 +103,9 @@ def render_html(runs: list[RunData], figures: dict[str, Figure], dpi: int = 90) 
         caption = html.escape(FIGURES[slug][1])
         parts.append(f'<figure id="{slug}"><img alt="{slug}" src="data:image/png;base64,{data}">'
                      f"<figcaption>{caption}</figcaption></figure>")
-    absent = [slug for slug in FIGURES if slug not in figures]
-    note = (f"<p class=note>Not in these runs' files: {', '.join(absent)}.</p>" if absent else "")
+    absent = [WHEN_ABSENT[slug] for slug in FIGURES if slug not in figures]
+    note = (f"<p class=note>Not drawn, as these runs did not record it: "
+            f"{html.escape('; '.join(absent))}.</p>" if absent else "")
     title = "partial-fc report: " + ", ".join(r.label for r in runs)
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!DOCTYPE html>

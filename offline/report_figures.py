@@ -349,3 +349,22 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
     "verification": (verification_figure, "Verification accuracy (10-fold) per eval set."),
     **MARGIN_FIGURES,
 }
+
+# What a figure left out of a report shows, and what a run needs to have it, in the user's words.
+WHEN_ABSENT: dict[str, str] = {
+    "loss": "the loss (no step lines logged yet)",
+    "lr": "the learning rate (no step lines logged yet)",
+    names.SCALE: "the logit scale s (no step lines logged yet)",
+    names.B_AVG: "B_avg (AdaCos runs)",
+    names.THETA_MED: "the median target angle θ_med (no step lines logged yet)",
+    names.SUBCENTER_SHARE: "the dominant-centre share (runs with margin.subcenters > 1)",
+    "cos": "the target and non-target cosines (no step lines logged yet)",
+    "angles": "the angle heatmaps (log.hist_every)",
+    "throughput": "images per second and memory (no step lines logged yet)",
+    "verification": "verification accuracy (eval.bins)",
+    "norms": "feature norms (AdaFace and MagFace runs)",
+    "adaface": "AdaFace's norm EMAs (margin.type=adaface)",
+    "adaface_zhat": "AdaFace's z_hat histogram (margin.type=adaface)",
+    "curricular": "CurricularFace's t (margin.type=curricularface)",
+    "aux": "the auxiliary loss terms (margin.intra, inter, triplet; MagFace)",
+}

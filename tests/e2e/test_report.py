@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
 import shutil
 
@@ -13,7 +14,7 @@ from launch_helpers import train_in_process
 from matplotlib.collections import QuadMesh
 
 from launch import report
-from offline.report_figures import FIGURES, MARGIN_FIGURES
+from offline.report_figures import FIGURES, MARGIN_FIGURES, WHEN_ABSENT
 from partial_fc import metric_names as names
 from partial_fc.scale import fixed_adacos_scale
 
@@ -161,6 +162,16 @@ def test_html_is_self_contained_and_pngs_are_written(runs, tmp_path, capsys):
     assert "src=\"http" not in page and "<script" not in page
     assert sorted(p.stem for p in pngs.iterdir()) == sorted(PLAIN)
     assert f"{len(PLAIN)} figures of 2 run(s)" in capsys.readouterr().err
+    # what was left out, in the user's words with what would record it, never a slug
+    note = html.unescape(re.search(r"<p class=note>(.*?)</p>", page).group(1))
+    absent = [slug for slug in FIGURES if slug not in PLAIN]
+    assert absent and all(WHEN_ABSENT[slug] in note for slug in absent)
+    assert not any(re.search(rf"\b{slug}\b", note) for slug in absent if "_" in slug)
+    assert "AdaFace's z_hat histogram (margin.type=adaface)" in note
+
+
+def test_every_figure_says_what_records_it():
+    assert set(WHEN_ABSENT) == set(FIGURES)
 
 
 def test_run_still_going_and_folders_that_are_not_runs(runs, tmp_path, capsys):
