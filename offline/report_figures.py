@@ -54,11 +54,12 @@ def _has(runs: list[RunData], key: str) -> bool:
     return any(np.isfinite(r.series(key)[1]).any() for r in runs)
 
 
-def _lines(ax, runs: list[RunData], key: str, **style) -> None:
+def _lines(ax, runs: list[RunData], key: str, unit: Callable = np.asarray, **style) -> None:
+    """One line per run; ``unit`` converts the recorded values (np.degrees for angles)."""
     for i, run in enumerate(runs):
         steps, values = run.series(key)
         if np.isfinite(values).any():
-            ax.plot(steps, values, color=_colour(i), label=run.label, **style)
+            ax.plot(steps, unit(values), color=_colour(i), label=run.label, **style)
 
 
 def _finish(fig: Figure, ax, ylabel: str, title: str) -> Figure:
@@ -82,8 +83,9 @@ def _spread(runs: list[RunData], key: str) -> float:
 
 
 def _line_figure(key: str, ylabel: str, title: str, log: bool | str = False,
-                 reference: Callable | None = None) -> Callable:
-    """A builder for one metric, one line per run; ``reference(ax, runs)`` adds guides.
+                 reference: Callable | None = None, unit: Callable = np.asarray) -> Callable:
+    """A builder for one metric, one line per run (``unit`` as in _lines); ``reference(ax,
+    runs)`` adds guides.
     ``log="auto"``: a log axis when the values span more than a factor 5 (s = 64 beside
     AdaCos's s = 6.5 would flatten the latter)."""
 
@@ -92,7 +94,7 @@ def _line_figure(key: str, ylabel: str, title: str, log: bool | str = False,
             return None
         fig = Figure(figsize=(7, 3.6))
         ax = fig.add_subplot()
-        _lines(ax, runs, key)
+        _lines(ax, runs, key, unit)
         if log is True:
             ax.set_yscale("log")
         elif log == "auto" and _spread(runs, key) > 5:
@@ -115,7 +117,7 @@ def _adacos_fixed(ax, runs: list[RunData]) -> None:
 
 
 def _quarter_pi(ax, runs: list[RunData]) -> None:
-    ax.axhline(math.pi / 4, color="grey", ls="--", lw=1, label="π/4")
+    ax.axhline(math.degrees(math.pi / 4), color="grey", ls="--", lw=1, label="45° (π/4)")
 
 
 def cos_figure(runs: list[RunData]) -> Figure | None:
@@ -327,10 +329,12 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
               "Sec. 4.1); the dynamic scale starts there and follows B_avg and θ_med (Sec. 4.2)."),
     names.B_AVG: (_line_figure(names.B_AVG, "B_avg", "B_avg (non-target logit sum)", log=True),
               "B_avg: the batch mean of Σ exp(s·cos) over non-target classes, at the current s."),
-    names.THETA_MED: (_line_figure(names.THETA_MED, "θ_med (rad)", "median target angle θ_med",
-                               reference=_quarter_pi),
-                  "Median target angle θ_med (radians). AdaCos's dynamic scale is "
-                  "s = ln(B_avg) / cos(min(π/4, θ_med)): √2·ln(B_avg) while θ_med ≥ π/4, "
+    names.THETA_MED: (_line_figure(names.THETA_MED, "θ_med (degrees)",
+                                   "median target angle θ_med", reference=_quarter_pi,
+                                   unit=np.degrees),
+                  "Median target angle θ_med, in degrees as on the angle heatmaps (the run's "
+                  "files record radians). AdaCos's dynamic scale is "
+                  "s = ln(B_avg) / cos(min(π/4, θ_med)): √2·ln(B_avg) while θ_med ≥ 45°, "
                   "and smaller as θ_med falls below it (stricter supervision)."),
     names.SUBCENTER_SHARE: (
         _line_figure(names.SUBCENTER_SHARE, "share", "sub-center: dominant-center share"),

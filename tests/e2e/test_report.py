@@ -144,8 +144,11 @@ def test_runs_overlay_with_reference_lines(runs):
     assert reference[0].get_ydata()[0] == pytest.approx(fixed_adacos_scale(20))
     adacos_s = scale.lines[1].get_ydata()
     assert adacos_s[0] != pytest.approx(adacos_s[-1])  # the dynamic scale moved
-    theta = _plot_axes(figures["theta_med"])[0]
-    assert any(line.get_ydata()[0] == pytest.approx(np.pi / 4) for line in theta.lines)
+    theta = _plot_axes(figures["theta_med"])[0]  # degrees, as on the angle heatmaps
+    assert any(line.get_ydata()[0] == pytest.approx(45.0) for line in theta.lines)
+    recorded = loaded[0].series("theta_med")[1]
+    np.testing.assert_allclose(theta.lines[0].get_ydata(), np.degrees(recorded))
+    assert theta.get_ylabel() == "θ_med (degrees)"
     assert len(_plot_axes(figures["angles"])) == 4  # 2 runs x (target, non-target)
     _check_angles(figures["angles"], loaded)
 
