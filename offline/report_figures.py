@@ -301,20 +301,31 @@ MARGIN_FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] 
                               (names.ADAFACE_EMA_STD, "EMA std")),
                              "||x||", "AdaFace norm EMAs (Eq. 12)"),
                 "AdaFace's EMAs of the batch norm mean and std, which standardise z_hat."),
+    "elastic": (_keys_figure(((names.ELASTIC_MARGIN_MEAN, "batch mean"),), "m",
+                             "ElasticFace margin"),
+                "ElasticFace's margin, drawn per sample from N(m, σ) (arXiv:2109.09416 Eq. 4-5): "
+                "the mean over the batch."),
     "adaface_zhat": (zhat_figure,
                      "Share of the batch per z_hat bin (eight over [-1, 1]): low z_hat (low "
                      "norm, hard images) shifts the margin to the angle, high z_hat to the "
-                     "additive term (arXiv:2204.00964 Eq. 13)."),
+                     "additive term (arXiv:2204.00964 Eq. 13). The norm EMAs start where the "
+                     "authors' code starts them (mean 20, std 100), so z_hat sits near 0, in "
+                     "one or two bins, until the EMAs have followed the batches: a short run "
+                     "may show nothing else."),
     "curricular": (_keys_figure(((names.CURRICULAR_T, "t"),
                                  (names.HARD_NEGATIVE_SHARE, "hard-negative share")),
                                 "value", "CurricularFace t and hard negatives"),
                    "CurricularFace's t (EMA of the mean target cosine, arXiv:2004.00288 Eq. 9) "
                    "and the share of sampled non-target pairs it modulates."),
     "aux": (_keys_figure(((names.LOSS_INTRA, "Intra"), (names.LOSS_INTER, "Inter"),
-                          (names.LOSS_TRIPLET, "Triplet"), (names.LOSS_MAGFACE_G, "MagFace g")),
+                          (names.LOSS_TRIPLET, "Triplet")),
                          "weighted term", "auxiliary loss terms"),
-            "ArcFace's Intra-, Inter- and Triplet-Loss (arXiv:1801.07698 Eq. 5-7) and MagFace's "
-            "regulariser, each as added to the loss."),
+            "ArcFace's Intra-, Inter- and Triplet-Loss (arXiv:1801.07698 Eq. 5-7), each as added "
+            "to the loss."),
+    "magface": (_keys_figure(((names.LOSS_MAGFACE_G, "λ_g·g(a)"),), "weighted term",
+                             "MagFace regulariser"),
+                "MagFace's regulariser λ_g·g(a) (arXiv:2103.06627 Eq. 4) as added to the loss, "
+                "on an axis of its own: it is about 100 times the auxiliary terms."),
 }
 
 # slug -> (builder, caption): the report's order.
@@ -323,6 +334,8 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
              "Loss of the global batch, as the head computes it (margin and scale included); "
              "a log axis when it spans more than a factor 5 and stays positive."),
     "lr": (_line_figure("lr", "learning rate", "learning rate"), "Learning rate (warm-up, decay)."),
+    "grad_norm": (_line_figure("grad_norm", "‖∇‖", "backbone gradient norm", log="auto"),
+                  "The backbone's gradient norm, before train.clip_grad_norm clips it."),
     names.SCALE: (_line_figure(names.SCALE, "s", "logit scale s", log="auto",
                                reference=_adacos_fixed),
               "Logit scale s. Dashed: AdaCos's fixed scale √2·ln(C−1) (arXiv:1905.00292 "
@@ -358,6 +371,7 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
 WHEN_ABSENT: dict[str, str] = {
     "loss": "the loss (no step lines logged yet)",
     "lr": "the learning rate (no step lines logged yet)",
+    "grad_norm": "the gradient norm (no step lines logged yet)",
     names.SCALE: "the logit scale s (no step lines logged yet)",
     names.B_AVG: "B_avg (AdaCos runs)",
     names.THETA_MED: "the median target angle θ_med (no step lines logged yet)",
@@ -370,5 +384,7 @@ WHEN_ABSENT: dict[str, str] = {
     "adaface": "AdaFace's norm EMAs (margin.type=adaface)",
     "adaface_zhat": "AdaFace's z_hat histogram (margin.type=adaface)",
     "curricular": "CurricularFace's t (margin.type=curricularface)",
-    "aux": "the auxiliary loss terms (margin.intra, inter, triplet; MagFace)",
+    "elastic": "ElasticFace's margin (the elasticface_* margin types)",
+    "aux": "the auxiliary loss terms (margin.intra, margin.inter, margin.triplet)",
+    "magface": "MagFace's regulariser (margin.type=magface)",
 }

@@ -242,6 +242,12 @@ def test_margin_figures_draw_the_margins_statistics():
     for slug in MARGIN_FIGURES:
         if slug != "adaface_zhat":
             _check_figure(slug, figures[slug])
+    # MagFace's g (about 3) on an axis of its own, not beside the ~0.03 auxiliary terms
+    labels = {slug: [line.get_label() for line in figures[slug].axes[0].lines]
+              for slug in ("aux", "magface", "elastic")}
+    assert labels == {"aux": [f"{r}: {w}" for w in ("Intra", "Inter", "Triplet") for r in "ab"],
+                      "magface": ["a: λ_g·g(a)", "b: λ_g·g(a)"],
+                      "elastic": ["a: batch mean", "b: batch mean"]}
     panels = figures["adaface_zhat"].axes
     assert len(panels) == 2 and all(ax.get_title().endswith("z_hat histogram") for ax in panels)
     assert all(len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 8
