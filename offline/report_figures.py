@@ -145,6 +145,7 @@ def throughput_figure(runs: list[RunData]) -> Figure | None:
         ax = fig.add_subplot(1, 2, j + 1)
         _lines(ax, runs, key)
         _finish(fig, ax, ylabel, title)
+        ax.set_ylim(bottom=0)  # from zero: auto-scaling made a 1% wobble look like a cliff
     return fig
 
 

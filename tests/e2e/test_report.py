@@ -214,6 +214,16 @@ def test_scale_axis_turns_logarithmic_when_scales_differ_tenfold():
     assert build([run("a", 30.0), run("b", 16.0)]).axes[0].get_yscale() == "linear"
 
 
+def test_memory_and_throughput_axes_start_at_zero():
+    from offline.report_figures import RunData
+
+    rows = [{"step": i, "loss": 1.0, "img_per_s": 150.0 + i, "memory_mb": 941.0 + i % 2 * 9}
+            for i in range(1, 9)]  # a 1% memory wobble
+    fig = FIGURES["throughput"][0]([RunData("r", {}, rows, [], None)])
+    low, high = zip(*(ax.get_ylim() for ax in _plot_axes(fig)), strict=True)
+    assert low == (0.0, 0.0) and high[1] >= 950
+
+
 def test_loss_axis_is_logarithmic_unless_a_loss_is_not_positive():
     from offline.report_figures import RunData
 
