@@ -4,13 +4,15 @@
 Command line (one process, or every rank of torchrun)::
 
     python -m launch.overlap --checkpoint RUN --data DIR --bins lfw.bin,cfp_fp.bin
-        [--ijb IJB_release --ijb-target IJBC] [--threshold 0.5] --out overlap.txt
+        [--ijb IJB_release --ijb-target IJBC] [--fmr 1e-3 | --threshold T] --out overlap.txt
 
 Each training identity's centre (mean unit embedding over its images in DIR's shards) is
 compared with every evaluation image; an identity within the cosine threshold of any image
-is listed (``class LABEL`` lines, DIR's own labels). Train again with
-``data.exclude=overlap.txt`` (with ``data.dirs``: run once per folder, one list each). The
-work is ``offline.overlap``.
+is listed. The threshold comes from the model itself: the cosine that a share ``--fmr`` of the
+.bins' own impostor pairs reach (printed with how it was chosen); ``--threshold`` sets it
+instead (without --bins it is 0.5). Identities are listed as ``class LABEL`` lines (DIR's own
+labels). Train again with ``data.exclude=overlap.txt`` (with ``data.dirs``: run once per
+folder, one list each). The work is ``offline.overlap``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
-from offline.overlap import DEFAULT_THRESHOLD
+from offline.overlap import DEFAULT_FMR, DEFAULT_THRESHOLD
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -34,9 +36,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
     p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"cosine between a centre and an image that counts as the same "
-                   f"identity (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="cosine between a centre and an image that counts as the same "
+                   "identity (default: calibrated at --fmr on the .bins' impostor pairs; "
+                   f"{DEFAULT_THRESHOLD} with --ijb alone)")
+    p.add_argument("--fmr", type=float, default=DEFAULT_FMR,
+                   help="false-match rate of the .bins' impostor pairs the threshold is set "
+                   f"at (default {DEFAULT_FMR:g})")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -49,8 +55,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--bins {path}: no such file ({MISSING_BIN_FIX})")
     if len({Path(b).stem for b in args.bins}) != len(args.bins):
         p.error(f"--bins {','.join(args.bins)}: two sets with the same file name")
-    if not -1 <= args.threshold <= 1:
+    if args.threshold is not None and not -1 <= args.threshold <= 1:
         p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
+    if not 0 < args.fmr < 1:
+        p.error(f"--fmr {args.fmr}: a rate, in (0, 1)")
     if not (args.data / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
@@ -59,7 +67,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     from data_pipeline.verification_bin import read_bin
-    from offline.overlap import bin_images, class_centres, ijb_images, set_overlap
+    from offline.overlap import bin_images, class_centres, ijb_images, impostor_cosines, set_overlap
     from trainer import dist
 
     env = dist.init_distributed(args.device)
@@ -67,17 +75,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
         centres, counts = class_centres(backbone, args.data, args.batch_size, env.device,
                                         env.group)
-        sources = []
+        sources, impostors = [], []
         for path in args.bins:
-            unique = list(dict.fromkeys(read_bin(path)[0]))
+            encoded, issame = read_bin(path)
+            unique = list(dict.fromkeys(encoded))
             sources.append((Path(path).stem, bin_images(unique, args.batch_size), len(unique)))
+            if args.threshold is None:
+                impostors.append(impostor_cosines(backbone, encoded, issame, args.batch_size,
+                                                  env.device))
+        threshold, how = _threshold(args, impostors)
+        if env.is_main:
+            print(how)
         if args.ijb is not None:
             from data_pipeline.ijb import read_ijb_meta
 
             meta = read_ijb_meta(args.ijb, args.ijb_target)
             sources.append((args.ijb_target, ijb_images(meta, args.batch_size),
                             len(meta.names)))
-        results = [set_overlap(name, source, count, backbone, centres, args.threshold,
+        results = [set_overlap(name, source, count, backbone, centres, threshold,
                                args.batch_size, env.device, env.group)
                    for name, source, count in sources]
     finally:
@@ -85,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env.is_main:
         shared = frozenset().union(*(r.classes for r in results))
         header = made_by("launch.overlap", {"checkpoint": args.checkpoint, "data": args.data,
-                                             "threshold": f"{args.threshold:g}",
+                                             "threshold": f"{threshold:.4g}",
                                              "sets": ",".join(r.name for r in results)},
                          f"{len(shared)} of {int((counts > 0).sum())} training identities "
                          "shared")
@@ -94,6 +109,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(shared)} training identities listed in {args.out} (train with "
               f"data.exclude={args.out})")
     return 0
+
+
+def _threshold(args: argparse.Namespace, impostors: list) -> tuple[float, str]:
+    """The threshold and one line saying how it was chosen."""
+    import numpy as np
+
+    from offline.overlap import calibrated_threshold
+
+    if args.threshold is not None:
+        return args.threshold, f"threshold {args.threshold:g} (--threshold)"
+    cosines = np.concatenate(impostors) if impostors else np.zeros(0)
+    if not len(cosines):
+        return DEFAULT_THRESHOLD, (f"threshold {DEFAULT_THRESHOLD:g}: the default (no .bin "
+                                   "impostor pairs to calibrate from; --threshold sets it)")
+    tau = calibrated_threshold(cosines, args.fmr)
+    reached = int((cosines >= tau).sum())
+    return tau, (f"threshold {tau:.4f}: the cosine {reached} of the {len(cosines)} impostor "
+                 f"pairs of {', '.join(Path(b).stem for b in args.bins)} reach under this "
+                 f"model (false-match rate {reached / len(cosines):.2g}, --fmr {args.fmr:g}; "
+                 "--threshold sets it instead)")
 
 
 def format_table(results) -> str:

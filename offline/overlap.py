@@ -30,7 +30,8 @@ from offline.folder_scan import batched, decoded, labelled_batches
 from partial_fc.distributed import all_reduce, get_rank, get_world_size
 from trainer.evaluation import embed_images, eval_mode
 
-DEFAULT_THRESHOLD = 0.5  # cosine; an ArcFace r50/r100's impostor cosines lie near 0 +- 0.1
+DEFAULT_THRESHOLD = 0.5  # cosine, without a .bin to calibrate from
+DEFAULT_FMR = 1e-3  # the false-match rate of the .bins' impostor pairs the threshold is set at
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,27 @@ def ijb_images(meta, batch_size: int) -> Callable[[int, int], Iterator]:
                 yield batch
 
     return share
+
+
+@torch.no_grad()
+def impostor_cosines(backbone: nn.Module, encoded: list[bytes], issame: list[bool],
+                     batch_size: int, device: torch.device | str) -> np.ndarray:
+    """The cosines of a ``.bin``'s impostor pairs (images ``2i``, ``2i + 1`` where
+    ``issame[i]`` is False) under ``backbone``; a pair with an undecodable image is left out.
+    Every rank computes them all (a .bin is a few thousand pairs)."""
+    wanted = [i for i, same in enumerate(issame) if not same]
+    blobs = ((2 * i + k, encoded[2 * i + k]) for i in wanted for k in (0, 1))
+    emb: dict[int, torch.Tensor] = {}
+    with eval_mode(backbone):
+        for tags, images in batched(decoded(blobs, resolve_decoder("auto")), batch_size):
+            emb.update(zip(tags, embed_images(backbone, images, batch_size, device).cpu(),
+                           strict=True))
+    return np.array([float(emb[2 * i] @ emb[2 * i + 1]) for i in wanted
+                     if 2 * i in emb and 2 * i + 1 in emb])
+
+
+def calibrated_threshold(cosines: np.ndarray, fmr: float) -> float:
+    """The smallest cosine that at most a share ``fmr`` of the impostor ``cosines`` reach
+    (their ``1 - fmr`` quantile, taken upward): at it, an image and a centre of different
+    identities are listed about as often as two impostor images would match."""
+    return float(np.quantile(cosines, 1.0 - fmr, method="higher"))

@@ -124,3 +124,35 @@ def test_planted_identities_are_found_in_an_ijb_folder(synthetic_data, tmp_path)
     found = set_overlap("IJBC", ijb_images(meta, 5), len(meta.names), model, centres,
                         DEFAULT_THRESHOLD, 5, "cpu")
     assert found.classes == {3, 7} and found.matched_images == 4 and found.images == 12
+
+
+def test_cli_calibrates_the_threshold_on_the_bins_impostor_pairs(synthetic_data, tmp_path,
+                                                                  capsys):
+    """No --threshold: the one chosen is the cosine a share --fmr of the .bin's impostor pairs
+    reach under the model, recomputed here pair by pair; the line says so."""
+    from data_pipeline.codec import decode_image
+    from launch.cli import load_backbone_or_exit
+    from launch.overlap import main
+    from trainer.evaluation import embed_images, eval_mode
+
+    run = make_run(tmp_path)
+    other = evaluation_images()[20:]  # 160 images of 40 identities never trained on
+    pairs = [(other[i], other[i + 4 * k]) for k in (1, 2) for i in range(0, 120, 3)]  # 80
+    write_bin(tmp_path / "lfw.bin", [x for p in pairs for x in p], [False] * len(pairs))
+    out = tmp_path / "overlap.txt"
+    assert main(["--checkpoint", str(run), "--data", str(synthetic_data), "--bins",
+                 str(tmp_path / "lfw.bin"), "--fmr", "0.05", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    model = load_backbone_or_exit(run)
+    with eval_mode(model):
+        emb = [embed_images(model, np.stack([decode_image(b, 112).transpose(2, 0, 1)
+                                             for b in p]), 2, "cpu") for p in pairs]
+    cos = np.array([float(e[0] @ e[1]) for e in emb])
+    tau = float(line.split()[1].rstrip(":"))
+    reached = int((cos >= tau - 1e-4).sum())
+    assert 1 <= reached <= 4 and (cos > tau + 1e-4).sum() < reached  # 5% of 80, from above
+    assert line.startswith(f"threshold {tau:.4f}: the cosine {reached} of the 80 impostor "
+                           "pairs of lfw reach under this model (false-match rate")
+    assert "--fmr 0.05" in line
+    assert f"threshold={tau:.4g}" in out.read_text().splitlines()[0]
