@@ -1,9 +1,14 @@
-"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR) and IJB-B/C 1:1.
+"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR) and
+IJB-B/C 1:1 (TAR@FAR) and 1:N (rank-k, TPIR@FPIR), as insightface's scripts score them.
 
 Command line (one process)::
 
     python -m launch.evaluate --checkpoint RUN --bin lfw.bin cfp_fp.bin agedb_30.bin
     python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
+    python -m launch.evaluate --checkpoint RUN --ijb DIR --ijb-1n --ijb-image-norm kept unit
+
+IJB rows are named ``IJBC/1:1/norm-kept`` (insightface's eval_ijbc.py: image features keep
+their norm) or ``.../unit-norm`` (each image feature L2-normalised before pooling).
 
 The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
 """
@@ -18,10 +23,12 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
-from partial_fc.eval.ijb import IJB_FARS
+from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
+from partial_fc.eval.ijb_1n import FPIRS, RANKS
 from partial_fc.eval.verification import FARS, resolves
 from trainer.evaluation import evaluate_bins, evaluate_ijb_dir
 
@@ -45,6 +52,11 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
         ("threshold", "best_threshold", lambda r: f"{r['best_threshold']:.3f}"),
         ("AUC", "auc", lambda r: f"{r['auc']:.4f}"),
         *((f"TAR@{far:.0e} (%)", f"tar@far={far:.0e}", tar(far)) for far in fars),
+        ("probes", "num_probes", lambda r: f"{r['num_probes']}"),
+        ("gallery", "gallery_size", lambda r: f"{r['gallery_size']}"),
+        *((f"rank-{k} (%)", f"rank{k}", _percent(f"rank{k}")) for k in RANKS),
+        *((f"TPIR@FPIR={f:.0e} (%)", f"tpir@fpir={f:.0e}", _percent(f"tpir@fpir={f:.0e}"))
+          for f in FPIRS),
     ]
     columns = [col for col in columns if any(col[1] in r for r in results.values())]
     rows = [["set", *(header for header, _, _ in columns)]]
@@ -59,12 +71,21 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
     return "\n".join(lines)
 
 
+def _percent(key: str) -> Callable[[dict], str]:
+    return lambda r: f"{100 * r[key]:.2f}"
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = checkpoint_program_parser("launch.evaluate", __doc__)
     p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
     p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
+    p.add_argument("--ijb-1n", action="store_true",
+                   help="also IJB 1:N identification (needs meta/*_1N_*.csv)")
+    p.add_argument("--ijb-image-norm", nargs="+", choices=IMAGE_NORMS, default=["kept"],
+                   help="kept: image features keep their norm (insightface's eval_ijbc.py); "
+                        "unit: each is L2-normalised before pooling; both: one row each")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
@@ -84,11 +105,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     backbone = load_backbone_or_exit(args.checkpoint)
     backbone.to(device)
-    results = evaluate_bins(backbone, args.bin, args.batch_size, device)
-    if args.ijb is not None:
-        results[args.ijb_target] = evaluate_ijb_dir(backbone, args.ijb, args.ijb_target,
-                                                    args.batch_size, device, progress=True)
-    print(format_table(results))
+    try:
+        results = evaluate_bins(backbone, args.bin, args.batch_size, device)
+        if args.ijb is not None:
+            results |= evaluate_ijb_dir(backbone, args.ijb, args.ijb_target, args.batch_size,
+                                        device, progress=True,
+                                        image_norms=args.ijb_image_norm, one_to_n=args.ijb_1n)
+    except (DataError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # One table per protocol: pair verification (.bin and IJB 1:1), then IJB 1:N.
+    identification = {k: r for k, r in results.items() if "num_probes" in r}
+    print(format_table({k: r for k, r in results.items() if k not in identification}))
+    if identification:
+        print()
+        print(format_table(identification))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -34,6 +34,18 @@ def test_template_features_by_hand():
         pair_scores(ids, tf, [1], [7])
 
 
+def test_image_norm_kept_weights_by_norm():
+    # One template, one media: (3,0) and (0,1). Norm kept (eval_ijbc.py): mean (1.5,.5)
+    # -> (3,1)/sqrt10, cosine with (1,0) 3/sqrt10. Unit: (.5,.5) -> 1/sqrt2.
+    feats = np.array([[3.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    templates, medias = np.array([1, 1, 2]), np.array([5, 5, 6])
+    for norm, expected in (("kept", 3 / 10**0.5), ("unit", 1 / 2**0.5)):
+        ids, tf = template_features(feats, templates, medias, None, image_norm=norm)
+        assert pair_scores(ids, tf, [1], [2])[0] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="image_norm 'l2': choose one of kept, unit"):
+        template_features(feats, templates, medias, None, image_norm="l2")
+
+
 def test_tar_at_far_closest_by_hand():
     # Scores P .9, P .8, N .7, P .3, N .2, N .1, N 0. roc_curve keeps (0,0), (0,2/3),
     # (.25,2/3), (.25,1), (1,1). FAR 1e-3 -> FPR 0 -> TAR 2/3 (highest at that FPR);
@@ -82,8 +94,13 @@ def test_fabricated_ijb_by_hand(tmp_path):
     meta = read_ijb_meta(tmp_path, "IJBC")  # IJB_release root accepted
     assert meta.names[3] == "4.png" and meta.templates.tolist() == [1, 2, 2, 3, 4, 4]
     assert meta.landmarks.shape == (6, 5, 2) and meta.face_scores[5] == 0.5
-    out = evaluate_ijb_dir(MeanColour(), tmp_path / "IJBC", "IJBC", batch_size=4, device="cpu")
-    assert out["num_pairs"] == 3
+    rows = evaluate_ijb_dir(MeanColour(), tmp_path / "IJBC", "IJBC", batch_size=4,
+                            device="cpu", image_norms=("kept", "unit"))
+    assert list(rows) == ["IJBC/1:1/norm-kept", "IJBC/1:1/unit-norm"]
+    out = rows["IJBC/1:1/norm-kept"]
+    assert out["num_pairs"] == 3 and out["image_norm"] == "kept"
+    # The colours are equal-norm under MeanColour, so the norm changes nothing here.
+    assert rows["IJBC/1:1/unit-norm"]["tar@far=1e-01"] == 1.0
     assert {k: v for k, v in out.items() if k.startswith("tar")} == {
         f"tar@far={f:.0e}": 1.0 for f in (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)}
 
@@ -93,7 +110,7 @@ def test_cli_with_ijb(tmp_path, capsys):
     assert main(["--checkpoint", str(make_run(tmp_path)), "--ijb", str(tmp_path / "ijb"),
                  "--ijb-target", "IJBB", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "TAR@1e-06 (%)" in out[0] and out[2].split()[:2] == ["IJBB", "3"]
+    assert "TAR@1e-06 (%)" in out[0] and out[2].split()[:2] == ["IJBB/1:1/norm-kept", "3"]
 
 
 def test_meta_errors(tmp_path):
