@@ -54,16 +54,15 @@ from skimage.transform import SimilarityTransform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from data_pipeline.ijb import (  # noqa: E402
-    ARCFACE_REFERENCE, iter_aligned_faces, read_ijb_1n_meta, read_ijb_meta)
+from data_pipeline import ijb as ijb_files  # noqa: E402
 from data_pipeline.orl import find_orl_root  # noqa: E402
 from partial_fc.backbones import build_backbone  # noqa: E402
-from partial_fc.eval.ijb import IJB_FARS, pair_scores, tar_at_far_closest, template_features  # noqa: E402
+from partial_fc.eval import ijb  # noqa: E402
 from trainer.evaluation import embed_images, evaluate_ijb_dir, ijb_row  # noqa: E402
 from trainer.insightface.backbones import convert_state  # noqa: E402
 
 # 5 landmarks guessed in ORL's 92x112 frame: ArcFace's reference 10 px to the left.
-ORL_LANDMARKS = ARCFACE_REFERENCE.astype(np.float64) - [10.0, 0.0]
+ORL_LANDMARKS = ijb_files.ARCFACE_REFERENCE.astype(np.float64) - [10.0, 0.0]
 MEDIA = ((0, 1), (2,), (3, 4, 5), (6,), (7, 8), (9,))  # ORL images 1..10 -> 6 media
 TEMPLATES = ((0, 1), (2, 3), (4, 5, 0))  # media of templates 1..3; 1 and 3 share media 0
 
@@ -226,7 +225,7 @@ def run_insightface_1n(root: Path, ijb_dir: Path, weighted: np.ndarray) -> dict[
 
 
 def _tar_row(tars: dict[float, float]) -> list[str]:
-    return [f"{100 * tars[far]:.2f}" for far in IJB_FARS]
+    return [f"{100 * tars[far]:.2f}" for far in ijb.IJB_FARS]
 
 
 def main(argv=None) -> int:
@@ -262,23 +261,23 @@ def main(argv=None) -> int:
 
         env, their_crops = run_insightface(root, arcface_dir, tmp / "backbone.pth",
                                            args.network, args.batch, tmp / "out")
-        meta = read_ijb_meta(root, "IJBC")
-        our_crops = np.concatenate(list(iter_aligned_faces(meta, args.batch)))
+        meta = ijb_files.read_ijb_meta(root, "IJBC")
+        our_crops = np.concatenate(list(ijb_files.iter_aligned_faces(meta, args.batch)))
         their_crops = np.stack(their_crops).transpose(0, 3, 1, 2)
         with torch.no_grad():
             feats = embed_images(ours, our_crops, args.batch, "cpu", normalise=False).numpy()
         d = feats.shape[1]
         their_feats = env["img_feats"][:, :d] + env["img_feats"][:, d:]
-        ids, pooled = template_features(feats, meta.templates, meta.medias, meta.face_scores)
-        scores = pair_scores(ids, pooled, meta.t1, meta.t2)
-        ours_tar = tar_at_far_closest(meta.labels, scores)
+        ids, pooled = ijb.template_features(feats, meta.templates, meta.medias, meta.face_scores)
+        scores = ijb.pair_scores(ids, pooled, meta.t1, meta.t2)
+        ours_tar = ijb.tar_at_far_closest(meta.labels, scores)
         rows = evaluate_ijb_dir(ours, root, "IJBC", args.batch, "cpu",
                                 image_norms=("kept", "unit"), one_to_n=True)
-        unit_ids, unit = template_features(feats, meta.templates, meta.medias,
+        unit_ids, unit = ijb.template_features(feats, meta.templates, meta.medias,
                                            meta.face_scores, "unit")
-        unit_scores = pair_scores(unit_ids, unit, meta.t1, meta.t2)
+        unit_scores = ijb.pair_scores(unit_ids, unit, meta.t1, meta.t2)
         their_1n = run_insightface_1n(root, ijb_dir, env["img_input_feats"])
-        lists = read_ijb_1n_meta(root, "IJBC")
+        lists = ijb_files.read_ijb_1n_meta(root, "IJBC")
 
     crop_diff = np.abs(our_crops.astype(int) - their_crops.astype(int))
     rel = np.abs(feats - their_feats).max() / np.abs(their_feats).max()
@@ -295,7 +294,7 @@ def main(argv=None) -> int:
         "pair_score_max_abs_diff": float(score_diff),
         "unit_norm_pair_score_max_abs_diff": float(np.abs(unit_scores - env["score"]).max()),
         "tar_insightface": env["tpr_fpr_rows"][0][1:], "tar_partial_fc": _tar_row(ours_tar),
-        "tar_launch_evaluate": _tar_row({f: kept[f"tar@far={f:.0e}"] for f in IJB_FARS}),
+        "tar_launch_evaluate": _tar_row({f: kept[f"tar@far={f:.0e}"] for f in ijb.IJB_FARS}),
         "1n_insightface": their_1n,
         "1n_partial_fc": {k: ours_1n[k] for k in their_1n},
     }
@@ -310,8 +309,8 @@ def main(argv=None) -> int:
     print(f"| pair scores | max abs diff {score_diff:.2e} |")
     print(f"| pair scores, unit-norm variant | max abs diff "
           f"{figures['unit_norm_pair_score_max_abs_diff']:.2e} |")
-    print("\n| TAR@FAR (%) | " + " | ".join(f"{f:.0e}" for f in IJB_FARS) + " |")
-    print("|---" * (len(IJB_FARS) + 1) + "|")
+    print("\n| TAR@FAR (%) | " + " | ".join(f"{f:.0e}" for f in ijb.IJB_FARS) + " |")
+    print("|---" * (len(ijb.IJB_FARS) + 1) + "|")
     for label in ("insightface", "partial_fc", "launch_evaluate"):
         print(f"| {label} | " + " | ".join(figures[f"tar_{label}"]) + " |")
     keys = list(their_1n)
