@@ -61,6 +61,8 @@ from partial_fc.eval import ijb  # noqa: E402
 from trainer.evaluation import embed_images, evaluate_ijb_dir, ijb_row  # noqa: E402
 from trainer.insightface.backbones import convert_state  # noqa: E402
 
+# The deepinsight/insightface commit (2026-07-27) whose scripts docs/benchmarks.md compares.
+INSIGHTFACE_COMMIT = "7fadd420c2351d0ffa8cac403421c1a3ed733365"
 # 5 landmarks guessed in ORL's 92x112 frame: ArcFace's reference 10 px to the left.
 ORL_LANDMARKS = ijb_files.ARCFACE_REFERENCE.astype(np.float64) - [10.0, 0.0]
 MEDIA = ((0, 1), (2,), (3, 4, 5), (6,), (7, 8), (9,))  # ORL images 1..10 -> 6 media
