@@ -7,7 +7,11 @@ Command line (one process)::
     python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
     python -m launch.evaluate --checkpoint RUN --ijb DIR --ijb-1n --ijb-image-norm kept unit
 
-IJB rows are named ``IJBC/1:1/norm-kept`` (insightface's eval_ijbc.py: image features keep
+    python -m launch.evaluate --checkpoint RUN --rfw /data/RFW_bins
+
+``--rfw`` takes a folder of one ``.bin`` per group (``African.bin`` or ``African_test.bin``,
+likewise Asian, Caucasian, Indian) and adds each group's row and a fairness table (mean,
+standard deviation, best-to-worst gap). IJB rows are named ``IJBC/1:1/norm-kept`` (insightface's eval_ijbc.py: image features keep
 their norm) or ``.../unit-norm`` (each image feature L2-normalised before pooling).
 
 The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
@@ -27,6 +31,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from partial_fc.eval.fairness import RFW_GROUPS, group_summary
 from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
 from partial_fc.eval.ijb_1n import FPIRS, RANKS
 from partial_fc.eval.verification import FARS, resolves
@@ -57,6 +62,10 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
         *((f"rank-{k} (%)", f"rank{k}", _percent(f"rank{k}")) for k in RANKS),
         *((f"TPIR@FPIR={f:.0e} (%)", f"tpir@fpir={f:.0e}", _percent(f"tpir@fpir={f:.0e}"))
           for f in FPIRS),
+        ("mean accuracy (%)", "mean", _percent("mean")),
+        ("std (%)", "std", _percent("std")),
+        ("gap (%)", "gap", _percent("gap")),
+        ("worst group", "worst_group", lambda r: r["worst_group"]),
     ]
     columns = [col for col in columns if any(col[1] in r for r in results.values())]
     rows = [["set", *(header for header, _, _ in columns)]]
@@ -86,16 +95,28 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ijb-image-norm", nargs="+", choices=IMAGE_NORMS, default=["kept"],
                    help="kept: image features keep their norm (insightface's eval_ijbc.py); "
                         "unit: each is L2-normalised before pooling; both: one row each")
+    p.add_argument("--rfw", type=Path, metavar="DIR",
+                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    if not args.bin and args.ijb is None:
-        p.error("nothing to evaluate: give --bin and/or --ijb")
+    if not args.bin and args.ijb is None and args.rfw is None:
+        p.error("nothing to evaluate: give --bin, --ijb and/or --rfw")
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
+    args.rfw_bins = [] if args.rfw is None else [_rfw_bin(p, args.rfw, g) for g in RFW_GROUPS]
     return args
+
+
+def _rfw_bin(p: argparse.ArgumentParser, folder: Path, group: str) -> Path:
+    """``folder/<group>_test.bin`` or ``folder/<group>.bin``; a parser error names both."""
+    for name in (f"{group}_test.bin", f"{group}.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (RFW needs one .bin per "
+            f"group: {', '.join(RFW_GROUPS)})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     backbone.to(device)
     try:
         results = evaluate_bins(backbone, args.bin, args.batch_size, device)
+        if args.rfw_bins:
+            groups = evaluate_bins(backbone, args.rfw_bins, args.batch_size, device)
+            by_group = dict(zip(RFW_GROUPS, groups.values(), strict=True))
+            results |= {f"RFW/{g}": r for g, r in by_group.items()}
+            results["RFW"] = group_summary({g: r["accuracy"] for g, r in by_group.items()})
         if args.ijb is not None:
             results |= evaluate_ijb_dir(backbone, args.ijb, args.ijb_target, args.batch_size,
                                         device, progress=True,
@@ -114,12 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    # One table per protocol: pair verification (.bin and IJB 1:1), then IJB 1:N.
-    identification = {k: r for k, r in results.items() if "num_probes" in r}
-    print(format_table({k: r for k, r in results.items() if k not in identification}))
-    if identification:
-        print()
-        print(format_table(identification))
+    # One table per kind: pair verification (.bin, RFW groups, IJB 1:1), IJB 1:N, fairness.
+    tables = [{k: r for k, r in results.items() if key(r)} for key in (
+        lambda r: "num_probes" not in r and "gap" not in r, lambda r: "num_probes" in r,
+        lambda r: "gap" in r)]
+    print("\n\n".join(format_table(t) for t in tables if t))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
