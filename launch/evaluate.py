@@ -11,8 +11,9 @@ Command line (one process)::
 
 ``--rfw`` takes a folder of one ``.bin`` per group (``African.bin`` or ``African_test.bin``,
 likewise Asian, Caucasian, Indian) and adds each group's row and a fairness table (mean,
-standard deviation, best-to-worst gap). IJB rows are named ``IJBC/1:1/norm-kept`` (insightface's eval_ijbc.py: image features keep
-their norm) or ``.../unit-norm`` (each image feature L2-normalised before pooling).
+standard deviation, best-to-worst gap). IJB rows are named ``IJBC/1:1/norm-kept``
+(insightface's eval_ijbc.py: image features keep their norm) or ``.../unit-norm`` (each
+image feature L2-normalised before pooling).
 
 The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
 """
