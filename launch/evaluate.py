@@ -1,13 +1,13 @@
-"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR) and
-IJB-B/C 1:1 (TAR@FAR) and 1:N (rank-k, TPIR@FPIR), as insightface's scripts score them.
+"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR),
+IJB-B/C 1:1 (TAR@FAR) and 1:N (rank-k, TPIR@FPIR) as insightface's scripts score them,
+RFW accuracy by group and TinyFace rank-1/5/20.
 
 Command line (one process)::
 
     python -m launch.evaluate --checkpoint RUN --bin lfw.bin cfp_fp.bin agedb_30.bin
     python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
     python -m launch.evaluate --checkpoint RUN --ijb DIR --ijb-1n --ijb-image-norm kept unit
-
-    python -m launch.evaluate --checkpoint RUN --rfw /data/RFW_bins
+    python -m launch.evaluate --checkpoint RUN --rfw /data/RFW_bins --tinyface /data/tinyface
 
 ``--rfw`` takes a folder of one ``.bin`` per group (``African.bin`` or ``African_test.bin``,
 likewise Asian, Caucasian, Indian) and adds each group's row and a fairness table (mean,
@@ -34,9 +34,9 @@ from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 from partial_fc.eval.fairness import RFW_GROUPS, group_summary
 from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
-from partial_fc.eval.ijb_1n import FPIRS, RANKS
+from partial_fc.eval.ijb_1n import FPIRS
 from partial_fc.eval.verification import FARS, resolves
-from trainer.evaluation import evaluate_bins, evaluate_ijb_dir
+from trainer.evaluation import evaluate_bins, evaluate_ijb_dir, evaluate_tinyface_dir
 
 
 def format_table(results: dict[str, dict[str, float | int]]) -> str:
@@ -44,6 +44,7 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
     at a FAR the set's impostor pairs cannot resolve (fewer than 1/FAR) is printed with a
     ``*`` and a note under the table."""
     fars = sorted({*FARS, *IJB_FARS})
+    ranks = sorted({int(k[4:]) for r in results.values() for k in r if k.startswith("rank")})
 
     def tar(far: float) -> Callable[[dict], str]:
         def cell(r: dict) -> str:
@@ -60,7 +61,7 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
         *((f"TAR@{far:.0e} (%)", f"tar@far={far:.0e}", tar(far)) for far in fars),
         ("probes", "num_probes", lambda r: f"{r['num_probes']}"),
         ("gallery", "gallery_size", lambda r: f"{r['gallery_size']}"),
-        *((f"rank-{k} (%)", f"rank{k}", _percent(f"rank{k}")) for k in RANKS),
+        *((f"rank-{k} (%)", f"rank{k}", _percent(f"rank{k}")) for k in ranks),
         *((f"TPIR@FPIR={f:.0e} (%)", f"tpir@fpir={f:.0e}", _percent(f"tpir@fpir={f:.0e}"))
           for f in FPIRS),
         ("mean accuracy (%)", "mean", _percent("mean")),
@@ -98,12 +99,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "unit: each is L2-normalised before pooling; both: one row each")
     p.add_argument("--rfw", type=Path, metavar="DIR",
                    help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
+    p.add_argument("--tinyface", type=Path, metavar="DIR",
+                   help="TinyFace's Testing_Set (or a folder holding it): rank-1/5/20")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    if not args.bin and args.ijb is None and args.rfw is None:
-        p.error("nothing to evaluate: give --bin, --ijb and/or --rfw")
+    if not (args.bin or args.ijb or args.rfw or args.tinyface):
+        p.error("nothing to evaluate: give --bin, --ijb, --rfw and/or --tinyface")
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
@@ -138,10 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             results |= evaluate_ijb_dir(backbone, args.ijb, args.ijb_target, args.batch_size,
                                         device, progress=True,
                                         image_norms=args.ijb_image_norm, one_to_n=args.ijb_1n)
+        if args.tinyface is not None:
+            results["TinyFace"] = evaluate_tinyface_dir(backbone, args.tinyface,
+                                                        args.batch_size, device)
     except (DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    # One table per kind: pair verification (.bin, RFW groups, IJB 1:1), IJB 1:N, fairness.
+    # One table per kind: pair verification (.bin, RFW groups, IJB 1:1), identification
+    # (IJB 1:N, TinyFace), fairness (RFW).
     tables = [{k: r for k, r in results.items() if key(r)} for key in (
         lambda r: "num_probes" not in r and "gap" not in r, lambda r: "num_probes" in r,
         lambda r: "gap" in r)]

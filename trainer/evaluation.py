@@ -1,5 +1,6 @@
 """Embed images with a backbone and score verification sets (``.bin``: 10-fold accuracy,
-AUC, TAR@FAR) and IJB-B/C 1:1 and 1:N templates; shared by ``launch.evaluate`` and training.
+AUC, TAR@FAR), IJB-B/C 1:1 and 1:N templates and TinyFace's rank-k; shared by
+``launch.evaluate`` and training.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from torch import nn
 from tqdm import tqdm
 
 from data_pipeline.codec import decode_image, resolve_decoder
+from data_pipeline.errors import DataError
 from data_pipeline.ijb import iter_aligned_faces, read_ijb_1n_meta, read_ijb_meta
+from data_pipeline.tinyface import read_tinyface
 from data_pipeline.verification_bin import read_bin
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
 from partial_fc.eval.ijb import evaluate_ijb, template_features
-from partial_fc.eval.ijb_1n import identification, mated_gallery_index
+from partial_fc.eval.ijb_1n import identification
+from partial_fc.eval.ranking import cmc
 from partial_fc.eval.verification import evaluate_pairs
 
 
@@ -143,9 +147,9 @@ def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_s
                                         norm)
         gallery, probes = (_template_rows(ids, t, target) for t in
                            (lists.gallery_templates, lists.probe_templates))
-        mated = mated_gallery_index(lists.probe_subjects, lists.gallery_subjects)
         results[ijb_row(target, "1:N", norm)] = {
-            **identification(pooled[probes], pooled[gallery], mated), "image_norm": norm}
+            **identification(pooled[probes], lists.probe_subjects, pooled[gallery],
+                             lists.gallery_subjects), "image_norm": norm}
     return results
 
 
@@ -157,3 +161,22 @@ def _template_rows(template_ids: np.ndarray, wanted: np.ndarray, target: str) ->
         raise ValueError(f"{target} 1:N lists template {wanted[missing][0]}, which has no "
                          f"faces in {target.lower()}_face_tid_mid.txt")
     return pos
+
+
+def evaluate_tinyface_dir(backbone: nn.Module, root: str | Path, batch_size: int,
+                          device: torch.device | str) -> dict[str, float | int]:
+    """TinyFace rank-1/5/20 (``partial_fc.eval.ranking.cmc``) of ``backbone`` on ``root``
+    (one process). Images are stretched to 112x112 as decoded (the released crops are
+    smaller and unaligned) and embedded with flip TTA, unit rows."""
+    lists = read_tinyface(root)
+    feats = []
+    with eval_mode(backbone):
+        for paths in (lists.probe_paths, lists.gallery_paths):
+            encoded = []
+            for path in paths:
+                try:
+                    encoded.append(path.read_bytes())
+                except OSError as exc:
+                    raise DataError(f"{path}: cannot read TinyFace image ({exc})") from exc
+            feats.append(embed_shared(backbone, encoded, batch_size, device).cpu().numpy())
+    return cmc(feats[0], lists.probe_ids, feats[1], lists.gallery_ids)

@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 
+from partial_fc.eval.ranking import cmc
+
 FPIRS = (1e-3, 1e-2, 1e-1)
 RANKS = (1, 5, 10)
 
@@ -42,29 +44,26 @@ def mated_gallery_index(probe_subjects, gallery_subjects) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def identification(probe_feats, gallery_feats, mated, fpirs=FPIRS,
-                   ranks=RANKS) -> dict[str, float | int]:
+def identification(probe_feats, probe_subjects, gallery_feats, gallery_subjects,
+                   fpirs=FPIRS, ranks=RANKS) -> dict[str, float | int]:
     """Rank-k and TPIR@FPIR of unit ``[P, D]`` probes against unit ``[G, D]`` gallery rows.
 
-    Args:
-        mated: ``[P]`` gallery row of each probe's subject (:func:`mated_gallery_index`).
+    Each probe's mate is the gallery row of its subject (:func:`mated_gallery_index`);
+    rank-k is :func:`partial_fc.eval.ranking.cmc` with one gallery row per subject.
 
     Returns:
         ``{"rank1": ..., "rank5": ..., "rank10": ..., "tpir@fpir=1e-03": ..., ...,
         "num_probes": P, "gallery_size": G}``.
     """
+    mated = mated_gallery_index(probe_subjects, gallery_subjects)
+    out = cmc(probe_feats, probe_subjects, gallery_feats, gallery_subjects, ranks)
     sims = np.asarray(probe_feats, np.float64) @ np.asarray(gallery_feats, np.float64).T
-    num_probes, gallery_size = sims.shape
-    rows = np.arange(num_probes)
+    rows = np.arange(len(sims))
     mated_sims = sims[rows, mated]
-    # Rank of the mate: 1 + the gallery templates scoring strictly higher (ties favour it).
-    mate_rank = 1 + (sims > mated_sims[:, None]).sum(axis=1)
-    out: dict[str, float | int] = {f"rank{k}": float((mate_rank <= k).mean()) for k in ranks}
     non_mated = sims.copy()
     non_mated[rows, mated] = -np.inf
     non_mated = np.sort(non_mated.reshape(-1))[::-1]
     for fpir in fpirs:
-        threshold = non_mated[math.ceil(num_probes * fpir) - 1]
+        threshold = non_mated[math.ceil(len(sims) * fpir) - 1]
         out[f"tpir@fpir={fpir:.0e}"] = float((mated_sims > threshold).mean())
-    out["num_probes"], out["gallery_size"] = num_probes, gallery_size
     return out

@@ -15,9 +15,9 @@ def test_identification_by_hand():
     # -> .8, mated 1 .6 .96 above it: 2/3. FPIR .6: ceil(1.8) = 2nd -> .28: all three.
     gallery = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
     probes = np.array([[1.0, 0.0], [0.8, 0.6], [0.28, 0.96]])
-    mated = mated_gallery_index([7, 9, 9], [7, 9, 4])
-    np.testing.assert_array_equal(mated, [0, 1, 1])
-    out = identification(probes, gallery, mated, fpirs=(0.3, 0.6), ranks=(1, 2))
+    np.testing.assert_array_equal(mated_gallery_index([7, 9, 9], [7, 9, 4]), [0, 1, 1])
+    out = identification(probes, [7, 9, 9], gallery, [7, 9, 4], fpirs=(0.3, 0.6),
+                         ranks=(1, 2))
     assert out == pytest.approx({"rank1": 2 / 3, "rank2": 1.0, "tpir@fpir=3e-01": 2 / 3,
                                  "tpir@fpir=6e-01": 1.0, "num_probes": 3, "gallery_size": 3})
 
