@@ -19,17 +19,19 @@ def cmc(probe_feats, probe_ids, gallery_feats, gallery_ids, ranks=TINYFACE_RANKS
         chunk: int = 1024) -> dict[str, float | int]:
     """Rank-k of unit ``[P, D]`` probes against unit ``[G, D]`` gallery rows.
 
-    ``chunk`` probes are scored at a time, so memory is ``chunk x G`` floats.
+    ``chunk`` probes are scored at a time, so memory is ``chunk x G`` float64s (float64:
+    cosines of near-identical faces differ past float32's 6e-8, and ijb_1n.py ranks in
+    float64).
 
     Returns:
         ``{"rank1": ..., "rank5": ..., "rank20": ..., "num_probes": P, "gallery_size": G}``.
         A probe whose identity has no gallery image raises ValueError.
     """
     probe_ids, gallery_ids = np.asarray(probe_ids), np.asarray(gallery_ids)
-    gallery = np.asarray(gallery_feats, np.float32)
+    gallery = np.asarray(gallery_feats, np.float64)
     positions = []
     for start in range(0, len(probe_ids), chunk):
-        sims = np.asarray(probe_feats[start:start + chunk], np.float32) @ gallery.T
+        sims = np.asarray(probe_feats[start:start + chunk], np.float64) @ gallery.T
         mates = probe_ids[start:start + chunk, None] == gallery_ids[None, :]
         lonely = ~mates.any(axis=1)
         if lonely.any():
