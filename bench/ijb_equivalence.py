@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         # every face's feature near one direction and all pair scores near 1.
         faces = next(ijb_files.iter_aligned_faces(ijb_files.read_ijb_meta(root, "IJBC"), 64))
         for m in theirs.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            if isinstance(m, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
                 m.momentum = None  # a cumulative average: one batch sets the statistics
         with torch.no_grad():
             theirs.train()(torch.from_numpy(faces).float() / 127.5 - 1)
