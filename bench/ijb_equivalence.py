@@ -15,7 +15,8 @@ templates 2 and 3 are the mixed probes (one CSV row per image, as in IJB-C).
 
 One ``backbones.get_model(network)`` of arcface_torch, seeded, with BatchNorm statistics of
 64 of the fabricated faces, is saved; insightface's
-``recognition/arcface_torch/eval_ijbc.py`` runs on it unchanged, and partial-fc's ``launch.evaluate`` path on the same weights imported by
+``recognition/arcface_torch/eval_ijbc.py`` runs on it unchanged, and partial-fc's
+``launch.evaluate`` path on the same weights imported by
 ``trainer.insightface.backbones.convert_state``. Patches, each printed: ``.cuda()`` is the
 identity (CPU); ``np.int`` is ``int`` (NumPy 2 removed it); stand-ins for modules the script
 imports that the project does not install: ``pandas.read_csv(sep=' ', header=None).values``
