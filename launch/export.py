@@ -1,6 +1,14 @@
-"""Export a trained backbone to ONNX (backbone only; the head is a training device).
+"""Export a trained backbone (backbone only; the head is a training device) to ONNX, or to a
+folder of safetensors weights with a model card.
 
     python -m launch.export --checkpoint RUN --out model.onnx
+    python -m launch.export --checkpoint RUN --format safetensors --license mit --out FOLDER
+
+``--format safetensors`` writes ``FOLDER/model.safetensors``, ``config.json`` (architecture,
+embedding size, input size and normalisation, flip TTA; ``partial_fc.load_pretrained(FOLDER)``
+reads it back) and ``README.md``, a model card in the Hugging Face Hub's format filled from
+the run (data, margin, steps, the newest evaluation, the licence stated by ``--license``);
+``huggingface_hub.upload_folder`` publishes the folder as it is. Nothing is uploaded.
 
 The graph maps float32 ``images [batch, 3, 112, 112]`` in [-1, 1] (see
 ``partial_fc.backbones.normalize_images``) to ``embeddings [batch, D]``
@@ -24,7 +32,14 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from launch.cli import (
+    checkpoint_program_parser,
+    load_backbone_or_exit,
+    resolve_checkpoint_or_exit,
+)
+from partial_fc.pretrained import PretrainedConfig, save_pretrained
+from trainer.checkpoint.backbone import backbone_spec
+from trainer.model_card import card_facts, model_card
 
 # The exporter's registry logs one warning per torchvision op it cannot register (detection
 # ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs
@@ -64,13 +79,38 @@ def check_onnx(backbone: nn.Module, path: str | os.PathLike, batch_sizes=(1, 5))
     return worst
 
 
+def export_pretrained(checkpoint: str, out: Path, license: str) -> Path:
+    """The ``--format safetensors`` folder of ``checkpoint``; returns ``out``."""
+    config_path, weights = resolve_checkpoint_or_exit(checkpoint)
+    backbone = load_backbone_or_exit(weights)
+    facts = card_facts(config_path, weights, license)
+    spec = backbone_spec(facts.config, config_path)
+    config = PretrainedConfig(architecture=spec["name"], embedding_size=spec["embedding_size"],
+                              depth=spec["depth"])
+    save_pretrained(backbone, out, config)
+    (out / "README.md").write_text(model_card(facts))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = checkpoint_program_parser("launch.export", __doc__)
-    p.add_argument("--out", required=True, type=Path, help="ONNX file to write")
+    p.add_argument("--out", required=True, type=Path,
+                   help="ONNX file to write, or the folder of --format safetensors")
+    p.add_argument("--format", choices=("onnx", "safetensors"), default="onnx",
+                   help="onnx: one .onnx file; safetensors: weights, config.json, model card")
+    p.add_argument("--license", default=None,
+                   help="--format safetensors: the licence the weights are published under "
+                   "(a Hugging Face Hub id such as apache-2.0, mit, cc-by-nc-4.0, or any name)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")
     p.add_argument("--min-cosine", type=float, default=0.9999,
                    help="fail if ONNX Runtime and PyTorch disagree more than this")
     args = p.parse_args(argv)
+    if args.format == "safetensors":
+        if not args.license:
+            p.error("--format safetensors needs --license (the licence you publish under)")
+        out = export_pretrained(args.checkpoint, args.out, args.license)
+        print(f"wrote {out}/ (model.safetensors, config.json, README.md)")
+        return 0
     backbone = load_backbone_or_exit(args.checkpoint)
     export_onnx(backbone, args.out, args.opset)
     cosine = check_onnx(backbone, args.out)
