@@ -29,7 +29,6 @@ from onnxruntime.quantization import (
     quant_pre_process,
     quantize_static,
 )
-from torch import nn
 
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.manifest import read_manifest
@@ -37,26 +36,7 @@ from data_pipeline.tar_reader import tar_samples
 from partial_fc.backbones import normalize_images
 from partial_fc.eval.verification import resolves
 from trainer.evaluation import evaluate_bins
-
-
-class OnnxBackbone(nn.Module):
-    """An ONNX file (input ``images`` ``[N, 3, 112, 112]`` float32 in [-1, 1], output
-    ``[N, D]``) behind the backbone interface the evaluation and embedding code call.
-
-    Inference only, on CPU through ONNX Runtime. It holds one empty float32 parameter
-    because the callers cast their inputs to ``next(backbone.parameters()).dtype``.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        self.input_name = self.session.get_inputs()[0].name
-        self.dtype_anchor = nn.Parameter(torch.empty(0), requires_grad=False)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.detach().float().cpu().contiguous().numpy()
-        return torch.from_numpy(self.session.run(None, {self.input_name: x})[0])
+from trainer.onnx_backbone import OnnxBackbone
 
 
 def calibration_images(data_dir: str | Path, count: int) -> np.ndarray:

@@ -131,6 +131,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     from partial_fc import PartialFC, build_margin
     from partial_fc.aux_losses import AuxLosses
     from partial_fc.backbones import build_backbone
+    from trainer.distill import Distillation
     from trainer.engine import Engine
 
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
@@ -153,7 +154,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
-    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
+    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup,
+                    distillation=Distillation.from_config(cfg, env.device))
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     if warmup >= total:  # known only here: the steps per epoch depend on the loader
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
@@ -181,7 +183,8 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
 
         return make_mixed_loader(cfg.data.dirs, weights=cfg.data.weights,
                                  excludes=cfg.data.exclusions(), **common)
-    return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0], **common)
+    return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0],
+                       with_keys=cfg.distill.embeddings is not None, **common)
 
 
 def resume(run: Run) -> None:
@@ -297,7 +300,11 @@ def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> Stop
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    teachers = None
+    if run.engine.distillation is not None:  # offline: the keys become teacher embeddings
+        micro_batches, teachers = zip(*map(run.engine.distillation.split, micro_batches),
+                                      strict=True)
+    result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop, teachers=teachers)
     for note in result.notes:  # the head's choices, once each
         log.info(note)
     run.step += 1

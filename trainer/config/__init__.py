@@ -41,6 +41,7 @@ from trainer.config.schema import (
     ConfigWarning,
     DataConfig,
     DistConfig,
+    DistillConfig,
     EngineConfig,
     EvalConfig,
     HeadConfig,
@@ -55,7 +56,8 @@ from trainer.config.schema import (
 
 __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
-    "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "Machine",
+    "DistConfig", "DistillConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig",
+    "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
     "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
     "resume_drift", "run_folder", "theory_warnings",
