@@ -91,3 +91,18 @@ def test_offline_embeddings_train_two_ranks_as_the_online_teacher(tmp_path, teac
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a, b)
     assert offline[0]["distill_loss"] > 0
     assert offline[-1]["distill_loss"] != offline[0]["distill_loss"]  # the student moves
+
+
+@pytest.mark.slow
+def test_an_onnx_teacher_embeds_as_its_run_does(tmp_path, teacher_and_data):
+    from launch.export import export_onnx
+
+    teacher_run, data = teacher_and_data
+    onnx_file = export_onnx(load_backbone(teacher_run)[0], tmp_path / "teacher.onnx")
+    for name, teacher in (("run", teacher_run), ("onnx", onnx_file)):
+        assert embed_main(["--checkpoint", str(teacher), "--data", str(data),
+                           "--out", str(tmp_path / name)]) == 0
+    for path in sorted((tmp_path / "run").glob("*.npz")):
+        with np.load(path) as a, np.load(tmp_path / "onnx" / path.name) as b:
+            assert a["keys"].tolist() == b["keys"].tolist()
+            assert np.allclose(a["embeddings"], b["embeddings"], rtol=1e-4, atol=1e-4)
