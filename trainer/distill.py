@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from data_pipeline.tar_reader import tar_samples
 from trainer.checkpoint import CheckpointError
 from trainer.checkpoint.backbone import load_backbone
 from trainer.config import Config, ConfigError
@@ -70,12 +72,38 @@ class Distillation:
             made = cls(d.loss, d.weight, online=teacher)
             with torch.no_grad():
                 width = int(teacher(torch.zeros(1, 3, 112, 112, device=device)).shape[1])
-        if d.loss != "similarity" and width != cfg.backbone.embedding_size:
-            raise ConfigError(f"distill.loss={d.loss!r}: the teacher's embeddings are {width}-d,"
+        if (d.loss != "similarity" or d.head_init) and width != cfg.backbone.embedding_size:
+            key = "distill.head_init" if d.head_init else f"distill.loss={d.loss!r}"
+            raise ConfigError(f"{key}: the teacher's embeddings are {width}-d,"
                               f" the student's backbone.embedding_size="
                               f"{cfg.backbone.embedding_size} (use distill.loss=similarity, "
                               "or a student of the teacher's width)")
         return made
+
+    @torch.no_grad()
+    def init_head(self, head: nn.Module, data_dir: str | Path) -> None:
+        """``distill.head_init``: each of this rank's class rows of ``head`` (a
+        ``partial_fc.PartialFC`` without sub-centres) turned towards the mean of its
+        samples' unit teacher embeddings (plain view), keeping the row's initial norm, so
+        the margin loss starts in the teacher's embedding space. A class without samples
+        keeps its random row. Labels are read from the shards' ``.cls`` members."""
+        centres = torch.zeros(head.num_local, self.offline.embedding_size)
+        stop = head.class_start + head.num_local
+        keys, labels = [], []
+        for name, _ in self.offline.index["data"]["shards"]:
+            for sample in tar_samples(Path(data_dir) / name, exts=("cls",)):
+                label = int(sample["cls"])
+                if head.class_start <= label < stop and sample["__key__"] in self.offline.rows:
+                    keys.append(sample["__key__"])
+                    labels.append(label - head.class_start)
+        if keys:
+            unit = F.normalize(self.offline.lookup(keys, None).float(), dim=1)
+            centres.index_add_(0, torch.tensor(labels), unit)
+        weight = head.weight
+        norms = weight.float().norm(dim=1, keepdim=True)
+        seen = centres.norm(dim=1) > 0
+        rows = F.normalize(centres[seen], dim=1).to(weight.device) * norms[seen]
+        weight[seen] = rows.to(weight.dtype)
 
     def split(self, batch: tuple) -> tuple[tuple, Tensor | None]:
         """A loader batch -> ``(the batch the engine takes, the teacher's embeddings or None)``:

@@ -154,8 +154,11 @@ def build(cfg: Config, env: DistEnv) -> Run:
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
     warmup = round(cfg.schedule.warmup_epochs * steps_per_epoch)
+    distillation = Distillation.from_config(cfg, env.device)
+    if cfg.distill.head_init:  # before the engine: a resumed run loads its rows over these
+        distillation.init_head(head, cfg.data.dir)
     engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup,
-                    distillation=Distillation.from_config(cfg, env.device))
+                    distillation=distillation)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     if warmup >= total:  # known only here: the steps per epoch depend on the loader
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"

@@ -84,6 +84,9 @@ def _distill_errors(cfg: Config) -> list[tuple[str, str]]:
     if d.embeddings is not None and (cfg.data.source != "shards" or cfg.data.dirs is not None):
         return [("distill.embeddings", "distill.embeddings: needs data.source=shards with one "
                  "data.dir (the embeddings are keyed by its samples)")]
+    if d.head_init and (d.embeddings is None or cfg.margin.subcenters > 1):
+        return [("distill.head_init", "distill.head_init=true: needs distill.embeddings (the "
+                 "class means are taken over them) and margin.subcenters=1")]
     return []
 
 

@@ -419,6 +419,11 @@ class DistillConfig(_Section):
         "(relational, any teacher width)"
     )
     weight: NonNegFloat = Field(1.0, description="the distillation loss's factor")
+    head_init: bool = Field(
+        False, description="distill.embeddings only: start each class centre (head row) in "
+        "the direction of the mean of its samples' teacher embeddings, a shared embedding "
+        "space (fresh runs; needs the teacher's width)"
+    )
 
     @property
     def enabled(self) -> bool:
