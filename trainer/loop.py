@@ -303,11 +303,12 @@ def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> Stop
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    teachers = None
-    if run.engine.distillation is not None:  # offline: the keys become teacher embeddings
-        micro_batches, teachers = zip(*map(run.engine.distillation.split, micro_batches),
-                                      strict=True)
-    result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop, teachers=teachers)
+    if cfg.distill.embeddings is None:
+        result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    else:  # offline distillation: the batches' keys become the teacher's stored embeddings
+        batches, teachers = zip(*map(run.engine.distillation.split, micro_batches), strict=True)
+        result = run.engine.step(run.step, list(batches), angles=hist, stop=stop,
+                                 teachers=teachers)
     for note in result.notes:  # the head's choices, once each
         log.info(note)
     run.step += 1
