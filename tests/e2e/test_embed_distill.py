@@ -73,10 +73,11 @@ def _train(data: Path, run: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["cosine", "similarity"])
-def test_offline_embeddings_train_two_ranks_as_the_online_teacher(tmp_path, teacher_and_data,
-                                                                   loss):
+def test_offline_embeddings_train_two_ranks_as_the_online_teacher(tmp_path, teacher_and_data):
+    """The relational loss, whose pairs cross the ranks (cosine also passed, 2026-11-27;
+    one loss keeps make test's time: the join, not the loss, is what differs)."""
     teacher_run, data = teacher_and_data
+    loss = "similarity"
     stored = tmp_path / "teacher"
     assert embed_main(["--checkpoint", str(teacher_run), "--data", str(data),
                        "--out", str(stored)]) == 0
