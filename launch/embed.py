@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from data_pipeline.errors import DataError
 from launch.cli import EXIT_STATUS, plain_help
+from offline.embedding_sets import embed_shards, verify
 from trainer.dist import init_distributed, shutdown
 from trainer.distill import TeacherError, load_teacher
-from trainer.teacher_embeddings import embed_shards, verify
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ the run (data, margin, steps, the newest evaluation, the licence stated by ``--l
     python -m launch.export --checkpoint RUN --out model.onnx --int8 --bin lfw.bin --max-drop 0.5
 
 ``--int8`` also writes ``model.int8.onnx``: static INT8 through ONNX Runtime's quantization
-(``trainer.int8``), calibrated on ``--calibration-samples`` images spread over the run's
+(``offline.int8``), calibrated on ``--calibration-samples`` images spread over the run's
 training shards (``data.dir``, or ``--calibration-data``). It prints the accuracy and TAR@FAR
 of fp32 and INT8 on ``--bin`` and their difference; when a difference passes ``--max-drop``
 percentage points the INT8 file is not kept and the program ends with one ``error:`` line.
@@ -46,10 +46,10 @@ from launch.cli import (
     load_backbone_or_exit,
     resolve_checkpoint_or_exit,
 )
+from offline.int8 import calibration_images, int8_cost, quantize_int8
+from offline.model_card import card_facts, model_card
 from partial_fc.pretrained import PretrainedConfig, save_pretrained
 from trainer.checkpoint.backbone import backbone_spec
-from trainer.int8 import calibration_images, int8_cost, quantize_int8
-from trainer.model_card import card_facts, model_card
 
 # The exporter's registry logs one warning per torchvision op it cannot register (detection
 # ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs

@@ -15,39 +15,29 @@ the loader's decode and ``normalize_images`` (the flip, too, mirrors the uint8 r
 engine does), so a stored embedding is the one an online teacher computes on the same batch,
 to float rounding. Each shard's file is written atomically when complete: a rerun (any
 number of ranks) skips the shards already written, which makes the job resumable.
+
+This module is the layout and its reader (what a run needs); ``offline.embedding_sets``
+writes and verifies such a folder for ``launch.embed``.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
-from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.errors import CorruptImageError, DataError
-from data_pipeline.manifest import atomic_file, atomic_write_bytes, read_manifest
-from data_pipeline.tar_reader import tar_samples
-from partial_fc.backbones import normalize_images
+from data_pipeline.errors import DataError
 
 INDEX = "embeddings.json"
 FORMAT_VERSION = 1
 
 
-def _shard_file(out: Path, shard_name: str) -> Path:
+def shard_file(out: Path, shard_name: str) -> Path:
+    """Where the embeddings of the data shard ``shard_name`` are stored under ``out``."""
     return out / (Path(shard_name).name.removesuffix(".tar") + ".npz")
-
-
-def _index(teacher: str, width: int, flip: bool, data_dir: Path) -> dict:
-    manifest = read_manifest(data_dir)
-    return {"format_version": FORMAT_VERSION, "teacher": teacher, "embedding_size": width,
-            "views": ["plain", "flipped"] if flip else ["plain"],
-            "data": {"num_samples": manifest.num_samples,
-                     "shards": [[s.name, s.count] for s in manifest.shards]}}
 
 
 def read_index(out: str | Path) -> dict:
@@ -56,92 +46,6 @@ def read_index(out: str | Path) -> dict:
     if not path.is_file():
         raise DataError(f"{path}: missing (not a folder python -m launch.embed wrote)")
     return json.loads(path.read_text())
-
-
-@torch.no_grad()
-def embed_shards(teacher: nn.Module, teacher_name: str, data_dir: str | Path, out: str | Path,
-                 *, flip: bool, rank: int = 0, world_size: int = 1, batch_size: int = 64,
-                 device: torch.device | str = "cpu") -> list[str]:
-    """Embed this rank's shards (every ``world_size``-th, from ``rank``) of ``data_dir`` into
-    ``out``; returns the names of the shards it wrote (those already complete are skipped).
-
-    Raises DataError when ``out`` holds the embeddings of another teacher, width, views or
-    data (a resume must not mix them).
-    """
-    data_dir, out = Path(data_dir), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    teacher = teacher.eval().to(device)
-    probe = teacher(torch.zeros(1, 3, 112, 112, device=device))
-    index = _index(teacher_name, int(probe.shape[1]), flip, data_dir)
-    if (out / INDEX).is_file():
-        found = read_index(out)
-        if found != index:
-            changed = sorted(k for k in index if found.get(k) != index[k])
-            raise DataError(f"{out / INDEX}: written for another {', '.join(changed)}; "
-                            "give another --out, or delete it to start over")
-    else:
-        atomic_write_bytes(out / INDEX, (json.dumps(index, indent=1) + "\n").encode())
-    written = []
-    decoder = resolve_decoder("auto")
-    for number, (name, _) in enumerate(index["data"]["shards"]):
-        target = _shard_file(out, name)
-        if number % world_size != rank or target.is_file():
-            continue
-        keys, skipped, rows = [], [], []
-        for sample in tar_samples(data_dir / name, exts=("jpg",)):
-            try:
-                rows.append(decode_image(sample["jpg"], 112, decoder).transpose(2, 0, 1))
-                keys.append(sample["__key__"])
-            except (CorruptImageError, KeyError):
-                skipped.append(sample["__key__"])
-        parts = [_embed(teacher, np.stack(rows[i:i + batch_size]), flip, device)
-                 for i in range(0, len(rows), batch_size)]
-        width = index["embedding_size"]
-        embeddings = (np.concatenate(parts) if parts
-                      else np.zeros((0, len(index["views"]), width), np.float32))
-        buffer = io.BytesIO()
-        np.savez(buffer, keys=np.array(keys, dtype=str), skipped=np.array(skipped, dtype=str),
-                 embeddings=embeddings)
-        with atomic_file(target) as f:
-            f.write(buffer.getvalue())
-        written.append(name)
-    return written
-
-
-def _embed(teacher: nn.Module, images: np.ndarray, flip: bool, device) -> np.ndarray:
-    """uint8 ``[n, 3, 112, 112]`` -> float32 ``[n, views, D]``."""
-    u8 = torch.from_numpy(images).to(device)
-    views = [teacher(normalize_images(u8)).float()]
-    if flip:
-        mirror = torch.ones(len(u8), dtype=torch.bool, device=device)
-        views.append(teacher(normalize_images(u8, mirror)).float())
-    return torch.stack(views, dim=1).cpu().numpy()
-
-
-def verify(data_dir: str | Path, out: str | Path) -> list[str]:
-    """The problems of ``out`` against ``data_dir``, one line each (``[]``: every sample of
-    every shard has its embedding, or is recorded as undecodable, in the shard's order)."""
-    data_dir, out = Path(data_dir), Path(out)
-    index = read_index(out)
-    manifest = read_manifest(data_dir)
-    problems = []
-    if index["data"]["shards"] != [[s.name, s.count] for s in manifest.shards]:
-        problems.append(f"{out / INDEX}: embedded another data set than {data_dir}")
-        return problems
-    for shard in manifest.shards:
-        path = _shard_file(out, shard.name)
-        if not path.is_file():
-            problems.append(f"{path}: missing (run python -m launch.embed again to finish)")
-            continue
-        with np.load(path, allow_pickle=False) as stored:
-            keys, skipped = stored["keys"].tolist(), set(stored["skipped"].tolist())
-            shape = stored["embeddings"].shape
-        data_keys = [s["__key__"] for s in tar_samples(data_dir / shard.name, exts=())]
-        if keys != [k for k in data_keys if k not in skipped]:
-            problems.append(f"{path}: keys differ from {data_dir / shard.name}'s")
-        if shape != (len(keys), len(index["views"]), index["embedding_size"]):
-            problems.append(f"{path}: embeddings of shape {shape} for {len(keys)} keys")
-    return problems
 
 
 class TeacherEmbeddings:
@@ -154,7 +58,7 @@ class TeacherEmbeddings:
         self.flipped = len(self.index["views"]) == 2
         keys, parts = [], []
         for name, _ in self.index["data"]["shards"]:
-            path = _shard_file(out, name)
+            path = shard_file(out, name)
             if not path.is_file():
                 raise DataError(f"{path}: missing (python -m launch.embed did not finish; "
                                 "run it again)")

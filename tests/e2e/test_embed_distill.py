@@ -18,8 +18,8 @@ from launch_helpers import ROOT
 
 from data_pipeline import write_synthetic_dataset
 from launch.embed import main as embed_main
+from offline.embedding_sets import embed_shards
 from trainer.checkpoint.backbone import load_backbone
-from trainer.teacher_embeddings import embed_shards
 
 STEPS = 3
 

@@ -13,7 +13,7 @@ from eval_helpers import make_run
 from data_pipeline.orl import write_orl_shards
 from data_pipeline.orl_pairs import write_orl_verification_bin
 from launch.export import main
-from trainer.int8 import calibration_images
+from offline.int8 import calibration_images
 
 
 @pytest.fixture(scope="module")

@@ -47,9 +47,10 @@ def test_head_init_points_each_class_row_at_its_teacher_mean(tmp_path):
 
     from data_pipeline import write_synthetic_dataset
     from data_pipeline.tar_reader import tar_samples
+    from offline.embedding_sets import embed_shards
     from partial_fc import PartialFC, build_margin
     from trainer.checkpoint.backbone import load_backbone
-    from trainer.teacher_embeddings import TeacherEmbeddings, embed_shards
+    from trainer.teacher_embeddings import TeacherEmbeddings
 
     data, stored = tmp_path / "data", tmp_path / "emb"
     manifest = write_synthetic_dataset(data, num_classes=5, images_per_class=3)
