@@ -7,13 +7,19 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 from torch import nn
 
-from trainer.checkpoint.backbone import CheckpointError, load_backbone
+from trainer.checkpoint.backbone import CheckpointError, load_backbone, resolve_checkpoint
 from trainer.errors import EXIT_STATUS
 
-__all__ = ["EXIT_STATUS", "checkpoint_program_parser", "load_backbone_or_exit", "plain_help"]
+T = TypeVar("T")
+
+__all__ = ["EXIT_STATUS", "checkpoint_program_parser", "load_backbone_or_exit", "plain_help",
+           "resolve_checkpoint_or_exit"]
 
 
 def plain_help(doc: str) -> str:
@@ -40,8 +46,18 @@ def load_backbone_or_exit(path: str | os.PathLike) -> nn.Module:
     """:func:`load_backbone` for a program's ``--checkpoint``: a :class:`CheckpointError`
     ends the program with its one line (``error: ...``) and exit status 2, as any bad input
     (the checkpoint is the program's input), not a traceback."""
+    return _or_exit(load_backbone, path)[0]
+
+
+def resolve_checkpoint_or_exit(path: str | os.PathLike) -> tuple[Path, Path]:
+    """:func:`resolve_checkpoint` (``(RUN/config.yaml, .../backbone.pt)``) for a program's
+    ``--checkpoint``, ending the program as :func:`load_backbone_or_exit` does."""
+    return _or_exit(resolve_checkpoint, path)
+
+
+def _or_exit(read: Callable[[str | os.PathLike], T], path: str | os.PathLike) -> T:
     try:
-        return load_backbone(path)[0]
+        return read(path)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,9 +1,19 @@
-"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR) and IJB-B/C 1:1.
+"""Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR),
+IJB-B/C 1:1 (TAR@FAR) and 1:N (rank-k, TPIR@FPIR) as insightface's scripts score them,
+RFW accuracy by group and TinyFace rank-1/5/20.
 
 Command line (one process)::
 
     python -m launch.evaluate --checkpoint RUN --bin lfw.bin cfp_fp.bin agedb_30.bin
     python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
+    python -m launch.evaluate --checkpoint RUN --ijb DIR --ijb-1n --ijb-image-norm kept unit
+    python -m launch.evaluate --checkpoint RUN --rfw /data/RFW_bins --tinyface /data/tinyface
+
+``--rfw`` takes a folder of one ``.bin`` per group (``African.bin`` or ``African_test.bin``,
+likewise Asian, Caucasian, Indian) and adds each group's row and a fairness table (mean,
+standard deviation, best-to-worst gap). IJB rows are named ``IJBC/1:1/norm-kept``
+(insightface's eval_ijbc.py: image features keep their norm) or ``.../unit-norm`` (each
+image feature L2-normalised before pooling).
 
 The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
 """
@@ -18,12 +28,15 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
-from partial_fc.eval.ijb import IJB_FARS
+from partial_fc.eval.fairness import RFW_GROUPS, group_summary
+from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
+from partial_fc.eval.ijb_1n import FPIRS
 from partial_fc.eval.verification import FARS, resolves
-from trainer.evaluation import evaluate_bins, evaluate_ijb_dir
+from trainer.evaluation import evaluate_bins, evaluate_ijb_dir, evaluate_tinyface_dir
 
 
 def format_table(results: dict[str, dict[str, float | int]]) -> str:
@@ -31,6 +44,7 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
     at a FAR the set's impostor pairs cannot resolve (fewer than 1/FAR) is printed with a
     ``*`` and a note under the table."""
     fars = sorted({*FARS, *IJB_FARS})
+    ranks = sorted({int(k[4:]) for r in results.values() for k in r if k.startswith("rank")})
 
     def tar(far: float) -> Callable[[dict], str]:
         def cell(r: dict) -> str:
@@ -45,6 +59,15 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
         ("threshold", "best_threshold", lambda r: f"{r['best_threshold']:.3f}"),
         ("AUC", "auc", lambda r: f"{r['auc']:.4f}"),
         *((f"TAR@{far:.0e} (%)", f"tar@far={far:.0e}", tar(far)) for far in fars),
+        ("probes", "num_probes", lambda r: f"{r['num_probes']}"),
+        ("gallery", "gallery_size", lambda r: f"{r['gallery_size']}"),
+        *((f"rank-{k} (%)", f"rank{k}", _percent(f"rank{k}")) for k in ranks),
+        *((f"TPIR@FPIR={f:.0e} (%)", f"tpir@fpir={f:.0e}", _percent(f"tpir@fpir={f:.0e}"))
+          for f in FPIRS),
+        ("mean accuracy (%)", "mean", _percent("mean")),
+        ("std (%)", "std", _percent("std")),
+        ("gap (%)", "gap", _percent("gap")),
+        ("worst group", "worst_group", lambda r: r["worst_group"]),
     ]
     columns = [col for col in columns if any(col[1] in r for r in results.values())]
     rows = [["set", *(header for header, _, _ in columns)]]
@@ -59,22 +82,45 @@ def format_table(results: dict[str, dict[str, float | int]]) -> str:
     return "\n".join(lines)
 
 
+def _percent(key: str) -> Callable[[dict], str]:
+    return lambda r: f"{100 * r[key]:.2f}"
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = checkpoint_program_parser("launch.evaluate", __doc__)
     p.add_argument("--bin", nargs="+", default=[], metavar="FILE", help="verification .bin sets")
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
     p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
+    p.add_argument("--ijb-1n", action="store_true",
+                   help="also IJB 1:N identification (needs meta/*_1N_*.csv)")
+    p.add_argument("--ijb-image-norm", nargs="+", choices=IMAGE_NORMS, default=["kept"],
+                   help="kept: image features keep their norm (insightface's eval_ijbc.py); "
+                        "unit: each is L2-normalised before pooling; both: one row each")
+    p.add_argument("--rfw", type=Path, metavar="DIR",
+                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
+    p.add_argument("--tinyface", type=Path, metavar="DIR",
+                   help="TinyFace's Testing_Set (or a folder holding it): rank-1/5/20")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    if not args.bin and args.ijb is None:
-        p.error("nothing to evaluate: give --bin and/or --ijb")
+    if not (args.bin or args.ijb or args.rfw or args.tinyface):
+        p.error("nothing to evaluate: give --bin, --ijb, --rfw and/or --tinyface")
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
+    args.rfw_bins = [] if args.rfw is None else [_rfw_bin(p, args.rfw, g) for g in RFW_GROUPS]
     return args
+
+
+def _rfw_bin(p: argparse.ArgumentParser, folder: Path, group: str) -> Path:
+    """``folder/<group>_test.bin`` or ``folder/<group>.bin``; a parser error names both."""
+    for name in (f"{group}_test.bin", f"{group}.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (RFW needs one .bin per "
+            f"group: {', '.join(RFW_GROUPS)})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,11 +130,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     backbone = load_backbone_or_exit(args.checkpoint)
     backbone.to(device)
-    results = evaluate_bins(backbone, args.bin, args.batch_size, device)
-    if args.ijb is not None:
-        results[args.ijb_target] = evaluate_ijb_dir(backbone, args.ijb, args.ijb_target,
-                                                    args.batch_size, device, progress=True)
-    print(format_table(results))
+    try:
+        results = evaluate_bins(backbone, args.bin, args.batch_size, device)
+        if args.rfw_bins:
+            groups = evaluate_bins(backbone, args.rfw_bins, args.batch_size, device)
+            by_group = dict(zip(RFW_GROUPS, groups.values(), strict=True))
+            results |= {f"RFW/{g}": r for g, r in by_group.items()}
+            results["RFW"] = group_summary({g: r["accuracy"] for g, r in by_group.items()})
+        if args.ijb is not None:
+            results |= evaluate_ijb_dir(backbone, args.ijb, args.ijb_target, args.batch_size,
+                                        device, progress=True,
+                                        image_norms=args.ijb_image_norm, one_to_n=args.ijb_1n)
+        if args.tinyface is not None:
+            results["TinyFace"] = evaluate_tinyface_dir(backbone, args.tinyface,
+                                                        args.batch_size, device)
+    except (DataError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    # One table per kind: pair verification (.bin, RFW groups, IJB 1:1), identification
+    # (IJB 1:N, TinyFace), fairness (RFW).
+    tables = [{k: r for k, r in results.items() if key(r)} for key in (
+        lambda r: "num_probes" not in r and "gap" not in r, lambda r: "num_probes" in r,
+        lambda r: "gap" in r)]
+    print("\n\n".join(format_table(t) for t in tables if t))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -1,6 +1,22 @@
-"""Export a trained backbone to ONNX (backbone only; the head is a training device).
+"""Export a trained backbone (backbone only; the head is a training device) to ONNX, or to a
+folder of safetensors weights with a model card.
 
     python -m launch.export --checkpoint RUN --out model.onnx
+    python -m launch.export --checkpoint RUN --format safetensors --license mit --out FOLDER
+
+``--format safetensors`` writes ``FOLDER/model.safetensors``, ``config.json`` (architecture,
+embedding size, input size and normalisation, flip TTA; ``partial_fc.load_pretrained(FOLDER)``
+reads it back) and ``README.md``, a model card in the Hugging Face Hub's format filled from
+the run (data, margin, steps, the newest evaluation, the licence stated by ``--license``);
+``huggingface_hub.upload_folder`` publishes the folder as it is. Nothing is uploaded.
+
+    python -m launch.export --checkpoint RUN --out model.onnx --int8 --bin lfw.bin --max-drop 0.5
+
+``--int8`` also writes ``model.int8.onnx``: static INT8 through ONNX Runtime's quantization
+(``offline.int8``), calibrated on ``--calibration-samples`` images spread over the run's
+training shards (``data.dir``, or ``--calibration-data``). It prints the accuracy and TAR@FAR
+of fp32 and INT8 on ``--bin`` and their difference; when a difference passes ``--max-drop``
+percentage points the INT8 file is not kept and the program ends with one ``error:`` line.
 
 The graph maps float32 ``images [batch, 3, 112, 112]`` in [-1, 1] (see
 ``partial_fc.backbones.normalize_images``) to ``embeddings [batch, D]``
@@ -22,9 +38,18 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+import yaml
 from torch import nn
 
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from launch.cli import (
+    checkpoint_program_parser,
+    load_backbone_or_exit,
+    resolve_checkpoint_or_exit,
+)
+from offline.int8 import calibration_images, int8_cost, quantize_int8
+from offline.model_card import card_facts, model_card
+from partial_fc.pretrained import PretrainedConfig, save_pretrained
+from trainer.checkpoint.backbone import backbone_spec
 
 # The exporter's registry logs one warning per torchvision op it cannot register (detection
 # ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs
@@ -64,13 +89,85 @@ def check_onnx(backbone: nn.Module, path: str | os.PathLike, batch_sizes=(1, 5))
     return worst
 
 
+def export_pretrained(checkpoint: str, out: Path, license: str) -> Path:
+    """The ``--format safetensors`` folder of ``checkpoint``; returns ``out``."""
+    config_path, weights = resolve_checkpoint_or_exit(checkpoint)
+    backbone = load_backbone_or_exit(weights)
+    facts = card_facts(config_path, weights, license)
+    spec = backbone_spec(facts.config, config_path)
+    config = PretrainedConfig(architecture=spec["name"], embedding_size=spec["embedding_size"],
+                              depth=spec["depth"])
+    save_pretrained(backbone, out, config)
+    (out / "README.md").write_text(model_card(facts))
+    return out
+
+
+def export_int8(fp32: Path, calibration_data: Path, samples: int, bin_path: Path,
+                max_drop: float) -> int:
+    """``fp32``'s INT8 twin beside it (``X.int8.onnx``), kept only within ``max_drop``; the
+    exit status."""
+    out = fp32.with_suffix(".int8.onnx")
+    quantize_int8(fp32, out, calibration_images(calibration_data, samples))
+    cost = int8_cost(fp32, out, bin_path)
+    print("\n".join(cost.lines()))
+    worst = max(cost.drops, key=cost.drops.get)
+    if cost.drops[worst] > max_drop:
+        out.unlink()
+        print(f"error: INT8 costs {cost.drops[worst]:.2f} pp of {worst} on {bin_path} "
+              f"(> --max-drop {max_drop}); not written, {fp32} is the fp32 model",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); worst cost {worst} "
+          f"{cost.drops[worst]:+.2f} pp <= --max-drop {max_drop}")
+    return 0
+
+
+def _calibration_folder(args) -> Path:
+    if args.calibration_data is not None:
+        return args.calibration_data
+    config_path, _ = resolve_checkpoint_or_exit(args.checkpoint)
+    cfg = yaml.safe_load(config_path.read_text()) or {}
+    folder = (cfg.get("data") or {}).get("dir")
+    if folder is None or not (Path(folder) / "manifest.json").is_file():
+        print(f"error: {config_path}: data.dir={folder!r} holds no manifest.json to calibrate "
+              "on; give --calibration-data DIR (training shards)", file=sys.stderr)
+        raise SystemExit(2)
+    return Path(folder)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = checkpoint_program_parser("launch.export", __doc__)
-    p.add_argument("--out", required=True, type=Path, help="ONNX file to write")
+    p.add_argument("--out", required=True, type=Path,
+                   help="ONNX file to write, or the folder of --format safetensors")
+    p.add_argument("--format", choices=("onnx", "safetensors"), default="onnx",
+                   help="onnx: one .onnx file; safetensors: weights, config.json, model card")
+    p.add_argument("--license", default=None,
+                   help="--format safetensors: the licence the weights are published under "
+                   "(a Hugging Face Hub id such as apache-2.0, mit, cc-by-nc-4.0, or any name)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")
     p.add_argument("--min-cosine", type=float, default=0.9999,
                    help="fail if ONNX Runtime and PyTorch disagree more than this")
+    p.add_argument("--int8", action="store_true",
+                   help="also write OUT with .int8.onnx: static INT8, its cost measured on --bin")
+    p.add_argument("--bin", type=Path, default=None,
+                   help="--int8: verification .bin on which fp32 and INT8 are compared")
+    p.add_argument("--max-drop", type=float, default=1.0,
+                   help="--int8: refuse when accuracy or a TAR@FAR drops more than this many "
+                   "percentage points (default 1.0)")
+    p.add_argument("--calibration-data", type=Path, default=None,
+                   help="--int8: shard folder to calibrate on (default: the run's data.dir)")
+    p.add_argument("--calibration-samples", type=int, default=256,
+                   help="--int8: calibration images, spread over the shards (default 256)")
     args = p.parse_args(argv)
+    if args.int8 and (args.format != "onnx" or args.bin is None):
+        p.error("--int8 needs --format onnx and --bin X.bin (where its cost is measured)")
+    if args.format == "safetensors":
+        if not args.license:
+            p.error("--format safetensors needs --license (the licence you publish under)")
+        out = export_pretrained(args.checkpoint, args.out, args.license)
+        print(f"wrote {out}/ (model.safetensors, config.json, README.md)")
+        return 0
+    calibration = _calibration_folder(args) if args.int8 else None
     backbone = load_backbone_or_exit(args.checkpoint)
     export_onnx(backbone, args.out, args.opset)
     cosine = check_onnx(backbone, args.out)
@@ -80,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {args.out}: min cosine {cosine:.6f} < --min-cosine {args.min_cosine}",
               file=sys.stderr)
         return 1
+    if calibration is not None:
+        return export_int8(args.out, calibration, args.calibration_samples,
+                           args.bin, args.max_drop)
     return 0
 
 

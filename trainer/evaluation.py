@@ -1,5 +1,6 @@
 """Embed images with a backbone and score verification sets (``.bin``: 10-fold accuracy,
-AUC, TAR@FAR) and IJB-B/C 1:1 templates; shared by ``launch.evaluate`` and training.
+AUC, TAR@FAR), IJB-B/C 1:1 and 1:N templates and TinyFace's rank-k; shared by
+``launch.evaluate`` and training.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from torch import nn
 from tqdm import tqdm
 
 from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.ijb import iter_aligned_faces, read_ijb_meta
+from data_pipeline.errors import DataError
+from data_pipeline.ijb import iter_aligned_faces, read_ijb_1n_meta, read_ijb_meta
+from data_pipeline.tinyface import read_tinyface
 from data_pipeline.verification_bin import read_bin
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
-from partial_fc.eval.ijb import evaluate_ijb
+from partial_fc.eval.ijb import evaluate_ijb, template_features
+from partial_fc.eval.ijb_1n import identification
+from partial_fc.eval.ranking import cmc
 from partial_fc.eval.verification import evaluate_pairs
 
 
@@ -36,12 +41,13 @@ def eval_mode(backbone: nn.Module):
 
 @torch.no_grad()
 def embed_images(backbone: nn.Module, images: np.ndarray | torch.Tensor, batch_size: int,
-                 device: torch.device | str) -> torch.Tensor:
-    """uint8 ``[N, 3, 112, 112]`` -> float32 ``[N, D]`` on ``device``, unit rows.
+                 device: torch.device | str, normalise: bool = True) -> torch.Tensor:
+    """uint8 ``[N, 3, 112, 112]`` -> float32 ``[N, D]`` on ``device``.
 
-    Each embedding is ``f(x) + f(flip(x))`` (horizontal flip), L2-normalised: the
-    convention insightface's numbers use. The backbone must already be in eval
-    mode, on ``device``; inputs are cast to its parameter dtype.
+    Each embedding is ``f(x) + f(flip(x))`` (horizontal flip), L2-normalised unless
+    ``normalise=False`` (IJB keeps the norm as a quality weight): the convention
+    insightface's numbers use. The backbone must already be in eval mode, on
+    ``device``; inputs are cast to its parameter dtype.
     """
     dtype = next(backbone.parameters()).dtype
     out = []
@@ -49,7 +55,7 @@ def embed_images(backbone: nn.Module, images: np.ndarray | torch.Tensor, batch_s
         x = torch.as_tensor(images[start:start + batch_size]).to(device)
         x = normalize_images(x).to(dtype)
         emb = backbone(x).float() + backbone(torch.flip(x, dims=[3])).float()
-        out.append(nn.functional.normalize(emb, dim=1))
+        out.append(nn.functional.normalize(emb, dim=1) if normalise else emb)
     return torch.cat(out)
 
 
@@ -101,18 +107,76 @@ def evaluate_bins(
     return results
 
 
-def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_size: int,
-                     device: torch.device | str, progress: bool = False) -> dict[str, float | int]:
-    """IJB-B/C 1:1 TAR@FAR (``partial_fc.eval.ijb``) of ``backbone`` on ``root`` (one process).
+def ijb_row(target: str, protocol: str, image_norm: str) -> str:
+    """The result's name, e.g. ``IJBC/1:1/norm-kept``: which protocol and which pooling
+    (``norm-kept`` is insightface's eval_ijbc.py, ``unit-norm`` L2-normalises each image
+    feature first), so neither is mistaken for the other."""
+    return f"{target}/{protocol}/{'norm-kept' if image_norm == 'kept' else 'unit-norm'}"
 
-    Faces are aligned from the 5 landmarks, embedded with flip TTA (:func:`embed_images`),
-    weighted by detector score and pooled into templates.
+
+def evaluate_ijb_dir(backbone: nn.Module, root: str | Path, target: str, batch_size: int,
+                     device: torch.device | str, progress: bool = False,
+                     image_norms: Sequence[str] = ("kept",),
+                     one_to_n: bool = False) -> dict[str, dict[str, float | int | str]]:
+    """IJB-B/C 1:1 TAR@FAR (``partial_fc.eval.ijb``) and, with ``one_to_n``, 1:N rank-k and
+    TPIR@FPIR (``partial_fc.eval.ijb_1n``) of ``backbone`` on ``root`` (one process).
+
+    Faces are aligned from the 5 landmarks, embedded once with flip TTA
+    (:func:`embed_images`, norm kept), then pooled per ``image_norms`` entry.
+
+    Returns:
+        ``{ijb_row(...): metrics}``, each metrics dict also naming its ``image_norm``.
     """
     meta = read_ijb_meta(root, target)
+    lists = read_ijb_1n_meta(root, target) if one_to_n else None
     batches = iter_aligned_faces(meta, batch_size)
     total = math.ceil(len(meta.names) / batch_size)
     with eval_mode(backbone):
-        feats = [embed_images(backbone, b, batch_size, device).cpu()
+        feats = [embed_images(backbone, b, batch_size, device, normalise=False).cpu()
                  for b in tqdm(batches, total=total, desc=target, disable=not progress)]
-    return evaluate_ijb(torch.cat(feats).numpy(), meta.templates, meta.medias,
-                        meta.face_scores, meta.t1, meta.t2, meta.labels)
+    feats = torch.cat(feats).numpy()
+    results: dict[str, dict[str, float | int | str]] = {}
+    for norm in image_norms:
+        results[ijb_row(target, "1:1", norm)] = {
+            **evaluate_ijb(feats, meta.templates, meta.medias, meta.face_scores, meta.t1,
+                           meta.t2, meta.labels, image_norm=norm), "image_norm": norm}
+    if lists is None:
+        return results
+    for norm in image_norms:
+        ids, pooled = template_features(feats, meta.templates, meta.medias, meta.face_scores,
+                                        norm)
+        gallery, probes = (_template_rows(ids, t, target) for t in
+                           (lists.gallery_templates, lists.probe_templates))
+        results[ijb_row(target, "1:N", norm)] = {
+            **identification(pooled[probes], lists.probe_subjects, pooled[gallery],
+                             lists.gallery_subjects), "image_norm": norm}
+    return results
+
+
+def _template_rows(template_ids: np.ndarray, wanted: np.ndarray, target: str) -> np.ndarray:
+    """Rows of ``wanted`` templates in sorted ``template_ids``; a template without faces raises."""
+    pos = np.minimum(np.searchsorted(template_ids, wanted), len(template_ids) - 1)
+    missing = template_ids[pos] != wanted
+    if missing.any():
+        raise ValueError(f"{target} 1:N lists template {wanted[missing][0]}, which has no "
+                         f"faces in {target.lower()}_face_tid_mid.txt")
+    return pos
+
+
+def evaluate_tinyface_dir(backbone: nn.Module, root: str | Path, batch_size: int,
+                          device: torch.device | str) -> dict[str, float | int]:
+    """TinyFace rank-1/5/20 (``partial_fc.eval.ranking.cmc``) of ``backbone`` on ``root``
+    (one process). Images are stretched to 112x112 as decoded (the released crops are
+    smaller and unaligned) and embedded with flip TTA, unit rows."""
+    lists = read_tinyface(root)
+    feats = []
+    with eval_mode(backbone):
+        for paths in (lists.probe_paths, lists.gallery_paths):
+            encoded = []
+            for path in paths:
+                try:
+                    encoded.append(path.read_bytes())
+                except OSError as exc:
+                    raise DataError(f"{path}: cannot read TinyFace image ({exc})") from exc
+            feats.append(embed_shared(backbone, encoded, batch_size, device).cpu().numpy())
+    return cmc(feats[0], lists.probe_ids, feats[1], lists.gallery_ids)

@@ -132,6 +132,7 @@ def build(cfg: Config, env: DistEnv) -> Run:
     from partial_fc import PartialFC, build_margin
     from partial_fc.aux_losses import AuxLosses
     from partial_fc.backbones import build_backbone
+    from trainer.distill import Distillation
     from trainer.engine import Engine
 
     torch.manual_seed(cfg.seed)  # identical backbone init on every rank
@@ -151,7 +152,11 @@ def build(cfg: Config, env: DistEnv) -> Run:
     if steps_per_epoch == 0:
         raise ConfigError(f"train.grad_accum={k}: more than the {len(loader)} batches per epoch")
     total, warmup = run_length(cfg, steps_per_epoch)
-    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup)
+    distillation = Distillation.from_config(cfg, env.device)
+    if cfg.distill.head_init:  # before the engine: a resumed run loads its rows over these
+        distillation.init_head(head, cfg.data.dir)
+    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup,
+                    distillation=distillation)
     log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
     overruled = epochs_end_first(cfg, steps_per_epoch)
     if overruled:
@@ -184,7 +189,8 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
 
         return make_mixed_loader(cfg.data.dirs, weights=cfg.data.weights,
                                  excludes=cfg.data.exclusions(), **common)
-    return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0], **common)
+    return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0],
+                       with_keys=cfg.distill.embeddings is not None, **common)
 
 
 def resume(run: Run) -> None:
@@ -305,7 +311,12 @@ def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> Stop
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
-    result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    if cfg.distill.embeddings is None:
+        result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+    else:  # offline distillation: the batches' keys become the teacher's stored embeddings
+        batches, teachers = zip(*map(run.engine.distillation.split, micro_batches), strict=True)
+        result = run.engine.step(run.step, list(batches), angles=hist, stop=stop,
+                                 teachers=teachers)
     for note in result.notes:  # the head's choices, once each
         log.info(note)
     run.step += 1

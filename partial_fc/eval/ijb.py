@@ -1,9 +1,13 @@
 """IJB-B / IJB-C 1:1 verification: template features, pair scores, TAR at FAR.
 
-The protocol as insightface evaluates it (``recognition/_evaluation_/ijb``), so the
-numbers compare with published tables:
+The protocol as insightface's ``recognition/arcface_torch/eval_ijbc.py`` scores it
+(``use_norm_score = use_detector_score = use_flip_test = True``; bench/ijb_equivalence.py
+runs that script next to this code on the same folder):
 
-1. image feature ``f_i``: embedding of the aligned face plus its flip, L2-normalised;
+1. image feature ``f_i = e(x_i) + e(flip(x_i))``, the embeddings of the aligned face
+   and its mirror summed and *not* normalised: the norm stays a quality weight
+   (eval_ijbc.py's "TestMode(N1)"). ``image_norm="unit"`` L2-normalises ``f_i``
+   first instead, eval_ijbc.py's ``use_norm_score = False``;
 2. detector-score weighting: ``f_i <- q_i · f_i`` with ``q_i`` the face detector score;
 3. media pooling: faces of the same media (video frames, or one still) in a
    template are averaged, ``g_m = mean_{i in m} f_i``;
@@ -13,6 +17,9 @@ numbers compare with published tables:
    point whose FAR is *closest* to the target (insightface's rule, the one
    ``partial_fc.eval.verification.tar_at_far`` applies to every set; at a FAR that
    the negative count cannot resolve this is the nearest achievable point).
+
+The pooling runs in float64; eval_ijbc.py pools in float32, a difference of ~1e-7 in
+the scores.
 """
 
 from __future__ import annotations
@@ -23,22 +30,30 @@ from sklearn.metrics import roc_curve
 from partial_fc.eval.verification import normalise_rows, tar_at_far
 
 IJB_FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+# How image features enter the pooling (step 1): "kept" is eval_ijbc.py's default.
+IMAGE_NORMS = ("kept", "unit")
 
 
 def template_features(
-    image_feats, templates, medias, face_scores=None
+    image_feats, templates, medias, face_scores=None, image_norm: str = "kept"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pool image features into unit template features (steps 1-4 above).
 
     Args:
-        image_feats: ``[N, D]`` per-image features (normalised here).
+        image_feats: ``[N, D]`` per-image features, flip-summed, unnormalised.
         templates, medias: ``[N]`` integer template and media id of each image.
         face_scores: ``[N]`` detector scores, or None for no weighting.
+        image_norm: ``"kept"`` (the feature norm weights the image) or ``"unit"``
+            (each image feature L2-normalised first).
 
     Returns:
         ``(template_ids [T] sorted, features [T, D] float64 unit rows)``.
     """
-    feats = normalise_rows(np.asarray(image_feats, dtype=np.float64))
+    if image_norm not in IMAGE_NORMS:
+        raise ValueError(f"image_norm {image_norm!r}: choose one of {', '.join(IMAGE_NORMS)}")
+    feats = np.asarray(image_feats, dtype=np.float64)
+    if image_norm == "unit":
+        feats = normalise_rows(feats)
     templates = np.asarray(templates)
     medias = np.asarray(medias)
     if not len(feats) == len(templates) == len(medias):
@@ -80,7 +95,7 @@ def tar_at_far_closest(labels, scores, fars=IJB_FARS) -> dict[float, float]:
 
 
 def evaluate_ijb(image_feats, templates, medias, face_scores, t1, t2, labels,
-                 fars=IJB_FARS) -> dict[str, float | int]:
+                 fars=IJB_FARS, image_norm: str = "kept") -> dict[str, float | int]:
     """Steps 1-6 for ``[N]`` images and ``[M]`` labelled template pairs.
 
     Returns:
@@ -88,7 +103,7 @@ def evaluate_ijb(image_feats, templates, medias, face_scores, t1, t2, labels,
         "impostor_pairs": negatives}`` (the counts are integers).
         ``face_scores=None`` disables detector-score weighting.
     """
-    ids, feats = template_features(image_feats, templates, medias, face_scores)
+    ids, feats = template_features(image_feats, templates, medias, face_scores, image_norm)
     scores = pair_scores(ids, feats, t1, t2)
     out: dict[str, float | int] = {f"tar@far={far:.0e}": tar for far, tar in
                                    tar_at_far_closest(labels, scores, fars).items()}

@@ -7,7 +7,7 @@ import pytest
 
 PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
             "tools.chaos.__main__", "launch.plan", "launch.report", "launch.torchrun",
-            "launch.overlap", "launch.clean"]
+            "launch.overlap", "launch.clean", "launch.embed"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

@@ -184,6 +184,36 @@ def test_evaluation_hashes_only_the_backbone_it_reads(tmp_path, capsys):
         load_backbone(folder)
 
 
+def test_embed_images_keeps_the_norm_when_asked():
+    model, images = _LeftRight(), torch.randint(0, 256, (3, 3, 112, 112), dtype=torch.uint8)
+    x = images.float() / 127.5 - 1
+    raw = embed_images(model, images, batch_size=2, device="cpu", normalise=False)
+    torch.testing.assert_close(raw, model(x) + model(x.flip(3)))
+    assert not torch.allclose(raw.norm(dim=1), torch.ones(3))
+
+
+def test_cli_rfw_groups_and_fairness_table(tmp_path, capsys):
+    run = make_run(tmp_path)
+    (tmp_path / "rfw").mkdir()
+    for seed, group in enumerate(("African", "Asian", "Caucasian")):
+        make_color_bin(tmp_path / "rfw" / f"{group}_test.bin", num_pairs=10, seed=seed)
+    args = ["--checkpoint", str(run), "--rfw", str(tmp_path / "rfw"), "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no Indian_test.bin or Indian.bin" in err
+    make_color_bin(tmp_path / "rfw" / "Indian.bin", num_pairs=10, seed=3)
+    assert main([*args, "--json", str(tmp_path / "r.json")]) == 0
+    verification, fairness = capsys.readouterr().out.split("\n\n")
+    assert [ln.split()[0] for ln in verification.splitlines()[2:6]] == [
+        "RFW/African", "RFW/Asian", "RFW/Caucasian", "RFW/Indian"]
+    assert "gap (%)" in fairness and fairness.splitlines()[2].startswith("RFW ")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    accuracy = [saved[f"RFW/{g}"]["accuracy"] for g in ("African", "Asian", "Caucasian", "Indian")]
+    assert saved["RFW"]["mean"] == pytest.approx(np.mean(accuracy))
+    assert saved["RFW"]["gap"] == pytest.approx(max(accuracy) - min(accuracy))
+
+
 def test_cli_prints_table_and_json(tmp_path, capsys):
     run = make_run(tmp_path)
     make_color_bin(tmp_path / "lfw.bin", num_pairs=10)

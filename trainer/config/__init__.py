@@ -49,6 +49,7 @@ from trainer.config.schema import (
     ConfigWarning,
     DataConfig,
     DistConfig,
+    DistillConfig,
     EngineConfig,
     EvalConfig,
     HeadConfig,
@@ -63,7 +64,8 @@ from trainer.config.schema import (
 
 __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
-    "DistConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig", "Machine",
+    "DistConfig", "DistillConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig",
+    "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
     "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
     "resume_drift", "run_folder", "theory_warnings",

@@ -33,6 +33,7 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     m = cfg.margin
     out += margin_errors(cfg.margin_kwargs())  # partial_fc.margins owns the margin rules
+    out += _distill_errors(cfg)
     # Accumulation shares one class sample and one head step over the micro-batches
     # (PartialFC.begin_step), so sampling, SphereFace's lambda and the margin warm-up are
     # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes.
@@ -73,6 +74,20 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     out += _backbone_errors(cfg)
     out += _data_set_errors(cfg)
     return out
+
+
+def _distill_errors(cfg: Config) -> list[tuple[str, str]]:
+    d = cfg.distill
+    if d.embeddings is not None and d.teacher is not None:
+        return [("distill.embeddings", "distill.embeddings and distill.teacher are both set: "
+                 "give one (offline embeddings, or an online teacher)")]
+    if d.embeddings is not None and (cfg.data.source != "shards" or cfg.data.dirs is not None):
+        return [("distill.embeddings", "distill.embeddings: needs data.source=shards with one "
+                 "data.dir (the embeddings are keyed by its samples)")]
+    if d.head_init and (d.embeddings is None or cfg.margin.subcenters > 1):
+        return [("distill.head_init", "distill.head_init=true: needs distill.embeddings (the "
+                 "class means are taken over them) and margin.subcenters=1")]
+    return []
 
 
 def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:

@@ -358,6 +358,35 @@ class EvalConfig(_Section):
     batch_size: PosInt = Field(256, description="images per evaluation batch")
 
 
+class DistillConfig(_Section):
+    """Embedding distillation from a frozen teacher (partial_fc.distill), added to the
+    margin loss: ``loss = margin loss + weight * distillation loss``."""
+
+    embeddings: str | None = Field(
+        None, description="offline teacher: the folder python -m launch.embed wrote for "
+        "data.dir (read by sample key; no teacher forward during training)"
+    )
+    teacher: str | None = Field(
+        None, description="online teacher: a run folder, checkpoint or .onnx file, run on "
+        "every batch (a second forward pass per step; small sets)"
+    )
+    loss: Literal["cosine", "l2", "similarity"] = Field(
+        "cosine", description="cosine: 1 - cos(student, teacher); l2: squared distance of the "
+        "raw embeddings; similarity: the global batch's cosine-similarity matrices compared "
+        "(relational, any teacher width)"
+    )
+    weight: NonNegFloat = Field(1.0, description="the distillation loss's factor")
+    head_init: bool = Field(
+        False, description="distill.embeddings only: start each class centre (head row) in "
+        "the direction of the mean of its samples' teacher embeddings, a shared embedding "
+        "space (fresh runs; needs the teacher's width)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.embeddings is not None or self.teacher is not None
+
+
 class Config(_Section):
     name: str = Field("run", description="run name (W&B, logs, the default output folder)")
     output: str | None = Field(None, description="run folder; null = runs/<name>")
@@ -378,6 +407,7 @@ class Config(_Section):
     log: LogConfig = _section(LogConfig, "metrics, histograms and progress")
     eval: EvalConfig = _section(EvalConfig, "verification during training")
     dist: DistConfig = _section(DistConfig, "the process group")
+    distill: DistillConfig = _section(DistillConfig, "distillation from a teacher's embeddings")
 
     @property
     def run_dir(self) -> Path:

@@ -30,11 +30,13 @@ import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from partial_fc.backbones import normalize_images
+from partial_fc.distill import cosine_summary, distill_loss
 from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
 from partial_fc.rows import SampledRows
@@ -47,6 +49,9 @@ from trainer.engine.deepspeed_backend import DeepSpeedBackend
 from trainer.engine.snapshot import Snapshot
 from trainer.engine.state import EngineState, Rows
 from trainer.stopping import NO_STOP, StopRequest
+
+if TYPE_CHECKING:  # trainer.distill reads checkpoints, whose package imports this one's
+    from trainer.distill import Distillation
 
 BACKENDS: dict[str, type[BackboneBackend]] = {
     "ddp": DDPBackend,
@@ -154,8 +159,10 @@ class Engine:
         env: DistEnv,
         total_steps: int,
         warmup_steps: int,
+        distillation: Distillation | None = None,
     ):
         self.cfg, self.env, self.device = cfg, env, env.device
+        self.distillation = distillation
         self.memory_format = self._cuda_settings()  # the input's
         held = (self.memory_format if BACKENDS[cfg.engine.type].channels_last_parameters
                 else torch.contiguous_format)
@@ -220,6 +227,7 @@ class Engine:
         micro_batches: Sequence[tuple[torch.Tensor, ...]],
         angles: bool = False,
         stop: StopRequest = NO_STOP,
+        teachers: Sequence[Tensor | None] | None = None,
     ) -> StepResult:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels
         (+ the flip bits of a loader that defers its flip to the device: ``(images, labels,
@@ -228,7 +236,9 @@ class Engine:
         ``stop`` (this rank's request, ``trainer.stopping``) is agreed over the ranks in the
         step's one all-reduce with its flags (``trainer.engine.backend.Verdict``), so every
         rank stops after the same step at no extra host read. ``angles=True`` also samples
-        ``PartialFC.angle_sample`` on the last micro-batch (collective).
+        ``PartialFC.angle_sample`` on the last micro-batch (collective). ``teachers``: with
+        ``distillation``, each micro-batch's stored teacher embeddings (offline), or None
+        (the online teacher runs): the distillation loss joins the margin loss (below).
 
         The step is skipped, on every rank alike, when the loss, an embedding gradient, the
         head gradient or the backbone gradient norm was not finite (the verdict, or the
@@ -250,6 +260,8 @@ class Engine:
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         k, sample = len(micro_batches), None
+        teachers = teachers or [None] * k
+        distilled: dict[str, Tensor] = {}
         if k > 1:  # one class sample and one head step for all k: exact accumulation
             micro_batches = [(x, self._on_device(y), *f) for x, y, *f in micro_batches]
             self.head.begin_step(torch.cat([y for _, y, *_ in micro_batches]),
@@ -257,7 +269,8 @@ class Engine:
         for i, (images, labels, *flips) in enumerate(micro_batches):
             last = i == k - 1
             with self.backend.micro_batch(boundary=last):
-                e, y, loss, surrogate = self._forward(images, labels, k, *flips)
+                e, y, loss, surrogate = self._forward(images, labels, k, *flips,
+                                                      teacher=teachers[i], distilled=distilled)
                 finite &= torch.isfinite(loss) & torch.isfinite(e.grad).all()
                 loss_sum += loss.detach()  # fp64: the sum Python floats gave
                 if not last:
@@ -282,15 +295,22 @@ class Engine:
                           stop=agreed_stop, angles=sample, head_stats=self.head.stats,
                           notes=tuple(self.head.take_notes()),
                           numbers=DeviceScalars({"loss": loss_sum / k,
-                                                 "grad_norm": update.grad_norm}))
+                                                 "grad_norm": update.grad_norm,
+                                                 **{key: value / k
+                                                    for key, value in distilled.items()}}))
 
-    def _forward(self, images: Tensor, labels: Tensor, k: int, flips: Tensor | None = None
+    def _forward(self, images: Tensor, labels: Tensor, k: int, flips: Tensor | None = None,
+                 teacher: Tensor | None = None, distilled: dict[str, Tensor] | None = None
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One micro-batch: the backbone's forward, the head's forward and backward on the
         detached embeddings, and the backbone's surrogate loss (module docstring, step 2).
         ``flips``: the rows to mirror, from a loader that defers its flip to here.
+        With ``distillation``, ``weight * distill_loss(e, teacher)`` (a global-batch mean,
+        ``partial_fc.distill``) is added before the backward, so ``e.grad`` holds the
+        gradient of both and the surrogate carries it unchanged; its value and the
+        student-teacher cosines are summed into ``distilled`` (``distill_*`` metrics).
         Returns ``(e, labels, loss, surrogate)``: ``e`` the head's fp32 input holding
-        ``dL_global/de_local`` in ``e.grad``."""
+        ``dL_global/de_local`` in ``e.grad``; ``loss`` is the margin loss alone."""
         x = normalize_images(self._on_device(images),
                              None if flips is None else self._on_device(flips))
         x = x.to(dtype=self.backend.input_dtype, memory_format=self.memory_format)
@@ -302,8 +322,23 @@ class Engine:
             loss = self.head(e, y, sizes=[self.cfg.train.batch_size] * self.env.world_size,
                              defer_label_check=True)
         loss = seams.HEAD_LOSS(loss, rank=self.env.rank)
-        (loss / k).backward()
+        total = loss
+        if self.distillation is not None:
+            total = loss + self._distill(e, self.distillation.teacher(x, teacher), distilled)
+        (total / k).backward()
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
+
+    def _distill(self, e: Tensor, teacher: Tensor, distilled: dict[str, Tensor]) -> Tensor:
+        """``weight * distill_loss``, its value and cosine summary added into ``distilled``."""
+        sizes = [self.cfg.train.batch_size] * self.env.world_size
+        d = self.distillation
+        value = distill_loss(d.loss, e, teacher, sizes, self.env.group)
+        terms = {"distill_loss": value.detach(),
+                 **{f"distill_cos_{name}": v
+                    for name, v in cosine_summary(e, teacher, sizes, self.env.group).items()}}
+        for key, v in terms.items():
+            distilled[key] = distilled.get(key, 0.0) + v
+        return d.weight * value
 
     def _on_device(self, batch: Tensor) -> Tensor:
         """``batch`` (images, labels or flip bits) on the run's device; from the loader's pinned

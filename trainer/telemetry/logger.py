@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,12 +79,14 @@ class StepRecord:
     data: dict[str, int]
     time_s: float
     epoch: int | None = None
+    distill: dict[str, float] = field(default_factory=dict)  # the engine's distill_* numbers
 
     def row(self) -> dict:
-        """The flat row: ``head`` and ``data`` entries at the top level, ``epoch`` last."""
+        """The flat row: ``head``, ``distill`` and ``data`` entries at the top level,
+        ``epoch`` last."""
         out = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-               **self.head, "img_per_s": self.img_per_s, "memory_mb": self.memory_mb,
-               **self.data, "time_s": self.time_s}
+               **self.head, **self.distill, "img_per_s": self.img_per_s,
+               "memory_mb": self.memory_mb, **self.data, "time_s": self.time_s}
         if self.epoch is not None:
             out["epoch"] = self.epoch
         return out
@@ -179,7 +181,9 @@ class RunLogger:
                                     for name in (*OPTIONAL_STATS, *MARGIN_STATS)
                                     if name in head_stats}},
                            img_per_s=img_s, memory_mb=memory_mb(device), data=dict(data or {}),
-                           time_s=now - self._t0, epoch=epoch)
+                           time_s=now - self._t0, epoch=epoch,
+                           distill={k: v for k, v in result.numbers.items()
+                                    if k.startswith("distill_")})
         self.history.append(entry)
         record = entry.row()
         self.write(record)

@@ -1,0 +1,114 @@
+"""A backbone as a shippable folder: ``model.safetensors`` plus ``config.json``.
+
+``config.json`` says everything a user needs to get the same embeddings without this
+project's trainer: the architecture (a :func:`partial_fc.backbones.build_backbone` name),
+the embedding size, the input (size, channel order, ``(pixel - mean) / std``) and whether
+the published figures used flip test-time augmentation (embedding of the image plus its
+mirror). :func:`load_pretrained` is the reader: ``pip install partial-fc`` and
+``partial_fc.load_pretrained(folder)`` give the backbone back, with no run folder, YAML or
+trainer. The model card beside them (``README.md``) is the exporter's business.
+
+safetensors holds tensors only (no pickle), so a folder from a stranger is safe to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from partial_fc.backbones import build_backbone
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PretrainedConfig:
+    """``config.json``: what rebuilds the backbone and what its input must be.
+
+    The input is uint8 RGB ``[N, 3, H, W]`` turned into ``(pixel - mean) / std`` per channel,
+    i.e. [-1, 1] for the project's ``partial_fc.backbones.normalize_images``.
+    """
+
+    architecture: str  # build_backbone's name
+    embedding_size: int
+    depth: int | None = None  # vit_* blocks, when not the architecture's own
+    input_size: tuple[int, int] = (112, 112)  # (height, width) of the aligned face
+    channel_order: str = "RGB"
+    mean: tuple[float, float, float] = (127.5, 127.5, 127.5)  # in uint8 pixel units
+    std: tuple[float, float, float] = (127.5, 127.5, 127.5)
+    flip_tta: bool = True  # evaluation embeds x and its mirror and sums them
+    library: str = "partial-fc"
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # anything else the exporter records
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> PretrainedConfig:
+        """Parse ``config.json``; raises ValueError (one line naming ``where``) when it is
+        not one of ours or misses a key."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("library") != "partial-fc":
+            raise ValueError(f"{where}: not a partial-fc config.json (no \"library\": "
+                             "\"partial-fc\"); write one with python -m launch.export "
+                             "--format safetensors")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: format_version {raw.get('format_version')!r}, this "
+                             f"partial-fc reads {FORMAT_VERSION}")
+        known = set(cls.__dataclass_fields__)
+        missing = [k for k in ("architecture", "embedding_size") if k not in raw]
+        if missing:
+            raise ValueError(f"{where}: missing key {missing[0]!r}")
+        values = {k: v for k, v in raw.items() if k in known}
+        for key in ("input_size", "mean", "std"):
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+
+def save_pretrained(backbone: nn.Module, folder: str | os.PathLike,
+                    config: PretrainedConfig) -> Path:
+    """Write ``backbone``'s weights and ``config`` into ``folder`` (created); returns it.
+
+    ``save_model`` rather than ``save_file``: it stores tied tensors once and makes every
+    tensor contiguous (a channels_last backbone's convolutions are not)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(backbone, str(folder / WEIGHTS_FILE))
+    (folder / CONFIG_FILE).write_text(config.to_json())
+    return folder
+
+
+def load_pretrained(folder: str | os.PathLike) -> nn.Module:
+    """The backbone of a folder :func:`save_pretrained` wrote, on CPU in eval mode.
+
+    Raises:
+        ValueError: no such folder, a missing or foreign ``config.json``, or weights that
+            do not fit the architecture it names (one line each).
+    """
+    folder = Path(folder)
+    config_path, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for path in (config_path, weights):
+        if not path.is_file():
+            raise ValueError(f"{path}: missing (a pretrained folder holds {CONFIG_FILE} and "
+                             f"{WEIGHTS_FILE})")
+    config = PretrainedConfig.from_json(config_path.read_text(), str(config_path))
+    model = build_backbone(config.architecture, embedding_size=config.embedding_size,
+                           depth=config.depth)
+    try:
+        load_model(model, str(weights), strict=True)
+    except RuntimeError as exc:
+        why = " ".join(str(exc).strip().splitlines()[:2])
+        raise ValueError(f"{weights}: does not fit {config.architecture!r}: {why}") from None
+    return model.eval()

@@ -1,0 +1,75 @@
+"""TinyFace: the released folder layout (MATLAB lists) read, and rank-k through launch.evaluate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from eval_helpers import MeanColour, make_run
+from PIL import Image
+from scipy.io import savemat
+
+from data_pipeline.errors import DataError
+from data_pipeline.tinyface import read_tinyface
+from launch.evaluate import main
+from trainer.evaluation import evaluate_tinyface_dir
+
+
+def _image(path, rgb):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((24, 20, 3), rgb, np.uint8)).save(path)
+
+
+def _cells(names):
+    return np.array([[np.array([n])] for n in names], dtype=object)
+
+
+def write_tinyface(root):
+    """Probe 1 white, probe 2 red. Gallery: id 1 white and grey-blue, id 2 (255, 0, 128);
+    distractor red. Under MeanColour the red probe's mate scores 2/sqrt(6) < 1 (the
+    distractor): rank 2; the white probe's mate is exact: rank 1."""
+    t = root / "tinyface" / "Testing_Set"
+    for name, rgb in (("p1.png", (255, 255, 255)), ("p2.png", (255, 0, 0))):
+        _image(t / "Probe" / name, rgb)
+    for name, rgb in (("g1.png", (255, 255, 255)), ("g2.png", (0, 0, 255)),
+                      ("g3.png", (255, 0, 128))):
+        _image(t / "Gallery_Match" / name, rgb)
+    _image(t / "Gallery_Distractor" / "d1.png", (255, 0, 0))
+    savemat(t / "probe_img_ID_pairs.mat", {"probe_set": _cells(["p1.png", "p2.png"]),
+                                           "probe_ids": np.array([[1], [2]])})
+    savemat(t / "gallery_match_img_ID_pairs.mat", {
+        "gallery_set": _cells(["g1.png", "g2.png", "g3.png"]),
+        "gallery_ids": np.array([[1], [1], [2]])})
+    return t
+
+
+def test_read_and_rank_by_hand(tmp_path):
+    t = write_tinyface(tmp_path)
+    lists = read_tinyface(tmp_path)
+    assert [p.name for p in lists.gallery_paths] == ["g1.png", "g2.png", "g3.png", "d1.png"]
+    assert lists.gallery_ids.tolist() == [1, 1, 2, -1] and lists.probe_ids.tolist() == [1, 2]
+    out = evaluate_tinyface_dir(MeanColour(), t, batch_size=2, device="cpu")
+    assert out == {"rank1": 0.5, "rank5": 1.0, "rank20": 1.0, "num_probes": 2,
+                   "gallery_size": 4}
+
+
+def test_layout_errors(tmp_path):
+    with pytest.raises(DataError, match="no probe_img_ID_pairs.mat"):
+        read_tinyface(tmp_path)
+    t = write_tinyface(tmp_path)
+    savemat(t / "gallery_match_img_ID_pairs.mat", {"gallery_set": _cells(["g1.png"])})
+    with pytest.raises(DataError, match=r"gallery_match_img_ID_pairs.mat: no variable "
+                                        r"'gallery_ids'"):
+        read_tinyface(t)
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    write_tinyface(tmp_path)
+    assert main(["--checkpoint", str(make_run(tmp_path)), "--tinyface", str(tmp_path),
+                 "--device", "cpu", "--json", str(tmp_path / "r.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["set", "probes", "gallery", "rank-1"]
+    assert lines[2].split()[:3] == ["TinyFace", "2", "4"]
+    assert set(json.loads((tmp_path / "r.json").read_text())["TinyFace"]) == {
+        "rank1", "rank5", "rank20", "num_probes", "gallery_size"}
