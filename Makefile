@@ -52,7 +52,8 @@ test-fast: setup
 
 # Every command in README.md's and docs/*.md's code blocks, as a user types it, on small data
 # it builds (tools/docs_check: placeholders -> fixtures; GPU and multi-node commands marked in
-# the doc run with --check). About 20 minutes on 2 cores, so CI runs it beside `make test`.
+# the doc run with --check). 12 minutes on the shared 2-core machine, so CI runs it beside
+# `make test`, not inside it.
 docs-check: setup
 	$(PY) -m tools.docs_check
 
