@@ -91,7 +91,9 @@ def test_check_mode_rewrites_each_kind_of_launch():
                      ROOT) == (f"python -m launch.train --check --nproc-per-node 8 --nnodes 2 "
                                f"--config c.yaml {extra}")
     assert for_check("make ms1mv2-r50 DATA=d", ROOT) == (
-        f"make ms1mv2-r50 DATA=d TORCHRUN=true 'ARGS+={extra}'")
+        f"make ms1mv2-r50 DATA=d NPROC_PER_NODE=8 TORCHRUN=true 'ARGS+={extra}'")
+    assert for_check("make ms1mv2-r50 NPROC_PER_NODE=4", ROOT) == (
+        f"make ms1mv2-r50 NPROC_PER_NODE=4 TORCHRUN=true 'ARGS+={extra}'")
     assert for_check("sbatch scripts/slurm/train.sbatch c.yaml x=1", ROOT).startswith(
         "bash -n scripts/slurm/train.sbatch && python -m launch.train --check --nproc-per-node 8 "
         "--nnodes 2 --config c.yaml x=1")

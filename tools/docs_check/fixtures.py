@@ -32,7 +32,11 @@ PLACEHOLDERS = {
 PRINTED_PLACEHOLDERS = {"YOUR_SHARDS": "small_shards", "OUT": "=data/converted",
                         "/train_tmp/WebFace42M": "faces_emore"}
 # Where one doc's name means a run to read and another's a folder a command writes.
-DOC_PLACEHOLDERS = {"docs/data.md": {"runs/ms1mv3_r50": "run"}}
+DOC_PLACEHOLDERS = {
+    "docs/data.md": {"runs/ms1mv3_r50": "run"},
+    "docs/evaluation.md": {"runs/orl": "run", "data/orl_s31-s40.bin": "bins/lfw.bin"},
+    "docs/training.md": {"runs/ms1mv3_r100": "run", "data/ms1mv3": "shards"},
+}
 
 SMALL_CLASSES = 23  # = the arcface_torch output folder's class count (its head's rows)
 EMBEDDING = 16

@@ -36,7 +36,9 @@ def for_check(text: str, root: Path) -> str:
     words = shlex.split(text)
     extra = " " + " ".join(CHECK_OVERRIDES)
     if words[0] == "make":  # the recipe's own --check line; torchrun replaced by `true`
-        return f"{text} TORCHRUN=true {shlex.quote('ARGS+=' + extra.strip())}"
+        # NPROC_PER_NODE's default, `gpu` (all of this node's), means a node of 8 here
+        shape = "" if any(w.startswith("NPROC_PER_NODE=") for w in words) else " NPROC_PER_NODE=8"
+        return f"{text}{shape} TORCHRUN=true {shlex.quote('ARGS+=' + extra.strip())}"
     if _TRAIN.match(text):
         return (text if "--check" in words else
                 re.sub(r"-m launch\.train\b", "-m launch.train --check", text, count=1)) + extra
