@@ -53,7 +53,7 @@ def embed_shards(teacher: nn.Module, teacher_name: str, data_dir: str | Path, ou
             changed = sorted(k for k in index if found.get(k) != index[k])
             raise DataError(f"{out / INDEX}: written for another {', '.join(changed)}; "
                             "give another --out, or delete it to start over")
-    else:
+    elif rank == 0:  # one writer: the ranks' renames of one temporary file raced
         atomic_write_bytes(out / INDEX, (json.dumps(index, indent=1) + "\n").encode())
     written = []
     decoder = resolve_decoder("auto")
