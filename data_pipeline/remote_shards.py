@@ -31,12 +31,15 @@ from data_pipeline.shard_cache import ShardCache
 from data_pipeline.shard_index import (
     INDEX_SUFFIX,
     ShardIndex,
+    build_index,
     check_member,
     check_positions,
     index_of,
+    indexed_samples,
     parse_index,
+    read_index,
 )
-from data_pipeline.stages import Wanted, local_samples, tagged
+from data_pipeline.stages import Wanted, tagged
 from data_pipeline.tar_reader import BLOCK
 
 MIB = 1 << 20
@@ -130,8 +133,12 @@ class RemoteShards:
         fetched = ahead((functools.partial(cache.fetch, self.infos[s], self.indexed[s])
                          for s, _ in wanted), 2, pool, self.stats)
         for (shard, positions), _ in zip(wanted, fetched, strict=True):  # fetched ahead
+            # the lock is held while the shard is opened, never across a yield: a worker
+            # waiting for its turn to hand out a chunk would hold it while others wait
             with cache.reading(self.infos[shard], self.indexed[shard]) as path:
-                yield from tagged(shard, positions, path, local_samples(path, positions))
+                samples = indexed_samples(path, read_index(path) or build_index(path),
+                                          positions)
+            yield from tagged(shard, positions, path, samples)
 
     def _plan(self, shard: int, positions: list[int]) -> _ShardPlan:
         """Fetch shard ``shard``'s index and plan the requests for ``positions``."""
