@@ -71,12 +71,13 @@ class Retry:
 @dataclass
 class FetchStats:
     """What one process's reads of a folder cost: requests, bytes, retries and the seconds
-    slept between them."""
+    slept between them, and the seconds its loader stream waited for a read to finish."""
 
     requests: int = 0
     bytes: int = 0
     retries: int = 0
     retry_s: float = 0.0
+    wait_s: float = 0.0
 
 
 def open_folder(location: str | os.PathLike, retry: Retry | None = None) -> Path | RemoteFolder:

@@ -18,24 +18,28 @@ from __future__ import annotations
 import functools
 import io
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from data_pipeline.errors import ShardError
 from data_pipeline.manifest import Manifest, ShardInfo, read_manifest
-from data_pipeline.remote import RemoteFolder, Retry, open_folder
+from data_pipeline.remote import FetchStats, RemoteFolder, Retry, open_folder
 from data_pipeline.shard_cache import ShardCache
 from data_pipeline.shard_index import (
     INDEX_SUFFIX,
     ShardIndex,
+    build_index,
     check_member,
     check_positions,
     index_of,
+    indexed_samples,
     parse_index,
+    read_index,
 )
-from data_pipeline.stages import Wanted, local_samples, tagged
+from data_pipeline.stages import Wanted, tagged
 from data_pipeline.tar_reader import BLOCK
 
 MIB = 1 << 20
@@ -80,7 +84,7 @@ class RemoteShards:
 
     def __init__(self, folder: RemoteFolder, shards: tuple[ShardInfo, ...],
                  streaming: Streaming | None = None):
-        self.folder, self.infos = folder, shards
+        self.folder, self.infos, self.stats = folder, shards, folder.stats
         self.streaming = streaming = streaming or Streaming()
         names = [s.name for s in shards]
         sizes = folder.sizes(names + [n + INDEX_SUFFIX for n in names])
@@ -110,7 +114,8 @@ class RemoteShards:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _streamed(self, wanted: Wanted, pool: ThreadPoolExecutor):
-        plans = ahead((functools.partial(self._plan, s, p) for s, p in wanted), 2, pool)
+        plans = ahead((functools.partial(self._plan, s, p) for s, p in wanted), 2, pool,
+                      self.stats)
 
         def tasks():
             for plan in plans:
@@ -118,7 +123,7 @@ class RemoteShards:
                 for lo, hi in plan.blocks:
                     yield functools.partial(self.folder.read, plan.name, lo, hi)
 
-        items = ahead(tasks(), self.streaming.prefetch_blocks, pool)
+        items = ahead(tasks(), self.streaming.prefetch_blocks, pool, self.stats)
         for plan in items:  # a plan, then its blocks
             blocks = itertools.islice(items, len(plan.blocks))
             yield from tagged(plan.shard, plan.positions, plan.where, _plan_samples(plan, blocks))
@@ -126,10 +131,14 @@ class RemoteShards:
     def _from_cache(self, wanted: Wanted, pool: ThreadPoolExecutor):
         cache = self.cache
         fetched = ahead((functools.partial(cache.fetch, self.infos[s], self.indexed[s])
-                         for s, _ in wanted), 2, pool)
+                         for s, _ in wanted), 2, pool, self.stats)
         for (shard, positions), _ in zip(wanted, fetched, strict=True):  # fetched ahead
+            # the lock is held while the shard is opened, never across a yield: a worker
+            # waiting for its turn to hand out a chunk would hold it while others wait
             with cache.reading(self.infos[shard], self.indexed[shard]) as path:
-                yield from tagged(shard, positions, path, local_samples(path, positions))
+                samples = indexed_samples(path, read_index(path) or build_index(path),
+                                          positions)
+            yield from tagged(shard, positions, path, samples)
 
     def _plan(self, shard: int, positions: list[int]) -> _ShardPlan:
         """Fetch shard ``shard``'s index and plan the requests for ``positions``."""
@@ -157,17 +166,29 @@ def check_remote_folder(url: str) -> Manifest:
     return manifest
 
 
-def ahead(tasks: Iterator[Callable], window: int, pool: ThreadPoolExecutor) -> Iterator:
+def ahead(tasks: Iterator[Callable], window: int, pool: ThreadPoolExecutor,
+          stats: FetchStats) -> Iterator:
     """The results of ``tasks`` in order, each submitted to ``pool`` while up to ``window``
     results before it are not yet taken (so that many run ahead of the consumer). ``tasks``
-    itself is drawn in the consumer's thread."""
+    itself is drawn in the consumer's thread; the time it waits for a result that is not
+    ready goes to ``stats.wait_s``."""
     pending = deque()
     for task in tasks:
         pending.append(pool.submit(task))
         if len(pending) > window:
-            yield pending.popleft().result()
+            yield _result(pending.popleft(), stats)
     while pending:
-        yield pending.popleft().result()
+        yield _result(pending.popleft(), stats)
+
+
+def _result(future: Future, stats: FetchStats):
+    if future.done():
+        return future.result()
+    start = time.perf_counter()
+    try:
+        return future.result()
+    finally:
+        stats.wait_s += time.perf_counter() - start
 
 
 def _same(value):

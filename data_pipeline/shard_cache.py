@@ -4,13 +4,14 @@ A shard is fetched whole once, with its member index, into ``CACHE_DIR/<folder i
 from there like a local shard in every later epoch. The ranks and workers of a node share the
 cache through one lock file per shard (``flock``): a process that finds the shard missing
 takes the lock exclusively and fetches it, the others wait and then read what it fetched, so a
-shard crosses the network once per node; a reader holds the lock shared while it reads the
-shard, so that it is not evicted under it. A fetch is written under a temporary name and
-renamed into place only when its size, and its SHA-256 where the manifest has one, match the
-manifest (the index is renamed first: a shard's presence means both are whole), so a
-half-written file is never read, not even after a crash. When the cache holds more than
-``cache_gib``, the shards read least recently (a file's mtime is its last read) that no
-process holds are evicted; the shard just fetched stays even if it alone is larger.
+shard crosses the network once per node; a reader holds the lock shared while it opens the
+shard (its memory map outlives an eviction), never while it hands out samples. A fetch is
+written under a temporary name and renamed into place only when its size, and its SHA-256
+where the manifest has one, match the manifest (the index is renamed first: a shard's
+presence means both are whole), so a half-written file is never read, not even after a
+crash. When the cache holds more than ``cache_gib``, the shards read least recently (a file's
+mtime is its last read) that no process holds are evicted; the shard just fetched stays even
+if it alone is larger.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class ShardCache:
     @contextlib.contextmanager
     def reading(self, info: ShardInfo, indexed: bool) -> Iterator[Path]:
         """Shard ``info``'s cached copy, kept from eviction while the block runs (fetched
-        first if it is not there); its mtime records the read."""
+        first if it is not there): open it there, and wait for nothing inside (a worker
+        waiting for its turn to hand out a chunk would hold up every other). Its mtime
+        records the read."""
         path = self.dir / info.name
         while True:
             with _locked(self._lock(info.name), fcntl.LOCK_SH):

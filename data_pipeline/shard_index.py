@@ -164,7 +164,8 @@ def indexed_samples(shard: Path, index: ShardIndex, positions: Sequence[int]) ->
     :func:`data_pipeline.tar_reader.tar_samples` gives them (``__key__``, ``jpg``, ``cls``),
     read at the offsets of its ``index``. ``jpg`` is a memoryview of the mapped shard, not a
     copy (the map stays while a sample in a shuffle buffer holds one); ``cls`` is bytes,
-    which ``int`` reads."""
+    which ``int`` reads. The shard is opened and checked when this is called, not when the
+    samples are first asked for."""
     check_positions(index, positions, str(index_path(shard)))
     try:
         with open(shard, "rb") as f:
@@ -175,10 +176,13 @@ def indexed_samples(shard: Path, index: ShardIndex, positions: Sequence[int]) ->
         offset, size = index.members[position, :2].tolist()
         check_member(data[max(0, offset - BLOCK):offset], shard, index.keys[position], offset,
                      size)
+    return _sliced(data, index.keys[positions].tolist(), index.members[positions].tolist())
+
+
+def _sliced(data, keys: list[str], rows: list[list[int]]) -> Iterator[dict]:
+    """The samples whose members lie at ``rows`` of the mapped shard ``data``."""
     view = memoryview(data)
-    rows = index.members[positions].tolist()
-    for key, (jpg, jpg_size, cls, cls_size) in zip(index.keys[positions].tolist(), rows,
-                                                   strict=True):
+    for key, (jpg, jpg_size, cls, cls_size) in zip(keys, rows, strict=True):
         sample = {"__key__": key}
         if jpg_size >= 0:
             sample["jpg"] = view[jpg:jpg + jpg_size]

@@ -24,6 +24,7 @@ from data_pipeline.codec import Mirror, decode_into
 from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.manifest import ShardInfo
+from data_pipeline.remote import FetchStats
 from data_pipeline.shard_index import index_path, indexed_samples, read_index
 from data_pipeline.slots import SlotPool
 from data_pipeline.tar_reader import check_shard, tar_samples
@@ -38,6 +39,7 @@ class ShardReader(Protocol):
     ``jpg``, ``cls`` and ``__shard__`` (the shard's name in errors)."""
 
     num_unindexed: int  # shards without a member index (read by parsing their tar)
+    stats: FetchStats  # what this process's reads cost (all zero for a local folder)
 
     def samples(self, wanted: Wanted) -> Iterator[tuple[tuple[int, int], dict]]: ...
 
@@ -52,6 +54,7 @@ class LocalShards:
         for path, info in zip(self.paths, shards, strict=True):
             check_shard(path, info)
         self.num_unindexed = sum(not index_path(p).is_file() for p in self.paths)
+        self.stats = FetchStats()
 
     def samples(self, wanted: Wanted) -> Iterator[tuple[tuple[int, int], dict]]:
         for shard, positions in wanted:
@@ -162,6 +165,7 @@ class Chunk(NamedTuple):
     skipped: list[int]  # stream positions of the corrupt samples dropped while filling it
     worker: int
     slot: int = -1  # the worker's chunk number, when the images are in its SlotPool
+    storage: tuple[int, float] = (0, 0.0)  # the worker's retries and seconds waiting on a URL
 
 
 def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: int, worker: int,
