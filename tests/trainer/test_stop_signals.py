@@ -44,7 +44,7 @@ def test_a_signal_near_the_step_end_waits_for_it_a_second_stops_now(monkeypatch)
     with StopSignals(clock) as signals:
         clock.steps, clock.started = 3, time.monotonic()  # 3 quick steps done, the 4th runs
         signal.raise_signal(signal.SIGTERM)
-        assert signals.received == signal.SIGTERM  # kept for the step's agreement
+        assert signals.stops.current().signum == signal.SIGTERM  # for the step's agreement
         signal.raise_signal(signal.SIGTERM)  # the same job-wide signal, forwarded: no effect
         time.sleep(0.3)
         with pytest.raises(Interrupted, match=r"step 4: interrupted by a second stop signal "
@@ -59,7 +59,7 @@ def test_a_signal_in_the_first_step_or_far_from_the_step_end_stops_now():
             Interrupted, match=r"step 1: interrupted by SIGUSR1 in the first step this process "
                                r"runs \(nothing new to save\)"):
         signal.raise_signal(signal.SIGUSR1)
-    assert signals.received == 0
+    assert not signals.stops.current()
     with StopSignals(clock) as signals:
         # one step took 100 s (the loop began 100 s before it); the second began just now
         clock.steps, clock.started = 1, time.monotonic()
@@ -72,7 +72,7 @@ def test_a_watchers_request_reaches_the_loop_with_what_happened():
     with StopSignals() as signals:
         request_stop(StopReason.LAUNCHER_GONE, "the launcher's death (pid 7)")
         request_stop(StopReason.LAUNCHER_GONE, "a later report")  # the first one stays
-        assert signals.received == 0  # no signal: the request is the watcher's
+        assert not signals.stops.current()  # no signal: the request is the watcher's
         assert signals.watched() == {StopReason.LAUNCHER_GONE: "the launcher's death (pid 7)"}
     forget_requests()
     assert StopSignals.watched() == {}
