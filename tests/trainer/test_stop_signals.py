@@ -68,6 +68,25 @@ def test_a_signal_in_the_first_step_or_far_from_the_step_end_stops_now():
             signal.raise_signal(signal.SIGTERM)
 
 
+def test_after_the_last_step_a_signal_lets_the_run_end_a_second_stops_it(monkeypatch):
+    """Once ``total`` steps are done (the last save, evaluation and summary run) a signal
+    has nothing to stop: it must not kill the rank (a finished job would fail), nor raise
+    for a step to come, however slow the steps were; a second one still ends it at once."""
+    from trainer import preemption
+
+    monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.2)
+    clock = Clock()
+    with StopSignals(clock, total=6) as signals:
+        signals._entered = (0, clock.started - 600.0)  # 100 s a step: the pace rule is moot
+        clock.steps, clock.started = 6, time.monotonic()
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(Interrupted, match=r"^after step 6, the last: interrupted by a "
+                                              r"second stop signal \(SIGTERM\); the run's end "
+                                              r".* is cut short, the last checkpoint stays"):
+            signal.raise_signal(signal.SIGTERM)
+
+
 def test_a_watchers_request_reaches_the_loop_with_what_happened():
     with StopSignals() as signals:
         request_stop(StopReason.LAUNCHER_GONE, "the launcher's death (pid 7)")
