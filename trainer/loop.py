@@ -35,7 +35,7 @@ from trainer.errors import (
 )
 from trainer.overrules import epochs_end_first, margin_words, run_length, schedule_jump
 from trainer.preemption import StopSignals
-from trainer.stopping import NO_STOP, StopReason, StopRequest, StopRequested, StopRequests
+from trainer.stopping import StopReason, StopRequest, StopRequested, StopRequests
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import RunLogger, WriteFailed
 
@@ -105,7 +105,7 @@ class Run:
     skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
     bad_in_a_row: int = 0
     step_started: float = 0.0  # time.monotonic() when the current step began
-    stops: StopRequests = field(default_factory=StopRequests)  # this rank's, for the next step
+    stops: StopRequests = field(default_factory=StopRequests)  # this rank's, read at each step
 
 
 def train(cfg: Config, env: DistEnv) -> dict:
@@ -120,11 +120,14 @@ def train(cfg: Config, env: DistEnv) -> dict:
     if run.step >= run.total:
         return already_finished(run)
     saved = lambda: run.saved  # noqa: E731 - read when the report is made
-    with StopSignals(lambda: (run.step, run.step_started)) as signals, _collectives_of(
-            lambda: f"step {run.step + 1}", timeout, saved, since=lambda: run.step_started):
-        stopped_by = loop(run, signals)
-    with _collectives_of(lambda: f"after step {run.step}", timeout, saved):
-        return finish(run, stopped_by)
+    # The signals are recorded until the run's end: one that comes after the last step's
+    # agreement must not kill a rank in the last save (trainer.preemption).
+    with StopSignals(lambda: (run.step, run.step_started), run.stops, run.total):
+        with _collectives_of(lambda: f"step {run.step + 1}", timeout, saved,
+                             since=lambda: run.step_started):
+            stopped_by = loop(run)
+        with _collectives_of(lambda: f"after step {run.step}", timeout, saved):
+            return finish(run, stopped_by)
 
 
 def build(cfg: Config, env: DistEnv) -> Run:
@@ -247,7 +250,7 @@ def already_finished(run: Run) -> dict:
     return {}
 
 
-def loop(run: Run, signals: StopSignals) -> str | None:
+def loop(run: Run) -> str | None:
     """Train until ``run.total`` steps; returns what stopped it early (a signal's name, the
     launcher's death), None when it ran to the end."""
     cfg = run.cfg
@@ -255,7 +258,8 @@ def loop(run: Run, signals: StopSignals) -> str | None:
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
         for micro_batches in _groups(run.loader, cfg.train.grad_accum):
-            stop = one_step(run, micro_batches, local_stop(run, signals))
+            watched_stops(run)
+            stop = one_step(run, micro_batches)
             if stop.reason and not stop.reason.saves:  # no checkpoint: the last one stays
                 raise stop_error(run, stop)
             if run.step >= run.total:
@@ -270,16 +274,14 @@ def loop(run: Run, signals: StopSignals) -> str | None:
     return None
 
 
-def local_stop(run: Run, signals: StopSignals) -> StopRequest:
-    """This rank's stop request for the next step: a signal it received, a run file rank 0
-    could not write, or whatever else asked through ``run.stops``."""
-    if signals.received:
-        run.stops.request(StopReason.SIGNAL, signum=signals.received)
-    for reason, detail in signals.watched().items():  # the launcher's death, the lock's loss
+def watched_stops(run: Run) -> None:
+    """Before each step, into ``run.stops``: what the watcher threads asked for (the
+    launcher's death, the lock's loss) and a run file rank 0 could not write. A stop signal
+    needs no visit: its handler records it there, and the step reads it at its agreement."""
+    for reason, detail in StopSignals.watched().items():
         run.stops.request(reason, detail)
     if run.log.write_failed():
         run.stops.request(StopReason.DISK_FULL, run.log.write_error)
-    return run.stops.current()
 
 
 def stop_error(run: Run, stop: StopRequest) -> Exception:
@@ -303,19 +305,19 @@ def stopped_by(run: Run, stop: StopRequest) -> str:
     return stop.signal_name
 
 
-def one_step(run: Run, micro_batches: list, stop: StopRequest = NO_STOP) -> StopRequest:
+def one_step(run: Run, micro_batches: list) -> StopRequest:
     """One optimisation step, its metrics, and the non-finite-step bookkeeping. The step's
     loss and statistics stay on the device (the engine's one host read is its verdict) and
     are read by ``log.step`` on the steps that write a metrics record. Returns the stop
-    request agreed over the ranks (``stop``: this rank's)."""
+    request agreed over the ranks (this rank's: ``run.stops``, read at the agreement)."""
     cfg, log = run.cfg, run.log
     run.step_started = time.monotonic()
     hist = log.wants_histograms(run.step + 1)
     if cfg.distill.embeddings is None:
-        result = run.engine.step(run.step, micro_batches, angles=hist, stop=stop)
+        result = run.engine.step(run.step, micro_batches, angles=hist, stops=run.stops)
     else:  # offline distillation: the batches' keys become the teacher's stored embeddings
         batches, teachers = zip(*map(run.engine.distillation.split, micro_batches), strict=True)
-        result = run.engine.step(run.step, list(batches), angles=hist, stop=stop,
+        result = run.engine.step(run.step, list(batches), angles=hist, stops=run.stops,
                                  teachers=teachers)
     for note in result.notes:  # the head's choices, once each
         log.info(note)

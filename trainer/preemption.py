@@ -4,11 +4,14 @@ take too long.
 
 Cluster schedulers announce the end of a job with SIGTERM (SLURM: ``scancel``, a time limit
 with ``--signal``; torchrun forwards its own SIGTERM to every worker) or a user signal, and
-kill it a grace period later; Ctrl-C sends SIGINT. The handler only records the signal;
-``launch.train`` hands ``received`` to every step, whose one agreement all-reduce
-(``trainer.stopping``) takes the largest request over the ranks, so that every rank stops
-after the same step even when the signal reached only some of them (at no host read of its
-own), saves there and exits 0. DataLoader workers ignore SIGINT, SIGUSR1 and their first
+kill it a grace period later; Ctrl-C sends SIGINT. The handler only records the signal in
+the run's :class:`trainer.stopping.StopRequests`, which the step reads at its one agreement
+all-reduce, after its backward: the largest request over the ranks wins, so that every rank
+stops after the same step, the one the signal came in, even when the signal reached only
+some of them (at no host read of its own), saves there and exits 0. The handlers stay until
+the run's end (its last checkpoint and summary): a signal that comes after the last step's
+agreement has nothing left to stop, and must not kill one rank in the last save, which
+would fail a finished job. DataLoader workers ignore SIGINT, SIGUSR1 and their first
 SIGTERM (``data_pipeline.loader``), so a signal sent to every process of the job
 (``scancel``, Ctrl-C) does not kill them before the trainer has stopped; the trainer then
 ends them itself.
@@ -39,7 +42,7 @@ from collections.abc import Callable
 
 from data_pipeline.parent_death import die_with_parent
 from trainer.errors import Stopped
-from trainer.stopping import StopReason
+from trainer.stopping import StopReason, StopRequests
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # PR_SET_PDEATHSIG's signal: the launcher died. Not SIGTERM: the kernel sends it when the
@@ -71,21 +74,21 @@ def forget_requests() -> None:
 
 
 class StopSignals:
-    """Context manager around the step loop: while active, SIGTERM/SIGUSR1/SIGINT request a
-    stop instead of killing. ``progress()`` gives ``(steps done, time.monotonic() at the
-    current step's start)``; it decides whether a signal may wait for the step's end."""
+    """Context manager around the step loop and the run's end: while active,
+    SIGTERM/SIGUSR1/SIGINT request a stop (into ``stops``) instead of killing.
+    ``progress()`` gives ``(steps done, time.monotonic() at the current step's start)``; it
+    decides whether a signal may wait for the step's end. Once ``total`` steps are done the
+    run is ending: a first signal then changes nothing."""
 
-    def __init__(self, progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)):
+    def __init__(self, progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+                 stops: StopRequests | None = None, total: int | None = None):
         self._signal = 0  # signal number, 0 = none
         self._signalled = 0.0  # time.monotonic() when it came
         self._progress = progress
+        self.stops = StopRequests() if stops is None else stops
+        self._total = total
         self._entered: tuple[int, float] = (0, 0.0)
         self._previous: dict[int, object] = {}
-
-    @property
-    def received(self) -> int:
-        """The stop signal this rank received, 0 for none."""
-        return self._signal
 
     @staticmethod
     def watched() -> dict[StopReason, str]:
@@ -111,8 +114,12 @@ class StopSignals:
         now = time.monotonic()
         if self._signal and not launcher_gone and now - self._signalled < SAME_SIGNAL_S:
             return  # one job-wide signal reaching the rank twice (directly and forwarded)
+        ended = self._total is not None and steps >= self._total
         if self._signal and not launcher_gone:
             why = f"a second stop signal ({name})"
+        elif ended and not launcher_gone:  # the last save and summary are the stop's own
+            self._signal, self._signalled = signum, now
+            return
         elif done_here == 0:
             why = f"{name} in the first step this process runs (nothing new to save)"
         elif started + (started - entered) / done_here - now > WAIT_FOR_STEP_S:
@@ -124,10 +131,13 @@ class StopSignals:
             return
         else:
             self._signal, self._signalled = signum, now
+            self.stops.signal(signum)
             return
-        raise Interrupted(f"step {steps + 1}: interrupted by {why}; the step in progress "
-                          "cannot be saved, the last checkpoint stays: run the same command "
-                          "again to resume from it")
+        where, cut = ((f"after step {steps}, the last", "the run's end (its last checkpoint, "
+                       "evaluation, summary) is cut short") if ended else
+                      (f"step {steps + 1}", "the step in progress cannot be saved"))
+        raise Interrupted(f"{where}: interrupted by {why}; {cut}, the last checkpoint stays: "
+                          "run the same command again to resume from it")
 
 
 class LauncherWatch:

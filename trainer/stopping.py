@@ -60,23 +60,36 @@ class StopRequested(Stopped, RuntimeError):
 
 
 class StopRequests:
-    """This rank's stop requests until the next step carries them: the public way for any
-    part of the trainer (the signal handler, the logger, a launcher or lock watch) to stop
-    the run. Only the largest reason is kept, with the ``detail`` its caller gave for the
-    one line the run ends with."""
+    """This rank's stop requests until a step carries them: the public way for any part of
+    the trainer (the signal handler, the logger, a launcher or lock watch) to stop the run.
+    Only the largest reason is kept, with the ``detail`` its caller gave for the one line the
+    run ends with.
+
+    The step reads :meth:`current` at its agreement, after its forward and backward, so a
+    signal that came while the step ran stops the run after that step, not after the next
+    one. The signal handler may run between any two lines of the training thread, this
+    class's included: it only assigns :attr:`signum` (:meth:`signal`), which :meth:`current`
+    reads once, so a request is never read half-written.
+    """
 
     def __init__(self):
         self.reason = StopReason.NONE
-        self.signum = 0
         self.detail = ""
+        self.signum = 0  # the stop signal received (StopReason.SIGNAL), 0 for none
 
-    def request(self, reason: StopReason, detail: str = "", signum: int = 0) -> None:
+    def request(self, reason: StopReason, detail: str = "") -> None:
         """Ask every rank to stop after the next step, for ``reason``; ``detail`` says what
-        happened (e.g. the file that could not be written), ``signum`` the signal's number."""
+        happened (e.g. the file that could not be written)."""
         if reason > self.reason:
             self.reason, self.detail = reason, detail
-        self.signum = max(self.signum, signum)
+
+    def signal(self, signum: int) -> None:
+        """A stop signal (its number) asks every rank to stop after the step now running:
+        :attr:`StopReason.SIGNAL`. Called from the signal handler only."""
+        self.signum = signum
 
     def current(self) -> StopRequest:
         """What this rank asks for now (``StopReason.NONE`` when nothing)."""
-        return StopRequest(self.reason, self.signum)
+        signum = self.signum
+        reason = max(self.reason, StopReason.SIGNAL) if signum else self.reason
+        return StopRequest(reason, signum)

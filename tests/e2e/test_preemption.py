@@ -87,3 +87,32 @@ def test_killed_rank_fails_the_launch(tmp_path):
     os.kill(ranks[1], signal.SIGKILL)
     out = _finish(proc)
     assert proc.returncode not in (0, None), out[-3000:]
+
+
+def _signalled_while_held(tmp_path: Path, fault: str) -> chaos.Result:
+    """A 2-rank run of ``chaos.STEPS`` (6) steps under the launcher, the rank ``fault`` holds
+    sent SIGTERM alone while it is held (``chaos.while_held``)."""
+    data, hold = chaos.write_data(tmp_path / "data"), tmp_path / "hold"
+    return chaos.train(data, tmp_path / "run", "checkpoint.every=0", ranks=2, inject=[fault],
+                       hold=hold, until=lambda proc: chaos.while_held(
+                           hold, proc, lambda pid: os.kill(pid, signal.SIGTERM)))
+
+
+def test_a_signal_to_rank_0_in_the_last_but_one_step_stops_after_it_said_once(tmp_path):
+    """The signal comes in step 5 of 6, to rank 0 (rank 1: the chaos row "SIGTERM to rank 1
+    only"). It used to be agreed in step 6's all-reduce, the last step's, and the run simply
+    finished without a word about it; it is now agreed in step 5's."""
+    r = _signalled_while_held(tmp_path, "hold-rank0-step5")
+    assert r.rc == 0, r.out[-3000:]
+    assert r.out.count("stopped by SIGTERM after step 5: ") == 1, r.out[-3000:]
+    assert r.latest() == "step-00000005"
+
+
+def test_a_signal_in_the_last_save_lets_the_finished_run_exit_0(tmp_path):
+    """SIGTERM to rank 1 while it writes the checkpoint of the last step: it used to kill
+    that rank in the save (the launch exited 1, ``killed by SIGTERM``); the run now ends as
+    it would have, with its summary once and no stop line (nothing is left to resume)."""
+    r = _signalled_while_held(tmp_path, "hold-rank1-last-save")
+    assert r.rc == 0, r.out[-3000:]
+    assert r.out.count("summary: ") == 1 and "stopped by" not in r.out, r.out[-3000:]
+    assert r.latest() == f"step-{chaos.STEPS:08d}"

@@ -119,7 +119,7 @@ class _Scripted:
     def __init__(self, results):
         self.results = list(results)
 
-    def step(self, step, micro_batches, angles=False, stop=NO_STOP):
+    def step(self, step, micro_batches, angles=False, stops=None):
         return self.results.pop(0)
 
 

@@ -8,27 +8,45 @@ from datetime import timedelta
 import pytest
 from spawn import free_port, run_ranks
 
+TIMEOUT_S = 3.0  # dist.timeout_s of the group under test
+# How late rank 1 comes to the set-up, as a loaded machine makes it (importing DeepSpeed takes
+# seconds, and more under load): longer than the timeout, so that a set-up the timeout bounds
+# fails here every time instead of once under load.
+LATE_S = TIMEOUT_S + 2.0
+
 
 def _late_peer_on_deepspeeds_group(rank: int, world: int, port: int) -> str:
-    """``init_distributed`` with a 3 s timeout, then an all-reduce on DeepSpeed's
-    data-parallel group (the one ZeRO reduces gradients on) that rank 1 never joins."""
+    """``init_distributed`` with a :data:`TIMEOUT_S` timeout, then an all-reduce on
+    DeepSpeed's data-parallel group (the one ZeRO reduces gradients on) that rank 1 never
+    joins; returns rank 0's outcome.
+
+    The timeout bounds every rendezvous after ``init_distributed``, the group's creation
+    included; what those wait for must be the peer's few milliseconds of work (10 ms from
+    the barrier to DeepSpeed's group, measured idle), not its imports. So each rank does its
+    slow part first (the imports; rank 1 also sleeps :data:`LATE_S`), and both leave it
+    through a barrier on ``run_ranks``' group (torch's 30-min default) before the group
+    under test exists."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     from trainer.dist import init_distributed
     from trainer.engine.deepspeed_backend import import_deepspeed
 
+    deepspeed = import_deepspeed(torch.device("cpu"))
+    from deepspeed import ops
+    from deepspeed.utils import groups
+
+    ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as engine.cpu_shm_comm=false
+    if rank == 1:
+        time.sleep(LATE_S)
+    dist.barrier()
     dist.destroy_process_group()  # run_ranks' group: start ours the way launch.train does
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    init_distributed("cpu", 3.0)
-    deepspeed = import_deepspeed(torch.device("cpu"))
-    from deepspeed import ops
-
-    ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as engine.cpu_shm_comm=false
+    init_distributed("cpu", TIMEOUT_S)
     deepspeed.init_distributed(dist_init_required=False)
-    from deepspeed.utils import groups
-
     group = groups._get_data_parallel_group()  # created here, by DeepSpeed, without a timeout
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:  # alive but silent until rank 0 has given up
@@ -46,9 +64,10 @@ def _late_peer_on_deepspeeds_group(rank: int, world: int, port: int) -> str:
 @pytest.mark.slow
 def test_deepspeeds_own_group_times_out_with_dist_timeout():
     """Without :func:`trainer.dist.default_group_timeout` DeepSpeed's group waits torch's
-    30 min gloo default and this test runs into run_ranks' limit instead."""
+    30 min gloo default and this test runs into run_ranks' limit instead. Rank 1 comes to
+    the set-up :data:`LATE_S` late on every run, as under load."""
     outcome, _ = run_ranks(_late_peer_on_deepspeeds_group, 2, args=(free_port(),), timeout=90)
-    assert "Timed out" in outcome and "3000ms" in outcome, outcome
+    assert "Timed out" in outcome and f"{TIMEOUT_S * 1000:.0f}ms" in outcome, outcome
 
 
 # ----------------------------------------------------------------------------- interface

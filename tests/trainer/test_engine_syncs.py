@@ -177,9 +177,9 @@ def test_a_training_step_that_logs_nothing_reads_once(synthetic_data, tmp_path, 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     one_step, per_step = train.one_step, []
 
-    def counted(run, micro_batches, stop):
+    def counted(run, micro_batches):
         with HostReads() as reads:
-            stop = one_step(run, micro_batches, stop)
+            stop = one_step(run, micro_batches)
         per_step.append((run.step, len(reads), reads.table()))
         return stop
 

@@ -44,7 +44,7 @@ def test_a_signal_near_the_step_end_waits_for_it_a_second_stops_now(monkeypatch)
     with StopSignals(clock) as signals:
         clock.steps, clock.started = 3, time.monotonic()  # 3 quick steps done, the 4th runs
         signal.raise_signal(signal.SIGTERM)
-        assert signals.received == signal.SIGTERM  # kept for the step's agreement
+        assert signals.stops.current().signum == signal.SIGTERM  # for the step's agreement
         signal.raise_signal(signal.SIGTERM)  # the same job-wide signal, forwarded: no effect
         time.sleep(0.3)
         with pytest.raises(Interrupted, match=r"step 4: interrupted by a second stop signal "
@@ -59,7 +59,7 @@ def test_a_signal_in_the_first_step_or_far_from_the_step_end_stops_now():
             Interrupted, match=r"step 1: interrupted by SIGUSR1 in the first step this process "
                                r"runs \(nothing new to save\)"):
         signal.raise_signal(signal.SIGUSR1)
-    assert signals.received == 0
+    assert not signals.stops.current()
     with StopSignals(clock) as signals:
         # one step took 100 s (the loop began 100 s before it); the second began just now
         clock.steps, clock.started = 1, time.monotonic()
@@ -68,11 +68,30 @@ def test_a_signal_in_the_first_step_or_far_from_the_step_end_stops_now():
             signal.raise_signal(signal.SIGTERM)
 
 
+def test_after_the_last_step_a_signal_lets_the_run_end_a_second_stops_it(monkeypatch):
+    """Once ``total`` steps are done (the last save, evaluation and summary run) a signal
+    has nothing to stop: it must not kill the rank (a finished job would fail), nor raise
+    for a step to come, however slow the steps were; a second one still ends it at once."""
+    from trainer import preemption
+
+    monkeypatch.setattr(preemption, "SAME_SIGNAL_S", 0.2)
+    clock = Clock()
+    with StopSignals(clock, total=6) as signals:
+        signals._entered = (0, clock.started - 600.0)  # 100 s a step: the pace rule is moot
+        clock.steps, clock.started = 6, time.monotonic()
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(Interrupted, match=r"^after step 6, the last: interrupted by a "
+                                              r"second stop signal \(SIGTERM\); the run's end "
+                                              r".* is cut short, the last checkpoint stays"):
+            signal.raise_signal(signal.SIGTERM)
+
+
 def test_a_watchers_request_reaches_the_loop_with_what_happened():
     with StopSignals() as signals:
         request_stop(StopReason.LAUNCHER_GONE, "the launcher's death (pid 7)")
         request_stop(StopReason.LAUNCHER_GONE, "a later report")  # the first one stays
-        assert signals.received == 0  # no signal: the request is the watcher's
+        assert not signals.stops.current()  # no signal: the request is the watcher's
         assert signals.watched() == {StopReason.LAUNCHER_GONE: "the launcher's death (pid 7)"}
     forget_requests()
     assert StopSignals.watched() == {}

@@ -44,8 +44,11 @@ def test_requests_keep_the_largest_reason_and_its_detail():
     stops = StopRequests()
     assert stops.current() == StopRequest()
     stops.request(StopReason.LOCK_LOST, "another job took runs/x")
-    stops.request(StopReason.SIGNAL, signum=int(signal.SIGTERM))
+    stops.signal(int(signal.SIGTERM))  # the handler's one write
     assert stops.current() == StopRequest(StopReason.LOCK_LOST, int(signal.SIGTERM))
+    alone = StopRequests()
+    alone.signal(int(signal.SIGUSR1))
+    assert alone.current() == StopRequest(StopReason.SIGNAL, int(signal.SIGUSR1))
     assert stops.detail == "another job took runs/x"
     assert [r for r in StopReason if r.saves] == [StopReason.SIGNAL, StopReason.LAUNCHER_GONE]
 

@@ -11,6 +11,7 @@ import contextlib
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from tools.chaos.harness import (
     signal_job,
     train,
     wait_for_step,
+    while_held,
     worker_pids,
     write_data,
 )
@@ -185,46 +187,41 @@ def run_folder_fills_up(data: Path, work: Path) -> tuple[str, bool]:
 
 
 def sigterm_one_rank(data: Path, work: Path) -> tuple[str, bool]:
-    whole = train(data, work / "whole", "checkpoint.every=0", ranks=2)
-
-    def terminate_rank1(proc: subprocess.Popen) -> None:
-        wait_for_step(work / "split", 2, proc)
-        pids = worker_pids(proc)
-        if 1 in pids:
-            os.kill(pids[1], 15)
-
-    split = train(data, work / "split", "checkpoint.every=0", ranks=2, until=terminate_rank1)
-    stopped = split.latest()
-    told = "stopped by SIGTERM after step" in split.out and "to resume" in split.out
-    resumed = train(data, work / "split", "checkpoint.every=0", ranks=2)
-    same = _same_backbone(whole.run, resumed.run, STEPS)
-    holds = split.rc == 0 and told and stopped not in (None, f"step-{STEPS:08d}") \
-        and resumed.rc == 0 and same
-    return f"rc {split.rc}, saved {stopped}, said where to resume: {told}; resumed rc " \
-           f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
+    """SIGTERM to rank 1 alone, in step 5 of 6 (the rank held there while the signal comes):
+    both ranks save after step 5 and rank 0 says where to resume, once."""
+    return _sigterm_in_step_5(data, work, lambda proc, pid: os.kill(pid, signal.SIGTERM))
 
 
 def sigterm_whole_job(data: Path, work: Path) -> tuple[str, bool]:
     """SIGTERM to every process of the job (the launcher, both trainers, their loader
-    workers), each by pid, as a scheduler does: the trainers save at one step, the launch
-    exits 0 (``launch.torchrun``), and the resume equals an uninterrupted run."""
-    workers = "data.num_workers=1"
-    whole = train(data, work / "whole", "checkpoint.every=0", workers, ranks=2)
+    workers), each by pid, as a scheduler does, in step 5 of 6: the trainers save after it,
+    the launch exits 0 (``launch.torchrun``), and the resume equals an uninterrupted run."""
+    return _sigterm_in_step_5(data, work, lambda proc, pid: signal_job(proc, signal.SIGTERM),
+                              "data.num_workers=1")
 
-    def terminate_job(proc: subprocess.Popen) -> None:
-        wait_for_step(work / "split", 2, proc)
-        signal_job(proc, 15)
 
-    split = train(data, work / "split", "checkpoint.every=0", workers, ranks=2,
-                  until=terminate_job)
+def _sigterm_in_step_5(data: Path, work: Path, send: Callable[[subprocess.Popen, int], None],
+                       *args: str) -> tuple[str, bool]:
+    """A 2-rank run of :data:`STEPS` (6) steps whose rank 1 is held in step 5 while
+    ``send(proc, rank 1's pid)`` signals; then its resume, against an uninterrupted run.
+
+    The moment is the run's, not the machine's pace. These rows used to signal once step 2
+    was logged, which on an idle machine could land in step 5: the stop then waited for the
+    next step's agreement, step 6, the last, and the run simply finished (rc 0, no line).
+    A signal now stops the run after the step it came in; step 5 is the last one where a
+    stop leaves a step to resume."""
+    whole = train(data, work / "whole", "checkpoint.every=0", *args, ranks=2)
+    hold = work / "hold"
+    split = train(data, work / "split", "checkpoint.every=0", *args, ranks=2,
+                  inject=["hold-rank1-step5"], hold=hold,
+                  until=lambda proc: while_held(hold, proc, lambda pid: send(proc, pid)))
     stopped = split.latest()
-    told = "stopped by SIGTERM after step" in split.out
-    resumed = train(data, work / "split", "checkpoint.every=0", workers, ranks=2)
+    told = split.out.count("stopped by SIGTERM after step 5: ") == 1 and "to resume" in split.out
+    resumed = train(data, work / "split", "checkpoint.every=0", *args, ranks=2)
     same = _same_backbone(whole.run, resumed.run, STEPS)
-    holds = split.rc == 0 and told and stopped not in (None, f"step-{STEPS:08d}") \
-        and resumed.rc == 0 and same
-    return f"launch rc {split.rc}, saved {stopped}, trainers said so: {told}; resumed rc " \
-           f"{resumed.rc}, final weights equal an uninterrupted run: {same}", holds
+    holds = split.rc == 0 and told and stopped == "step-00000005" and resumed.rc == 0 and same
+    return f"launch rc {split.rc}, saved {stopped}, said where to resume once: {told}; " \
+           f"resumed rc {resumed.rc}, final weights equal an uninterrupted run: {same}", holds
 
 
 def _kill_quietly(pid: int) -> None:
@@ -378,11 +375,12 @@ CASES = [
          "checkpoint kept", disk_full),
     Case("run folder on a tmpfs filled after a checkpoint", "rc 1, one line naming the "
          "file, latest verifies", run_folder_fills_up),
-    Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save at one step, rc 0, says how to "
-         "resume; resumed run equals an uninterrupted one", sigterm_one_rank),
+    Case("SIGTERM to rank 1 only (2 ranks)", "both ranks save after step 5 of 6, the one it "
+         "came in, rc 0, says once how to resume; resumed run equals an uninterrupted one",
+         sigterm_one_rank),
     Case("SIGTERM to every process of the job (2 ranks, loader workers)", "both trainers "
-         "save at one step and say so, the launch exits 0, resume equals an uninterrupted run",
-         sigterm_whole_job),
+         "save after step 5 of 6, the one it came in, and say so once, the launch exits 0, "
+         "resume equals an uninterrupted run", sigterm_whole_job),
     Case("kill -STOP rank 1 (2 ranks, 10 s collective timeout)", "the run ends with one line "
          "naming the timeout and the step", stopped_rank),
     Case("kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)", "the run ends "

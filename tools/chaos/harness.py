@@ -9,7 +9,8 @@ code is 0 only when every row holds. The cases are in ``tools/chaos/cases.py``;
 ``tests/e2e/test_faults.py`` runs the same ones.
 
 Faults that need a hand inside the process (a NaN on one rank at one step, a kill at one
-line of the checkpoint code, a disk that fills up, a rank stopping in its backward) go
+line of the checkpoint code, a disk that fills up, a rank stopping in its backward, a rank
+held at a known point while the harness signals it: :func:`while_held`) go
 through ``python -m tools.chaos inject FAULT -- <train arguments>``, which attaches a hook
 to one of the seams the trainer declares (``trainer/seams.py``) and then runs
 ``launch.train.main``. The faults used to replace attributes of production code
@@ -102,10 +103,12 @@ class Result:
 
 
 def train(data: Path, run: Path, *args: str, ranks: int = 1, inject: list[str] | None = None,
-          timeout: float = 240, until: Callable[[subprocess.Popen], None] | None = None) -> Result:
+          timeout: float = 240, until: Callable[[subprocess.Popen], None] | None = None,
+          hold: Path | None = None) -> Result:
     """``launch.train`` on the smoke config with :data:`BASE_ARGS` and ``args``: in one
     process, or ``ranks`` under the launcher; ``inject`` = ``[FAULT, ...]`` attached first.
-    ``until(proc)`` runs while the training runs (e.g. to send a signal)."""
+    ``until(proc)`` runs while the training runs (e.g. to send a signal); ``hold``: the
+    folder where a ``hold-*`` fault and :func:`while_held` meet."""
     module = ["-m", "tools.chaos", "inject", *inject, "--"] if inject else ["-m", "launch.train"]
     if ranks > 1:  # the README's launcher: torchrun that leaves SIGTERM/SIGUSR1 to the ranks
         cmd = [sys.executable, "-m", "launch.torchrun", "--standalone",  # a free port
@@ -115,6 +118,10 @@ def train(data: Path, run: Path, *args: str, ranks: int = 1, inject: list[str] |
     cmd += ["--config", str(SMOKE), f"data.dir={data}", f"output={run}", *BASE_ARGS, *args]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
+    if hold is not None:
+        hold.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(hold / GO)
+        env[HOLD_ENV] = str(hold)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     if until is not None:
@@ -164,6 +171,25 @@ def signal_job(proc: subprocess.Popen, sig: int) -> None:
     for pid in job_pids(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+HOLD_ENV = "CHAOS_HOLD"  # the folder where a held rank and the harness meet
+HELD, GO = "held", "go"  # a file: the held rank's pid; a FIFO: the harness lets it go on
+
+
+def while_held(hold: Path, proc: subprocess.Popen, action: Callable[[int], None]) -> None:
+    """Wait until a ``hold-*`` fault holds its rank (or the run ends), run ``action(pid)``
+    with the held rank's pid (e.g. signal it), then let the rank go on. Whatever ``action``
+    does has happened before the held rank runs another line of the step: a signal's handler
+    runs as the rank wakes, so the step's agreement, later in the same step, sees it, at
+    any pace of the machine."""
+    while proc.poll() is None and not (hold / HELD).is_file():
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        return
+    action(int((hold / HELD).read_text()))
+    with open(hold / GO, "w") as go:  # opens once the rank waits on the other end
+        go.write("go")
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
@@ -237,7 +263,48 @@ def _stop_in_backward(on_rank: int, call: int) -> None:
     seams.attach("backbone-built", stop_in_backward)
 
 
+def _wait_for_harness() -> None:
+    """Tell :func:`while_held` this process's pid, and block until it says go (reading its
+    FIFO: a signal meanwhile runs its handler and the read goes on, PEP 475)."""
+    hold = Path(os.environ[HOLD_ENV])
+    (hold / ".held").write_text(str(os.getpid()))
+    (hold / ".held").rename(hold / HELD)  # whole, or not there
+    with open(hold / GO) as go:
+        go.read()
+
+
+def _hold_in_step(on_rank: int, call: int) -> None:
+    """``on_rank`` waits for the harness in its ``call``-th training micro-batch (1-based),
+    after the head's forward and before its backward and the step's agreement (seam
+    ``head-loss``); its peers wait for it in the step's collectives."""
+    calls = [0]
+
+    def hold(loss, rank: int):
+        if rank == on_rank:
+            calls[0] += 1
+            if calls[0] == call:
+                _wait_for_harness()
+
+    seams.attach("head-loss", hold)
+
+
+def _hold_in_save(on_rank: int, at_step: int) -> None:
+    """``on_rank`` waits for the harness before it writes the first part of the checkpoint of
+    step ``at_step`` (seam ``checkpoint-write``): after the loop, for the run's last step."""
+    held = []
+
+    def hold(path, step: int, rank: int):
+        if rank == on_rank and step == at_step and not held:
+            held.append(path)
+            _wait_for_harness()
+
+    seams.attach("checkpoint-write", hold)
+
+
 FAULTS = {
+    "hold-rank0-step5": lambda: _hold_in_step(on_rank=0, call=5),
+    "hold-rank1-step5": lambda: _hold_in_step(on_rank=1, call=5),
+    "hold-rank1-last-save": lambda: _hold_in_save(on_rank=1, at_step=STEPS),
     "stop-rank1-in-backward-3": lambda: _stop_in_backward(on_rank=1, call=3),
     "nan-rank1-step3": lambda: _nan_once(on_rank=1, call=3),
     "kill-in-replace": _kill_in_replace,

@@ -48,7 +48,7 @@ from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
 from trainer.engine.snapshot import Snapshot
 from trainer.engine.state import EngineState, Rows
-from trainer.stopping import NO_STOP, StopRequest
+from trainer.stopping import NO_STOP, StopRequest, StopRequests
 
 if TYPE_CHECKING:  # trainer.distill reads checkpoints, whose package imports this one's
     from trainer.distill import Distillation
@@ -226,15 +226,16 @@ class Engine:
         step: int,
         micro_batches: Sequence[tuple[torch.Tensor, ...]],
         angles: bool = False,
-        stop: StopRequest = NO_STOP,
+        stops: StopRequests | None = None,
         teachers: Sequence[Tensor | None] | None = None,
     ) -> StepResult:
         """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels
         (+ the flip bits of a loader that defers its flip to the device: ``(images, labels,
         flips)``).
 
-        ``stop`` (this rank's request, ``trainer.stopping``) is agreed over the ranks in the
-        step's one all-reduce with its flags (``trainer.engine.backend.Verdict``), so every
+        ``stops`` (this rank's requests, ``trainer.stopping``) is read when the step's one
+        all-reduce (``trainer.engine.backend.Verdict``) agrees on it with the step's flags,
+        after the backward: a stop signal that came while the step ran is in it, and every
         rank stops after the same step at no extra host read. ``angles=True`` also samples
         ``PartialFC.angle_sample`` on the last micro-batch (collective). ``teachers``: with
         ``distillation``, each micro-batch's stored teacher embeddings (offline), or None
@@ -285,6 +286,7 @@ class Engine:
                 backbone_finite = self.backend.last_backward(surrogate)
         if backbone_finite is not None:
             finite &= backbone_finite
+        stop = NO_STOP if stops is None else stops.current()
         verdict = Verdict.agree(finite, rows.labels_ok(), stop, self.env.group)
         update = self.backend.update(verdict, step)
         _, labels_ok, agreed_stop = verdict.read()  # the step's one host read
