@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.trainer.test_insightface_import import C, write_arcface_torch_run
+from tests.offline.test_insightface_import import C, write_arcface_torch_run
 
 from launch.convert import main as convert
 from launch.train import main as train

@@ -331,3 +331,20 @@ def test_channels_last_reaches_the_parameters_only_where_the_backend_keeps_them(
     held = [p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
             for p in weights]
     assert all(held) if engine_type == "ddp" else not any(held)
+
+
+def test_stored_teacher_embeddings_reach_the_device_without_waiting(monkeypatch):
+    """Offline distillation: the stored (pinned, CPU) teacher embeddings are copied to the
+    student's device ``non_blocking``, as fp32 (CPU: only the call can be checked)."""
+    from trainer.distill import Distillation
+
+    seen = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        seen.append(kwargs.get("non_blocking"))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    out = Distillation.teacher(SimpleNamespace(), torch.zeros(2, 3), torch.ones(2, 4).half())
+    assert out.dtype == torch.float32 and seen == [True]
