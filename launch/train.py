@@ -30,8 +30,9 @@ from trainer.config import (
 from trainer.dist import init_distributed, shutdown
 from trainer.errors import EXIT_STATUS, yield_to_reporter
 from trainer.loop import report_failure, train
-from trainer.preemption import LAUNCHER_WATCH, Interrupted, forget_requests
+from trainer.preemption import LAUNCHER_WATCH, Interrupted
 from trainer.run_lock import RunFolderInUse, RunLock, run_folder_lock
+from trainer.stopping import StopRequests
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
 
@@ -95,15 +96,12 @@ def _print_once_per_node(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    forget_requests()
     try:
         return _main(args)
     except KeyboardInterrupt:  # Ctrl-C outside the step loop (start-up, the last save)
         print("error: interrupted by SIGINT outside the step loop; the last checkpoint stays: "
               "run the same command again to resume from it", file=sys.stderr)
         return Interrupted.exit_code
-    finally:
-        forget_requests()  # a watcher's request belongs to this run only
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -148,11 +146,12 @@ def _main(args: argparse.Namespace) -> int:
         _print_once_per_node(f"config error: {err}")
         return err.exit_code
     try:
-        with run_folder_lock(cfg.run_dir, env):  # one job per run folder
+        stops = StopRequests()  # the run's one holder: lock, signal handlers, steps
+        with run_folder_lock(cfg.run_dir, env, stops):  # one job per run folder
             if env.is_main:
                 for w in caught:  # the run's record: train.log keeps what the console said
                     append_log(cfg.run_dir, f"warning: {w.message}")
-            train(cfg, env)
+            train(cfg, env, stops)
     except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
         # a refused job writes nothing into the folder of the job that holds it
         logged = None if isinstance(err, RunFolderInUse) else cfg.run_dir

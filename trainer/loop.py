@@ -108,13 +108,17 @@ class Run:
     stops: StopRequests = field(default_factory=StopRequests)  # this rank's, read at each step
 
 
-def train(cfg: Config, env: DistEnv) -> dict:
+def train(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> dict:
     """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere).
+    ``stops``: the run's stop requests, when a watcher (the run lock) was handed them
+    before the run was built.
     A collective that fails in any phase (a peer stopped, died or was cut off) ends this
     rank with one :class:`CollectiveFailed` line naming the phase."""
     timeout = cfg.dist.timeout_s
     with _collectives_of(lambda: "building the engine", timeout):
         run = build(cfg, env)
+    if stops is not None:
+        run.stops = stops
     with _collectives_of(lambda: "resuming", timeout):
         resume(run)
     if run.step >= run.total:
@@ -275,11 +279,9 @@ def loop(run: Run) -> str | None:
 
 
 def watched_stops(run: Run) -> None:
-    """Before each step, into ``run.stops``: what the watcher threads asked for (the
-    launcher's death, the lock's loss) and a run file rank 0 could not write. A stop signal
-    needs no visit: its handler records it there, and the step reads it at its agreement."""
-    for reason, detail in StopSignals.watched().items():
-        run.stops.request(reason, detail)
+    """Before each step, into ``run.stops``: a run file rank 0 could not write. The signals,
+    the launcher's death and the lock's loss need no visit: their watchers ask ``run.stops``
+    themselves, and the step reads it at its agreement."""
     if run.log.write_failed():
         run.stops.request(StopReason.DISK_FULL, run.log.write_error)
 

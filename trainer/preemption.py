@@ -24,10 +24,10 @@ step, at the pace of the steps before it, has more than :data:`WAIT_FOR_STEP_S` 
 CPU-sized step of minutes). The run then raises :class:`Interrupted` in the step: the last
 checkpoint stays and the line says so.
 
-Watchers on other threads (the launcher's death here, the run lock's heartbeat in
-``trainer.run_lock``) ask for a stop with :func:`request_stop` (a
-:class:`trainer.stopping.StopReason`), which the loop hands to the next step with the
-signal (:meth:`StopSignals.watched`).
+The launcher's death comes as a signal too (:class:`LauncherWatch`), and the run lock's
+heartbeat (``trainer.run_lock``) asks on its own thread: both into the same
+:class:`trainer.stopping.StopRequests`, the run's one holder of stop requests, which
+``launch.train`` makes and hands to the lock, these handlers and the loop.
 """
 
 from __future__ import annotations
@@ -55,22 +55,8 @@ WAIT_FOR_STEP_S = 30.0  # a stop signal waits this long at most for the step to 
 SAME_SIGNAL_S = 2.0
 LAUNCHER_POLL_S = 1.0
 
-_requests: dict[StopReason, str] = {}  # reason -> what happened, from watcher threads
-
-
 class Interrupted(Stopped):
     """A stop signal the step's end could not wait for (a second one, or a long step)."""
-
-
-def request_stop(reason: StopReason, why: str) -> None:
-    """Ask the run to stop after the current step (any thread): ``reason`` enters the next
-    step's agreement; ``why`` is what the run reports."""
-    _requests.setdefault(reason, why)
-
-
-def forget_requests() -> None:
-    """Start a run with no watcher's stop request (a test runs several in one process)."""
-    _requests.clear()
 
 
 class StopSignals:
@@ -89,11 +75,6 @@ class StopSignals:
         self._total = total
         self._entered: tuple[int, float] = (0, 0.0)
         self._previous: dict[int, object] = {}
-
-    @staticmethod
-    def watched() -> dict[StopReason, str]:
-        """The stops this process's watchers asked for, with what happened."""
-        return dict(_requests)
 
     def __enter__(self) -> StopSignals:
         self._entered = (self._progress()[0], time.monotonic())
@@ -127,7 +108,7 @@ class StopSignals:
             why = (f"{name} about {left:.0f} s before the step's end (more than "
                    f"{WAIT_FOR_STEP_S:.0f} s to wait)")
         elif launcher_gone:
-            LAUNCHER_WATCH.report()
+            LAUNCHER_WATCH.report(self.stops)
             return
         else:
             self._signal, self._signalled = signum, now
@@ -152,6 +133,7 @@ class LauncherWatch:
     def __init__(self):
         self.parent = 0  # the launcher's pid, 0 while not watching
         self.grace_s = 0.0
+        self.reported = False  # the death is in a run's stop requests (no second signal)
 
     def start(self, grace_s: float) -> bool:
         """Watch this process's parent when a launcher started it (torchrun exports
@@ -168,15 +150,17 @@ class LauncherWatch:
     def gone(self) -> bool:
         return bool(self.parent) and os.getppid() != self.parent
 
-    def report(self) -> None:
-        request_stop(StopReason.LAUNCHER_GONE, f"the launcher's death (pid {self.parent})")
+    def report(self, stops: StopRequests) -> None:
+        """The launcher's death into the run's stop requests (from the signal handler)."""
+        stops.request(StopReason.LAUNCHER_GONE, f"the launcher's death (pid {self.parent})")
+        self.reported = True
 
     def _watch(self) -> None:
         """The parent's death as PR_SET_PDEATHSIG signals it, also where that signal cannot
         come (it died before the prctl, not Linux); then the bound on this rank's life."""
         while not self.gone():
             time.sleep(LAUNCHER_POLL_S)
-        if StopReason.LAUNCHER_GONE not in _requests:  # else the loop has it: no signal in a save
+        if not self.reported:  # else the run has it: no signal in a save
             os.kill(os.getpid(), LAUNCHER_SIGNAL)
         time.sleep(self.grace_s)
         with contextlib.suppress(OSError, ValueError):

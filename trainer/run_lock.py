@@ -42,8 +42,7 @@ import torch.distributed as dist
 
 from trainer.dist import DistEnv
 from trainer.errors import Refused
-from trainer.preemption import request_stop
-from trainer.stopping import StopReason
+from trainer.stopping import StopReason, StopRequests
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 10.0
@@ -89,11 +88,13 @@ class Lease:
 
 class RunLock:
     """The lock on ``run_dir`` for this process (named ``host``, the machine's name unless a
-    caller says otherwise). :meth:`acquire` once, :meth:`release` at the end."""
+    caller says otherwise). :meth:`acquire` once, :meth:`release` at the end. Should another
+    job take the folder over, the heartbeat asks ``stops`` (the run's) to stop the run."""
 
     def __init__(self, run_dir: str | os.PathLike, host: str | None = None,
-                 fcntl_locks: bool = True):
+                 fcntl_locks: bool = True, stops: StopRequests | None = None):
         self.path = Path(run_dir) / LOCK_FILE
+        self.stops = StopRequests() if stops is None else stops
         self.host = host or socket.gethostname()
         self.fcntl_locks = fcntl_locks  # False: the lease alone (a file system without them)
         self.lease: Lease | None = None
@@ -186,10 +187,10 @@ class RunLock:
                 time.sleep(_REREAD_S)
                 found = _read(self._fd)
             if found is not None and not self.lease.same_job(found):
-                request_stop(StopReason.LOCK_LOST, f"{self.path.parent} was taken over by "
-                             f"another job ({found.names()}) while this one was not renewing "
-                             f"its lease for {STALE_S:.0f} s; this job stops without a "
-                             "checkpoint")
+                self.stops.request(
+                    StopReason.LOCK_LOST, f"{self.path.parent} was taken over by another job "
+                    f"({found.names()}) while this one was not renewing its lease for "
+                    f"{STALE_S:.0f} s; this job stops without a checkpoint")
                 self._stop.set()
                 return False
             self.lease = Lease(self.lease.host, self.lease.pid, self.lease.started,
@@ -213,13 +214,14 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def run_folder_lock(run_dir: Path, env: DistEnv) -> Iterator[None]:
-    """Collective: rank 0 holds ``run_dir``'s lock for the block. Every rank learns the
+def run_folder_lock(run_dir: Path, env: DistEnv, stops: StopRequests) -> Iterator[None]:
+    """Collective: rank 0 holds ``run_dir``'s lock for the block (a takeover asks ``stops``,
+    the run's, to stop). Every rank learns the
     outcome, so a refusal ends every rank with the same :class:`RunFolderInUse` (rank 0
     prints it) before anything in the folder is read; a takeover is said by rank 0."""
     from trainer.telemetry.console import append_log
 
-    lock = RunLock(run_dir) if env.is_main else None
+    lock = RunLock(run_dir, stops=stops) if env.is_main else None
     answer: list[str | None] = [None, None]  # [refusal, takeover line]
     if lock is not None:
         try:

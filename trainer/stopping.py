@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import signal
+import threading
 from dataclasses import dataclass
 
 from trainer.errors import Stopped
@@ -63,25 +64,38 @@ class StopRequests:
     """This rank's stop requests until a step carries them: the public way for any part of
     the trainer (the signal handler, the logger, a launcher or lock watch) to stop the run.
     Only the largest reason is kept, with the ``detail`` its caller gave for the one line the
-    run ends with.
+    run ends with. The run holds one (``trainer.loop.Run.stops``, made by ``launch.train``)
+    and hands it to every watcher: there is no other place a request can wait.
 
     The step reads :meth:`current` at its agreement, after its forward and backward, so a
     signal that came while the step ran stops the run after that step, not after the next
     one. The signal handler may run between any two lines of the training thread, this
     class's included: it only assigns :attr:`signum` (:meth:`signal`), which :meth:`current`
-    reads once, so a request is never read half-written.
+    reads once, so a request is never read half-written. Watcher threads (the run lock's
+    heartbeat) call :meth:`request`: it replaces ``(reason, detail)`` as one value, under a
+    lock the signal handler never takes.
     """
 
     def __init__(self):
-        self.reason = StopReason.NONE
-        self.detail = ""
+        self._asked = (StopReason.NONE, "")  # (reason, detail), replaced whole
+        self._lock = threading.Lock()
         self.signum = 0  # the stop signal received (StopReason.SIGNAL), 0 for none
 
+    @property
+    def reason(self) -> StopReason:
+        return self._asked[0]
+
+    @property
+    def detail(self) -> str:
+        return self._asked[1]
+
     def request(self, reason: StopReason, detail: str = "") -> None:
-        """Ask every rank to stop after the next step, for ``reason``; ``detail`` says what
-        happened (e.g. the file that could not be written)."""
-        if reason > self.reason:
-            self.reason, self.detail = reason, detail
+        """Ask every rank to stop after the next step, for ``reason`` (from any thread but
+        a signal handler); ``detail`` says what happened (e.g. the file that could not be
+        written). A request for a reason already asked for keeps the first detail."""
+        with self._lock:
+            if reason > self._asked[0]:
+                self._asked = (reason, detail)
 
     def signal(self, signum: int) -> None:
         """A stop signal (its number) asks every rank to stop after the step now running:

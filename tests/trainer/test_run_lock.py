@@ -16,9 +16,8 @@ from launch_helpers import ROOT
 
 from tools.chaos import harness as chaos
 from trainer import run_lock
-from trainer.preemption import StopSignals, forget_requests
 from trainer.run_lock import RunFolderInUse, RunLock
-from trainer.stopping import StopReason
+from trainer.stopping import StopReason, StopRequests
 
 HOLDER = """
 import sys, time
@@ -86,8 +85,8 @@ def test_a_stale_lease_from_another_node_is_taken_over_a_fresh_one_refused(tmp_p
 
 
 def test_a_job_whose_lease_was_taken_over_asks_to_stop_without_a_checkpoint(tmp_path):
-    forget_requests()
-    lock = RunLock(tmp_path, host="node-a")
+    stops = StopRequests()  # the run's, handed to its lock
+    lock = RunLock(tmp_path, host="node-a", stops=stops)
     lock.acquire()
     try:
         assert lock.beat()  # its own lease: renewed
@@ -95,13 +94,12 @@ def test_a_job_whose_lease_was_taken_over_asks_to_stop_without_a_checkpoint(tmp_
         (tmp_path / ".lock").write_text(json.dumps(
             {"host": "node-b", "pid": 9, "started": now, "heartbeat": now}))
         assert not lock.beat()
-        [(reason, why)] = StopSignals.watched().items()
+        reason, why = stops.current().reason, stops.detail
         assert reason is StopReason.LOCK_LOST
         assert why.startswith(f"{tmp_path} was taken over by another job (pid 9 on node-b, "
                               "since ")
     finally:
         lock.release()
-        forget_requests()
     assert json.loads((tmp_path / ".lock").read_text())["host"] == "node-b"  # theirs, kept
 
 
@@ -140,9 +138,10 @@ def test_the_same_command_twice_refuses_the_second_before_any_step(tmp_path):
 def test_a_run_whose_lease_is_taken_over_stops_after_the_step_without_a_checkpoint(
         tmp_path, monkeypatch, capsys):
     """Another job's lease appears in RUN/.lock during step 3 (this one hung, was taken over
-    and woke up): the heartbeat sees it, the next step's agreement stops the run after step 4
-    before its checkpoint, and nothing more is written to the folder that now belongs to the
-    other job."""
+    and woke up): the heartbeat asks the run's stop requests, which step 3's agreement reads,
+    so the run stops after step 3 (the step it came in, as a signal does) without a
+    checkpoint, and nothing more is written to the folder that now belongs to the other
+    job."""
     from launch_helpers import train_in_process
 
     from trainer.engine import Engine
@@ -163,7 +162,7 @@ def test_a_run_whose_lease_is_taken_over_stops_after_the_step_without_a_checkpoi
     monkeypatch.setattr(Engine, "step", step_while_taken_over)
     assert train_in_process(data, run, "train.max_steps=6", "checkpoint.every=2") == 1
     err = capsys.readouterr().err
-    assert f"error: step 4: {run} was taken over by another job (pid 9 on node-b, since " in err
+    assert f"error: step 3: {run} was taken over by another job (pid 9 on node-b, since " in err
     assert "this job stops without a checkpoint" in err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
     assert json.loads((run / ".lock").read_text())["host"] == "node-b"  # left to its owner

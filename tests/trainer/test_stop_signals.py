@@ -14,16 +14,8 @@ import pytest
 from launch_helpers import ROOT
 
 from tools.chaos.harness import running
-from trainer.preemption import Interrupted, StopSignals, forget_requests, request_stop
-from trainer.stopping import StopReason
-
-
-@pytest.fixture(autouse=True)
-def no_requests():
-    """No stop request of another test's run (the requests are the process's)."""
-    forget_requests()
-    yield
-    forget_requests()
+from trainer.preemption import LAUNCHER_SIGNAL, LAUNCHER_WATCH, Interrupted, StopSignals
+from trainer.stopping import StopReason, StopRequest, StopRequests
 
 
 class Clock:
@@ -87,14 +79,21 @@ def test_after_the_last_step_a_signal_lets_the_run_end_a_second_stops_it(monkeyp
             signal.raise_signal(signal.SIGTERM)
 
 
-def test_a_watchers_request_reaches_the_loop_with_what_happened():
-    with StopSignals() as signals:
-        request_stop(StopReason.LAUNCHER_GONE, "the launcher's death (pid 7)")
-        request_stop(StopReason.LAUNCHER_GONE, "a later report")  # the first one stays
-        assert not signals.stops.current()  # no signal: the request is the watcher's
-        assert signals.watched() == {StopReason.LAUNCHER_GONE: "the launcher's death (pid 7)"}
-    forget_requests()
-    assert StopSignals.watched() == {}
+def test_the_launchers_death_reaches_the_runs_own_requests_and_no_other(monkeypatch):
+    """The run's holder is the one the handlers were given: a second run's holder (another
+    run in the same process) sees nothing of the first's."""
+    monkeypatch.setattr(LAUNCHER_WATCH, "parent", 7)
+    monkeypatch.setattr(LAUNCHER_WATCH, "reported", False)
+    clock = Clock()
+    ours, another = StopRequests(), StopRequests()
+    with StopSignals(clock, ours) as signals:
+        signals._entered = (0, clock.started - 2.0)  # one step done at a 1 s pace
+        clock.steps, clock.started = 2, time.monotonic()
+        signal.raise_signal(LAUNCHER_SIGNAL)
+    assert ours.current() == StopRequest(StopReason.LAUNCHER_GONE)
+    assert ours.detail == "the launcher's death (pid 7)" and LAUNCHER_WATCH.reported
+    ours.request(StopReason.LAUNCHER_GONE, "a later report")  # the first detail stays
+    assert ours.detail == "the launcher's death (pid 7)" and not another.current()
 
 
 # A "launcher" that starts a "rank" and waits; the rank watches it, and cannot stop by itself:
