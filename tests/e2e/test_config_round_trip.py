@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.offline.test_insightface_import import C, write_arcface_torch_run
 
 from launch.convert import main as convert
 from launch.train import main as train
 from tests.launch_helpers import ROOT, train_in_process
+from tests.offline.test_insightface_import import C, write_arcface_torch_run
 
 SMALL = ["train.batch_size=8", "data.num_workers=0", "log.progress=false", "log.every=1"]
 
