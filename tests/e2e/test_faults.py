@@ -688,7 +688,6 @@ UNIT_TWINS = {
         test_batchnorm_statistics_are_averaged_and_stable_across_resaves,
 }
 END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
-              "SIGTERM to every process of the job (2 ranks, loader workers)",
               "kill -STOP rank 1 (2 ranks, 10 s collective timeout)",
               "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"]
 # Rows only `make chaos` runs: the fault of an END_TO_END row on the other engine or at
@@ -698,8 +697,11 @@ CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
               # tests/e2e (slow, skips without ip netns): `make chaos` only for now.
               "2 nodes x 1 rank on 2 netns, link cut, ddp",
               "2 nodes x 1 rank on 2 netns, link cut, deepspeed",
-              # pytest twins: tests/e2e/test_launcher_death.py, tests/trainer/test_run_lock.py
+              # pytest twins: tests/e2e/test_launcher_death.py, tests/trainer/test_run_lock.py,
+              # tests/e2e/test_preemption.py (a job-wide SIGTERM with a loader worker, ddp and
+              # deepspeed, saved and resumed)
               "kill -9 of the launcher (2 ranks, loader workers)",
+              "SIGTERM to every process of the job (2 ranks, loader workers)",
               "the same command twice on one run folder"]
 
 
