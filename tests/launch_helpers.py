@@ -11,6 +11,16 @@ ROOT = Path(__file__).resolve().parent.parent
 NUM_CLASSES, EMBEDDING = 11, 16  # 11 classes: uneven over 2 and 3 ranks
 
 
+def bench_module(name: str):
+    """``bench/<name>.py`` as a module (bench/ holds scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_config(*overrides: str):
     from trainer.config import load_config
 

@@ -116,9 +116,7 @@ def train(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> dict:
     rank with one :class:`CollectiveFailed` line naming the phase."""
     timeout = cfg.dist.timeout_s
     with _collectives_of(lambda: "building the engine", timeout):
-        run = build(cfg, env)
-    if stops is not None:
-        run.stops = stops
+        run = build(cfg, env, stops)
     with _collectives_of(lambda: "resuming", timeout):
         resume(run)
     if run.step >= run.total:
@@ -134,8 +132,9 @@ def train(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> dict:
             return finish(run, stopped_by)
 
 
-def build(cfg: Config, env: DistEnv) -> Run:
-    """Backbone, head, loader, engine and logger, identically seeded on every rank."""
+def build(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> Run:
+    """Backbone, head, loader, engine and logger, identically seeded on every rank; ``stops``
+    the run's stop requests (a fresh holder when no watcher was handed one)."""
     from partial_fc import PartialFC, build_margin
     from partial_fc.aux_losses import AuxLosses
     from partial_fc.backbones import build_backbone
@@ -172,7 +171,8 @@ def build(cfg: Config, env: DistEnv) -> Run:
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
                  f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
                  f"lower schedule.warmup_epochs or raise train.max_steps")
-    return Run(cfg, env, engine, loader, log, total, steps_per_epoch)
+    return Run(cfg, env, engine, loader, log, total, steps_per_epoch,
+               stops=stops if stops is not None else StopRequests())
 
 
 def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:

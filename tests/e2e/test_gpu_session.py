@@ -159,13 +159,10 @@ def test_benches_and_demo_are_merged_and_the_budget_skips_what_cannot_finish(tmp
 
 
 def test_versions_name_what_imports_and_null_what_does_not(monkeypatch):
-    import importlib.util
-
     import torch
+    from launch_helpers import bench_module
 
-    spec = importlib.util.spec_from_file_location("gpu_summary", SCRIPT.parent / "gpu_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_module("gpu_summary")
     monkeypatch.setattr(module, "PACKAGES", ("torch", "partial_fc_no_such_package"))
     found = module.versions()
     assert found["torch"] == torch.__version__ and found["cuda"] == torch.version.cuda
@@ -175,14 +172,12 @@ def test_versions_name_what_imports_and_null_what_does_not(monkeypatch):
 
 def test_train_bench_writes_the_json_the_summary_merges(tmp_path, monkeypatch):
     """bench/train.py --json on CPU at the smallest size: the fields gpu_summary.json carries."""
-    import importlib.util
+    from launch_helpers import bench_module
 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")  # init_distributed would set it for good
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT.parent / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_module("train")
     out = tmp_path / "train.json"
     module.main(["--device", "cpu", "--runs", "50:1.0", "--steps", "1", "--warmup", "0",
                  "--batch", "4", "--json", str(out)])

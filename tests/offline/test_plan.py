@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -375,7 +374,9 @@ def test_defaults_come_from_the_schema(capsys):
 def test_head_memory_on_cuda_within_factor(rate):
     """The same check with CUDA's allocator: peak allocated during a step, minus what was
     allocated before it, against the gradient plus the working memory; state exact."""
-    cuda_peak = _bench_module("cuda_peak")
+    from launch_helpers import bench_module
+
+    cuda_peak = bench_module("cuda_peak")
     classes, dim, n = 200_000, 128, 1024
     head = _head(classes, dim, rate, kernel="torch").cuda()  # the modelled path
     opt = SampledSGD(head.weight, lr=0.1)
@@ -387,17 +388,6 @@ def test_head_memory_on_cuda_within_factor(rate):
     assert _state_bytes(opt) == want.optimizer_state
     ratio = measured / (want.gradient + want.working)
     assert 0.8 <= ratio <= 1.25, f"{ratio:.2f}; alive at the peak:\n{cuda_peak.by_place(blocks)}"
-
-
-def _bench_module(name: str):
-    """``bench/<name>.py`` as a module (bench/ is scripts, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).resolve().parents[2] / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cli_sums_the_classes_of_data_dirs_and_sizes_the_loader(tmp_path, capsys):

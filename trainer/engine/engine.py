@@ -320,19 +320,21 @@ class Engine:
         with self.backend.autocast():
             emb = self.backend.model(x)
         e = emb.detach().float().requires_grad_()
+        sizes = [self.cfg.train.batch_size] * self.env.world_size  # the global batch's split
         with self._head_operands():
-            loss = self.head(e, y, sizes=[self.cfg.train.batch_size] * self.env.world_size,
-                             defer_label_check=True)
+            loss = self.head(e, y, sizes=sizes, defer_label_check=True)
         loss = seams.HEAD_LOSS(loss, rank=self.env.rank)
         total = loss
         if self.distillation is not None:
-            total = loss + self._distill(e, self.distillation.teacher(x, teacher), distilled)
+            teacher = self.distillation.teacher(x, teacher)
+            total = loss + self._distill(e, teacher, sizes, distilled)
         (total / k).backward()
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
 
-    def _distill(self, e: Tensor, teacher: Tensor, distilled: dict[str, Tensor]) -> Tensor:
-        """``weight * distill_loss``, its value and cosine summary added into ``distilled``."""
-        sizes = [self.cfg.train.batch_size] * self.env.world_size
+    def _distill(self, e: Tensor, teacher: Tensor, sizes: list[int],
+                 distilled: dict[str, Tensor]) -> Tensor:
+        """``weight * distill_loss``, its value and cosine summary added into ``distilled``;
+        ``sizes``: each rank's rows of the global batch."""
         d = self.distillation
         value = distill_loss(d.loss, e, teacher, sizes, self.env.group)
         terms = {"distill_loss": value.detach(),
