@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from data_pipeline.errors import DataError
+from data_pipeline.identities import Identities
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".pbm", ".bmp",
                               ".webp", ".tif", ".tiff"})
@@ -56,6 +57,10 @@ class ImageFolderSource:
     def describe(self) -> dict:
         return {"type": "imagefolder", "path": str(self.root.resolve()),
                 "exclude": list(self.exclude), "identities": len(self.identities)}
+
+    def identity_map(self) -> Identities:
+        return Identities(tuple(self.identities),
+                          f"the identity folder names of {self.root.resolve()}")
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         rel, label = self.items[index]

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from data_pipeline.errors import DataError
+from data_pipeline.identities import Identities, numbered
 from data_pipeline.recordio import RecordIOReader, unpack
 
 
@@ -49,6 +50,12 @@ class InsightFaceSource:
 
     def describe(self) -> dict:
         return {"type": "insightface", "path": str(self.root.resolve()), "records": len(self)}
+
+    def identity_map(self) -> Identities:
+        """The .rec's own labels: a ``.rec`` stores a label per image (and each identity's
+        image range), never a name."""
+        return numbered(self.num_classes, f"the labels of {self.reader.rec_path.resolve()} "
+                        "(a .rec stores no identity names)")
 
     def read_label(self, index: int) -> int:
         return self._label(self.keys[index], unpack(self.reader.read(self.keys[index]))[0])

@@ -36,13 +36,16 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A converted data set. `source` describes where it came from (type, path, options)."""
+    """A converted data set. `source` describes where it came from (type, path, options);
+    `identities` names the file beside it holding the label-to-identity map
+    (data_pipeline.identities; "" in folders converted before it was written)."""
 
     num_classes: int
     num_samples: int
     shards: tuple[ShardInfo, ...]
     source: dict = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    identities: str = ""
 
     @property
     def shard_counts(self) -> list[int]:
@@ -72,7 +75,8 @@ def parse_manifest(text: str, where: str) -> Manifest:
         manifest = Manifest(num_classes=int(raw["num_classes"]),
                             num_samples=int(raw["num_samples"]), shards=shards,
                             source=dict(raw.get("source", {})),
-                            version=int(raw.get("version", FORMAT_VERSION)))
+                            version=int(raw.get("version", FORMAT_VERSION)),
+                            identities=str(raw.get("identities", "")))
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from exc
     if manifest.version != FORMAT_VERSION:
@@ -92,6 +96,8 @@ def write_manifest(data_dir: str | os.PathLike, manifest: Manifest) -> Path:
     path = Path(data_dir) / MANIFEST_NAME
     payload = asdict(manifest)
     payload["shards"] = [{k: v for k, v in asdict(s).items() if v != ""} for s in manifest.shards]
+    if not manifest.identities:
+        del payload["identities"]
     atomic_write_bytes(path, (json.dumps(payload, indent=1) + "\n").encode())
     return path
 

@@ -17,6 +17,7 @@ import os
 import numpy as np
 from PIL import Image
 
+from data_pipeline.identities import Identities, numbered
 from data_pipeline.manifest import Manifest
 from data_pipeline.writer import DEFAULT_SAMPLES_PER_SHARD, write_dataset
 
@@ -52,6 +53,9 @@ class SyntheticSource:
     def describe(self) -> dict:
         return {"type": "synthetic", "num_classes": self.num_classes,
                 "images_per_class": self.images_per_class, "seed": self.seed}
+
+    def identity_map(self) -> Identities:
+        return numbered(self.num_classes, "the labels (synthetic identities have no names)")
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         label, image = divmod(index, self.images_per_class)

@@ -6,6 +6,8 @@ Layout of `OUT/`:
                          KEY is the 9-digit write position, unique in the data set.
   shard-000000.tar.idx   each shard's member index (data_pipeline.shard_index), written
                          after its shard.
+  identities.json        the label-to-identity map (data_pipeline.identities), named in
+                         the manifest.
   manifest.json          written last; its presence means the conversion finished.
   .convert.json          the conversion's fingerprint while it runs (removed at the end).
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from data_pipeline.codec import prepare_jpeg
 from data_pipeline.errors import CorruptImageError, DataError
+from data_pipeline.identities import Identities, write_identities
 from data_pipeline.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -69,6 +72,10 @@ class Source(Protocol):
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(encoded image bytes, label, original index as text) of item `index`."""
+        ...
+
+    def identity_map(self) -> Identities:
+        """The identity of each label 0..num_classes-1, and where the names come from."""
         ...
 
 
@@ -158,8 +165,11 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
                 progress(stop - start)
             continue
         shards.append(write_shard(path, samples(start, stop)))
+    identities = source.identity_map()
+    assert len(identities.names) == source.num_classes, (len(identities.names), source)
     manifest = Manifest(num_classes=source.num_classes, num_samples=n, shards=tuple(shards),
-                        source=_manifest_source(fingerprint))
+                        source=_manifest_source(fingerprint),
+                        identities=write_identities(out, identities))
     write_manifest(out, manifest)
     (out / PROGRESS_NAME).unlink(missing_ok=True)
     return manifest, corrupt

@@ -1,6 +1,7 @@
 """`python -m launch.convert`: image folders to shards, verify, CLI errors."""
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,9 @@ import pytest
 from PIL import Image
 
 from data_pipeline import make_loader, read_manifest
+from data_pipeline.errors import DataError
+from data_pipeline.identities import IDENTITIES_NAME, read_identities
+from data_pipeline.manifest import MANIFEST_NAME
 from data_pipeline.tar_reader import tar_samples
 from launch.convert import main
 
@@ -74,8 +78,29 @@ def test_imagefolder_round_trip(image_folder, tmp_path, capsys):
         assert int(label) == labels[rel]
         reference = np.asarray(Image.open(io.BytesIO(shards[rel][0])).convert("RGB"), int)
         assert np.abs(image.permute(1, 2, 0).numpy() - reference).max() <= 2
+    identities = read_identities(out, manifest)  # the map: label -> identity folder
+    assert identities.names == ("alice", "bob", "carol")
+    assert identities.origin == f"the identity folder names of {src.resolve()}"
     assert main(argv) == 0  # finished folder: a rerun does nothing and succeeds
     assert "5 samples, 3 classes, 3 shards" in capsys.readouterr().out
+
+
+def test_folders_without_an_identity_map_or_with_a_broken_one(image_folder, tmp_path):
+    """A folder converted before maps were written reads as None (old sets stay valid); a
+    map that lost names, or is missing though named, is one line naming the file."""
+    out = tmp_path / "out"
+    assert main(["imagefolder", str(image_folder[0]), str(out)]) == 0
+    manifest = read_manifest(out)
+    old = json.loads((out / MANIFEST_NAME).read_text())
+    del old["identities"]
+    (out / MANIFEST_NAME).write_text(json.dumps(old))
+    assert read_manifest(out).identities == "" and read_identities(out, read_manifest(out)) is None
+    (out / IDENTITIES_NAME).write_text(json.dumps({"origin": "x", "names": ["a", "b"]}))
+    with pytest.raises(DataError, match=r"identities.json: 2 names for 3 classes"):
+        read_identities(out, manifest)
+    (out / IDENTITIES_NAME).unlink()
+    with pytest.raises(DataError, match=r"identities.json: missing, though manifest.json"):
+        read_identities(out, manifest)
 
 
 def test_verify_reports_corrupt_images_and_shard_problems(image_folder, tmp_path, capsys):

@@ -13,6 +13,7 @@ from PIL import Image
 
 from data_pipeline import make_loader, read_manifest
 from data_pipeline.errors import DataError
+from data_pipeline.identities import read_identities
 from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.recordio import RecordIOReader, unpack
 from data_pipeline.tar_reader import tar_samples
@@ -136,6 +137,10 @@ def test_insightface_round_trip(tmp_path):
     assert main(["insightface", str(src), str(out), "--samples-per-shard", "5"]) == 0
     manifest = read_manifest(out)
     assert (manifest.num_samples, manifest.num_classes, manifest.shard_counts) == (12, 4, [5, 5, 2])
+    identities = read_identities(out, manifest)  # a .rec holds labels, no names: the fallback
+    assert identities.names == ("0", "1", "2", "3")
+    assert identities.origin == (f"the labels of {(src / 'train.rec').resolve()} (a .rec stores "
+                                 "no identity names)")
     stored = {}
     for shard in manifest.shards:
         for sample in tar_samples(out / shard.name):
