@@ -5,18 +5,21 @@ training identities that also appear in an evaluation set; the sub-center cleani
 the loader that leaves it out (``data.exclude``)::
 
     # launch.overlap checkpoint=runs/r50 threshold=0.35 2026-11-25T18:00:00Z
-    class 1042
+    class 1042  # m.0abc12: lfw lfw.bin#233 0.71
     sample 000123456
 
 UTF-8; a line starting with ``#`` is a comment (the writing tool, its inputs and when), blank
 lines are ignored, every other line is ``sample <key>`` (a webdataset ``__key__`` as
 data_pipeline's writer stores it) or ``class <label>`` (a label in that data folder's own
-class space, before any offset ``data.dirs`` applies).
+class space, before any offset ``data.dirs`` applies), optionally followed by whitespace and a
+``#`` note for the reader (the identity's name, what it matched).
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +31,7 @@ from data_pipeline.manifest import atomic_write_bytes
 from data_pipeline.tar_reader import tar_samples
 
 KINDS = ("sample", "class")
+_NOTE = re.compile(r"\s+#.*$")  # an entry's trailing note (keys hold no whitespace)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def read_exclusions(path: str | os.PathLike) -> Exclusions:
                         f"{exc}); write one with python -m launch.overlap") from exc
     samples, classes = set(), set()
     for number, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
+        line = _NOTE.sub("", line.strip())
         if not line or line.startswith("#"):
             continue
         kind, _, value = line.partition(" ")
@@ -79,9 +83,11 @@ def made_by(tool: str, settings: dict[str, object], summary: str) -> str:
     return f"{tool} {options}\n{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}: {summary}"
 
 
-def write_exclusions(path: str | os.PathLike, exclusions: Exclusions, header: str = "") -> None:
+def write_exclusions(path: str | os.PathLike, exclusions: Exclusions, header: str = "",
+                     notes: Mapping[str, str] | None = None) -> None:
     """Write ``exclusions`` (classes, then samples, each sorted) atomically; every line of
-    ``header`` becomes a ``#`` comment (say which tool, checkpoint, threshold and when)."""
+    ``header`` becomes a ``#`` comment (say which tool, checkpoint, threshold and when), and
+    ``notes[entry]`` (``entry``: ``"class 11"``, ``"sample KEY"``) a note after its entry."""
     for key in exclusions.samples:
         if not key or any(c.isspace() for c in key):
             raise ValueError(f"sample key {key!r}: empty or holds whitespace (not a "
@@ -89,8 +95,11 @@ def write_exclusions(path: str | os.PathLike, exclusions: Exclusions, header: st
     if any(label < 0 for label in exclusions.classes):
         raise ValueError(f"class labels {sorted(exclusions.classes)[:3]}...: must be >= 0")
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += [f"class {label}" for label in sorted(exclusions.classes)]
-    lines += [f"sample {key}" for key in sorted(exclusions.samples)]
+    entries = [f"class {label}" for label in sorted(exclusions.classes)]
+    entries += [f"sample {key}" for key in sorted(exclusions.samples)]
+    notes = notes or {}
+    lines += [f"{entry}  # {' '.join(notes[entry].split())}" if notes.get(entry) else entry
+              for entry in entries]
     atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode("utf-8"))
 
 

@@ -169,17 +169,22 @@ def align_face(image: np.ndarray, landmarks: np.ndarray, size: int = 112) -> np.
                           borderValue=0.0)
 
 
+def aligned_face(meta: IJBMeta, index: int) -> np.ndarray:
+    """Face ``index`` of ``meta`` aligned, uint8 ``[3, 112, 112]``."""
+    path = meta.root / "loose_crop" / meta.names[index]
+    try:
+        with Image.open(path) as im:
+            rgb = np.asarray(im.convert("RGB"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read IJB image ({exc})") from exc
+    return align_face(rgb, meta.landmarks[index]).transpose(2, 0, 1)
+
+
 def iter_aligned_faces(meta: IJBMeta, batch_size: int = 256) -> Iterator[np.ndarray]:
     """Aligned faces of ``meta`` in file order, uint8 ``[B, 3, 112, 112]`` batches."""
     batch = []
-    for name, lmk in zip(meta.names, meta.landmarks, strict=True):
-        path = meta.root / "loose_crop" / name
-        try:
-            with Image.open(path) as im:
-                rgb = np.asarray(im.convert("RGB"))
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path}: cannot read IJB image ({exc})") from exc
-        batch.append(align_face(rgb, lmk).transpose(2, 0, 1))
+    for index in range(len(meta.names)):
+        batch.append(aligned_face(meta, index))
         if len(batch) == batch_size:
             yield np.stack(batch)
             batch = []

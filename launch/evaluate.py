@@ -31,7 +31,7 @@ import torch
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from launch.cli import checkpoint_program_parser, load_backbone_or_exit, rfw_group_bins
 from partial_fc.eval.fairness import RFW_GROUPS, group_summary
 from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
 from partial_fc.eval.ijb_1n import FPIRS
@@ -110,17 +110,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
-    args.rfw_bins = [] if args.rfw is None else [_rfw_bin(p, args.rfw, g) for g in RFW_GROUPS]
+    args.rfw_bins = [] if args.rfw is None else rfw_group_bins(p, args.rfw)
     return args
-
-
-def _rfw_bin(p: argparse.ArgumentParser, folder: Path, group: str) -> Path:
-    """``folder/<group>_test.bin`` or ``folder/<group>.bin``; a parser error names both."""
-    for name in (f"{group}_test.bin", f"{group}.bin"):
-        if (folder / name).is_file():
-            return folder / name
-    p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (RFW needs one .bin per "
-            f"group: {', '.join(RFW_GROUPS)})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,112 +3,200 @@
 
 Command line (one process, or every rank of torchrun)::
 
-    python -m launch.overlap --checkpoint RUN --data DIR --bins lfw.bin,cfp_fp.bin
-        [--ijb IJB_release --ijb-target IJBC] [--fmr 1e-3 | --threshold T] --out overlap.txt
+    python -m launch.overlap --checkpoint RUN --data DIR_OR_URL --bins lfw.bin,cfp_fp.bin
+        [--ijb IJB_release --ijb-target IJBC] [--rfw RFW_DIR] [--tinyface DIR]
+        [--fmr 1e-3 | --threshold T] --out overlap.txt [--json overlap.json]
 
-Each training identity's centre (mean unit embedding over its images in DIR's shards) is
-compared with every evaluation image; an identity within the cosine threshold of any image
-is listed. The threshold comes from the model itself: the cosine that a share ``--fmr`` of the
-.bins' own impostor pairs reach (printed with how it was chosen); ``--threshold`` sets it
-instead (without --bins it is 0.5). Identities are listed as ``class LABEL`` lines (DIR's own
-labels). Train again with ``data.exclude=overlap.txt`` (with ``data.dirs``: run once per
-folder, one list each). The work is ``offline.overlap``.
+Each training identity's centre (mean unit embedding over its images in DIR's shards; DIR may
+be an s3://, gs://, https:// or file:// URL, read as training reads it) is compared with
+every evaluation image; an identity within the cosine threshold of any image is listed. The
+sets are read as launch.evaluate reads them: .bin files, an IJB-B/C folder, RFW's one .bin per
+group (drawn from MS-Celeb-1M: it overlaps MS1M training sets) and TinyFace's Testing_Set.
+
+The threshold comes from the model itself: the cosine that a share ``--fmr`` of the impostor
+pairs of the .bins (RFW's included) reach (printed with how it was chosen); ``--threshold``
+sets it instead (without a .bin it is 0.5). Each listed identity is named (DIR's
+identities.json, written by launch.convert) with the evaluation image it matched and its
+own training image nearest that one (shard key and source path); ``--json`` writes the same
+rows. Train again with ``data.exclude=overlap.txt`` (with ``data.dirs``: run once per folder,
+one list each). The work is ``offline.overlap``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from data_pipeline.errors import DataError
 from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
+from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from launch.cli import checkpoint_program_parser, load_backbone_or_exit, rfw_group_bins
 from offline.overlap import DEFAULT_FMR, DEFAULT_THRESHOLD
+
+LISTED = 20  # shared identities printed per set; --out and --json hold them all
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = checkpoint_program_parser("launch.overlap", __doc__)
-    p.add_argument("--data", type=Path, required=True, help="the training shard folder")
+    p.add_argument("--data", required=True,
+                   help="the training shard folder, or its URL (s3://, gs://, https://, file://)")
     p.add_argument("--bins", default="", help="comma-separated verification .bin files")
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
     p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
+    p.add_argument("--rfw", type=Path, metavar="DIR",
+                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
+    p.add_argument("--tinyface", type=Path, metavar="DIR",
+                   help="TinyFace's Testing_Set (or a folder holding it)")
     p.add_argument("--threshold", type=float, default=None,
                    help="cosine between a centre and an image that counts as the same "
                    "identity (default: calibrated at --fmr on the .bins' impostor pairs; "
-                   f"{DEFAULT_THRESHOLD} with --ijb alone)")
+                   f"{DEFAULT_THRESHOLD} without a .bin)")
     p.add_argument("--fmr", type=float, default=DEFAULT_FMR,
                    help="false-match rate of the .bins' impostor pairs the threshold is set "
                    f"at (default {DEFAULT_FMR:g})")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
+    p.add_argument("--json", type=Path, help="also write every shared identity here: set, "
+                   "label, identity, score, image, key, source, sample_score")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
-    args.bins = [b for b in args.bins.split(",") if b.strip()]
-    if not args.bins and args.ijb is None:
-        p.error("nothing to compare with: give --bins and/or --ijb")
+    args.bins = [Path(b) for b in args.bins.split(",") if b.strip()]
+    if not (args.bins or args.ijb or args.rfw or args.tinyface):
+        p.error("nothing to compare with: give --bins, --ijb, --rfw and/or --tinyface")
     for path in args.bins:
-        if not Path(path).is_file():
+        if not path.is_file():
             p.error(f"--bins {path}: no such file ({MISSING_BIN_FIX})")
-    if len({Path(b).stem for b in args.bins}) != len(args.bins):
-        p.error(f"--bins {','.join(args.bins)}: two sets with the same file name")
+    if len({b.stem for b in args.bins}) != len(args.bins):
+        p.error(f"--bins {','.join(map(str, args.bins))}: two sets with the same file name")
+    args.pair_sets = [(b.stem, b) for b in args.bins]
+    if args.rfw is not None:
+        args.pair_sets += [(f"RFW/{b.stem.removesuffix('_test')}", b)
+                           for b in rfw_group_bins(p, args.rfw)]
     if args.threshold is not None and not -1 <= args.threshold <= 1:
         p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
     if not 0 < args.fmr < 1:
         p.error(f"--fmr {args.fmr}: a rate, in (0, 1)")
-    if not (args.data / "manifest.json").is_file():
+    if not is_url(args.data) and not (Path(args.data) / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    from data_pipeline.verification_bin import read_bin
-    from offline.overlap import bin_images, class_centres, ijb_images, impostor_cosines, set_overlap
     from trainer import dist
 
     env = dist.init_distributed(args.device)
     try:
-        backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
-        centres, counts = class_centres(backbone, args.data, args.batch_size, env.device,
-                                        env.group)
-        sources, impostors = [], []
-        for path in args.bins:
-            encoded, issame = read_bin(path)
-            unique = list(dict.fromkeys(encoded))
-            sources.append((Path(path).stem, bin_images(unique, args.batch_size), len(unique)))
-            if args.threshold is None:
-                impostors.append(impostor_cosines(backbone, encoded, issame, args.batch_size,
-                                                  env.device))
-        threshold, how = _threshold(args, impostors)
+        found = _find(args, env)
+    except DataError as err:  # the same on every rank: a set or the folder is unreadable
         if env.is_main:
-            print(how)
-        if args.ijb is not None:
-            from data_pipeline.ijb import read_ijb_meta
-
-            meta = read_ijb_meta(args.ijb, args.ijb_target)
-            sources.append((args.ijb_target, ijb_images(meta, args.batch_size),
-                            len(meta.names)))
-        results = [set_overlap(name, source, count, backbone, centres, threshold,
-                               args.batch_size, env.device, env.group)
-                   for name, source, count in sources]
+            print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         dist.shutdown()
     if env.is_main:
-        shared = frozenset().union(*(r.classes for r in results))
-        header = made_by("launch.overlap", {"checkpoint": args.checkpoint, "data": args.data,
-                                             "threshold": f"{threshold:.4g}",
-                                             "sets": ",".join(r.name for r in results)},
-                         f"{len(shared)} of {int((counts > 0).sum())} training identities "
-                         "shared")
-        write_exclusions(args.out, Exclusions(classes=shared), header=header)
-        print(format_table(results))
-        print(f"{len(shared)} training identities listed in {args.out} (train with "
-              f"data.exclude={args.out})")
+        _report(args, *found)
     return 0
+
+
+def _find(args: argparse.Namespace, env) -> tuple:
+    """Every rank: the centres, the sets' matches and their nearest training images."""
+    from data_pipeline.identities import read_identities
+    from data_pipeline.manifest import read_manifest
+    from data_pipeline.verification_bin import read_bin
+    from offline.overlap import (
+        class_centres,
+        impostor_cosines,
+        nearest_samples,
+        overlap_rows,
+        queries,
+        set_overlap,
+    )
+    from offline.overlap_sets import bin_images, ijb_images, tinyface_images
+
+    identities = read_identities(args.data, read_manifest(args.data))
+    backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
+    centres, counts = class_centres(backbone, args.data, args.batch_size, env.device, env.group)
+    sets, impostors = [], []
+    for name, path in args.pair_sets:
+        encoded, issame = read_bin(path)
+        sets.append(bin_images(name, path, encoded))
+        if args.threshold is None:
+            impostors.append(impostor_cosines(backbone, encoded, issame, args.batch_size,
+                                              env.device))
+    if args.ijb is not None:
+        sets.append(ijb_images(args.ijb, args.ijb_target))
+    if args.tinyface is not None:
+        sets.append(tinyface_images(args.tinyface))
+    threshold, how = _threshold(args, impostors)
+    if env.is_main:
+        print(how)
+    results = [set_overlap(images, backbone, centres, threshold, args.batch_size, env.device,
+                           env.group) for images in sets]
+    nearest = nearest_samples(backbone, args.data, queries(sets, results), args.batch_size,
+                              env.device, env.group)
+    rows = overlap_rows(sets, results, identities and identities.names, nearest)
+    return threshold, how, identities, int((counts > 0).sum()), results, rows
+
+
+def _report(args: argparse.Namespace, threshold: float, how: str, identities, trained: int,
+            results: list, rows: list[dict]) -> None:
+    """Rank 0: the exclusion list, the JSON, the table and the shared identities."""
+    shared = frozenset().union(*(r.classes for r in results))
+    header = made_by("launch.overlap", {"checkpoint": args.checkpoint, "data": args.data,
+                                         "threshold": f"{threshold:.4g}",
+                                         "sets": ",".join(r.name for r in results)},
+                     f"{len(shared)} of {trained} training identities shared")
+    by_label: dict[int, list[dict]] = {}
+    for row in rows:
+        by_label.setdefault(row["label"], []).append(row)
+    write_exclusions(args.out, Exclusions(classes=shared), header=header,
+                     notes={f"class {label}": _note(mine) for label, mine in by_label.items()})
+    names = (f"identity names: {identities.origin}" if identities is not None else
+             f"identity names: none ({args.data} was converted before launch.convert wrote "
+             "its identities.json; convert it again to name them): listed by label")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "checkpoint": str(args.checkpoint), "data": str(args.data),
+            "threshold": threshold, "threshold_chosen": how,
+            "identity_names": None if identities is None else identities.origin,
+            "sets": [{"name": r.name, "images": r.images, "matched_images": r.matched_images,
+                      "shared_identities": len(r.matches)} for r in results],
+            "shared": rows}, indent=1) + "\n")
+    print(format_table(results))
+    print(names)
+    for result in results:
+        mine = [row for row in rows if row["set"] == result.name]
+        for row in mine[:LISTED]:
+            print(format_row(row))
+        if len(mine) > LISTED:
+            print(f"{result.name}: {len(mine) - LISTED} more in {args.json or args.out}")
+    print(f"{len(shared)} training identities listed in {args.out} (train with "
+          f"data.exclude={args.out})")
+
+
+def _note(rows: list[dict]) -> str:
+    """The exclusion list's note on one identity: its name, and the images it matched."""
+    matched = "; ".join(f"{r['set']} {r['image']} {r['score']:.3f}" for r in rows)
+    return matched if rows[0]["identity"] is None else f"{rows[0]['identity']}: {matched}"
+
+
+def format_row(row: dict) -> str:
+    """One shared identity: the set and its image, the centre cosine, the identity, and its
+    training image nearest that image."""
+    who = f"class {row['label']}" + ("" if row["identity"] is None else f" {row['identity']}")
+    line = f"{row['set']} {row['image']} ~ {who} (cos {row['score']:.3f})"
+    if row["key"] is None:
+        return line
+    source = row["source"] if row["source"] is not None else "no source path stored"
+    return (f"{line}; nearest training image {source} (key {row['key']}, cos "
+            f"{row['sample_score']:.3f})")
 
 
 def _threshold(args: argparse.Namespace, impostors: list) -> tuple[float, str]:
@@ -126,7 +214,7 @@ def _threshold(args: argparse.Namespace, impostors: list) -> tuple[float, str]:
     tau = calibrated_threshold(cosines, args.fmr)
     reached = int((cosines >= tau).sum())
     return tau, (f"threshold {tau:.4f}: the cosine {reached} of the {len(cosines)} impostor "
-                 f"pairs of {', '.join(Path(b).stem for b in args.bins)} reach under this "
+                 f"pairs of {', '.join(name for name, _ in args.pair_sets)} reach under this "
                  f"model (false-match rate {reached / len(cosines):.2g}, --fmr {args.fmr:g}; "
                  "--threshold sets it instead)")
 

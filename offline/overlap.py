@@ -12,26 +12,43 @@ decodes the shards ``r, r + P, ...`` and the evaluation images ``r, r + P, ...``
 sums and counts ``[C, D]``, ``[C]`` are all-reduced, so every rank holds every centre, and
 the matches are all-reduced too. One process and P ranks give the same answer (up to the
 summation order of the centres).
+
+Each shared identity is reported with the evidence a person checks: the set's image nearest
+its centre, and the identity's training image nearest that one (its shard key and the source
+path the converter stored), found by a second pass over the shards that decodes only the
+shared identities' images (:func:`nearest_samples`); :func:`overlap_rows` joins them with the
+identity names of the folder's map (data_pipeline.identities).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from data_pipeline.codec import resolve_decoder
 from data_pipeline.manifest import read_manifest
-from offline.folder_scan import batched, decoded, labelled_batches
-from partial_fc.distributed import all_reduce, get_rank, get_world_size
+from offline.folder_scan import batched, decoded, labelled_batches, labelled_samples
+from offline.overlap_sets import EvalImages
+from partial_fc.distributed import all_reduce, all_reduce_max, get_rank, get_world_size
 from trainer.evaluation import embed_images, eval_mode
 
 DEFAULT_THRESHOLD = 0.5  # cosine, without a .bin to calibrate from
 DEFAULT_FMR = 1e-3  # the false-match rate of the .bins' impostor pairs the threshold is set at
+
+
+@dataclass(frozen=True)
+class Match:
+    """A training identity an evaluation set shares: ``label``, the set's image nearest its
+    centre (``image``, an index into the set's names) and their cosine ``score``."""
+
+    label: int
+    score: float
+    image: int
 
 
 @dataclass(frozen=True)
@@ -41,7 +58,23 @@ class SetOverlap:
     name: str
     images: int  # images in the set (distinct)
     matched_images: int  # its images within the threshold of some training centre
-    classes: frozenset[int]  # training labels with a centre within the threshold of an image
+    matches: tuple[Match, ...]  # one per shared training identity, by label
+
+    @property
+    def classes(self) -> frozenset[int]:
+        """The training labels with a centre within the threshold of an image of the set."""
+        return frozenset(m.label for m in self.matches)
+
+
+@dataclass(frozen=True)
+class Nearest:
+    """The training image of an identity nearest a matched evaluation image: its shard
+    ``key``, the ``source`` path the converter stored (None in shards without one) and the
+    cosine ``score``."""
+
+    key: str
+    source: str | None
+    score: float
 
 
 @torch.no_grad()
@@ -49,8 +82,9 @@ def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
                   device: torch.device | str, process_group=None) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
     """Unit centres ``[C, D]`` (float32, on ``device``) of every class of the shard folder
-    and each class's image count ``[C]`` (a class without a decodable image: a zero row).
-    Collective over ``process_group``; shards ``rank::world`` are read here."""
+    (a path or a URL) and each class's image count ``[C]`` (a class without a decodable
+    image: a zero row). Collective over ``process_group``; shards ``rank::world`` are read
+    here."""
     rank, world = get_rank(process_group), get_world_size(process_group)
     num_classes = read_manifest(data_dir).num_classes
     with eval_mode(backbone):
@@ -66,47 +100,95 @@ def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
 
 
 @torch.no_grad()
-def set_overlap(name: str, images: Callable[[int, int], Iterator[np.ndarray]], count: int,
-                backbone: nn.Module, centres: torch.Tensor, threshold: float, batch_size: int,
-                device: torch.device | str, process_group=None) -> SetOverlap:
-    """Match one evaluation set against ``centres``. ``images(rank, world)`` yields this
-    rank's share of the set, uint8 ``[B, 3, 112, 112]`` batches; ``count`` is the set's size.
-    Collective over ``process_group``; every rank returns the same value."""
+def set_overlap(images: EvalImages, backbone: nn.Module, centres: torch.Tensor,
+                threshold: float, batch_size: int, device: torch.device | str,
+                process_group=None) -> SetOverlap:
+    """Match one evaluation set against ``centres``; each rank embeds its share of the set
+    (``images.share``). Each shared identity's match is the image of highest cosine (the
+    lowest index among equal ones, so P ranks and one process agree). Collective over
+    ``process_group``; every rank returns the same value."""
     rank, world = get_rank(process_group), get_world_size(process_group)
-    hit = torch.zeros(len(centres), device=device)
+    best = torch.full((len(centres),), -torch.inf, device=device)
+    best_image = torch.full((len(centres),), len(images.names), device=device)
     matched = torch.zeros(1, device=device)
     with eval_mode(backbone):
-        for batch in images(rank, world):
+        for indices, batch in images.share(rank, world, batch_size):
             sims = embed_images(backbone, batch, batch_size, device) @ centres.T  # [B, C]
-            close = sims >= threshold
-            hit += close.any(0)
-            matched += close.any(1).sum()
-    hit, matched = all_reduce(hit, process_group), all_reduce(matched, process_group)
-    classes = frozenset(torch.nonzero(hit).flatten().tolist())
-    return SetOverlap(name, count, int(matched.item()), classes)
+            matched += (sims >= threshold).any(1).sum()
+            top, row = sims.max(0)  # the first of equal maxima: the lowest index
+            better = top > best
+            best = torch.where(better, top, best)
+            best_image = torch.where(better, torch.tensor(indices, device=device)[row],
+                                     best_image)
+    top = all_reduce_max(best, process_group)
+    mine = torch.where(best == top, best_image, len(images.names))
+    first = -all_reduce_max(-mine, process_group)
+    matched = all_reduce(matched, process_group)
+    labels = torch.nonzero(top >= threshold).flatten().tolist()
+    return SetOverlap(images.name, len(images.names), int(matched.item()),
+                      tuple(Match(c, float(top[c]), int(first[c])) for c in labels))
 
 
-def bin_images(encoded: list[bytes], batch_size: int) -> Callable[[int, int], Iterator]:
-    """A ``.bin``'s images (give them distinct) as :func:`set_overlap`'s per-rank source."""
+@torch.no_grad()
+def nearest_samples(backbone: nn.Module, data_dir: str | Path,
+                    queries: list[tuple[int, EvalImages, int]], batch_size: int,
+                    device: torch.device | str, process_group=None) -> list[Nearest | None]:
+    """For each query ``(label, set, image)``: the training image of ``label`` nearest that
+    evaluation image (None where the class has no decodable image). A second pass over the
+    shards ``rank::world`` that decodes only the queried classes' images. Collective over
+    ``process_group``; every rank returns the same list."""
+    rank, world = get_rank(process_group), get_world_size(process_group)
+    if not queries:
+        return []
+    with eval_mode(backbone):
+        targets = _query_embeddings(backbone, queries, batch_size, device)  # [Q, D]
+        owner = torch.tensor([label for label, _, _ in queries], device=device)
+        found: list[tuple[float, str, str | None] | None] = [None] * len(queries)
+        wanted = frozenset(owner.tolist())
+        tagged = (((s["__key__"], label, _text(s.get("src"))), s["jpg"])
+                  for label, s in labelled_samples(data_dir, rank, world,
+                                                   exts=("jpg", "cls", "src"))
+                  if label in wanted)
+        for tags, batch in batched(decoded(tagged, resolve_decoder("auto")), batch_size):
+            labels = torch.tensor([label for _, label, _ in tags], device=device)
+            sims = embed_images(backbone, batch, batch_size, device) @ targets.T  # [B, Q]
+            sims = sims.masked_fill(labels[:, None] != owner[None, :], -torch.inf)
+            top, row = sims.max(0)
+            for q in torch.nonzero(top > -torch.inf).flatten().tolist():
+                key, _, source = tags[row[q]]
+                candidate = (float(top[q]), key, source)
+                if found[q] is None or _better(candidate, found[q]):
+                    found[q] = candidate
+    if world > 1:
+        every: list = [None] * world
+        dist.all_gather_object(every, found, group=process_group)
+        found = [None] * len(queries)
+        for theirs in every:
+            found = [b if a is None or (b is not None and _better(b, a)) else a
+                     for a, b in zip(found, theirs, strict=True)]
+    return [None if f is None else Nearest(f[1], f[2], f[0]) for f in found]
 
-    def share(rank: int, world: int) -> Iterator[np.ndarray]:
-        items = decoded(enumerate(encoded[rank::world]), resolve_decoder("auto"))
-        return (images for _, images in batched(items, batch_size))
 
-    return share
+def _better(a: tuple[float, str, str | None], b: tuple[float, str, str | None]) -> bool:
+    """Higher cosine first, then the smaller key (the same choice on any number of ranks)."""
+    return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
 
 
-def ijb_images(meta, batch_size: int) -> Callable[[int, int], Iterator]:
-    """IJB-B/C's aligned faces (``data_pipeline.ijb``) as :func:`set_overlap`'s source: rank
-    ``r`` takes the batches ``r, r + P, ...``."""
-    from data_pipeline.ijb import iter_aligned_faces
+def _text(member: bytes | None) -> str | None:
+    return None if member is None else bytes(member).decode("utf-8", "replace")
 
-    def share(rank: int, world: int) -> Iterator[np.ndarray]:
-        for i, batch in enumerate(iter_aligned_faces(meta, batch_size)):
-            if i % world == rank:
-                yield batch
 
-    return share
+def _query_embeddings(backbone: nn.Module, queries: list[tuple[int, EvalImages, int]],
+                      batch_size: int, device: torch.device | str) -> torch.Tensor:
+    """The embeddings ``[Q, D]`` of the queries' evaluation images (each decodable: it
+    matched), a set's images embedded together."""
+    rows: dict[tuple[str, int], torch.Tensor] = {}
+    for images in {id(q[1]): q[1] for q in queries}.values():
+        indices = sorted({image for _, s, image in queries if s is images})
+        for found, batch in images.batches(indices, batch_size):
+            emb = embed_images(backbone, batch, batch_size, device)
+            rows.update({(images.name, i): e for i, e in zip(found, emb, strict=True)})
+    return torch.stack([rows[(images.name, image)] for _, images, image in queries])
 
 
 @torch.no_grad()
@@ -131,3 +213,28 @@ def calibrated_threshold(cosines: np.ndarray, fmr: float) -> float:
     (their ``1 - fmr`` quantile, taken upward): at it, an image and a centre of different
     identities are listed about as often as two impostor images would match."""
     return float(np.quantile(cosines, 1.0 - fmr, method="higher"))
+
+
+def overlap_rows(sets: list[EvalImages], results: list[SetOverlap],
+                 names: tuple[str, ...] | None, nearest: list[Nearest | None]) -> list[dict]:
+    """One JSON-able row per (set, shared identity), in :func:`queries` order: ``set``,
+    ``label``, ``identity`` (from the folder's map; None without one), ``score`` (centre to
+    image cosine), ``image`` (its name in the set), and the nearest training image's ``key``,
+    ``source`` and ``sample_score`` (None where it has none)."""
+    rows, near_of = [], iter(nearest)
+    for images, result in zip(sets, results, strict=True):
+        for match in result.matches:
+            near = next(near_of)
+            rows.append({"set": images.name, "label": match.label,
+                         "identity": None if names is None else names[match.label],
+                         "score": round(match.score, 6), "image": images.names[match.image],
+                         "key": near and near.key, "source": near and near.source,
+                         "sample_score": near and round(near.score, 6)})
+    return rows
+
+
+def queries(sets: list[EvalImages], results: list[SetOverlap]) -> list[tuple[int, EvalImages,
+                                                                              int]]:
+    """``(label, set, image)`` of every match, set by set: :func:`nearest_samples`' input."""
+    return [(m.label, images, m.image)
+            for images, result in zip(sets, results, strict=True) for m in result.matches]
