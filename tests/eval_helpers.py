@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
+from scipy.io import savemat
 from torch import nn
 
 from data_pipeline.ijb import ARCFACE_REFERENCE
@@ -93,3 +94,30 @@ def write_ijb(root, faces, pairs, target="ijbc"):
     (root / "meta" / f"{target}_name_5pts_score.txt").write_text("\n".join(pts) + "\n")
     (root / "meta" / f"{target}_template_pair_label.txt").write_text(
         "\n".join(" ".join(map(str, p)) for p in pairs) + "\n")
+
+
+def tinyface_cells(names):
+    """A MATLAB cell array of file names, as TinyFace's .mat lists hold them."""
+    return np.array([[np.array([n])] for n in names], dtype=object)
+
+
+def write_tinyface_lists(root: Path, probes, matched, distractors) -> Path:
+    """A fabricated TinyFace ``root/tinyface/Testing_Set`` (returned). probes, matched:
+    ``(file name, identity id, image)``; distractors: ``(file name, image)``; an image is an
+    RGB colour (a 24x20 image of it) or an ``[H, W, 3]`` uint8 array."""
+    t = root / "tinyface" / "Testing_Set"
+    for folder, entries in (("Probe", probes), ("Gallery_Match", matched),
+                            ("Gallery_Distractor", distractors)):
+        (t / folder).mkdir(parents=True, exist_ok=True)
+        for name, *_, image in entries:
+            array = np.asarray(image, np.uint8)
+            if array.ndim == 1:
+                array = np.full((24, 20, 3), array, np.uint8)
+            Image.fromarray(array).save(t / folder / name)
+    savemat(t / "probe_img_ID_pairs.mat", {
+        "probe_set": tinyface_cells([n for n, _, _ in probes]),
+        "probe_ids": np.array([[i] for _, i, _ in probes])})
+    savemat(t / "gallery_match_img_ID_pairs.mat", {
+        "gallery_set": tinyface_cells([n for n, _, _ in matched]),
+        "gallery_ids": np.array([[i] for _, i, _ in matched])})
+    return t

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from eval_helpers import MeanColour, make_run
-from PIL import Image
+from eval_helpers import MeanColour, make_run, tinyface_cells, write_tinyface_lists
 from scipy.io import savemat
 
 from data_pipeline.errors import DataError
@@ -16,32 +14,15 @@ from launch.evaluate import main
 from trainer.evaluation import evaluate_tinyface_dir
 
 
-def _image(path, rgb):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full((24, 20, 3), rgb, np.uint8)).save(path)
-
-
-def _cells(names):
-    return np.array([[np.array([n])] for n in names], dtype=object)
-
-
 def write_tinyface(root):
     """Probe 1 white, probe 2 red. Gallery: id 1 white and grey-blue, id 2 (255, 0, 128);
     distractor red. Under MeanColour the red probe's mate scores 2/sqrt(6) < 1 (the
     distractor): rank 2; the white probe's mate is exact: rank 1."""
-    t = root / "tinyface" / "Testing_Set"
-    for name, rgb in (("p1.png", (255, 255, 255)), ("p2.png", (255, 0, 0))):
-        _image(t / "Probe" / name, rgb)
-    for name, rgb in (("g1.png", (255, 255, 255)), ("g2.png", (0, 0, 255)),
-                      ("g3.png", (255, 0, 128))):
-        _image(t / "Gallery_Match" / name, rgb)
-    _image(t / "Gallery_Distractor" / "d1.png", (255, 0, 0))
-    savemat(t / "probe_img_ID_pairs.mat", {"probe_set": _cells(["p1.png", "p2.png"]),
-                                           "probe_ids": np.array([[1], [2]])})
-    savemat(t / "gallery_match_img_ID_pairs.mat", {
-        "gallery_set": _cells(["g1.png", "g2.png", "g3.png"]),
-        "gallery_ids": np.array([[1], [1], [2]])})
-    return t
+    return write_tinyface_lists(
+        root, probes=[("p1.png", 1, (255, 255, 255)), ("p2.png", 2, (255, 0, 0))],
+        matched=[("g1.png", 1, (255, 255, 255)), ("g2.png", 1, (0, 0, 255)),
+                 ("g3.png", 2, (255, 0, 128))],
+        distractors=[("d1.png", (255, 0, 0))])
 
 
 def test_read_and_rank_by_hand(tmp_path):
@@ -58,7 +39,7 @@ def test_layout_errors(tmp_path):
     with pytest.raises(DataError, match="no probe_img_ID_pairs.mat"):
         read_tinyface(tmp_path)
     t = write_tinyface(tmp_path)
-    savemat(t / "gallery_match_img_ID_pairs.mat", {"gallery_set": _cells(["g1.png"])})
+    savemat(t / "gallery_match_img_ID_pairs.mat", {"gallery_set": tinyface_cells(["g1.png"])})
     with pytest.raises(DataError, match=r"gallery_match_img_ID_pairs.mat: no variable "
                                         r"'gallery_ids'"):
         read_tinyface(t)

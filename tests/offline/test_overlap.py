@@ -13,18 +13,29 @@ is the tool: the centres streamed over the shards, the thresholding, the per-set
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
-from eval_helpers import make_run, write_ijb
+from eval_helpers import make_run, write_ijb, write_tinyface_lists
+from PIL import Image
 from spawn import run_ranks
 from torch import nn
 
+from data_pipeline.codec import decode_image
 from data_pipeline.exclusion import read_exclusions
 from data_pipeline.synthetic import SyntheticSource
 from data_pipeline.verification_bin import write_bin
-from offline.overlap import DEFAULT_THRESHOLD, bin_images, class_centres, set_overlap
+from offline.overlap import (
+    DEFAULT_THRESHOLD,
+    class_centres,
+    nearest_samples,
+    queries,
+    set_overlap,
+)
+from offline.overlap_sets import bin_images, ijb_images
 
 PLANTED = (3, 7, 11, 15, 19)  # of the 20 training identities (conftest's synthetic_data)
 
@@ -52,34 +63,51 @@ def evaluation_images() -> list[bytes]:
         [other.read(i)[0] for i in range(160)]
 
 
+def ijb_crop(blob: bytes) -> np.ndarray:
+    """A 250x250 loose crop holding the face at 1.5x scale where ``write_ijb``'s landmarks
+    put it."""
+    canvas = np.zeros((250, 250, 3), np.uint8)
+    face = Image.fromarray(decode_image(blob)).resize((168, 168), Image.BILINEAR)
+    canvas[30:198, 20:188] = np.asarray(face)
+    return canvas
+
+
 def _overlap(data, images):
     model = ColourFeatures()
     centres, counts = class_centres(model, data, 32, "cpu")
-    found = set_overlap("x", bin_images(images, 32), len(images), model, centres,
-                        DEFAULT_THRESHOLD, 32, "cpu")
-    return centres, counts, found
+    sets = [bin_images("x", "x.bin", images)]
+    found = set_overlap(sets[0], model, centres, DEFAULT_THRESHOLD, 32, "cpu")
+    nearest = nearest_samples(model, data, queries(sets, [found]), 32, "cpu")
+    return centres, counts, found, nearest
 
 
 def test_planted_identities_are_found(synthetic_data):
     images = evaluation_images()
-    _, counts, found = _overlap(synthetic_data, images)
+    _, counts, found, nearest = _overlap(synthetic_data, images)
     assert counts.tolist() == [8.0] * 20
     hits = len(found.classes & set(PLANTED))
     assert hits / len(PLANTED) >= 0.9 and hits / max(1, len(found.classes)) >= 0.9, found
     assert found.images == 180 and 18 <= found.matched_images <= 22
+    for match, near in zip(found.matches, nearest, strict=True):  # its own images, its own
+        assert match.image // 4 == PLANTED.index(match.label)  # class's training image
+        assert near.source.split("/")[0] == str(match.label) and near.score > DEFAULT_THRESHOLD
 
 
 def _ranks(rank, world, data, images):
-    centres, counts, found = _overlap(data, images)
-    return centres.clone(), counts.clone(), found
+    centres, counts, found, nearest = _overlap(data, images)
+    return centres.clone(), counts.clone(), found, nearest
 
 
 def test_two_ranks_agree_with_one_process(synthetic_data):
     images = evaluation_images()
-    centres, counts, found = _overlap(synthetic_data, images)
-    for c, n, f in run_ranks(_ranks, world_size=2, args=(synthetic_data, images)):
+    centres, counts, found, nearest = _overlap(synthetic_data, images)
+    for c, n, f, near in run_ranks(_ranks, world_size=2, args=(synthetic_data, images)):
         torch.testing.assert_close(c, centres)
-        assert torch.equal(n, counts) and f == found
+        assert torch.equal(n, counts) and f.classes == found.classes
+        assert [(m.label, m.image) for m in f.matches] == [
+            (m.label, m.image) for m in found.matches]
+        assert [m.score for m in f.matches] == pytest.approx([m.score for m in found.matches])
+        assert [(x.key, x.source) for x in near] == [(x.key, x.source) for x in nearest]
 
 
 def test_cli_writes_an_exclusion_list(synthetic_data, tmp_path, capsys):
@@ -94,47 +122,36 @@ def test_cli_writes_an_exclusion_list(synthetic_data, tmp_path, capsys):
                  "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "lfw  40      40              20" in printed  # threshold -1: everything matches
-    listed = read_exclusions(out)
+    listed = read_exclusions(out)  # the list, its notes included, read back by data.exclude
     assert listed.classes == frozenset(range(20)) and not listed.samples
     assert out.read_text().startswith(f"# launch.overlap checkpoint={run} data=")
+    assert "\nclass 3  # 3: lfw lfw.bin#" in out.read_text()  # synthetic: named by label
 
 
 def test_planted_identities_are_found_in_an_ijb_folder(synthetic_data, tmp_path):
     """IJB faces are aligned from their landmarks first (``write_ijb`` puts the 112x112 face
     at 1.5x scale into a 250x250 crop): the planted identities 3 and 7 are still found."""
-    from PIL import Image
-
-    from data_pipeline.codec import decode_image
-    from data_pipeline.ijb import read_ijb_meta
-    from offline.overlap import ijb_images
-
-    def crop(blob: bytes) -> np.ndarray:
-        canvas = np.zeros((250, 250, 3), np.uint8)
-        face = Image.fromarray(decode_image(blob)).resize((168, 168), Image.BILINEAR)
-        canvas[30:198, 20:188] = np.asarray(face)
-        return canvas
-
     images = evaluation_images()
     blobs = images[0:2] + images[4:6] + images[20:28]  # identities 3 and 7, then 8 others
-    faces = [(f"{i}.png", i, i, crop(b), 1.0) for i, b in enumerate(blobs)]
+    faces = [(f"{i}.png", i, i, ijb_crop(b), 1.0) for i, b in enumerate(blobs)]
     write_ijb(tmp_path / "IJBC", faces, [(0, 1, 1)])
-    meta = read_ijb_meta(tmp_path / "IJBC", "IJBC")
     model = ColourFeatures()
     centres, _ = class_centres(model, synthetic_data, 32, "cpu")
-    found = set_overlap("IJBC", ijb_images(meta, 5), len(meta.names), model, centres,
+    found = set_overlap(ijb_images(tmp_path / "IJBC", "IJBC"), model, centres,
                         DEFAULT_THRESHOLD, 5, "cpu")
     assert found.classes == {3, 7} and found.matched_images == 4 and found.images == 12
 
 
 def test_cli_calibrates_the_threshold_on_the_bins_impostor_pairs(synthetic_data, tmp_path,
-                                                                  capsys):
+                                                                  capsys, monkeypatch):
     """No --threshold: the one chosen is the cosine a share --fmr of the .bin's impostor pairs
-    reach under the model, recomputed here pair by pair; the line says so."""
-    from data_pipeline.codec import decode_image
-    from launch.cli import load_backbone_or_exit
+    reach under the model (the colour embedding here), recomputed pair by pair; the line
+    says so."""
+    from launch import overlap
     from launch.overlap import main
     from trainer.evaluation import embed_images, eval_mode
 
+    monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
     run = make_run(tmp_path)
     other = evaluation_images()[20:]  # 160 images of 40 identities never trained on
     pairs = [(other[i], other[i + 4 * k]) for k in (1, 2) for i in range(0, 120, 3)]  # 80
@@ -144,7 +161,7 @@ def test_cli_calibrates_the_threshold_on_the_bins_impostor_pairs(synthetic_data,
                  str(tmp_path / "lfw.bin"), "--fmr", "0.05", "--out", str(out),
                  "--device", "cpu"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
-    model = load_backbone_or_exit(run)
+    model = ColourFeatures()
     with eval_mode(model):
         emb = [embed_images(model, np.stack([decode_image(b, 112).transpose(2, 0, 1)
                                              for b in p]), 2, "cpu") for p in pairs]
@@ -156,3 +173,168 @@ def test_cli_calibrates_the_threshold_on_the_bins_impostor_pairs(synthetic_data,
                            "pairs of lfw reach under this model (false-match rate")
     assert "--fmr 0.05" in line
     assert f"threshold={tau:.4g}" in out.read_text().splitlines()[0]
+
+
+# ---------------------------------------------------------------- the user's path, end to end
+
+NAMED = {3: "lfw", 7: "RFW/African", 11: "TinyFace", 15: "IJBC"}  # planted: label -> set
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``python -m launch.convert imagefolder``'s output for 20 named identity folders
+    (``person_00`` ... ``person_19``, images 0..7 of the synthetic identities), and its
+    source folder."""
+    from launch.convert import main as convert
+
+    root = tmp_path_factory.mktemp("named")
+    source = SyntheticSource(20, 16, seed=0)
+    for label in range(20):
+        folder = root / "src" / f"person_{label:02d}"
+        folder.mkdir(parents=True)
+        for i in range(8):
+            (folder / f"{i}.jpg").write_bytes(source.read(label * 16 + i)[0])
+    assert convert(["imagefolder", str(root / "src"), str(root / "data"),
+                    "--samples-per-shard", "50"]) == 0
+    return root
+
+
+def _unseen(label: int, count: int) -> list[bytes]:
+    """Images 8.. of a training identity: not in the shards."""
+    source = SyntheticSource(20, 16, seed=0)
+    return [source.read(label * 16 + 8 + i)[0] for i in range(count)]
+
+
+def _strangers(first: int, count: int) -> list[bytes]:
+    return evaluation_images()[20 + first:20 + first + count]
+
+
+@pytest.fixture(scope="module")
+def sets(converted):
+    """One small folder per evaluation format, each sharing one training identity (NAMED):
+    lfw.bin, RFW's four group .bins (African), TinyFace's Testing_Set and an IJB-C folder."""
+    root = converted / "sets"
+    (root / "rfw").mkdir(parents=True)
+    write_bin(root / "lfw.bin", _unseen(3, 4) + _strangers(0, 8), [True, True] + [False] * 4)
+    for k, group in enumerate(("African", "Asian", "Caucasian", "Indian")):
+        planted = _unseen(7, 2) if group == "African" else _strangers(40 + 4 * k, 2)
+        write_bin(root / "rfw" / f"{group}_test.bin", planted + _strangers(60 + 4 * k, 4),
+                  [True, False, False])
+    rgb = [decode_image(b) for b in _unseen(11, 2) + _strangers(80, 3)]
+    write_tinyface_lists(root, probes=[("1_1.jpg", 1, rgb[0])],
+                         matched=[("1_2.jpg", 1, rgb[1]), ("2_1.jpg", 2, rgb[2])],
+                         distractors=[("d1.jpg", rgb[3]), ("d2.jpg", rgb[4])])
+    faces = [(f"{i}.png", i, i, ijb_crop(b), 1.0)
+             for i, b in enumerate(_unseen(15, 2) + _strangers(100, 4))]
+    write_ijb(root / "IJBC", faces, [(0, 1, 1)])
+    return root
+
+
+def _run_overlap(monkeypatch, tmp_path, data, *sets_args: str) -> tuple[int, dict, str]:
+    """``launch.overlap`` with the colour embedding standing in for the checkpoint's
+    backbone (it reveals the synthetic identities, see the module docstring)."""
+    from launch import overlap
+
+    monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
+    out, js = tmp_path / "overlap.txt", tmp_path / "overlap.json"
+    rc = overlap.main(["--checkpoint", str(make_run(tmp_path)), "--data", str(data),
+                       *sets_args, "--threshold", str(DEFAULT_THRESHOLD), "--out", str(out),
+                       "--json", str(js), "--device", "cpu"])
+    return rc, (json.loads(js.read_text()) if rc == 0 else {}), out
+
+
+def test_every_evaluation_format_names_its_shared_identity_and_source(
+        converted, sets, tmp_path, monkeypatch, capsys):
+    """lfw.bin, RFW, TinyFace and IJB-C each share their planted identity, listed by its
+    folder name with the matched image and the identity's nearest training image (its
+    source path and shard key, checked against a brute-force search over the shards)."""
+    from data_pipeline import read_manifest
+    from data_pipeline.tar_reader import tar_samples
+    from trainer.evaluation import embed_images, eval_mode
+
+    rc, found, out = _run_overlap(
+        monkeypatch, tmp_path, converted / "data", "--bins", str(sets / "lfw.bin"),
+        "--rfw", str(sets / "rfw"), "--tinyface", str(sets), "--ijb", str(sets / "IJBC"))
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert found["identity_names"] == (
+        f"the identity folder names of {(converted / 'src').resolve()}")
+    assert [s["name"] for s in found["sets"]] == ["lfw", "RFW/African", "RFW/Asian",
+                                                  "RFW/Caucasian", "RFW/Indian", "IJBC",
+                                                  "TinyFace"]
+    rows = {row["set"]: row for row in found["shared"]}
+    assert {s: r["label"] for s, r in rows.items()} == {s: c for c, s in NAMED.items()}
+    assert {r["image"] for r in rows.values()} <= {"lfw.bin#0", "lfw.bin#1", "lfw.bin#2",
+                                                    "lfw.bin#3", "African_test.bin#0",
+                                                    "African_test.bin#1", "Probe/1_1.jpg",
+                                                    "Gallery_Match/1_2.jpg",
+                                                    "loose_crop/0.png", "loose_crop/1.png"}
+    stored = {}
+    data = converted / "data"
+    for shard in read_manifest(data).shards:
+        for sample in tar_samples(data / shard.name):
+            stored[sample["__key__"]] = (sample["src"].decode(), sample["jpg"])
+    model = ColourFeatures()
+    for row in rows.values():
+        name = f"person_{row['label']:02d}"
+        assert row["identity"] == name and row["source"].startswith(name + "/")
+        assert stored[row["key"]][0] == row["source"] and row["score"] >= DEFAULT_THRESHOLD
+        assert f"{row['set']} {row['image']} ~ class {row['label']} {name} (cos " in printed
+    lfw = rows["lfw"]  # the nearest training image, by brute force
+    own = {src: jpg for src, jpg in stored.values() if src.startswith("person_03/")}
+    blobs = [own[s] for s in sorted(own)] + [_unseen(3, 4)[int(lfw["image"][-1])]]
+    with eval_mode(model):
+        emb = embed_images(model, np.stack([decode_image(b).transpose(2, 0, 1)
+                                            for b in blobs]), 16, "cpu")
+    cos = (emb[:-1] @ emb[-1]).tolist()
+    assert sorted(own)[int(np.argmax(cos))] == lfw["source"]
+    assert lfw["sample_score"] == pytest.approx(max(cos), abs=1e-5)
+    listed = read_exclusions(out)
+    assert listed.classes == frozenset(NAMED)
+    assert "\nclass 3  # person_03: lfw lfw.bin#" in out.read_text()
+
+
+def test_a_folder_converted_before_identity_maps_is_listed_by_label(
+        converted, sets, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from data_pipeline.manifest import MANIFEST_NAME
+
+    old = tmp_path / "old"
+    shutil.copytree(converted / "data", old)
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    del manifest["identities"]
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rc, found, out = _run_overlap(monkeypatch, tmp_path, old, "--bins", str(sets / "lfw.bin"))
+    assert rc == 0
+    assert f"identity names: none ({old} was converted before" in capsys.readouterr().out
+    (row,) = found["shared"]
+    assert found["identity_names"] is None and row["identity"] is None
+    assert row["label"] == 3 and row["source"].startswith("person_03/")
+    assert "\nclass 3  # lfw lfw.bin#" in out.read_text()
+
+
+def test_a_data_folder_at_a_url_gives_the_local_answer(converted, sets, tmp_path,
+                                                        monkeypatch, capsys):
+    """``--data`` over HTTP (the loopback file server of the remote-data tests) and as a
+    file:// URL: the same rows as the local folder; a missing folder is one line, rc 2."""
+    from tools.remote_servers import FileServer
+
+    bins = ("--bins", str(sets / "lfw.bin"))
+    _, local, _ = _run_overlap(monkeypatch, tmp_path / "local", converted / "data", *bins)
+    server = FileServer(converted)
+    try:
+        _, http, _ = _run_overlap(monkeypatch, tmp_path / "http", f"{server.url}/data", *bins)
+        # each shard fetched whole, once per pass (the centres, then the nearest images)
+        assert server.gets("shard-000000.tar") == [None, None]
+        capsys.readouterr()
+        rc, _, _ = _run_overlap(monkeypatch, tmp_path / "gone", f"{server.url}/gone", *bins)
+    finally:
+        server.close()
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {server.url}/gone/manifest.json: not found (404")
+    assert "\n" not in err
+    _, file_url, _ = _run_overlap(monkeypatch, tmp_path / "file",
+                                  (converted / "data").as_uri(), *bins)
+    assert http["shared"] == local["shared"] == file_url["shared"] and local["shared"]

@@ -1,6 +1,6 @@
 """The small data the docs' placeholders stand for, built on first use, the way the tests build
 theirs: synthetic shards, a run trained here for a few steps, ORL verification pairs, a
-fabricated IJB folder, an insightface ``.rec`` folder, and an arcface_torch config and output
+fabricated IJB folder, RFW's group .bins and a TinyFace folder, an insightface ``.rec`` folder, and an arcface_torch config and output
 folder in ``train_v2.py``'s format."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ PLACEHOLDERS = {
     "agedb_30.bin": "bins/agedb_30.bin", "/data/lfw.bin": "bins/lfw.bin",
     "/data/cfp_fp.bin": "bins/cfp_fp.bin", "/data/agedb_30.bin": "bins/agedb_30.bin",
     "data/lfw.bin": "bins/lfw.bin", "/data/IJB_release": "ijb",
+    "/data/RFW": "rfw", "/data/tinyface": "tinyface",
     "insightface/recognition/arcface_torch/configs/wf42m_pfc02_r100.py":
         "arcface_configs/wf42m_pfc02_r100.py",
     "insightface/.../wf42m_pfc02_r100.py": "arcface_configs/wf42m_pfc02_r100.py",
@@ -75,6 +76,23 @@ def _ijb(dest: Path, _fx: Fixtures) -> None:
              ("4.png", 4, 4, red, 1.0), ("5.png", 4, 5, white, 0.5)]
     for target in ("IJBB", "IJBC"):
         write_ijb(dest / target, faces, [(1, 2, 1), (3, 4, 1), (1, 3, 0)], target.lower())
+
+
+def _rfw(dest: Path, fx: Fixtures) -> None:
+    """RFW's one .bin per group: the ORL pairs under each group's name."""
+    dest.mkdir(parents=True)
+    for group in ("African", "Asian", "Caucasian", "Indian"):
+        shutil.copy(fx.path("bins/lfw.bin"), dest / f"{group}_test.bin")
+
+
+def _tinyface(dest: Path, _fx: Fixtures) -> None:
+    """TinyFace's Testing_Set: 2 probes, 3 matched gallery images, 1 distractor (colours)."""
+    from tests.eval_helpers import write_tinyface_lists
+    write_tinyface_lists(dest, probes=[("1_1.png", 1, (255, 255, 255)),
+                                       ("2_1.png", 2, (255, 0, 0))],
+                         matched=[("1_2.png", 1, (250, 250, 250)), ("2_2.png", 2, (0, 0, 255)),
+                                  ("2_3.png", 2, (255, 0, 128))],
+                         distractors=[("d1.png", (255, 0, 0))])
 
 
 def _faces_emore(dest: Path, fx: Fixtures) -> None:
@@ -142,6 +160,8 @@ BUILDERS: dict[str, Callable[[Path, Fixtures], None]] = {
     "subcenter_run": _trained("margin.type=arcface", "margin.subcenters=3"),
     "bins": _bins,
     "ijb": _ijb,
+    "rfw": _rfw,
+    "tinyface": _tinyface,
     "faces_emore": _faces_emore,
     "arcface_configs": _arcface_configs,
     "arcface_run": _arcface_run,
