@@ -5,7 +5,7 @@ training identities that also appear in an evaluation set; the sub-center cleani
 the loader that leaves it out (``data.exclude``)::
 
     # launch.overlap checkpoint=runs/r50 threshold=0.35 2026-11-25T18:00:00Z
-    class 1042  # m.0abc12: lfw lfw.bin#233 0.71
+    class 1042  # m.0abc12: lfw lfw.bin[233] 0.71
     sample 000123456
 
 UTF-8; a line starting with ``#`` is a comment (the writing tool, its inputs and when), blank

@@ -5,7 +5,7 @@ drawn from MS-Celeb-1M, so it shares identities with MS1M training sets), IJB-B/
 ``IJB_release`` folder (faces aligned from their landmarks) and TinyFace's ``Testing_Set``
 (probes, matched gallery and distractors, stretched to 112x112 as evaluation does).
 
-An image's name says where to find it: ``lfw.bin#123`` (its first position among the .bin's
+An image's name says where to find it: ``lfw.bin[123]`` (its first position among the .bin's
 images), ``loose_crop/1234.jpg`` (IJB), ``Probe/1_1.jpg`` (TinyFace).
 """
 
@@ -63,7 +63,7 @@ def bin_images(name: str, path: str | Path, encoded: list[bytes]) -> EvalImages:
     first: dict[bytes, int] = {}
     for i, blob in enumerate(encoded):
         first.setdefault(blob, i)
-    return EvalImages(name, tuple(f"{Path(path).name}#{i}" for i in first.values()),
+    return EvalImages(name, tuple(f"{Path(path).name}[{i}]" for i in first.values()),
                       _encoded_loader(list(first).__getitem__))
 
 

@@ -31,6 +31,17 @@ def test_round_trip_and_format(tmp_path):
     assert read_exclusions(tmp_path / "y.txt") == Exclusions(frozenset({"k1"}), frozenset({2}))
 
 
+def test_notes_after_entries_are_written_on_one_line_and_read_past(tmp_path):
+    path = tmp_path / "x.txt"
+    wanted = Exclusions(frozenset({"k#1"}), frozenset({3, 5}))
+    write_exclusions(path, wanted, notes={"class 3": "person_03: lfw\nlfw.bin[2] 0.811"})
+    assert path.read_text().splitlines() == ["class 3  # person_03: lfw lfw.bin[2] 0.811",
+                                             "class 5", "sample k#1"]
+    assert read_exclusions(path) == wanted  # a "#" inside a key is the key's
+    (tmp_path / "y.txt").write_text("sample k2\t# why\nclass 2 #\n")
+    assert read_exclusions(tmp_path / "y.txt") == Exclusions(frozenset({"k2"}), frozenset({2}))
+
+
 def test_made_by_names_the_tool_its_settings_and_when(tmp_path):
     header = made_by("launch.clean", {"checkpoint": "runs/a", "threshold": "75 degrees"},
                      "3 of 40 samples listed")

@@ -125,7 +125,7 @@ def test_cli_writes_an_exclusion_list(synthetic_data, tmp_path, capsys):
     listed = read_exclusions(out)  # the list, its notes included, read back by data.exclude
     assert listed.classes == frozenset(range(20)) and not listed.samples
     assert out.read_text().startswith(f"# launch.overlap checkpoint={run} data=")
-    assert "\nclass 3  # 3: lfw lfw.bin#" in out.read_text()  # synthetic: named by label
+    assert "\nclass 3  # 3: lfw lfw.bin[" in out.read_text()  # synthetic: named by label
 
 
 def test_planted_identities_are_found_in_an_ijb_folder(synthetic_data, tmp_path):
@@ -264,9 +264,9 @@ def test_every_evaluation_format_names_its_shared_identity_and_source(
                                                   "TinyFace"]
     rows = {row["set"]: row for row in found["shared"]}
     assert {s: r["label"] for s, r in rows.items()} == {s: c for c, s in NAMED.items()}
-    assert {r["image"] for r in rows.values()} <= {"lfw.bin#0", "lfw.bin#1", "lfw.bin#2",
-                                                    "lfw.bin#3", "African_test.bin#0",
-                                                    "African_test.bin#1", "Probe/1_1.jpg",
+    assert {r["image"] for r in rows.values()} <= {"lfw.bin[0]", "lfw.bin[1]", "lfw.bin[2]",
+                                                    "lfw.bin[3]", "African_test.bin[0]",
+                                                    "African_test.bin[1]", "Probe/1_1.jpg",
                                                     "Gallery_Match/1_2.jpg",
                                                     "loose_crop/0.png", "loose_crop/1.png"}
     stored = {}
@@ -282,7 +282,7 @@ def test_every_evaluation_format_names_its_shared_identity_and_source(
         assert f"{row['set']} {row['image']} ~ class {row['label']} {name} (cos " in printed
     lfw = rows["lfw"]  # the nearest training image, by brute force
     own = {src: jpg for src, jpg in stored.values() if src.startswith("person_03/")}
-    blobs = [own[s] for s in sorted(own)] + [_unseen(3, 4)[int(lfw["image"][-1])]]
+    blobs = [own[s] for s in sorted(own)] + [_unseen(3, 4)[int(lfw["image"][8:-1])]]
     with eval_mode(model):
         emb = embed_images(model, np.stack([decode_image(b).transpose(2, 0, 1)
                                             for b in blobs]), 16, "cpu")
@@ -291,7 +291,7 @@ def test_every_evaluation_format_names_its_shared_identity_and_source(
     assert lfw["sample_score"] == pytest.approx(max(cos), abs=1e-5)
     listed = read_exclusions(out)
     assert listed.classes == frozenset(NAMED)
-    assert "\nclass 3  # person_03: lfw lfw.bin#" in out.read_text()
+    assert "\nclass 3  # person_03: lfw lfw.bin[" in out.read_text()
 
 
 def test_a_folder_converted_before_identity_maps_is_listed_by_label(
@@ -311,7 +311,7 @@ def test_a_folder_converted_before_identity_maps_is_listed_by_label(
     (row,) = found["shared"]
     assert found["identity_names"] is None and row["identity"] is None
     assert row["label"] == 3 and row["source"].startswith("person_03/")
-    assert "\nclass 3  # lfw lfw.bin#" in out.read_text()
+    assert "\nclass 3  # lfw lfw.bin[" in out.read_text()
 
 
 def test_a_data_folder_at_a_url_gives_the_local_answer(converted, sets, tmp_path,

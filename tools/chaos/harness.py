@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainer import seams
@@ -73,8 +73,7 @@ def write_data(folder: Path, corrupt: tuple[int, ...] = (), labels: dict[int, in
             samples.append(Sample(raw["__key__"], jpg, label, raw.get("src", b"").decode()))
             index += 1
         infos.append(write_shard(folder / info.name, samples))
-    write_manifest(folder, manifest.__class__(manifest.num_classes, manifest.num_samples,
-                                              tuple(infos), manifest.source))
+    write_manifest(folder, replace(manifest, shards=tuple(infos)))
     return folder
 
 
