@@ -120,7 +120,8 @@ def _find(args: argparse.Namespace, env) -> tuple:
     )
     from offline.overlap_sets import bin_images, ijb_images, tinyface_images
 
-    identities = read_identities(args.data, read_manifest(args.data))
+    manifest = read_manifest(args.data)
+    identities = read_identities(args.data, manifest)
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
     centres, counts = class_centres(backbone, args.data, args.batch_size, env.device, env.group)
     sets, impostors = [], []
@@ -142,11 +143,12 @@ def _find(args: argparse.Namespace, env) -> tuple:
     nearest = nearest_samples(backbone, args.data, queries(sets, results), args.batch_size,
                               env.device, env.group)
     rows = overlap_rows(sets, results, identities and identities.names, nearest)
-    return threshold, how, identities, int((counts > 0).sum()), results, rows
+    return (threshold, how, identities, manifest.source.get("path"), int((counts > 0).sum()),
+            results, rows)
 
 
-def _report(args: argparse.Namespace, threshold: float, how: str, identities, trained: int,
-            results: list, rows: list[dict]) -> None:
+def _report(args: argparse.Namespace, threshold: float, how: str, identities,
+            source_root: str | None, trained: int, results: list, rows: list[dict]) -> None:
     """Rank 0: the exclusion list, the JSON, the table and the shared identities."""
     shared = frozenset().union(*(r.classes for r in results))
     header = made_by("launch.overlap", {"checkpoint": args.checkpoint, "data": args.data,
@@ -166,6 +168,7 @@ def _report(args: argparse.Namespace, threshold: float, how: str, identities, tr
             "checkpoint": str(args.checkpoint), "data": str(args.data),
             "threshold": threshold, "threshold_chosen": how,
             "identity_names": None if identities is None else identities.origin,
+            "source_root": source_root,
             "sets": [{"name": r.name, "images": r.images, "matched_images": r.matched_images,
                       "shared_identities": len(r.matches)} for r in results],
             "shared": rows}, indent=1) + "\n")

@@ -259,6 +259,7 @@ def test_every_evaluation_format_names_its_shared_identity_and_source(
     printed = capsys.readouterr().out
     assert found["identity_names"] == (
         f"the identity folder names of {(converted / 'src').resolve()}")
+    assert found["source_root"] == str((converted / "src").resolve())
     assert [s["name"] for s in found["sets"]] == ["lfw", "RFW/African", "RFW/Asian",
                                                   "RFW/Caucasian", "RFW/Indian", "IJBC",
                                                   "TinyFace"]
