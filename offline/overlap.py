@@ -124,6 +124,7 @@ def set_overlap(images: EvalImages, backbone: nn.Module, centres: torch.Tensor,
     mine = torch.where(best == top, best_image, len(images.names))
     first = -all_reduce_max(-mine, process_group)
     matched = all_reduce(matched, process_group)
+    top, first = top.cpu(), first.cpu()  # read once, not a device sync per shared class
     labels = torch.nonzero(top >= threshold).flatten().tolist()
     return SetOverlap(images.name, len(images.names), int(matched.item()),
                       tuple(Match(c, float(top[c]), int(first[c])) for c in labels))
@@ -153,7 +154,7 @@ def nearest_samples(backbone: nn.Module, data_dir: str | Path,
             labels = torch.tensor([label for _, label, _ in tags], device=device)
             sims = embed_images(backbone, batch, batch_size, device) @ targets.T  # [B, Q]
             sims = sims.masked_fill(labels[:, None] != owner[None, :], -torch.inf)
-            top, row = sims.max(0)
+            top, row = (t.cpu() for t in sims.max(0))
             for q in torch.nonzero(top > -torch.inf).flatten().tolist():
                 key, _, source = tags[row[q]]
                 candidate = (float(top[q]), key, source)
