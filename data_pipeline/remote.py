@@ -9,6 +9,9 @@ variables and profiles, ``AWS_ENDPOINT_URL`` for MinIO or Ceph,
 ``GOOGLE_APPLICATION_CREDENTIALS``, fsspec's configuration), never through this project, which
 never prints them (:func:`scrub`) and refuses a URL that carries them.
 
+Writing (``launch.convert`` into a URL, data_pipeline.output) uploads whole files, each
+visible only once complete; a web server is read-only.
+
 A read is one request: a whole small file (the manifest, a member index) or one byte range of
 a shard. Transient failures (a reset connection, a 5xx, a timeout, a body cut short) are
 retried with exponential backoff within :class:`Retry`'s bounds, the retry asking only for the
@@ -19,17 +22,22 @@ stderr. Permanent ones (403, 404, a missing bucket, missing credentials) raise
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 from data_pipeline.errors import DataError
 
-INSTALL = "pip install 'partial-fc[remote]' (fsspec with s3fs and aiohttp)"
+INSTALL = "pip install 'partial-fc[remote]' (fsspec with s3fs, gcsfs and aiohttp)"
+T = TypeVar("T")
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 # variables whose values a client library may echo in an error (never in ours)
 _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
@@ -187,13 +195,7 @@ class RemoteFolder:
     def sizes(self, names: list[str]) -> dict[str, int]:
         """The sizes of those of ``names`` that exist: from one listing of the folder where
         the store lists it, else (a web server, a listing denied) one request each."""
-        found: dict[str, int] = {}
-        try:
-            for entry in self.fs.ls(self.url, detail=True):
-                if entry.get("size") is not None and entry.get("type") != "directory":
-                    found[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
-        except Exception:  # noqa: BLE001 - a folder that does not list: asked one by one
-            pass
+        found = self.listing()
         missing = [n for n in names if n not in found]
         with ThreadPoolExecutor(16) as pool:
             for name, size in zip(missing, pool.map(self._size, missing), strict=True):
@@ -201,20 +203,77 @@ class RemoteFolder:
                     found[name] = size
         return {n: found[n] for n in names if n in found}
 
+    def listing(self) -> dict[str, int]:
+        """The sizes of the files in the folder by name, from one fresh listing; ``{}``
+        where the store does not list (a web server, a listing denied) or the folder is
+        not there (yet)."""
+        found: dict[str, int] = {}
+        try:
+            fs = self.fs
+            fs.invalidate_cache(self.path)  # another process may have written since
+            for entry in fs.ls(self.url, detail=True):
+                if entry.get("size") is not None and entry.get("type") != "directory":
+                    found[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
+        except Exception:  # noqa: BLE001 - a folder that does not list: {}
+            pass
+        return found
+
     def _size(self, name: str) -> int | None:
         """File ``name``'s size, None when it does not exist (StorageError when denied)."""
         url = self.url_of(name)
-        for attempt in range(self.retry.attempts):
+
+        def size() -> int | None:
             try:
                 return int(self.fs.info(url)["size"])
             except FileNotFoundError:
                 return None
-            except Exception as exc:  # noqa: BLE001
+
+        return self._retried(url, size)
+
+    def copy_to(self, name: str, file: BinaryIO, size: int, block: int) -> str:
+        """Write file ``name`` (``size`` bytes) into ``file`` in requests of ``block`` bytes;
+        returns its SHA-256 (hex)."""
+        digest = hashlib.sha256()
+        for lo in range(0, size, block):
+            data = self.read(name, lo, min(lo + block, size))
+            digest.update(data)
+            file.write(data)
+        return digest.hexdigest()
+
+    def upload(self, source: Path | bytes, name: str) -> None:
+        """Store the local file (or the bytes) ``source`` as ``name``, retried as a read is.
+        An object store makes an object visible only once its upload is whole, so a reader
+        never meets half of one."""
+        url = self.url_of(name)
+        if isinstance(source, Path):
+            self._retried(url, lambda: self.fs.put_file(str(source), url))
+        else:
+            self._retried(url, lambda: self.fs.pipe_file(url, source))
+
+    def remove(self, name: str) -> None:
+        """Delete file ``name`` (nothing when it is not there)."""
+        url = self.url_of(name)
+
+        def remove() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(url)
+
+        self._retried(url, remove)
+
+    def _retried(self, url: str, call: Callable[[], T]) -> T:
+        """``call()``, retried on transient failures within :class:`Retry`'s bounds;
+        StorageError at once for a permanent one, or when the tries run out."""
+        failures = 0
+        while True:
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - classified: permanent or retried
                 fix = permanent_failure(exc)
-                if fix is not None or attempt + 1 == self.retry.attempts:
+                failures += 1
+                if fix is not None or failures == self.retry.attempts:
                     raise StorageError(f"{scrub(url)}: {fix or scrub(exc)}") from None
-                time.sleep(min(self.retry.first_delay_s * 2 ** attempt, self.retry.max_delay_s))
-        return None
+            time.sleep(min(self.retry.first_delay_s * 2 ** (failures - 1),
+                           self.retry.max_delay_s))
 
 
 def permanent_failure(exc: BaseException) -> str | None:

@@ -14,7 +14,7 @@ from data_pipeline.errors import ShardError
 from data_pipeline.remote import Retry, StorageError, open_folder, scrub
 from data_pipeline.remote_shards import Streaming
 from data_pipeline.shard_index import read_index
-from tools.remote_servers import FaultProxy, FileServer, S3Server, clear_clients, upload
+from tools.remote_servers import FaultProxy, FileServer, clear_clients, upload
 
 UNEVEN = [13, 5, 9, 1, 17, 8, 11]  # 64 samples
 FAST = Streaming(retry=Retry(attempts=6, first_delay_s=0.01, max_delay_s=0.05, timeout_s=0.5))
@@ -35,17 +35,9 @@ def http(root):
 
 
 @pytest.fixture(scope="module")
-def s3(root):
-    server = S3Server()
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in server.environment().items():
-            env.setenv(name, value)
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a metadata service
-        clear_clients()
-        upload(root / "set", "s3://bucket/set")
-        yield server
-        clear_clients()
-    server.close()
+def s3(root, s3_store):
+    upload(root / "set", "s3://bucket/set")
+    return s3_store
 
 
 def batches(loader):
