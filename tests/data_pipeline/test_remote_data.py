@@ -115,7 +115,7 @@ def test_cut_connections_503_bursts_and_stalls_are_retried_losing_nothing(root, 
         proxy.inject([("cut", 5000), ("503",), ("503",), ("503",), ("delay", 2.0),
                       ("cut", 20000)])
         assert same(local, batches(loader)) and not proxy.faults
-        assert loader.storage_retries >= 5 and loader.storage_wait_s > 0
+        assert loader.storage.retries >= 5 and 0 < loader.storage.wait_s < loader.storage.stream_s
         log = capfd.readouterr().err  # the worker's lines
         assert "503" in log and "retry" in log and "Timeout" in log
     finally:

@@ -90,3 +90,35 @@ def test_two_ranks_from_s3_and_one_from_http_resume_mid_shard_as_an_unbroken_loc
     finally:
         http.close()
         s3.close()
+
+
+def test_the_step_line_and_the_metrics_show_the_share_of_time_waiting_on_storage(tmp_path):
+    """With data at a URL each metrics record holds the share of the loader's time spent
+    waiting on the store (and the retries), and the step line shows it (``storage N%``);
+    with a local folder neither."""
+    import json
+
+    from launch.train import main
+
+    served = tmp_path / "served"
+    local = make_shards(served / "set", [13, 5, 9, 1, 17, 8, 11])
+    http = FileServer(served)
+    try:
+        for data, run in [(http.url + "/set", "http"), (local, "local")]:
+            assert main([*COMMON, f"data.dir={data}", f"output={tmp_path / run}",
+                         "train.max_steps=3"]) == 0
+    finally:
+        http.close()
+    for run, remote in [("http", True), ("local", False)]:
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()]
+        lines = [line for line in (tmp_path / run / "train.log").read_text().splitlines()
+                 if " img/s " in line]
+        assert len(rows) == len(lines) == 3
+        if remote:
+            assert all(0 <= r["storage_wait_share"] <= 1 and r["storage_retries"] == 0
+                       for r in rows)
+            assert all(f"storage {100 * r['storage_wait_share']:.0f}% ETA" in line
+                       for r, line in zip(rows, lines, strict=True))
+        else:
+            assert not any("storage" in key for r in rows for key in r)
+            assert not any("storage" in line for line in lines)
