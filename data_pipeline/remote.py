@@ -60,6 +60,11 @@ def scrub(text: object) -> str:
     return out
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line (a client's message may span several)."""
+    return " ".join(text.split())
+
+
 def is_url(location: str | os.PathLike) -> bool:
     return "://" in os.fspath(location)
 
@@ -137,7 +142,7 @@ class RemoteFolder:
             except ImportError as exc:
                 raise StorageError(f"{self.shown}: {exc} ({INSTALL})") from exc
             except ValueError as exc:  # fsspec: "Protocol not known"
-                raise StorageError(f"{self.shown}: {scrub(exc)}") from exc
+                raise StorageError(f"{self.shown}: {one_line(scrub(exc))}") from exc
             self._pid = os.getpid()
         return self._fs
 
@@ -159,7 +164,7 @@ class RemoteFolder:
                 fix = permanent_failure(exc)
                 if fix is not None:
                     raise StorageError(f"{scrub(url)}: {fix}") from None
-                problem = f"{type(exc).__name__}: {scrub(exc) or 'no message'}"
+                problem = f"{type(exc).__name__}: {one_line(scrub(exc)) or 'no message'}"
             else:
                 self.stats.requests += 1
                 self.stats.bytes += len(data)
@@ -271,7 +276,7 @@ class RemoteFolder:
                 fix = permanent_failure(exc)
                 failures += 1
                 if fix is not None or failures == self.retry.attempts:
-                    raise StorageError(f"{scrub(url)}: {fix or scrub(exc)}") from None
+                    raise StorageError(f"{scrub(url)}: {fix or one_line(scrub(exc))}") from None
             time.sleep(min(self.retry.first_delay_s * 2 ** (failures - 1),
                            self.retry.max_delay_s))
 
@@ -280,13 +285,15 @@ def permanent_failure(exc: BaseException) -> str | None:
     """What is wrong and the fix, for an error no retry cures (None: a transient one).
 
     Generic over the clients: fsspec turns a 404 or a missing bucket into FileNotFoundError
-    and s3fs/gcsfs a 403 into PermissionError; a plain HTTP status is the exception's
-    ``status``; a client without credentials raises a ``...Credentials...Error``."""
-    status = getattr(exc, "status", None)
+    and s3fs a 403 into PermissionError, gcsfs into an OSError saying "Forbidden" (HTTP's
+    name for a 403); a plain HTTP status is the exception's ``status`` (aiohttp) or ``code``
+    (gcsfs); a client without credentials raises a ``...Credentials...Error``."""
+    status = getattr(exc, "status", None) or getattr(exc, "code", None)
     if isinstance(exc, FileNotFoundError) or status == 404:
         return ("not found (404, or no such bucket): check the URL; a converted folder holds "
                 "manifest.json, its shards and their .idx files")
-    if isinstance(exc, PermissionError) or status in (401, 403):
+    if (isinstance(exc, PermissionError) or status in (401, 403)
+            or type(exc) is OSError and str(exc).startswith("Forbidden")):
         return ("access denied (401/403): check the credentials in the client's standard places "
                 "(AWS_* variables or profile, GOOGLE_APPLICATION_CREDENTIALS) and their rights "
                 "on this prefix")

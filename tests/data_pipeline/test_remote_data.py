@@ -11,7 +11,7 @@ from shard_helpers import epoch_keys, make_shards
 
 from data_pipeline import make_loader
 from data_pipeline.errors import ShardError
-from data_pipeline.remote import Retry, StorageError, open_folder, scrub
+from data_pipeline.remote import Retry, StorageError, open_folder, permanent_failure, scrub
 from data_pipeline.remote_shards import Streaming
 from data_pipeline.shard_index import read_index
 from tools.remote_servers import FaultProxy, FileServer, clear_clients, upload
@@ -159,6 +159,19 @@ def test_permanent_errors_are_one_line_naming_the_url_without_credentials(http, 
             make_loader("s3://bucket/set", batch_size=2)
     clear_clients()
     assert scrub("key test-secret-1234 at https://a:b@host/x") == "key *** at https://***@host/x"
+
+
+def test_gcsfs_errors_are_classified_as_its_messages_and_codes_say():
+    """gcsfs (its emulator has no access rules to test against) reports a 403 as an OSError
+    saying "Forbidden" over two lines and other statuses as an error with ``code``."""
+    from gcsfs.retry import HttpError
+
+    assert permanent_failure(OSError("Forbidden: bucket/set\nno access")).startswith(
+        "access denied")
+    assert permanent_failure(HttpError({"code": 401, "message": "Invalid"})).startswith(
+        "access denied")
+    assert permanent_failure(HttpError({"code": 503, "message": "busy"})) is None
+    assert permanent_failure(OSError("connection reset")) is None
 
 
 def test_a_missing_or_rewritten_remote_shard_stops_the_loader_before_training(root, tmp_path):
