@@ -79,17 +79,15 @@ def synthetic_data(tmp_path_factory):
 def s3_store():
     """moto's S3 server on loopback (tools.remote_servers.S3Server), the standard AWS_*
     variables pointing at it while the module runs, and a bucket ``bucket`` in it."""
-    import fsspec
-
     from tools.remote_servers import S3Server, clear_clients
 
     server = S3Server()
+    server.make_bucket("bucket")
     with pytest.MonkeyPatch.context() as env:
         for name, value in server.environment().items():
             env.setenv(name, value)
         env.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a metadata service
         clear_clients()
-        fsspec.filesystem("s3").mkdir("bucket")
         yield server
         clear_clients()
     server.close()

@@ -6,6 +6,7 @@ clients talk to these over sockets. Loopback only (127.0.0.1)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import threading
@@ -83,6 +84,7 @@ class S3Server:
     def __init__(self):
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
@@ -91,6 +93,16 @@ class S3Server:
     def environment(self, endpoint: str | None = None) -> dict[str, str]:
         return {"AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret-1234",
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def make_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (boto3, told the endpoint and keys directly)."""
+        import boto3
+
+        env = self.environment()
+        boto3.client("s3", endpoint_url=self.endpoint, region_name=env["AWS_DEFAULT_REGION"],
+                     aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket=name)
 
     def close(self):
         self.server.stop()
