@@ -107,8 +107,15 @@ def test_convert_and_verify_a_url_through_the_launcher(source, tmp_path, s3_stor
     assert f"{url}/manifest.json: folder already holds a different" in capsys.readouterr().err
 
 
-def test_a_web_server_is_refused_as_an_output_in_one_line(source, capsys):
+def test_outputs_refused_in_one_line_and_a_file_url_written_as_a_folder(
+        source, tmp_path, s3_store, capsys):
     assert main(["imagefolder", str(source), "https://127.0.0.1:9/set"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the bar's start
     assert err == ("error: https://127.0.0.1:9/set: a web server is read-only; convert into a "
                    "local folder or an object store (s3://, gs://) and serve that")
+    assert main(["imagefolder", str(source), "s3://no-such-bucket/set"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: s3://no-such-bucket/set/.convert.json: not found (404, or no "
+                          "such bucket)")
+    assert main(["imagefolder", str(source), f"file://{tmp_path}/via-file"]) == 0
+    assert main(["verify", str(tmp_path / "via-file")]) == 0
