@@ -213,8 +213,8 @@ class RemoteFolder:
         where the store does not list (a web server, a listing denied) or the folder is
         not there (yet)."""
         found: dict[str, int] = {}
+        fs = self.fs  # a missing client is an error, not an empty listing
         try:
-            fs = self.fs
             fs.invalidate_cache(self.path)  # another process may have written since
             for entry in fs.ls(self.url, detail=True):
                 if entry.get("size") is not None and entry.get("type") != "directory":
