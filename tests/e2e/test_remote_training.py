@@ -93,6 +93,7 @@ def test_two_ranks_from_s3_and_one_from_http_resume_mid_shard_as_an_unbroken_loc
 
 
 
+@pytest.mark.slow
 def test_one_rank_from_gcs_trains_as_from_the_local_folder_showing_its_storage_wait(tmp_path):
     """gs:// through gcsfs, on the GCS emulator: the weights of a local run, each metrics
     record holding the share of the loader's time spent waiting on the store (and the
