@@ -7,12 +7,30 @@ together from slices of others.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from data_pipeline.position import LoaderPosition
+
+
+@dataclass(frozen=True)
+class StorageWait:
+    """What reading a folder at a URL cost a loader's workers, summed over them: reads
+    ``retries``, ``wait_s`` seconds blocked on a read not yet done, and ``stream_s`` seconds
+    their streams ran (idle time included, waiting for the trainer to take a chunk). So
+    ``wait_s / stream_s`` is the share of the time the loader waited on storage: near 0
+    when the store keeps up, whatever else bounds the step."""
+
+    retries: int = 0
+    wait_s: float = 0.0
+    stream_s: float = 0.0
+
+    def __add__(self, other: StorageWait) -> StorageWait:
+        return StorageWait(self.retries + other.retries, self.wait_s + other.wait_s,
+                           self.stream_s + other.stream_s)
 
 
 @runtime_checkable
@@ -31,8 +49,10 @@ class EpochBatches(Protocol):
     ``num_skipped`` (corrupt samples) and ``num_padded`` (samples repeated to fill the last
     batch) in the current epoch; ``num_excluded`` (samples an exclusion list leaves out of
     every epoch); ``num_unindexed`` (shards without a member index, read more slowly);
-    ``dropped_fraction`` of each epoch. Implementations subclass it and set ``_len`` and
-    ``_batches`` for the two methods it defines.
+    ``dropped_fraction`` of each epoch; ``reads_url``: whether it reads a folder at a URL, and
+    ``storage`` what that cost since the loader was made (:class:`StorageWait`).
+    Implementations subclass it and set ``_len`` and ``_batches`` for the two methods it
+    defines.
     """
 
     _len: int
@@ -43,6 +63,8 @@ class EpochBatches(Protocol):
     num_excluded: int = 0  # samples an exclusion list leaves out of every epoch
     num_unindexed: int = 0  # shards read by parsing their tar (no member index beside them)
     dropped_fraction: float
+    reads_url: bool = False
+    storage: StorageWait = StorageWait()
 
     def __iter__(self) -> Iterator[tuple]: ...
 

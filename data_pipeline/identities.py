@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.manifest import Manifest, atomic_write_bytes
+from data_pipeline.manifest import Manifest
 from data_pipeline.remote import RemoteFolder, open_folder, scrub
 
 IDENTITIES_NAME = "identities.json"
@@ -42,12 +42,10 @@ def numbered(num_classes: int, origin: str) -> Identities:
     return Identities(tuple(str(label) for label in range(num_classes)), origin)
 
 
-def write_identities(out_dir: Path, identities: Identities) -> str:
-    """Write ``out_dir/identities.json`` atomically; returns the file name (the manifest's
-    ``identities`` field)."""
+def identities_bytes(identities: Identities) -> bytes:
+    """The map as ``identities.json`` stores it (the manifest names that file)."""
     payload = {"origin": identities.origin, "names": list(identities.names)}
-    atomic_write_bytes(out_dir / IDENTITIES_NAME, (json.dumps(payload) + "\n").encode())
-    return IDENTITIES_NAME
+    return (json.dumps(payload) + "\n").encode()
 
 
 def read_identities(data_dir: str | os.PathLike | RemoteFolder,

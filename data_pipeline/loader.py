@@ -33,6 +33,7 @@ import gc
 import math
 import os
 import signal
+import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import epoch_plan, stages
 from data_pipeline.codec import resolve_decoder
-from data_pipeline.epoch_batches import EpochBatches, concat
+from data_pipeline.epoch_batches import EpochBatches, StorageWait, concat
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
@@ -106,9 +107,12 @@ class _EpochStream(IterableDataset):
                                  self.num_classes, pool, self.mirror),
         )
         stats = self.reader.stats
-        retries, waited = stats.retries, stats.wait_s  # counted from here, in this process
-        for chunk in pipeline:
-            yield chunk._replace(storage=(stats.retries - retries, stats.wait_s - waited))
+        retries, waited, since = stats.retries, stats.wait_s, time.perf_counter()
+        for chunk in pipeline:  # each carries what its reads cost since the last one
+            now = time.perf_counter()
+            cost = StorageWait(stats.retries - retries, stats.wait_s - waited, now - since)
+            retries, waited, since = stats.retries, stats.wait_s, now
+            yield chunk._replace(storage=cost)
 
     def _ordered(self, pieces: list[epoch_plan.Piece], worker: int, skip: int):
         """Worker ``worker``'s stream of sample placeholders: shuffled, numbered, flip bits
@@ -193,7 +197,8 @@ class _ShardLoader(EpochBatches):
         self._positions = [0] * max(1, num_workers)
         self.num_skipped = 0
         self.num_padded = 0
-        self._storage: dict[int, tuple[int, float]] = {}  # per worker: (retries, wait s)
+        self.reads_url = not isinstance(self.folder, Path)
+        self.storage = StorageWait()
 
     def _exclusions(self, path: str | os.PathLike | None) -> tuple[list[np.ndarray], str]:
         """Per shard the positions ``path``'s list leaves out, and a fingerprint of them
@@ -267,7 +272,6 @@ class _ShardLoader(EpochBatches):
             self._batches, self._positions = 0, [0] * len(self._positions)
             self.num_skipped = 0
         stream = _EpochStream(self, self.epoch, list(self._positions))
-        self._storage = {}
         workers = self.num_workers
         if workers:  # in flight per worker: prefetch_factor chunks, one being decoded
             stream.pool = SlotPool(workers, self.prefetch_factor + 2, self.batch_size,
@@ -296,21 +300,11 @@ class _ShardLoader(EpochBatches):
             labels, flips = labels.pin_memory(), flips.pin_memory()
         return chunk._replace(images=images, labels=labels, flips=flips)
 
-    @property
-    def storage_retries(self) -> int:
-        """Reads of a folder at a URL retried by this iteration's workers (0 for a local one)."""
-        return sum(retries for retries, _ in self._storage.values())
-
-    @property
-    def storage_wait_s(self) -> float:
-        """Seconds this iteration's workers waited on a folder at a URL (summed over them)."""
-        return sum(waited for _, waited in self._storage.values())
-
     def _batches_of(self, batches, pool: SlotPool | None):
         pending: deque[_Pending] = deque()
         buffered, last = 0, None
         for chunk in batches:
-            self._storage[chunk.worker] = chunk.storage
+            self.storage += chunk.storage
             pending.append(_Pending(self._received(chunk, pool)))
             buffered += len(chunk.keys)
             while buffered >= self.batch_size and self._batches < self._len:

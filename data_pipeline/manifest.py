@@ -94,12 +94,17 @@ def parse_manifest(text: str, where: str) -> Manifest:
 def write_manifest(data_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write the manifest atomically (temp file, fsync, rename)."""
     path = Path(data_dir) / MANIFEST_NAME
+    atomic_write_bytes(path, manifest_bytes(manifest))
+    return path
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The manifest as ``manifest.json`` stores it."""
     payload = asdict(manifest)
     payload["shards"] = [{k: v for k, v in asdict(s).items() if v != ""} for s in manifest.shards]
     if not manifest.identities:
         del payload["identities"]
-    atomic_write_bytes(path, (json.dumps(payload, indent=1) + "\n").encode())
-    return path
+    return (json.dumps(payload, indent=1) + "\n").encode()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

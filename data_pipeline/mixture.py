@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from data_pipeline.epoch_batches import EpochBatches, concat
+from data_pipeline.epoch_batches import EpochBatches, StorageWait, concat
 from data_pipeline.errors import DataError
 from data_pipeline.loader import make_loader
 from data_pipeline.position import MixturePosition
@@ -81,6 +81,11 @@ class MixedLoader(EpochBatches):
         self.dropped_fraction = 1.0 - read / sum(s.num_samples for s in self.sets)
         self.num_excluded = sum(s.num_excluded for s in self.sets)
         self.num_unindexed = sum(s.num_unindexed for s in self.sets)
+        self.reads_url = any(s.reads_url for s in self.sets)
+
+    @property
+    def storage(self) -> StorageWait:
+        return sum((s.storage for s in self.sets), StorageWait())
 
     @property
     def num_skipped(self) -> int:

@@ -9,6 +9,9 @@ variables and profiles, ``AWS_ENDPOINT_URL`` for MinIO or Ceph,
 ``GOOGLE_APPLICATION_CREDENTIALS``, fsspec's configuration), never through this project, which
 never prints them (:func:`scrub`) and refuses a URL that carries them.
 
+Writing (``launch.convert`` into a URL, data_pipeline.output) uploads whole files, each
+visible only once complete; a web server is read-only.
+
 A read is one request: a whole small file (the manifest, a member index) or one byte range of
 a shard. Transient failures (a reset connection, a 5xx, a timeout, a body cut short) are
 retried with exponential backoff within :class:`Retry`'s bounds, the retry asking only for the
@@ -19,17 +22,22 @@ stderr. Permanent ones (403, 404, a missing bucket, missing credentials) raise
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 from data_pipeline.errors import DataError
 
-INSTALL = "pip install 'partial-fc[remote]' (fsspec with s3fs and aiohttp)"
+INSTALL = "pip install 'partial-fc[remote]' (fsspec with s3fs, gcsfs and aiohttp)"
+T = TypeVar("T")
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 # variables whose values a client library may echo in an error (never in ours)
 _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
@@ -50,6 +58,11 @@ def scrub(text: object) -> str:
         if len(value) >= 4:
             out = out.replace(value, "***")
     return out
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (a client's message may span several)."""
+    return " ".join(text.split())
 
 
 def is_url(location: str | os.PathLike) -> bool:
@@ -129,7 +142,7 @@ class RemoteFolder:
             except ImportError as exc:
                 raise StorageError(f"{self.shown}: {exc} ({INSTALL})") from exc
             except ValueError as exc:  # fsspec: "Protocol not known"
-                raise StorageError(f"{self.shown}: {scrub(exc)}") from exc
+                raise StorageError(f"{self.shown}: {one_line(scrub(exc))}") from exc
             self._pid = os.getpid()
         return self._fs
 
@@ -151,7 +164,7 @@ class RemoteFolder:
                 fix = permanent_failure(exc)
                 if fix is not None:
                     raise StorageError(f"{scrub(url)}: {fix}") from None
-                problem = f"{type(exc).__name__}: {scrub(exc) or 'no message'}"
+                problem = f"{type(exc).__name__}: {one_line(scrub(exc)) or 'no message'}"
             else:
                 self.stats.requests += 1
                 self.stats.bytes += len(data)
@@ -187,13 +200,7 @@ class RemoteFolder:
     def sizes(self, names: list[str]) -> dict[str, int]:
         """The sizes of those of ``names`` that exist: from one listing of the folder where
         the store lists it, else (a web server, a listing denied) one request each."""
-        found: dict[str, int] = {}
-        try:
-            for entry in self.fs.ls(self.url, detail=True):
-                if entry.get("size") is not None and entry.get("type") != "directory":
-                    found[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
-        except Exception:  # noqa: BLE001 - a folder that does not list: asked one by one
-            pass
+        found = self.listing()
         missing = [n for n in names if n not in found]
         with ThreadPoolExecutor(16) as pool:
             for name, size in zip(missing, pool.map(self._size, missing), strict=True):
@@ -201,33 +208,92 @@ class RemoteFolder:
                     found[name] = size
         return {n: found[n] for n in names if n in found}
 
+    def listing(self) -> dict[str, int]:
+        """The sizes of the files in the folder by name, from one fresh listing; ``{}``
+        where the store does not list (a web server, a listing denied) or the folder is
+        not there (yet)."""
+        found: dict[str, int] = {}
+        fs = self.fs  # a missing client is an error, not an empty listing
+        try:
+            fs.invalidate_cache(self.path)  # another process may have written since
+            for entry in fs.ls(self.url, detail=True):
+                if entry.get("size") is not None and entry.get("type") != "directory":
+                    found[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
+        except Exception:  # noqa: BLE001 - a folder that does not list: {}
+            pass
+        return found
+
     def _size(self, name: str) -> int | None:
         """File ``name``'s size, None when it does not exist (StorageError when denied)."""
         url = self.url_of(name)
-        for attempt in range(self.retry.attempts):
+
+        def size() -> int | None:
             try:
                 return int(self.fs.info(url)["size"])
             except FileNotFoundError:
                 return None
-            except Exception as exc:  # noqa: BLE001
+
+        return self._retried(url, size)
+
+    def copy_to(self, name: str, file: BinaryIO, size: int, block: int) -> str:
+        """Write file ``name`` (``size`` bytes) into ``file`` in requests of ``block`` bytes;
+        returns its SHA-256 (hex)."""
+        digest = hashlib.sha256()
+        for lo in range(0, size, block):
+            data = self.read(name, lo, min(lo + block, size))
+            digest.update(data)
+            file.write(data)
+        return digest.hexdigest()
+
+    def upload(self, source: Path | bytes, name: str) -> None:
+        """Store the local file (or the bytes) ``source`` as ``name``, retried as a read is.
+        An object store makes an object visible only once its upload is whole, so a reader
+        never meets half of one."""
+        url = self.url_of(name)
+        if isinstance(source, Path):
+            self._retried(url, lambda: self.fs.put_file(str(source), url))
+        else:
+            self._retried(url, lambda: self.fs.pipe_file(url, source))
+
+    def remove(self, name: str) -> None:
+        """Delete file ``name`` (nothing when it is not there)."""
+        url = self.url_of(name)
+
+        def remove() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(url)
+
+        self._retried(url, remove)
+
+    def _retried(self, url: str, call: Callable[[], T]) -> T:
+        """``call()``, retried on transient failures within :class:`Retry`'s bounds;
+        StorageError at once for a permanent one, or when the tries run out."""
+        failures = 0
+        while True:
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - classified: permanent or retried
                 fix = permanent_failure(exc)
-                if fix is not None or attempt + 1 == self.retry.attempts:
-                    raise StorageError(f"{scrub(url)}: {fix or scrub(exc)}") from None
-                time.sleep(min(self.retry.first_delay_s * 2 ** attempt, self.retry.max_delay_s))
-        return None
+                failures += 1
+                if fix is not None or failures == self.retry.attempts:
+                    raise StorageError(f"{scrub(url)}: {fix or one_line(scrub(exc))}") from None
+            time.sleep(min(self.retry.first_delay_s * 2 ** (failures - 1),
+                           self.retry.max_delay_s))
 
 
 def permanent_failure(exc: BaseException) -> str | None:
     """What is wrong and the fix, for an error no retry cures (None: a transient one).
 
     Generic over the clients: fsspec turns a 404 or a missing bucket into FileNotFoundError
-    and s3fs/gcsfs a 403 into PermissionError; a plain HTTP status is the exception's
-    ``status``; a client without credentials raises a ``...Credentials...Error``."""
-    status = getattr(exc, "status", None)
+    and s3fs a 403 into PermissionError, gcsfs into an OSError saying "Forbidden" (HTTP's
+    name for a 403); a plain HTTP status is the exception's ``status`` (aiohttp) or ``code``
+    (gcsfs); a client without credentials raises a ``...Credentials...Error``."""
+    status = getattr(exc, "status", None) or getattr(exc, "code", None)
     if isinstance(exc, FileNotFoundError) or status == 404:
         return ("not found (404, or no such bucket): check the URL; a converted folder holds "
                 "manifest.json, its shards and their .idx files")
-    if isinstance(exc, PermissionError) or status in (401, 403):
+    if (isinstance(exc, PermissionError) or status in (401, 403)
+            or type(exc) is OSError and str(exc).startswith("Forbidden")):
         return ("access denied (401/403): check the credentials in the client's standard places "
                 "(AWS_* variables or profile, GOOGLE_APPLICATION_CREDENTIALS) and their rights "
                 "on this prefix")

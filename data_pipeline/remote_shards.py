@@ -15,14 +15,17 @@ ahead of its turn, and then read from there like a local shard.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import itertools
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from data_pipeline.errors import ShardError
 from data_pipeline.manifest import Manifest, ShardInfo, read_manifest
@@ -264,3 +267,22 @@ def _sample(index: ShardIndex, position: int, cut: Callable[[int, int], bytes]) 
     if cls_size >= 0:
         sample["cls"] = bytes(cut(cls, cls + cls_size))
     return sample
+
+
+@contextlib.contextmanager
+def local_copy(folder: Path | RemoteFolder, name: str, size: int,
+               indexed: bool = False) -> Iterator[Path]:
+    """Shard ``name`` (``size`` bytes) of ``folder`` as a local file, for the tools that
+    read whole shards (verify, the embedding tools, a resumed upload): the shard itself in
+    a local folder; else a copy in a temporary folder, with its member index when
+    ``indexed``, removed when the block ends (one shard on the disk at a time)."""
+    if isinstance(folder, Path):
+        yield folder / name
+        return
+    with tempfile.TemporaryDirectory(prefix="partial-fc-shard-") as staging:
+        path = Path(staging) / name
+        with open(path, "wb") as f:
+            folder.copy_to(name, f, size, round(Streaming.block_mib * MIB))
+        if indexed:
+            path.with_name(name + INDEX_SUFFIX).write_bytes(folder.read(name + INDEX_SUFFIX))
+        yield path

@@ -85,20 +85,17 @@ class ShardCache:
             tmp = self.dir / f"{name}{INDEX_SUFFIX}.{tag}"
             tmp.write_bytes(raw)
             os.replace(tmp, self.dir / (name + INDEX_SUFFIX))
-        tmp, digest = self.dir / f"{name}.{tag}", hashlib.sha256()
+        tmp = self.dir / f"{name}.{tag}"
         try:
             with open(tmp, "wb") as f:
-                for lo in range(0, info.bytes, self.block):
-                    data = self.folder.read(name, lo, min(lo + self.block, info.bytes))
-                    digest.update(data)
-                    f.write(data)
+                digest = self.folder.copy_to(name, f, info.bytes, self.block)
                 f.flush()
                 os.fsync(f.fileno())
             size = tmp.stat().st_size
             if size != info.bytes:
                 raise ShardError(f"{where}: fetched {size} bytes, manifest says {info.bytes}")
-            if info.sha256 and digest.hexdigest() != info.sha256:
-                raise ShardError(f"{where}: SHA-256 {digest.hexdigest()[:16]}... differs from "
+            if info.sha256 and digest != info.sha256:
+                raise ShardError(f"{where}: SHA-256 {digest[:16]}... differs from "
                                  f"the manifest's {info.sha256[:16]}... (a rewritten shard: "
                                  "convert the set again, or restore the shard)")
             os.replace(tmp, self.dir / name)

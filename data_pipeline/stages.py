@@ -21,6 +21,7 @@ import torch
 import webdataset as wds
 
 from data_pipeline.codec import Mirror, decode_into
+from data_pipeline.epoch_batches import StorageWait
 from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.manifest import ShardInfo
@@ -165,7 +166,7 @@ class Chunk(NamedTuple):
     skipped: list[int]  # stream positions of the corrupt samples dropped while filling it
     worker: int
     slot: int = -1  # the worker's chunk number, when the images are in its SlotPool
-    storage: tuple[int, float] = (0, 0.0)  # the worker's retries and seconds waiting on a URL
+    storage: StorageWait = StorageWait()  # what the worker's reads cost since its last chunk
 
 
 def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: int, worker: int,

@@ -3,7 +3,8 @@
 Per shard: the file exists with the manifest's size, it is a readable tar, it holds exactly
 the manifest's sample count, every sample has `jpg` and `cls`, every label is in
 [0, num_classes) and every image decodes; its member index, where it has one, is the one its
-tar gives. Keys must be unique across the folder.
+tar gives. Keys must be unique across the folder. A folder at a URL is checked the same way,
+one shard at a time copied to a temporary file (data_pipeline.remote_shards.local_copy).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from pathlib import Path
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.errors import CorruptImageError, ShardError
 from data_pipeline.manifest import ShardInfo, read_manifest
-from data_pipeline.shard_index import REBUILD, build_index, index_path, read_index, same_index
+from data_pipeline.remote import RemoteFolder, open_folder
+from data_pipeline.remote_shards import local_copy
+from data_pipeline.shard_index import (
+    INDEX_SUFFIX,
+    REBUILD,
+    build_index,
+    index_path,
+    read_index,
+    same_index,
+)
 from data_pipeline.tar_reader import check_shard, tar_samples
 
 
@@ -65,6 +75,24 @@ def verify_shard(path: Path, info: ShardInfo, num_classes: int, decoder: str) ->
     return report
 
 
+def _verify_in(folder: Path | RemoteFolder, info: ShardInfo, num_classes: int, decoder: str,
+               stored: dict[str, int] | None) -> ShardReport:
+    """:func:`verify_shard` of shard ``info`` of ``folder``: in place in a local folder, else
+    on a temporary copy (``stored``: the sizes of the folder's files at the URL), its
+    problems naming the URL."""
+    if stored is None:
+        return verify_shard(folder / info.name, info, num_classes, decoder)
+    where = f"{folder.shown}/{info.name}"
+    if stored.get(info.name) != info.bytes:
+        size = stored.get(info.name)
+        return ShardReport(info.name, problems=[f"{where}: " + (
+            "missing" if size is None else f"{size} bytes, manifest says {info.bytes}")])
+    with local_copy(folder, info.name, info.bytes, info.name + INDEX_SUFFIX in stored) as path:
+        report = verify_shard(path, info, num_classes, decoder)
+    report.problems = [p.replace(str(path), where) for p in report.problems]
+    return report
+
+
 @dataclass
 class VerifyReport:
     num_samples: int
@@ -80,14 +108,20 @@ class VerifyReport:
 
 def verify_dataset(data_dir: str | os.PathLike, *, workers: int = 1, decoder: str = "auto",
                    progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Check every shard (in `workers` processes); `progress` gets samples checked per shard."""
-    data_dir = Path(data_dir)
-    manifest = read_manifest(data_dir)
+    """Check every shard of ``data_dir`` (a folder or a URL) in `workers` processes;
+    `progress` gets samples checked per shard."""
+    folder = open_folder(data_dir)
+    manifest = read_manifest(folder)
     decoder = resolve_decoder(decoder)
-    jobs = [(data_dir / s.name, s, manifest.num_classes, decoder) for s in manifest.shards]
+    stored = None
+    if isinstance(folder, RemoteFolder):  # one listing: what is there, and its sizes
+        names = [s.name for s in manifest.shards]
+        stored = folder.sizes(names + [n + INDEX_SUFFIX for n in names])
+    jobs = [(folder, s, manifest.num_classes, decoder, stored) for s in manifest.shards]
+    data_dir = folder if isinstance(folder, Path) else folder.shown
     reports = []
     with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        for report in (pool.map if pool else map)(verify_shard, *zip(*jobs, strict=True)):
+        for report in (pool.map if pool else map)(_verify_in, *zip(*jobs, strict=True)):
             reports.append(report)
             if progress:
                 progress(report.count)
@@ -96,7 +130,7 @@ def verify_dataset(data_dir: str | os.PathLike, *, workers: int = 1, decoder: st
     for report in reports:
         duplicates = seen.intersection(report.keys)
         if duplicates:
-            problems.append(f"{data_dir / report.name}: keys {sorted(duplicates)[:5]} "
+            problems.append(f"{data_dir}/{report.name}: keys {sorted(duplicates)[:5]} "
                             "also appear in an earlier shard")
         seen.update(report.keys)
     total = sum(r.count for r in reports)

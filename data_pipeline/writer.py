@@ -11,6 +11,9 @@ Layout of `OUT/`:
   manifest.json          written last; its presence means the conversion finished.
   .convert.json          the conversion's fingerprint while it runs (removed at the end).
 
+`OUT` may be a URL of an object store: each shard is uploaded as it is finished and the
+manifest last (data_pipeline.output).
+
 Atomicity: a shard is written through manifest.atomic_file (`NAME.tmp`, fsync, rename, folder
 fsync), so a file named `shard-*.tar` is always complete. Resume: shard i always holds write
 positions [i*S, (i+1)*S) of a fixed (seeded) permutation of the source, so a restarted
@@ -33,16 +36,16 @@ import numpy as np
 
 from data_pipeline.codec import prepare_jpeg
 from data_pipeline.errors import CorruptImageError, DataError
-from data_pipeline.identities import Identities, write_identities
+from data_pipeline.identities import IDENTITIES_NAME, Identities, identities_bytes
 from data_pipeline.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
     atomic_file,
-    atomic_write_bytes,
-    read_manifest,
-    write_manifest,
+    manifest_bytes,
+    parse_manifest,
 )
+from data_pipeline.output import LocalOutput, RemoteOutput, open_output
 from data_pipeline.shard_index import build_index, index_path, write_index
 
 DEFAULT_SAMPLES_PER_SHARD = 10_000
@@ -112,7 +115,8 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
                   shuffle_seed: int | None = 0,
                   progress: Callable[[int], None] | None = None) -> tuple[Manifest, list[str]]:
-    """Convert `source` into shards + manifest under `out_dir`; resumes an interrupted run.
+    """Convert `source` into shards + manifest under `out_dir` (a folder or a URL,
+    data_pipeline.output); resumes an interrupted run.
 
     size: stored images are size x size (see codec.prepare_jpeg); None keeps them as they are.
     shuffle_seed: samples are written in a seeded random order (None = source order), so each
@@ -121,7 +125,6 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
     Returns (manifest, originals of images that could not be decoded for re-encoding; they are
     stored verbatim and the loader will skip them).
     """
-    out = Path(out_dir)
     n = len(source)
     if n == 0:
         raise DataError(f"{source.describe().get('path', source)}: no images found")
@@ -131,7 +134,15 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
         raise DataError(f"size={size}: must be >= 1 (None keeps images as they are)")
     fingerprint = {"source": source.describe(), "num_samples": n, "size": size,
                    "samples_per_shard": samples_per_shard, "shuffle_seed": shuffle_seed}
-    out.mkdir(parents=True, exist_ok=True)
+    with open_output(out_dir) as out:
+        return _write(source, out, fingerprint, progress)
+
+
+def _write(source: Source, out: LocalOutput | RemoteOutput, fingerprint: dict,
+           progress: Callable[[int], None] | None) -> tuple[Manifest, list[str]]:
+    """write_dataset's work, into ``out``."""
+    n, size = fingerprint["num_samples"], fingerprint["size"]
+    samples_per_shard, shuffle_seed = fingerprint["samples_per_shard"], fingerprint["shuffle_seed"]
     done = _check_resumable(out, fingerprint)
     if done is not None:
         if progress:
@@ -156,22 +167,25 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
 
     for i, start in enumerate(range(0, n, samples_per_shard)):
         stop = min(start + samples_per_shard, n)
-        path = out / shard_name(i)
-        if path.is_file():  # renamed only when complete
-            if not index_path(path).is_file():  # stopped between the shard and its index
-                write_index(path, build_index(path))
-            shards.append(_shard_info(path, stop - start))
-            if progress:
-                progress(stop - start)
-            continue
+        with out.finished(shard_name(i)) as path:
+            if path is not None:
+                if not index_path(path).is_file():  # stopped between the shard and its index
+                    write_index(path, build_index(path))
+                    out.publish(index_path(path))
+                shards.append(_shard_info(path, stop - start))
+                if progress:
+                    progress(stop - start)
+                continue
+        path = out.staged(shard_name(i))
         shards.append(write_shard(path, samples(start, stop)))
+        out.publish(index_path(path), path)  # the index first: a shard means both are there
     identities = source.identity_map()
     assert len(identities.names) == source.num_classes, (len(identities.names), source)
+    out.write(IDENTITIES_NAME, identities_bytes(identities))  # before the manifest naming it
     manifest = Manifest(num_classes=source.num_classes, num_samples=n, shards=tuple(shards),
-                        source=_manifest_source(fingerprint),
-                        identities=write_identities(out, identities))
-    write_manifest(out, manifest)
-    (out / PROGRESS_NAME).unlink(missing_ok=True)
+                        source=_manifest_source(fingerprint), identities=IDENTITIES_NAME)
+    out.write(MANIFEST_NAME, manifest_bytes(manifest))
+    out.remove(PROGRESS_NAME)
     return manifest, corrupt
 
 
@@ -182,23 +196,23 @@ def _manifest_source(fingerprint: dict) -> dict:
             "shuffle_seed": fingerprint["shuffle_seed"]}
 
 
-def _check_resumable(out: Path, fingerprint: dict) -> Manifest | None:
+def _check_resumable(out: LocalOutput | RemoteOutput, fingerprint: dict) -> Manifest | None:
     """Record the fingerprint, or check a previous run's; return the manifest if already done."""
-    progress_path = out / PROGRESS_NAME
-    if (out / MANIFEST_NAME).is_file():
-        manifest = read_manifest(out)
+    stored, previous = out.read(MANIFEST_NAME), out.read(PROGRESS_NAME)
+    if stored is not None:
+        manifest = parse_manifest(stored.decode(), out.where(MANIFEST_NAME))
         if (manifest.source == _manifest_source(fingerprint)
                 and manifest.num_samples == fingerprint["num_samples"]):
             return manifest
-        raise DataError(f"{out / MANIFEST_NAME}: folder already holds a different conversion "
-                        f"({manifest.source}); choose an empty output folder")
-    if progress_path.is_file():
-        previous = json.loads(progress_path.read_text())
-        if previous != fingerprint:
-            raise DataError(f"{progress_path}: an unfinished conversion with other settings "
-                            f"({previous}) is in this folder; delete it or choose another")
-    elif any(out.glob("shard-*.tar")):
-        raise DataError(f"{out}: holds shards but no {PROGRESS_NAME} or {MANIFEST_NAME}; "
+        raise DataError(f"{out.where(MANIFEST_NAME)}: folder already holds a different "
+                        f"conversion ({manifest.source}); choose an empty output folder")
+    if previous is not None:
+        if json.loads(previous) != fingerprint:
+            raise DataError(f"{out.where(PROGRESS_NAME)}: an unfinished conversion with other "
+                            f"settings ({json.loads(previous)}) is in this folder; delete it or "
+                            "choose another")
+    elif out.has_shards():
+        raise DataError(f"{out.shown}: holds shards but no {PROGRESS_NAME} or {MANIFEST_NAME}; "
                         "choose an empty output folder")
-    atomic_write_bytes(progress_path, json.dumps(fingerprint, indent=1).encode())
+    out.write(PROGRESS_NAME, json.dumps(fingerprint, indent=1).encode())
     return None

@@ -4,6 +4,8 @@ Command line (one process, or every rank of torchrun)::
 
     python -m launch.clean --checkpoint RUN --data DIR --out noisy.txt [--threshold 75]
 
+DIR may be a URL (s3://bucket/prefix, gs://..., https://...), read as data.dir is.
+
 RUN must have been trained with ``margin.subcenters`` (K > 1) on DIR. Each class's dominant
 centre is the one most of its samples are nearest to; a sample whose angle to it exceeds
 ``--threshold`` degrees (the sub-center ArcFace paper's 75) is listed (``sample KEY`` lines).
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
+from data_pipeline.remote import is_url
 from launch.cli import checkpoint_program_parser
 from offline.cleaning import DEFAULT_THRESHOLD
 from trainer.checkpoint import CheckpointError
@@ -26,7 +29,7 @@ from trainer.checkpoint import CheckpointError
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = checkpoint_program_parser("launch.clean", __doc__)
-    p.add_argument("--data", type=Path, required=True, help="the shard folder it trained on")
+    p.add_argument("--data", required=True, help="the shard folder (or its URL) it trained on")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
                    help=f"degrees from the dominant centre beyond which a sample is listed "
@@ -38,7 +41,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--threshold {args.threshold}: degrees, in (0, 180)")
     if args.batch_size < 1:
         p.error(f"--batch-size {args.batch_size}: must be >= 1")
-    if not (args.data / "manifest.json").is_file():
+    if not is_url(args.data) and not (Path(args.data) / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
 

@@ -9,6 +9,9 @@
   python -m launch.convert insightface-config CONFIG.py OUT.yaml [key=value ...]
                                                  # an arcface_torch config -> a recipe
 
+OUT may be a URL (s3://bucket/prefix, gs://..., file://...; read with fsspec, credentials
+from the store's standard places): each shard is uploaded as it is finished and manifest.json
+last, so a half-converted prefix is never taken for a whole one. `verify` reads a URL too.
 Writing is atomic per shard and resumable: rerun the same command after a crash and finished
 shards are kept. Exit status: 0 success, 1 verify found problems, 2 bad input.
 """
@@ -25,6 +28,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.imagefolder import ImageFolderSource
 from data_pipeline.insightface import InsightFaceSource
 from data_pipeline.manifest import read_manifest
+from data_pipeline.remote import is_url, scrub
 from data_pipeline.shard_index import index_folder
 from data_pipeline.verify import verify_dataset
 from data_pipeline.writer import DEFAULT_SAMPLES_PER_SHARD, write_dataset
@@ -42,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("insightface", "insightface train.rec/train.idx/property")):
         sub = commands.add_parser(name, help=f"convert {help_} to shards")
         sub.add_argument("src", metavar="SRC", help="source folder")
-        sub.add_argument("out", metavar="OUT", help="output folder for shards + manifest.json")
+        sub.add_argument("out", metavar="OUT", help="output folder (or s3://, gs://, file:// "
+                         "URL) for shards + manifest.json")
         sub.add_argument("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD,
                          help="samples per tar shard (default %(default)s)")
         sub.add_argument("--size", type=int, default=112,
@@ -59,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "pattern (repeatable), e.g. 's10/target.jpg'")
     _insightface_parsers(commands)
     sub = commands.add_parser("verify", help="re-read every shard and check it")
-    sub.add_argument("out", metavar="OUT", help="converted folder (holds manifest.json)")
+    sub.add_argument("out", metavar="OUT", help="converted folder or its URL (holds "
+                     "manifest.json)")
     sub.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     sub.add_argument("--decoder", default="auto", help="auto | simplejpeg | pil")
     sub = commands.add_parser("index", help="(re)write each shard's member index, which the "
@@ -101,32 +107,36 @@ def _convert(args: argparse.Namespace) -> int:
         source = ImageFolderSource(args.src, exclude=args.exclude)
     else:
         source = InsightFaceSource(args.src)
-    with tqdm(total=len(source), unit="img", desc=f"{args.command} -> {args.out}") as bar:
+    out = scrub(args.out)
+    with tqdm(total=len(source), unit="img", desc=f"{args.command} -> {out}") as bar:
         manifest, corrupt = write_dataset(
             source, args.out, size=args.size or None, samples_per_shard=args.samples_per_shard,
             shuffle_seed=None if args.no_shuffle else args.seed, progress=bar.update)
     for item in corrupt:
         print(f"warning: {item}: could not decode; stored as is, the loader will skip it",
               file=sys.stderr)
-    print(f"{args.out}: {manifest.num_samples} samples, {manifest.num_classes} classes, "
+    print(f"{out}: {manifest.num_samples} samples, {manifest.num_classes} classes, "
           f"{len(manifest.shards)} shards")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    total = read_manifest(args.out).num_samples
-    with tqdm(total=total, unit="img", desc=f"verify {args.out}") as bar:
+    total, out = read_manifest(args.out).num_samples, scrub(args.out)
+    with tqdm(total=total, unit="img", desc=f"verify {out}") as bar:
         report = verify_dataset(args.out, workers=args.workers, decoder=args.decoder,
                                 progress=bar.update)
     for line in report.problems + [f"corrupt: {c}" for c in report.corrupt]:
         print(line, file=sys.stderr)
-    print(f"{args.out}: {report.num_samples} samples checked, {report.labels_seen} of "
+    print(f"{out}: {report.num_samples} samples checked, {report.labels_seen} of "
           f"{report.num_classes} classes present, {len(report.corrupt)} corrupt images, "
           f"{len(report.problems)} shard problems: {'OK' if report.ok else 'FAILED'}")
     return 0 if report.ok else 1
 
 
 def _index(args: argparse.Namespace) -> int:
+    if is_url(args.out):
+        raise DataError(f"{scrub(args.out)}: index writes into a local folder; a conversion "
+                        "into a URL writes the indexes itself")
     total = read_manifest(args.out).num_samples
     with tqdm(total=total, unit="img", desc=f"index {args.out}") as bar:
         shards = index_folder(args.out, workers=args.workers, progress=bar.update)

@@ -53,8 +53,10 @@ def resolve_inputs(config: str | None, given: Mapping[str, object],
     if values["classes"] is None and cfg.data.dirs:  # the sum of their classes, if at hand
         from trainer.config.on_disk import read_data_manifest
 
-        manifest, _ = read_data_manifest(cfg)
-        values["classes"] = manifest.num_classes if manifest is not None else None
+        manifest, problems = read_data_manifest(cfg)
+        if problems:  # a folder or URL without a readable manifest: its one line
+            raise PlanError(f"--config {config}: {problems[0][1]}; or give --classes")
+        values["classes"] = manifest.num_classes
     if values["classes"] is None:
         raise PlanError("--classes: required (the recipe's data.num_classes is not set)")
     asked, nodes, per_node = given.get("gpus"), given.get("nodes"), machine["gpus_per_node"]

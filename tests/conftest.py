@@ -73,3 +73,21 @@ def synthetic_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("synthetic")
     write_synthetic_dataset(root, num_classes=20, images_per_class=8, seed=0)
     return root
+
+
+@pytest.fixture(scope="module")
+def s3_store():
+    """moto's S3 server on loopback (tools.remote_servers.S3Server), the standard AWS_*
+    variables pointing at it while the module runs, and a bucket ``bucket`` in it."""
+    from tools.remote_servers import S3Server, clear_clients
+
+    server = S3Server()
+    server.make_bucket("bucket")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in server.environment().items():
+            env.setenv(name, value)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a metadata service
+        clear_clients()
+        yield server
+        clear_clients()
+    server.close()

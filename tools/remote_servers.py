@@ -1,11 +1,12 @@
 """Real servers on loopback for the remote-data tests and bench/loader.py: a plain HTTP file
-server with Range support, moto's S3 server, and a TCP proxy in front of either that adds
-latency or injects faults. Nothing here mocks a client library: the loader's fsspec clients
-talk to these over sockets. Loopback only (127.0.0.1)."""
+server with Range support, moto's S3 server, a GCS emulator, and a TCP proxy in front of one
+that adds latency or injects faults. Nothing here mocks a client library: the loader's fsspec
+clients talk to these over sockets. Loopback only (127.0.0.1)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import threading
@@ -83,6 +84,7 @@ class S3Server:
     def __init__(self):
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
@@ -91,6 +93,55 @@ class S3Server:
     def environment(self, endpoint: str | None = None) -> dict[str, str]:
         return {"AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret-1234",
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def make_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (boto3, told the endpoint and keys directly)."""
+        import boto3
+
+        env = self.environment()
+        boto3.client("s3", endpoint_url=self.endpoint, region_name=env["AWS_DEFAULT_REGION"],
+                     aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket=name)
+
+    def close(self):
+        self.server.stop()
+
+
+class GcsServer:
+    """The GCS emulator of ``gcp-storage-emulator`` on 127.0.0.1, in memory, with a bucket
+    ``bucket``; :meth:`environment` is the configuration that points gcsfs at it: the
+    emulator's standard variable, anonymous access (fsspec's configuration), and gcsfs's
+    experimental gRPC bucket probe off (an emulator speaks JSON only; read when gcsfs is
+    imported, so a process that reads the emulator is started with it)."""
+
+    def __init__(self):
+        from gcp_storage_emulator.server import create_server
+
+        with socket.socket() as probe:  # the emulator takes a port, not 0
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.server = create_server("127.0.0.1", port, in_memory=True, default_bucket="bucket")
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def environment(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, "FSSPEC_GCS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def upload(self, folder: Path, prefix: str) -> str:
+        """Copy the files of ``folder`` under ``prefix`` of the bucket through the storage
+        JSON API (no client library in this process); returns the ``gs://`` URL."""
+        import urllib.parse
+        import urllib.request
+
+        for path in sorted(folder.iterdir()):
+            name = urllib.parse.quote(f"{prefix}/{path.name}", safe="")
+            request = urllib.request.Request(
+                f"{self.endpoint}/upload/storage/v1/b/bucket/o?uploadType=media&name={name}",
+                data=path.read_bytes(), method="POST")
+            urllib.request.urlopen(request).close()
+        return f"gs://bucket/{prefix}"
 
     def close(self):
         self.server.stop()

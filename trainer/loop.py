@@ -105,6 +105,7 @@ class Run:
     skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
     bad_in_a_row: int = 0
     step_started: float = 0.0  # time.monotonic() when the current step began
+    storage_seen: tuple[int, int, int] = (0, 0, 0)  # storage retries, wait ms, stream ms
     stops: StopRequests = field(default_factory=StopRequests)  # this rank's, read at each step
 
 
@@ -349,19 +350,31 @@ def one_step(run: Run, micro_batches: list) -> StopRequest:
     return result.stop
 
 
-def data_counts(run: Run) -> dict[str, int]:
+def data_counts(run: Run) -> dict[str, int | float]:
     """Collective: corrupt samples and samples repeated to pad (all ranks), and the steps
     skipped as non-finite (``bad_steps``) or by the fp16 loss scaler (``skipped_steps``).
     Every epoch meets the same corrupt files, so ``skipped_samples`` is the most any one
-    epoch has counted, not a sum that grows by them each epoch."""
+    epoch has counted, not a sum that grows by them each epoch.
+
+    Reading a folder at a URL, also the share of the time the loader's workers (all ranks)
+    waited on storage since the last record (``storage_wait_share``,
+    data_pipeline.epoch_batches.StorageWait) and the reads retried since this process
+    started (``storage_retries``); in the same gather, so no host sync is added."""
     from partial_fc.distributed import gather_ints
 
-    loader = run.loader
-    counts = gather_ints([loader.num_skipped, loader.num_padded], run.env.device,
-                         run.env.group).sum(0)
-    run.skipped_samples = max(run.skipped_samples, int(counts[0]))
-    return {"skipped_samples": run.skipped_samples, "padded_samples": int(counts[1]),
-            "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
+    loader, storage = run.loader, run.loader.storage
+    counts = gather_ints([loader.num_skipped, loader.num_padded, storage.retries,
+                          round(1000 * storage.wait_s), round(1000 * storage.stream_s)],
+                         run.env.device, run.env.group).sum(0).tolist()
+    run.skipped_samples = max(run.skipped_samples, counts[0])
+    out = {"skipped_samples": run.skipped_samples, "padded_samples": counts[1],
+           "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
+    if loader.reads_url:
+        (_, waited, streamed), now = run.storage_seen, tuple(counts[2:])
+        out["storage_wait_share"] = (now[1] - waited) / max(now[2] - streamed, 1)
+        out["storage_retries"] = now[0]
+        run.storage_seen = now
+    return out
 
 
 def save(run: Run) -> None:

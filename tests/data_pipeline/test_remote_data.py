@@ -11,10 +11,10 @@ from shard_helpers import epoch_keys, make_shards
 
 from data_pipeline import make_loader
 from data_pipeline.errors import ShardError
-from data_pipeline.remote import Retry, StorageError, open_folder, scrub
+from data_pipeline.remote import Retry, StorageError, open_folder, permanent_failure, scrub
 from data_pipeline.remote_shards import Streaming
 from data_pipeline.shard_index import read_index
-from tools.remote_servers import FaultProxy, FileServer, S3Server, clear_clients, upload
+from tools.remote_servers import FaultProxy, FileServer, clear_clients, upload
 
 UNEVEN = [13, 5, 9, 1, 17, 8, 11]  # 64 samples
 FAST = Streaming(retry=Retry(attempts=6, first_delay_s=0.01, max_delay_s=0.05, timeout_s=0.5))
@@ -35,17 +35,9 @@ def http(root):
 
 
 @pytest.fixture(scope="module")
-def s3(root):
-    server = S3Server()
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in server.environment().items():
-            env.setenv(name, value)
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a metadata service
-        clear_clients()
-        upload(root / "set", "s3://bucket/set")
-        yield server
-        clear_clients()
-    server.close()
+def s3(root, s3_store):
+    upload(root / "set", "s3://bucket/set")
+    return s3_store
 
 
 def batches(loader):
@@ -123,7 +115,7 @@ def test_cut_connections_503_bursts_and_stalls_are_retried_losing_nothing(root, 
         proxy.inject([("cut", 5000), ("503",), ("503",), ("503",), ("delay", 2.0),
                       ("cut", 20000)])
         assert same(local, batches(loader)) and not proxy.faults
-        assert loader.storage_retries >= 5 and loader.storage_wait_s > 0
+        assert loader.storage.retries >= 5 and 0 < loader.storage.wait_s < loader.storage.stream_s
         log = capfd.readouterr().err  # the worker's lines
         assert "503" in log and "retry" in log and "Timeout" in log
     finally:
@@ -167,6 +159,19 @@ def test_permanent_errors_are_one_line_naming_the_url_without_credentials(http, 
             make_loader("s3://bucket/set", batch_size=2)
     clear_clients()
     assert scrub("key test-secret-1234 at https://a:b@host/x") == "key *** at https://***@host/x"
+
+
+def test_gcsfs_errors_are_classified_as_its_messages_and_codes_say():
+    """gcsfs (its emulator has no access rules to test against) reports a 403 as an OSError
+    saying "Forbidden" over two lines and other statuses as an error with ``code``."""
+    from gcsfs.retry import HttpError
+
+    assert permanent_failure(OSError("Forbidden: bucket/set\nno access")).startswith(
+        "access denied")
+    assert permanent_failure(HttpError({"code": 401, "message": "Invalid"})).startswith(
+        "access denied")
+    assert permanent_failure(HttpError({"code": 503, "message": "busy"})) is None
+    assert permanent_failure(OSError("connection reset")) is None
 
 
 def test_a_missing_or_rewritten_remote_shard_stops_the_loader_before_training(root, tmp_path):

@@ -3,8 +3,8 @@
 and a shard, ending with the weights of the unbroken run; the HTTP run's also equal those of
 a run on the same shards in a local folder, which reads each sample once per epoch
 (tests/data_pipeline/test_data_loader.py; the S3 loader's epochs equal the local ones in
-tests/data_pipeline/test_remote_data.py). A URL the server denies or lacks is refused by
-``--check`` and by the run in one line, exit 2."""
+tests/data_pipeline/test_remote_data.py), as do one rank's from a GCS emulator. A URL the
+server denies or lacks is refused by ``--check`` and by the run in one line, exit 2."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from launch_helpers import ROOT
 from shard_helpers import make_shards
 
-from tools.remote_servers import FileServer, S3Server, upload
+from tools.remote_servers import FileServer, GcsServer, S3Server, upload
 
 COMMON = ["--config", str(ROOT / "configs" / "smoke.yaml"), "engine.type=ddp",
           "train.batch_size=8", "log.every=1", "log.progress=false", "log.wandb=disabled",
@@ -90,3 +90,42 @@ def test_two_ranks_from_s3_and_one_from_http_resume_mid_shard_as_an_unbroken_loc
     finally:
         http.close()
         s3.close()
+
+
+
+@pytest.mark.slow
+def test_one_rank_from_gcs_trains_as_from_the_local_folder_showing_its_storage_wait(tmp_path):
+    """gs:// through gcsfs, on the GCS emulator: the weights of a local run, each metrics
+    record holding the share of the loader's time spent waiting on the store (and the
+    retries), the step line showing it (``storage N%``); a local run shows neither."""
+    import json
+
+    from launch.train import main
+
+    local = make_shards(tmp_path / "set", [13, 5, 9, 1, 17, 8, 11])
+    gcs = GcsServer()
+    try:
+        url = gcs.upload(local, "set")
+        cmd = [sys.executable, "-m", "launch.train", *COMMON, f"data.dir={url}",
+               f"output={tmp_path / 'gcs'}", "train.max_steps=4"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **gcs.environment(), "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        gcs.close()
+    assert main([*COMMON, f"data.dir={local}", f"output={tmp_path / 'local'}",
+                 "train.max_steps=4"]) == 0
+    assert _same(_weights(tmp_path / "local", 4), _weights(tmp_path / "gcs", 4))
+    for run, remote in [("gcs", True), ("local", False)]:
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()]
+        lines = [line for line in (tmp_path / run / "train.log").read_text().splitlines()
+                 if " img/s " in line]
+        assert len(rows) == len(lines) == 4
+        if remote:
+            assert all(0 <= r["storage_wait_share"] <= 1 and r["storage_retries"] == 0
+                       for r in rows)
+            assert all(f"storage {100 * r['storage_wait_share']:.0f}% ETA" in line
+                       for r, line in zip(rows, lines, strict=True))
+        else:
+            assert not any("storage" in key for r in rows for key in r)
+            assert not any("storage" in line for line in lines)

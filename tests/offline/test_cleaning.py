@@ -197,3 +197,21 @@ def test_data_of_another_class_count_is_refused(noisy_run, tmp_path, capsys):
                  str(tmp_path / "x.txt"), "--device", "cpu"]) == 2
     assert f"{C + 1} classes in manifest.json, the checkpoint's head has {C}" in \
         capsys.readouterr().err
+
+
+def test_a_folder_at_a_url_lists_what_the_local_folder_lists(noisy_run, cleaned, tmp_path,
+                                                             s3_store, capsys):
+    from tools.remote_servers import upload
+
+    data, run = noisy_run
+    url = upload(data, "s3://bucket/noisy")
+    out = tmp_path / "noisy.txt"
+    assert main(["--checkpoint", str(run), "--data", url, "--out", str(out),
+                 "--device", "cpu"]) == 0
+    assert read_exclusions(out).samples == read_exclusions(cleaned[0]).samples
+    capsys.readouterr()
+    assert main(["--checkpoint", str(run), "--data", "s3://bucket/none", "--out", str(out),
+                 "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("error: s3://bucket/none/manifest.json: not found (404, "
+                                       "or no such bucket): check the URL; a converted folder "
+                                       "holds manifest.json, its shards and their .idx files\n")

@@ -403,3 +403,20 @@ def test_cli_sums_the_classes_of_data_dirs_and_sizes_the_loader(tmp_path, capsys
     assert r["loader_workers_per_node"] == math.ceil(8 * per_gpu) and 0 < per_gpu < 8
     assert plan_cli.main(["--classes", "100"]) == 0
     assert "decoding cores per GPU" in capsys.readouterr().out
+
+
+def test_cli_reads_the_manifests_of_data_dirs_at_urls(tmp_path, capsys, s3_store):
+    from shard_helpers import make_shards
+
+    from tools.remote_servers import upload
+
+    urls = [upload(make_shards(tmp_path / n, [3], num_classes=c), f"s3://bucket/plan-{n}")
+            for n, c in (("a", 5), ("b", 3))]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"data:\n  dirs: [{urls[0]}, {urls[1]}]\n")
+    assert _json(capsys, "--config", str(recipe), "--gpus", "1")["inputs"]["classes"] == 8
+    recipe.write_text(f"data:\n  dirs: [{urls[0]}, s3://bucket/none]\n")
+    assert plan_cli.main(["--config", str(recipe), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data.dirs[1]: s3://bucket/none/manifest.json: not found" \
+        in err and err.rstrip().endswith("or give --classes")

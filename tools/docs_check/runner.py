@@ -1,6 +1,9 @@
 """Runs the docs' commands, each doc in a fresh copy of the repository (what a clone holds), and
 judges each: a non-zero exit, a Python traceback in its output, or a command it printed for the
-user that then fails is a failure, named by file:line, the command and the reason."""
+user that then fails is a failure, named by file:line, the command and the reason. An S3 store
+runs beside them (moto's server on loopback, tools/remote_servers.py, with a bucket
+``bucket``), its endpoint and keys in the commands' AWS_* variables, so a documented
+``s3://bucket/...`` URL is written and read for real."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 from tools.docs_check.blocks import Command, read_doc
 from tools.docs_check.fixtures import Fixtures, printed_table, run_python, table
 from tools.docs_check.rewrite import CannotRewrite, for_check, for_run, printed_commands, substitute
+from tools.remote_servers import S3Server
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900  # one command; the slowest documented one (make train) takes about 2 minutes
@@ -133,14 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if errors else 0
     work = args.keep or Path(tempfile.mkdtemp(prefix="docs-check-"))
     work.mkdir(parents=True, exist_ok=True)
+    store = S3Server()
     try:
+        store.make_bucket("bucket")
         failed = len(errors)
         print("\n".join(errors), flush=True) if errors else None
         fixture_copy = copy_repository(work / "fixture-repo")
         fixtures = Fixtures(work / "fixtures", run_python(fixture_copy, environment(fixture_copy)))
         for name, cmds in commands.items():
             copy = copy_repository(work / name.strip("/").replace("/", "_"))
-            env = environment(copy)
+            env = {**environment(copy), **store.environment(),
+                   "AWS_EC2_METADATA_DISABLED": "true"}
             for cmd in cmds:
                 if cmd.mode == "skip":
                     print(f"skip          {cmd.where}  {cmd.text}: {cmd.reason}", flush=True)
@@ -151,5 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"docs-check: {failed} failed" if failed else "docs-check: every command passed")
         return 1 if failed else 0
     finally:
+        store.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

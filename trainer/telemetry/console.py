@@ -10,7 +10,9 @@ where the run is::
     step 120/800 (15%) epoch 2 loss 4.1234 lr 0.09500 s 30.00 theta_med 1.063 img/s 412
     ETA 0:03:12 mem 812 MiB
 
-(on one line). Before the process group exists, use ``trainer.telemetry.logger.print_main``.
+(on one line; with data at a URL, ``storage 3%`` after the img/s: the share of the time the
+loader waited on the store since the last line). Before the process group exists, use
+``trainer.telemetry.logger.print_main``.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class Console:
         """A metrics record: the bar's loss and s, one plain line when there is no bar, and
         always in train.log."""
         self._shown = (f"loss={_number(record.get('loss'), '.3f')} "
-                       f"s={_number(record.get('scale'), '.2f')}")
+                       f"s={_number(record.get('scale'), '.2f')}" + _storage(record, "="))
         line = plain_line(record, total, epoch, eta_s)
         self.log.info(line, extra={"file_only": self.bar is not None})
 
@@ -152,6 +154,13 @@ def _number(value, fmt: str) -> str:
     return format(value, fmt)
 
 
+def _storage(record: dict, sep: str) -> str:
+    """`` storage 3%`` (``sep`` between the two) when the record has the loader's share of
+    time waiting on a store, else ""."""
+    share = record.get("storage_wait_share")
+    return "" if share is None else f" storage{sep}{100 * share:.0f}%"
+
+
 def plain_line(record: dict, total: int, epoch: int | None, eta_s: float | None) -> str:
     """``step 120/800 (15%) epoch 2 loss ... ETA 0:03:12 mem 812 MiB`` from a metrics record
     (``epoch`` 0-based, shown 1-based; ``theta_med`` in radians)."""
@@ -164,7 +173,7 @@ def plain_line(record: dict, total: int, epoch: int | None, eta_s: float | None)
         f"lr {_number(record.get('lr'), '.5g')}",
         f"s {_number(record.get('scale'), '.2f')}",
         f"theta_med {_number(record.get('theta_med'), '.3f')}",
-        f"img/s {_number(record.get('img_per_s'), '.0f')}",
+        f"img/s {_number(record.get('img_per_s'), '.0f')}" + _storage(record, " "),
     ]
     if eta_s is not None:
         parts.append(f"ETA {timedelta(seconds=round(eta_s))}")

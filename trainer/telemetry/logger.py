@@ -76,7 +76,7 @@ class StepRecord:
     head: dict[str, float | None]
     img_per_s: float
     memory_mb: float
-    data: dict[str, int]
+    data: dict[str, int | float]
     time_s: float
     epoch: int | None = None
     distill: dict[str, float] = field(default_factory=dict)  # the engine's distill_* numbers
@@ -159,7 +159,8 @@ class RunLogger:
     ) -> None:
         """After optimisation step ``step`` (1-based count of steps done) of ``epoch``
         (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
-        ``padded_samples``), given on the steps that are :meth:`due`.
+        ``padded_samples``, with data at a URL ``storage_wait_share``, ``storage_retries``:
+        ``trainer.loop.data_counts``), given on the steps that are :meth:`due`.
 
         ``result`` (the engine's ``StepResult``) and ``head_stats`` are read only on the steps
         that are :meth:`due`: the engine and the head keep their numbers on the device
