@@ -37,6 +37,9 @@ class FailsReading:
     def describe(self):
         return self.source.describe()
 
+    def identity_map(self):
+        return self.source.identity_map()
+
     def read(self, index):
         if index in self.failing:
             raise RuntimeError(f"source item {index} unreadable")
