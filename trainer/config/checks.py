@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from partial_fc.margins.registry import effective, margin_errors, margin_warnings
+from partial_fc.margins.registry import effective, margin_errors, margin_warnings, read_keys
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
 
@@ -334,10 +334,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def _margin_as_read(tree: dict) -> dict:
     """``tree`` with its margin section as the margin reads it (``partial_fc.margins``'
-    ``effective``: the type's keys, defaults filled), so that keys of other types and a null
-    meaning the default that was then in force compare equal; left as written when the
-    section is not valid today."""
-    margin = {k: v for k, v in (tree.get("margin") or {}).items() if k != "p_w"}
+    ``effective``: the type's keys, defaults filled), so that the other types' keys a
+    checkpoint's flat section held and a null meaning the default that was then in force
+    compare equal; left as written when the section is not valid today."""
+    margin = read_keys({k: v for k, v in (tree.get("margin") or {}).items() if k != "p_w"})
     if not margin or margin_errors(margin):
         return tree
     return {**tree, "margin": {**effective(margin), "p_w": tree["margin"].get("p_w")}}
