@@ -34,3 +34,15 @@ def test_a_key_of_another_type_names_the_types_that_read_it():
          "none)")]
     ((key, msg),) = margin_errors({"type": "normface", "nope": 1})
     assert key == "margin" and "unknown key(s) ['nope']" in msg
+
+
+def test_docs_margin_tables_are_the_registrys(tmp_path):
+    """docs/margins.md's tables are what ``python -m tools.margin_table`` writes from the
+    registry: a default changed in a margin's file and not in the doc fails here."""
+    from tools.margin_table import DOC, main, rewritten
+
+    text = DOC.read_text()
+    assert rewritten(text) == text, "docs/margins.md differs: run python -m tools.margin_table"
+    assert main(["--check"]) == 0
+    stale = text.replace("| `m` 0.35 |", "| `m` 0.3 |", 1)  # a default written twice, drifted
+    assert stale != text and rewritten(stale) == text
