@@ -117,8 +117,8 @@ BAD = [
          "(cosface's own keys: m)"],
     ),
     ({}, ["engine.zero_stage=3"], ["engine.zero_stage=3", "0, 1 or 2"]),
-    ({}, ["head.sample_rate=-0.5"], ["head.sample_rate=-0.5", "greater than or equal to 0"]),
-    ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5", "less than or equal to 1"]),
+    ({}, ["head.sample_rate=-0.5"], ["head.sample_rate=-0.5: must be a finite number >= 0"]),
+    ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5: must be a finite number >= 0 and <= 1"]),
     ({}, ["optim.betas=[0.9]"], ["optim.betas=[0.9]", "at least 2"]),
     ({}, ["lr=0.1"], ["command line: lr: unknown key"]),
     ({}, ["optim.lrr=0.1"],
@@ -131,14 +131,15 @@ BAD = [
     (
         {"margin": {"type": "sphereface", "m": 0.5}},
         [],
-        ["cfg.yaml: margin.m=0.5: Input should be greater than or equal to 1"],
+        ["cfg.yaml: margin.m=0.5: sphereface needs an integer >= 1"],
     ),
     (
         {"margin": {"type": "sphereface", "m": 2.5}},
         [],
         ["cfg.yaml: margin.m=2.5: sphereface needs an integer >= 1"],
     ),
-    ({}, ["margin.m=3.2"], ["command line: margin.m=3.2: Input should be less than 3.14159"]),
+    ({}, ["margin.m=3.2"], ["command line: margin.m=3.2: arcface needs a finite number >= 0 "
+                            "and < pi"]),
     ({"margin": {"type": "adacos"}}, [], ["margin.adacos=None", "fixed|dynamic"]),
     (
         {"margin": {"type": "adacos", "adacos": "dynamic"}, "train": {"grad_accum": 4}},
@@ -151,7 +152,7 @@ BAD = [
     ({}, ["backbone.depth=3"], ["command line: backbone.depth=3: a positive block count for "
                                 "vit_* only"]),
     ({}, ["optim.decay=some"], ["optim.decay='some'", "'all' or 'weights'"]),
-    ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1", "greater than or equal to 0"]),
+    ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1: must be an integer >= 0"]),
     (  # a rule of partial_fc.margins, reported by the config check
         {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
         [],

@@ -292,7 +292,10 @@ def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> lis
         else:
             value = e.get("input")
             given = "<missing>" if e["type"] == "missing" else repr(value)
-            lines.append(f"{src}: {dotted}={given}: {e['msg']}{_hint(e, keys, holders)}")
+            # A rule partial_fc states (a validator's ValueError): its own words, not pydantic's
+            # "Value error, " before them.
+            msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+            lines.append(f"{src}: {dotted}={given}: {msg}{_hint(e, keys, holders)}")
     return lines
 
 

@@ -16,9 +16,17 @@ from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
-from partial_fc.margins.registry import DEFAULT_TYPE, MARGIN_TYPES, SchemaKey, schema_keys
+from partial_fc.head_checks import SAMPLE_RATE
+from partial_fc.margins.keys import Bounds
+from partial_fc.margins.registry import (
+    DEFAULT_TYPE,
+    MARGIN_TYPES,
+    SchemaKey,
+    own_keys,
+    schema_keys,
+)
 from partial_fc.tiles import KERNELS
 from trainer.errors import Refused
 
@@ -140,14 +148,25 @@ class BackboneConfig(_Section):
                 "depth": self.depth, "drop_path": self.drop_path, "mask_ratio": self.mask_ratio}
 
 
-def _margin_field(key: SchemaKey) -> tuple[Any, Any]:
-    """A ``margin:`` field from the registry's key: its bounds (where every type that
-    declares it agrees) as pydantic constraints."""
+def _bounded(kind: Any, bounds: Bounds, need: str = "must be") -> Any:
+    """``kind`` held to ``bounds``, a range partial_fc declares with its rule: the value gets
+    that rule's message (``need``: its first words), ``--help`` shows the range."""
+    def check(value: Any) -> Any:
+        broken = None if value is None else bounds.rule(value, need)
+        if broken:
+            raise ValueError(broken)
+        return value
+
+    return Annotated[kind, bounds, AfterValidator(check)]
+
+
+def _margin_field(key: SchemaKey, kind: str) -> tuple[Any, Any]:
+    """A ``margin:`` field of type ``kind`` from the registry's key, its bounds checked with
+    the registry's message (``kind needs ...`` for the type's own keys)."""
     ann, b = key.annotation, key.bounds
-    if b is not None and (b.ge, b.gt, b.le, b.lt) != (None,) * 4:
-        inner = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
-        bounded = Annotated[inner[0], Field(ge=b.ge, gt=b.gt, le=b.le, lt=b.lt)]
-        ann = bounded | None if type(None) in typing.get_args(ann) else bounded
+    if b is not None and b != Bounds():
+        need = f"{kind} needs" if key.name in own_keys(kind) else "must be"
+        ann = _bounded(ann, b, need)
     return ann, Field(key.default, description=key.description)
 
 
@@ -162,7 +181,7 @@ def _margin_model(kind: str) -> type[_Section]:
     return create_model(
         f"MarginConfig[{kind}]", __base__=_Section, __doc__="Passed to "
         f"``partial_fc.build_margin`` minus ``p_w``; generated from ``REGISTRY[{kind!r}]``.",
-        **{key.name: _margin_field(key) for key in schema_keys(kind)}, p_w=P_W)
+        **{key.name: _margin_field(key, kind) for key in schema_keys(kind)}, p_w=P_W)
 
 
 MARGIN_MODELS: dict[str, type[_Section]] = {kind: _margin_model(kind) for kind in MARGIN_TYPES}
@@ -202,7 +221,7 @@ class LossConfig(_Section):
 
 
 class HeadConfig(_Section):
-    sample_rate: Annotated[float, Field(ge=0, le=1)] = Field(
+    sample_rate: _bounded(float, SAMPLE_RATE) = Field(  # type: ignore[valid-type]
         1.0, description="share of the classes (the batch's own always included) each step's "
         "softmax is computed over (Partial FC); 1 = all, 0 = the batch's own only"
     )
