@@ -30,6 +30,7 @@ from partial_fc.margins.registry import (
     REGISTRY,
     effective,
     foreign_key_error,
+    margin_errors,
 )
 from trainer.config.schema import MARGIN_MODELS, Config, ConfigError, tagged_sections
 
@@ -271,24 +272,14 @@ def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> lis
         keys, holders = _holders(tuple(str(p) for p in e["loc"]), tagged=True)
         dotted = ".".join(keys)
         src = source_of(origin, dotted, top)
-        if e["type"] == "union_tag_invalid":  # the margin section's type
+        if e["type"] == "union_tag_invalid":  # the margin section's type: the registry's rule
             value = e["input"].get("type")
+            ((key, msg),) = margin_errors({"type": value})
             near = difflib.get_close_matches(str(value), MARGIN_TYPES, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            lines.append(f"{source_of(origin, f'{dotted}.type', top)}: {dotted}.type="
-                         f"{value!r}: not one of {'|'.join(MARGIN_TYPES)}{hint}")
+            lines.append(f"{source_of(origin, key, top)}: {msg}{hint}")
         elif e["type"] == "extra_forbidden":
-            parent = holders[0] if holders else None
-            kind = _margin_type(parent) if parent else None
-            foreign = foreign_key_error(kind, keys[-1], e["input"]) if kind else None
-            if foreign:
-                lines.append(f"{src}: {foreign[1]}")
-                continue
-            known = list(parent.model_fields) if parent else []
-            near = difflib.get_close_matches(keys[-1], known, n=1)
-            hint = f"did you mean {'.'.join((*keys[:-1], near[0]))}? " if near else ""
-            lines.append(f"{src}: {dotted}: unknown key ({hint}valid keys: "
-                         f"{', '.join(known) or 'none'})")
+            lines.append(f"{src}: {_extra_key(keys, holders[0] if holders else None, e)}")
         else:
             value = e.get("input")
             given = "<missing>" if e["type"] == "missing" else repr(value)
@@ -297,6 +288,19 @@ def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> lis
             msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
             lines.append(f"{src}: {dotted}={given}: {msg}{_hint(e, keys, holders)}")
     return lines
+
+
+def _extra_key(keys: tuple[str, ...], parent: type[BaseModel] | None, error: dict) -> str:
+    """The line of a key its section does not hold: a margin key of another type names the
+    types that read it (the registry's rule); any other, the section's keys."""
+    kind = _margin_type(parent) if parent else None
+    foreign = foreign_key_error(kind, keys[-1], error["input"]) if kind else None
+    if foreign:
+        return foreign[1]
+    known = list(parent.model_fields) if parent else []
+    near = difflib.get_close_matches(keys[-1], known, n=1)
+    hint = f"did you mean {'.'.join((*keys[:-1], near[0]))}? " if near else ""
+    return f"{'.'.join(keys)}: unknown key ({hint}valid keys: {', '.join(known) or 'none'})"
 
 
 def _hint(error: dict, keys: tuple[str, ...], holders: list[type[BaseModel]]) -> str:
