@@ -35,7 +35,7 @@ from partial_fc.margins.magface import MAGFACE
 from partial_fc.margins.sphereface import SPHEREFACE
 from partial_fc.scale import AdaCosScale, FixedScale
 
-__all__ = ["DEFAULT_TYPE", "MARGIN_TYPES", "REGISTRY", "SHARED_KEYS", "MarginType", "SchemaKey",
+__all__ = ["DEFAULT_TYPE", "MARGIN_TYPES", "REGISTRY", "SHARED_KEYS", "SchemaKey",
            "build_margin", "effective", "foreign_key_error", "margin_errors", "margin_warnings",
            "normface_scale_bound", "own_keys", "read_keys", "schema_keys"]
 
@@ -44,7 +44,6 @@ REGISTRY: dict[str, MarginSpec] = {spec.name: spec for spec in (
     *ELASTIC_SPECS,
 )}
 MARGIN_TYPES: tuple[str, ...] = tuple(REGISTRY)
-MarginType = Literal[MARGIN_TYPES]  # type: ignore[valid-type]
 DEFAULT_TYPE = "arcface"
 TYPE_DESCRIPTION = ("target-logit transform (partial_fc.margins; docs/margins.md): "
                     + ", ".join(MARGIN_TYPES) + "; it picks the keys below that are read")
