@@ -37,23 +37,22 @@ def _rule(line: str, key_value: str) -> str:
     return line.split(f"{key_value}: ", 1)[1]
 
 
-def test_the_sample_rate_range(capsys, synthetic_data):
-    trained = _train_line(capsys, synthetic_data, "head.sample_rate=1.5")
-    line = next(ln for ln in trained if "head.sample_rate=1.5" in ln)
-    said = {_rule(line, "head.sample_rate=1.5"),
-            _rule(_plan_line(capsys, "--sample-rate", "1.5"), "--sample-rate=1.5"),
-            _rule(_head_error(sample_rate=1.5), "sample_rate=1.5")}
-    assert said == {"must be a finite number >= 0 and <= 1"}
-    assert plan_cli.main(["--classes", "100", "--sample-rate", "0"]) == 0  # as a run takes it
+@pytest.mark.parametrize(("run_key", "flag", "value", "rule"), [
+    ("head.sample_rate", "--sample-rate", 1.5, "must be a finite number >= 0 and <= 1"),
+    ("margin.subcenters", "--subcenters", 0, "must be an integer >= 1"),
+])
+def test_a_range_the_head_declares(capsys, synthetic_data, run_key, flag, value, rule):
+    trained = _train_line(capsys, synthetic_data, f"{run_key}={value}")
+    line = next(ln for ln in trained if f"{run_key}={value}" in ln)
+    leaf = run_key.split(".")[1]
+    said = {_rule(line, f"{run_key}={value}"),
+            _rule(_plan_line(capsys, flag, str(value)), f"{flag}={value}"),
+            _rule(_head_error(**{leaf: value}), f"{leaf}={value}")}
+    assert said == {rule}
 
 
-def test_the_sub_center_count(capsys, synthetic_data):
-    trained = _train_line(capsys, synthetic_data, "margin.subcenters=0")
-    line = next(ln for ln in trained if "margin.subcenters=0" in ln)
-    said = {_rule(line, "margin.subcenters=0"),
-            _rule(_plan_line(capsys, "--subcenters", "0"), "--subcenters=0"),
-            _rule(_head_error(subcenters=0), "subcenters=0")}
-    assert said == {"must be an integer >= 1"}
+def test_a_plan_takes_sample_rate_0_as_a_run_does(capsys):
+    assert plan_cli.main(["--classes", "100", "--sample-rate", "0"]) == 0
 
 
 def test_sub_centers_on_the_triton_kernels(capsys, synthetic_data):
