@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="nodes (default 1, or --gpus / --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=int, default=m["gpus_per_node"],
                    help=f"GPUs per node (default {m['gpus_per_node']})")
-    p.add_argument("--sample-rate", type=float, help="Partial FC sample rate r in (0, 1]")
+    p.add_argument("--sample-rate", type=float,
+                   help="Partial FC sample rate r in [0, 1] (0: the batch's own classes only)")
     p.add_argument("--dim", type=int, help="embedding size D")
     p.add_argument("--batch", type=int, help="images per GPU")
     p.add_argument("--backbone", help=f"one of {', '.join(list_backbones())}")

@@ -7,7 +7,9 @@ from collections.abc import Mapping
 
 from offline.plan import Inputs, PlanError
 from partial_fc.backbones import list_backbones
+from partial_fc.head_checks import SAMPLE_RATE, SUBCENTERS
 from trainer.config import Config, ConfigError, load_config
+from trainer.config.checks import fp16_engine_rule
 
 FROM_RECIPE = {  # input -> the recipe key supplying it (trainer.config's schema: the defaults)
     "classes": "data.num_classes",
@@ -69,26 +71,33 @@ def resolve_inputs(config: str | None, given: Mapping[str, object],
 
 
 def _check(inp: Inputs) -> None:
+    """Raise :class:`PlanError` on the first impossible input, ``--flag=value: why``; the rules
+    a head or a run states too are theirs (``partial_fc.head_checks``,
+    ``trainer.config.checks``), so both paths say the same."""
+    def least(value: float, low: float) -> str | None:
+        return None if value >= low else f"must be >= {low}"
+
     problems = [
-        (inp.gpus < 1, f"--gpus={inp.gpus}: need at least 1"),
-        (inp.gpus_per_node < 1, f"--gpus-per-node={inp.gpus_per_node}: need at least 1"),
-        (inp.classes < inp.gpus, f"--classes={inp.classes}: fewer classes than --gpus="
-         f"{inp.gpus} (every GPU holds at least one class)"),
-        (not 0 < inp.sample_rate <= 1, f"--sample-rate={inp.sample_rate}: must be in (0, 1]"),
-        (inp.dim < 1, f"--dim={inp.dim}: must be >= 1"),
-        (inp.subcenters < 1, f"--subcenters={inp.subcenters}: must be >= 1 (1 = off)"),
-        (inp.max_tile_mib < 1, f"--max-tile-mib={inp.max_tile_mib}: must be >= 1"),
-        (inp.max_update_mib < 1, f"--max-update-mib={inp.max_update_mib}: must be >= 1"),
-        (inp.batch < 1, f"--batch={inp.batch}: must be >= 1"),
-        (inp.checkpointing < 0, f"--checkpointing={inp.checkpointing}: must be >= 0"),
-        (inp.backbone not in list_backbones(),
-         f"--backbone={inp.backbone!r}: unknown (valid: {', '.join(list_backbones())})"),
-        (inp.engine == "ddp" and inp.precision == "fp16",
-         "--precision=fp16: needs --engine=deepspeed"),
-        (not inp.gpu_memory > 0, f"--gpu-memory={inp.gpu_memory}: must be > 0 GiB"),
-        (not inp.reserve >= 0, f"--reserve={inp.reserve}: must be >= 0 GiB"),
-        (not (inp.intra_bw > 0 and inp.inter_bw > 0), "--intra-bw/--inter-bw: must be > 0"),
+        ("--gpus", inp.gpus, None if inp.gpus >= 1 else "need at least 1"),
+        ("--gpus-per-node", inp.gpus_per_node, None if inp.gpus_per_node >= 1 else
+         "need at least 1"),
+        ("--classes", inp.classes, None if inp.classes >= inp.gpus else
+         f"fewer classes than --gpus={inp.gpus} (every GPU holds at least one class)"),
+        ("--sample-rate", inp.sample_rate, SAMPLE_RATE.rule(inp.sample_rate)),
+        ("--dim", inp.dim, least(inp.dim, 1)),
+        ("--subcenters", inp.subcenters, SUBCENTERS.rule(inp.subcenters)),
+        ("--max-tile-mib", inp.max_tile_mib, least(inp.max_tile_mib, 1)),
+        ("--max-update-mib", inp.max_update_mib, least(inp.max_update_mib, 1)),
+        ("--batch", inp.batch, least(inp.batch, 1)),
+        ("--checkpointing", inp.checkpointing, least(inp.checkpointing, 0)),
+        ("--backbone", repr(inp.backbone), None if inp.backbone in list_backbones() else
+         f"unknown (valid: {', '.join(list_backbones())})"),
+        ("--precision", inp.precision, fp16_engine_rule(inp.engine, inp.precision, "--engine")),
+        ("--gpu-memory", inp.gpu_memory, None if inp.gpu_memory > 0 else "must be > 0 GiB"),
+        ("--reserve", inp.reserve, None if inp.reserve >= 0 else "must be >= 0 GiB"),
     ]
-    for bad, msg in problems:
-        if bad:
-            raise PlanError(msg)
+    for flag, value, broken in problems:
+        if broken:
+            raise PlanError(f"{flag}={value}: {broken}")
+    if not (inp.intra_bw > 0 and inp.inter_bw > 0):
+        raise PlanError("--intra-bw/--inter-bw: must be > 0")

@@ -1,6 +1,12 @@
 """The checks of ``partial_fc.head.PartialFC``: its constructor's arguments, and each forward's
 inputs against every rank's batch size. Each error is one line naming the value and what was
-expected."""
+expected.
+
+The rules a config or a plan states about the head too are written here once, as the text that
+follows ``KEY=VALUE: ``: :data:`SAMPLE_RATE` and :data:`SUBCENTERS` (ranges),
+:func:`triton_subcenters_rule`. ``trainer.config``'s schema and checks and ``launch.plan``'s
+inputs call them, each naming the key in its own spelling (``head.sample_rate``,
+``--sample-rate``, ``sample_rate``)."""
 
 from __future__ import annotations
 
@@ -11,12 +17,28 @@ from torch import Tensor
 
 from partial_fc import distributed as dist_ops
 from partial_fc.margins import Margin
+from partial_fc.margins.keys import Bounds, SharedConfig, bounds_of
 from partial_fc.tiles import KERNELS, triton_available
 
-__all__ = ["INITS", "STATE_DTYPES", "check_head_args", "check_inputs"]
+__all__ = ["INITS", "SAMPLE_RATE", "STATE_DTYPES", "SUBCENTERS", "check_head_args",
+           "check_inputs", "triton_subcenters_rule"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 INITS = ("per_class", "per_rank")
+# The share of a rank's classes each step's softmax covers: 1 = all, 0 = the batch's own only
+# (partial_fc.sampling takes at least one class per rank).
+SAMPLE_RATE = Bounds(ge=0, le=1)
+# Centres per class (sub-center ArcFace), declared with the margin keys (margin.subcenters).
+SUBCENTERS = bounds_of(SharedConfig, "subcenters")
+
+
+def triton_subcenters_rule(kernel: str, subcenters: int, key: str = "subcenters") -> str | None:
+    """Why ``kernel`` cannot run a head of ``subcenters`` centres per class (``key``: how the
+    caller spells that setting), or None: the Triton kernels take no K-way max."""
+    if subcenters > 1 and kernel == "triton":
+        return (f"the Triton kernels have no K-way max for {key}={subcenters} (use the auto or "
+                "torch kernel)")
+    return None
 
 
 def check_head_args(embedding_size: int, num_classes: int, world: int, margin: Margin,
@@ -32,24 +54,23 @@ def check_head_args(embedding_size: int, num_classes: int, world: int, margin: M
             f"PartialFC: num_classes={num_classes} < world size {world}: every rank needs "
             "at least one class"
         )
-    if not 0.0 <= sample_rate <= 1.0:
-        raise ValueError(f"PartialFC: sample_rate={sample_rate} must be in [0, 1]")
+    if broken := SAMPLE_RATE.rule(sample_rate):
+        raise ValueError(f"PartialFC: sample_rate={sample_rate}: {broken}")
     if not isinstance(margin, Margin):
         raise TypeError(f"PartialFC: margin must come from build_margin, got {margin!r}")
     if seed < 0:
         raise ValueError(f"PartialFC: seed={seed} must be >= 0")
     if kernel not in KERNELS:
         raise ValueError(f"PartialFC: kernel={kernel!r} must be one of {KERNELS}")
+    if not isinstance(subcenters, int) or SUBCENTERS.rule(subcenters):
+        raise ValueError(f"PartialFC: subcenters={subcenters!r}: must be {SUBCENTERS.text()}")
+    if broken := triton_subcenters_rule(kernel, subcenters):
+        raise ValueError(f"PartialFC: kernel={kernel!r}: {broken}")
     if kernel == "triton" and not triton_available():
         raise ValueError("PartialFC: kernel='triton' needs triton (pip install triton); "
                          "use kernel='torch' or 'auto'")
     if max_tile_bytes < 1:
         raise ValueError(f"PartialFC: max_tile_bytes={max_tile_bytes} must be >= 1")
-    if not isinstance(subcenters, int) or subcenters < 1:
-        raise ValueError(f"PartialFC: subcenters={subcenters!r} must be an int >= 1")
-    if subcenters > 1 and kernel == "triton":
-        raise ValueError(f"PartialFC: kernel='triton' has no K-way max for subcenters="
-                         f"{subcenters}; use kernel='auto' or 'torch'")
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"PartialFC: state_dtype={state_dtype} must be one of "
                          f"{STATE_DTYPES}")

@@ -9,6 +9,7 @@ return."""
 
 from __future__ import annotations
 
+from partial_fc.margins.registry import own_keys
 from trainer.config import Config
 
 # The keys that shape the LR schedule (besides the steps per epoch).
@@ -60,9 +61,10 @@ def schedule_jump(saved: dict | None, cfg: Config, step: int, steps_per_epoch: i
 
 
 def margin_words(cfg: Config) -> str:
-    """The margin a run trains with, for its start line: ``margin cosface s=30 m=0.35``
-    (``m=its default`` where the type's own applies, ``s=AdaCos fixed`` where AdaCos sets it)."""
+    """The margin a run trains with, for its start line: ``margin cosface s=30 m=0.35`` (the
+    type's own numeric keys; ``s=AdaCos fixed`` where AdaCos sets the scale)."""
     k = cfg.margin_kwargs()
     scale = f"AdaCos {k['adacos']}" if k.get("adacos") else f"{k['s']:g}"
-    m = "its default" if k.get("m") is None else f"{k['m']:g}"
-    return f"margin {k['type']} s={scale} m={m}"
+    own = [f"{name}={k[name]:g}" for name in own_keys(k["type"])
+           if isinstance(k[name], int | float) and not isinstance(k[name], bool)]
+    return " ".join([f"margin {k['type']} s={scale}", *own])

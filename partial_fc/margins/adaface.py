@@ -106,5 +106,6 @@ ADAFACE = MarginSpec(
     "adaface", AdaFaceConfig,
     lambda c, scale, w: AdaFaceMargin(scale, c.m, c.h, c.ema, c.clamp_nontarget, w),
     "cos(θ − m·ẑ) − (m + m·ẑ), ẑ = clip(h(‖z‖ − μ)/(σ + ε), −1, 1); μ, σ: EMAs of the global "
-    "batch's norm mean/std (norm detached); every cosine clamped to [−1 + 10⁻³, 1 − 10⁻³]",
+    "batch's norm mean/std (norm detached); every cosine clamped to [−1 + 10⁻³, 1 − 10⁻³] "
+    "(`clamp_nontarget` false: the target only)",
     "arXiv:2204.00964 Eq. 11-13")

@@ -121,7 +121,9 @@ COSFACE = MarginSpec("cosface", CosFaceConfig,
 ARCFACE = MarginSpec("arcface", ArcFaceConfig,
                      lambda c, scale, w: CombinedMargin(scale, m2=c.m, easy_margin=c.easy_margin,
                                                         warmup_steps=w),
-                     "cos(θ + m) (past π − m: cos θ − m·sin m)", "arXiv:1801.07698 Eq. 3")
+                     "cos(θ + m) (past π − m: cos θ − m·sin m, the fallback of the ArcFace "
+                     "authors' MXNet code; `easy_margin` true: none where cos θ ≤ 0)",
+                     "arXiv:1801.07698 Eq. 3")
 COMBINED = MarginSpec("combined", CombinedConfig,
                       lambda c, scale, w: CombinedMargin(scale, c.m1, c.m2, c.m3, c.easy_margin, w),
                       "cos(m1·θ + m2) − m3", "arXiv:1801.07698 Eq. 4")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = ["MAX_SCALE", "AdaCosMode", "Bounds", "Error", "MarginGradient", "MarginSpec",
-           "SharedConfig", "error", "key", "key_errors", "raise_errors"]
+           "SharedConfig", "bounds_of", "error", "key", "key_errors", "raise_errors"]
 
 Error = tuple[str, str]  # (dotted config key, message)
 
@@ -39,6 +39,11 @@ class Bounds:
         return (math.isfinite(v) and (not self.integer or float(v).is_integer())
                 and (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
                 and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+    def rule(self, v: float, need: str = "must be") -> str | None:
+        """What ``v`` breaks (``must be a finite number >= 0 and <= 1``), or None; ``need``:
+        the words before the range (``sphereface needs``)."""
+        return None if self.holds(v) else f"{need} {self.text()}"
 
     def text(self) -> str:
         parts = [f"{sym} {_num(v)}" for sym, v in ((">=", self.ge), (">", self.gt),
@@ -71,6 +76,11 @@ class MarginSpec:
     paper: str
 
 
+def bounds_of(config: type, name: str) -> Bounds:
+    """The :class:`Bounds` key ``name`` of dataclass ``config`` declares."""
+    return next(f.metadata["bounds"] for f in dataclasses.fields(config) if f.name == name)
+
+
 def error(key_name: str, value: Any, rule: str) -> Error:
     return f"margin.{key_name}", f"margin.{key_name}={value!r}: {rule}"
 
@@ -88,8 +98,9 @@ def _value_error(name: str, value: Any, kind: Any, bounds: Bounds, need: str) ->
     if kind is bool:
         return None if isinstance(value, bool) else error(name, value, f"{need} true or false")
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    if number and (kind is float or float(value).is_integer()) and bounds.holds(value):
-        return None
+    if number and (kind is float or float(value).is_integer()):
+        broken = bounds.rule(value, need)
+        return None if broken is None else error(name, value, broken)
     return error(name, value, f"{need} {bounds.text()}".rstrip())
 
 

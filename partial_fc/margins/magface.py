@@ -95,6 +95,7 @@ MAGFACE = MarginSpec(
     "magface", MagFaceConfig,
     lambda c, scale, w: MagFaceMargin(scale, c.l_a, c.u_a, c.l_m, c.u_m, c.lambda_g,
                                       c.easy_margin, w),
-    "cos(θ + m(a)) where cos θ > 0, else cos θ (the easy margin); m(a) = l_m + (u_m − l_m)"
+    "cos(θ + m(a)) where cos θ > 0, else cos θ (the authors' easy margin; `easy_margin` "
+    "false: cos θ − m(a)·sin m(a) past π − m(a)); m(a) = l_m + (u_m − l_m)"
     "(a − l_a)/(u_a − l_a), a = ‖f‖ clamped to [l_a, u_a]; loss + λ_g · mean g(a), "
     "g(a) = a/u_a² + 1/a over the global batch", "arXiv:2103.06627 Eq. 3-5")

@@ -2,10 +2,10 @@
 
 ``REGISTRY`` maps each type to its :class:`MarginSpec` (declared in its family's file). From
 it come :func:`build_margin`, :func:`margin_errors` (the rules ``trainer.config`` reports
-before any process starts), :func:`effective` (a config with the type's defaults filled) and
-:func:`schema_keys`, the union of every type's keys that ``trainer.config``'s ``margin:``
-section is generated from. A key several types declare with different defaults (``m``)
-defaults to None there: "the type's default".
+before any process starts), :func:`effective` (a config with the type's defaults filled),
+:func:`schema_keys`, one type's keys that ``trainer.config``'s ``margin:`` section (a union
+discriminated by ``type``) is generated from, and :func:`foreign_key_error`, the one line a
+key of another type gets.
 """
 
 from __future__ import annotations
@@ -35,23 +35,46 @@ from partial_fc.margins.magface import MAGFACE
 from partial_fc.margins.sphereface import SPHEREFACE
 from partial_fc.scale import AdaCosScale, FixedScale
 
-__all__ = ["DEFAULT_TYPE", "MARGIN_KEYS", "MARGIN_TYPES", "REGISTRY", "MarginType", "SchemaKey",
-           "build_margin", "effective", "margin_errors", "margin_warnings",
-           "normface_scale_bound", "schema_keys"]
+__all__ = ["DEFAULT_TYPE", "MARGIN_TYPES", "REGISTRY", "SHARED_KEYS", "SchemaKey",
+           "build_margin", "effective", "foreign_key_error", "margin_errors", "margin_warnings",
+           "normface_scale_bound", "own_keys", "read_keys", "schema_keys"]
 
 REGISTRY: dict[str, MarginSpec] = {spec.name: spec for spec in (
     NORMFACE, SPHEREFACE, COSFACE, ARCFACE, COMBINED, ADACOS, ADAFACE, CURRICULARFACE, MAGFACE,
     *ELASTIC_SPECS,
 )}
 MARGIN_TYPES: tuple[str, ...] = tuple(REGISTRY)
-MarginType = Literal[MARGIN_TYPES]  # type: ignore[valid-type]
 DEFAULT_TYPE = "arcface"
 TYPE_DESCRIPTION = ("target-logit transform (partial_fc.margins; docs/margins.md): "
-                    + ", ".join(MARGIN_TYPES))
-_SHARED = tuple(f.name for f in dataclasses.fields(SharedConfig))
-# The keys build_margin reads: type, the shared ones and every type's own.
-MARGIN_KEYS = frozenset({"type", *_SHARED, *(f.name for spec in REGISTRY.values()
-                                              for f in dataclasses.fields(spec.config))})
+                    + ", ".join(MARGIN_TYPES) + "; it picks the keys below that are read")
+SHARED_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SharedConfig))
+
+
+def own_keys(kind: str) -> tuple[str, ...]:
+    """The keys of type ``kind`` itself (its config dataclass's fields), in declared order."""
+    return tuple(f.name for f in dataclasses.fields(REGISTRY[kind].config))
+
+
+def read_keys(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` less the keys its type does not read (a config written when one flat section
+    held every type's keys, as a checkpoint from then holds it); ``cfg`` itself when its type
+    is not registered."""
+    kind = cfg.get("type", DEFAULT_TYPE)
+    if kind not in REGISTRY:
+        return dict(cfg)
+    keep = {"type", *SHARED_KEYS, *own_keys(kind)}
+    return {k: v for k, v in cfg.items() if k in keep}
+
+
+def foreign_key_error(kind: str, name: str, value: Any) -> Error | None:
+    """The error of key ``name`` given to ``margin.type=kind``, which does not read it, when
+    another type does (None when no type does: an unknown key, which the caller names)."""
+    owners = [t for t in MARGIN_TYPES if name in own_keys(t)]
+    if not owners:
+        return None
+    mine = ", ".join(own_keys(kind)) or "none"
+    return error(name, value, f"only read by margin.type={'|'.join(owners)} ({kind}'s own "
+                              f"keys: {mine})")
 
 
 def _given(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,18 +88,21 @@ def _own(spec: MarginSpec, given: Mapping[str, Any]) -> dict[str, Any]:
 def margin_errors(cfg: Mapping[str, Any]) -> list[Error]:
     """Every rule the margin config ``cfg`` (``build_margin``'s keys) breaks, as
     ``(dotted key, message)``; empty when ``build_margin(cfg)`` will succeed. A key whose
-    value is None counts as absent; keys of other types are not read."""
-    unknown = sorted(set(cfg) - MARGIN_KEYS)
-    if unknown:
-        return [("margin", f"margin: unknown key(s) {unknown}; valid keys: {sorted(MARGIN_KEYS)}")]
+    value is None counts as absent; a key of another type is refused
+    (:func:`foreign_key_error`)."""
     given = _given(cfg)
-    out = key_errors(SharedConfig, given)
-    kind = given.get("type")
+    kind = given.get("type", DEFAULT_TYPE)
     if kind not in REGISTRY:
-        return [*out, error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}")]
+        return [error("type", kind, f"not one of {'|'.join(MARGIN_TYPES)}")]
+    spec, valid = REGISTRY[kind], {"type", *SHARED_KEYS, *own_keys(kind)}
+    unknown = sorted(k for k in cfg if k not in valid and not foreign_key_error(kind, k, None))
+    if unknown:
+        return [("margin", f"margin: unknown key(s) {unknown}; margin.type={kind} reads "
+                 f"{sorted(valid)}")]
+    out = [foreign_key_error(kind, k, v) for k, v in given.items() if k not in valid]
+    out += key_errors(SharedConfig, given)
     if kind == "adacos" and given.get("adacos") is None:
         out.append(error("adacos", None, "type=adacos needs adacos=fixed|dynamic"))
-    spec = REGISTRY[kind]
     own = _own(spec, given)
     found = key_errors(spec.config, own, kind)
     if not found and hasattr(spec.config, "errors"):
@@ -86,29 +112,29 @@ def margin_errors(cfg: Mapping[str, Any]) -> list[Error]:
 
 def effective(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``cfg`` as its type reads it: ``type``, the shared keys and the type's own, each the
-    given value or the default (keys of other types dropped). ``cfg`` must be valid."""
+    given value or the default. ``cfg`` must be valid."""
     given = _given(cfg)
-    spec = REGISTRY[given["type"]]
-    shared = dataclasses.asdict(SharedConfig(**{k: given[k] for k in _SHARED if k in given}))
+    spec = REGISTRY[given.get("type", DEFAULT_TYPE)]
+    shared = dataclasses.asdict(SharedConfig(**{k: given[k] for k in SHARED_KEYS if k in given}))
     return {"type": spec.name, **shared, **dataclasses.asdict(spec.config(**_own(spec, given)))}
 
 
 def build_margin(cfg: Mapping[str, Any]) -> Margin:
-    """Build a margin from a config dict: ``type`` (a name of ``REGISTRY``), the shared keys
-    (``partial_fc.margins.keys.SharedConfig``: ``s``, ``adacos`` (required for
-    ``type=adacos``, combinable with any type; when set, ``s`` is ignored), ``warmup_steps``
-    (the margin ramps in, see :class:`Margin`), ``gradient``, ``interclass_filter``,
-    ``subcenters`` (read by ``PartialFC``)) and the type's own keys (its family's file). A
-    key whose value is None counts as absent (its default); keys of other types are ignored,
-    so one flat schema can pass them all. Bad keys or values raise one ``ValueError`` naming
-    each (:func:`margin_errors`).
+    """Build a margin from a config dict: ``type`` (a name of ``REGISTRY``; default
+    ``DEFAULT_TYPE``), the shared keys (``partial_fc.margins.keys.SharedConfig``: ``s``,
+    ``adacos`` (required for ``type=adacos``, combinable with any type; when set, ``s`` is
+    ignored), ``warmup_steps`` (the margin ramps in, see :class:`Margin`), ``gradient``,
+    ``interclass_filter``, ``subcenters`` (read by ``PartialFC``)) and the type's own keys
+    (its family's file). A key whose value is None counts as absent (its default). Bad keys
+    or values, a key of another type among them, raise one ``ValueError`` naming each
+    (:func:`margin_errors`).
     """
     raise_errors(margin_errors(cfg))
     full = effective(cfg)
     spec = REGISTRY[full["type"]]
     adacos = full["adacos"]
     scale = AdaCosScale(adacos == "dynamic") if adacos else FixedScale(float(full["s"]))
-    own = spec.config(**{f.name: full[f.name] for f in dataclasses.fields(spec.config)})
+    own = spec.config(**{name: full[name] for name in own_keys(spec.name)})
     margin = spec.build(own, scale, full["warmup_steps"])
     margin.gradient = full["gradient"]
     margin.interclass_filter = full["interclass_filter"] or None
@@ -117,9 +143,8 @@ def build_margin(cfg: Mapping[str, Any]) -> Margin:
 
 @dataclass(frozen=True)
 class SchemaKey:
-    """One key of the flat ``margin:`` schema: its annotation, default (None: the type's),
-    bounds (None where the declaring types disagree; ``margin_errors`` checks them) and
-    description."""
+    """One key of a type's ``margin:`` schema: its annotation, default, bounds and
+    description, as its dataclass declares them."""
 
     name: str
     annotation: Any
@@ -128,43 +153,17 @@ class SchemaKey:
     description: str
 
 
-def merge_key(name: str, fields: list[tuple[str, dataclasses.Field, Any]]) -> SchemaKey:
-    """The schema key ``name`` from every type's declaration ``(type, field, annotation)``."""
-    kinds = {str(ann) for _, _, ann in fields}
-    if len(kinds) != 1:
-        raise TypeError(f"margin key {name!r} is declared with several types: {sorted(kinds)}")
-    defaults = {repr(f.default) for _, f, _ in fields}
-    bounds = {f.metadata["bounds"] for _, f, _ in fields}
-    ann = fields[0][2]
-    one = len(defaults) == 1
-    groups: dict[tuple[str, str], list[str]] = {}
-    for kind, f, _ in fields:
-        groups.setdefault((f.metadata["description"], repr(f.default)), []).append(kind)
-    parts = [f"{'/'.join(types)}: {text}" + ("" if one else f" ({_shown(default)})")
-             for (text, default), types in groups.items()]
-    if not one:
-        parts.append("null = the type's default")
-    return SchemaKey(name, ann if one else ann | None, fields[0][1].default if one else None,
-                     bounds.pop() if len(bounds) == 1 else None, "; ".join(parts))
+def _declared(config: type) -> list[SchemaKey]:
+    hints = typing.get_type_hints(config)
+    return [SchemaKey(f.name, hints[f.name], f.default, f.metadata["bounds"],
+                      f.metadata["description"]) for f in dataclasses.fields(config)]
 
 
-def _shown(default_repr: str) -> str:
-    return {"True": "true", "False": "false"}.get(default_repr, default_repr.strip("'"))
-
-
-def schema_keys() -> list[SchemaKey]:
-    """The ``margin:`` section's keys: ``type``, the shared keys, then each type's own in
-    registry order, merged where several types declare one."""
-    out = [SchemaKey("type", MarginType, DEFAULT_TYPE, None, TYPE_DESCRIPTION)]
-    hints = typing.get_type_hints(SharedConfig)
-    out += [SchemaKey(f.name, hints[f.name], f.default, f.metadata["bounds"],
-                      f.metadata["description"]) for f in dataclasses.fields(SharedConfig)]
-    declared: dict[str, list[tuple[str, dataclasses.Field, Any]]] = {}
-    for spec in REGISTRY.values():
-        hints = typing.get_type_hints(spec.config)
-        for f in dataclasses.fields(spec.config):
-            declared.setdefault(f.name, []).append((spec.name, f, hints[f.name]))
-    return out + [merge_key(name, fields) for name, fields in declared.items()]
+def schema_keys(kind: str) -> list[SchemaKey]:
+    """The ``margin:`` section of ``margin.type=kind``: ``type`` (that one name), the shared
+    keys, then the type's own."""
+    return [SchemaKey("type", Literal[kind], kind, None, TYPE_DESCRIPTION),
+            *_declared(SharedConfig), *_declared(REGISTRY[kind].config)]
 
 
 def normface_scale_bound(num_classes: int, p_w: float) -> float:

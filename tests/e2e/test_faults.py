@@ -133,7 +133,7 @@ def test_checkpoint_refuses_non_finite_state(tmp_path, one_rank_group):
         ("optim.lr=.inf", "optim.lr=inf"),
         ("optim.lr=.nan", "optim.lr=nan"),
         ("margin.s=.inf", "margin.s=inf"),
-        ("margin.s=1e30", "less than or equal to 1024"),
+        ("margin.s=1e30", "must be a finite number > 0 and <= 1024"),
         ("schedule.warmup_epochs=-.inf", "schedule.warmup_epochs=-inf"),
     ],
 )

@@ -168,4 +168,4 @@ def test_a_refused_value_names_its_file_and_line(tmp_path, capsys):
     path = _configs(tmp_path, _job(tmp_path, "config.sample_rate = 1.5\n"))
     assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:16: head.sample_rate=1.5: Input should be less than or equal to 1" in err
+    assert f"{path}:16: head.sample_rate=1.5: must be a finite number >= 0 and <= 1" in err

@@ -298,12 +298,13 @@ def test_cli_reads_a_recipe_whose_data_does_not_exist(capsys):
     ("argv", "message"),
     [
         (["--classes", "4", "--gpus", "8"], "--classes=4: fewer classes than --gpus=8"),
-        (["--classes", "100", "--sample-rate", "0"], "--sample-rate=0.0: must be in (0, 1]"),
+        (["--classes", "100", "--sample-rate", "1.5"],
+         "--sample-rate=1.5: must be a finite number >= 0 and <= 1"),
         (["--classes", "100", "--backbone", "vgg"], "--backbone='vgg': unknown"),
         (["--config", "configs/base.yaml"], "--classes: required"),
         (["--classes", "100", "--precision", "fp16"], "--precision=fp16: needs --engine"),
         (["--classes", "100", "--gpus", "8", "--nodes", "2"], "--gpus=8: not --nodes=2 x"),
-        (["--classes", "100", "--subcenters", "0"], "--subcenters=0: must be >= 1"),
+        (["--classes", "100", "--subcenters", "0"], "--subcenters=0: must be an integer >= 1"),
     ],
 )
 def test_cli_impossible_inputs_are_one_line(capsys, argv, message):

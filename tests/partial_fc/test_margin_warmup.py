@@ -65,7 +65,7 @@ def test_head_uses_the_ramp_and_a_checkpoint_resumes_it():
     e, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 4, 5])
     head = PartialFC(8, 10, build_margin(cfg), seed=3)
     plain = PartialFC(8, 10, build_margin({**cfg, "warmup_steps": 0}), seed=3)
-    normface = PartialFC(8, 10, build_margin({**cfg, "type": "normface"}), seed=3)
+    normface = PartialFC(8, 10, build_margin({**cfg, "type": "normface", "m": None}), seed=3)
 
     def loss(h: PartialFC) -> float:
         return h(e, y).item()

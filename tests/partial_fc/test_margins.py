@@ -9,11 +9,9 @@ from partial_fc import build_margin
 from partial_fc.margins import CombinedMargin, SphereFaceMargin
 from partial_fc.scale import AdaCosScale, FixedScale
 
-# What trainer.config's schema passes: every key, whatever the type.
-FULL_CFG = dict(
-    s=64.0, m=0.5, m1=1.0, m2=0.5, m3=0.0, adacos=None, easy_margin=False,
-    lambda_base=1000.0, lambda_gamma=0.12, lambda_power=1.0, lambda_min=5.0,
-)
+# The keys every type reads (partial_fc.margins.keys.SharedConfig), as the schema passes them.
+FULL_CFG = dict(s=64.0, adacos=None, warmup_steps=0, gradient="exact", interclass_filter=0.0,
+                subcenters=1)
 CASES = {
     "normface": dict(type="normface"),
     "sphereface": dict(type="sphereface", m=4, lambda_base=0.0),
@@ -126,10 +124,20 @@ def test_no_nan_or_inf_gradient_at_the_ends(name):
     assert out.dtype == torch.float32
 
 
-def test_build_margin_accepts_the_full_schema_for_every_type():
-    for kind in ("normface", "sphereface", "cosface", "arcface", "combined"):
-        cfg = dict(FULL_CFG, type=kind, m=4 if kind == "sphereface" else 0.5)
-        assert build_margin(cfg).psi(torch.tensor([0.5]), 0).isfinite().all()
+def test_build_margin_refuses_a_key_of_another_type():
+    """The schema holds each type's keys only; ``build_margin`` holds a dict to the same rule
+    (a None value counts as absent)."""
+    with pytest.raises(ValueError, match=r"margin.m1=1.0: only read by margin.type=combined "
+                                         r"\(arcface's own keys: m, easy_margin\)"):
+        build_margin(dict(type="arcface", m1=1.0))
+    assert build_margin(dict(type="arcface", m1=None)).m2 == 0.5
+
+
+def test_build_margin_reads_the_shared_keys_with_every_type():
+    from partial_fc.margins import REGISTRY
+
+    for kind in REGISTRY:
+        build_margin(dict(FULL_CFG, type=kind, adacos="fixed" if kind == "adacos" else None))
     ada = build_margin(dict(FULL_CFG, type="adacos", adacos="fixed"))
     assert isinstance(ada.scale, AdaCosScale) and not ada.scale.dynamic
     arc_dyn = build_margin(dict(FULL_CFG, type="arcface", adacos="dynamic"))

@@ -195,7 +195,7 @@ def test_k_rows_stay_together_in_a_checkpoint_row_block():
     assert auto.tiles.for_device(torch.device("cuda", 0)) == ReferenceTiles(auto.max_tile_bytes, K)
     with pytest.raises(ValueError, match="subcenters=0"):
         PartialFC(D, C, build_margin(ARC), subcenters=0)
-    with pytest.raises(ValueError, match="kernel='triton' has no K-way max"):
+    with pytest.raises(ValueError, match="kernel='triton': the Triton kernels have no K-way max"):
         PartialFC(D, C, build_margin(ARC), subcenters=K, kernel="triton")
 
 

@@ -24,21 +24,33 @@ def test_shipped_config_validates(path):
         assert cfg.name == path.stem and cfg.run_dir == Path("runs") / path.stem
 
 
-def test_recipes_hold_only_differences_from_base():
-    """A recipe key equal to what it inherits would be a silent duplicate of a default."""
-    from trainer.config import Config
+def _merged(base: dict, tree: dict) -> dict:
+    """``tree`` over ``base`` as a recipe's ``base:`` merges (mappings key by key)."""
+    out = dict(base)
+    for key, value in tree.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
-    defaults = Config().model_dump(mode="json")
+
+def test_recipes_hold_only_differences_from_base():
+    """A recipe key equal to what the recipe holds without it (its base's value, or the
+    schema's default: for a margin key, its margin.type's) is a silent duplicate."""
+    from trainer.config import Config
+    from trainer.config.files import load_tree
+
     for path in CONFIGS:
         tree = yaml.safe_load(path.read_text())
         parent = path.parent / tree.pop("base") if "base" in tree else None
-        inherited = (
-            load_config(parent, resolve=False).model_dump(mode="json") if parent else defaults
-        )
+        base = load_tree(parent, {}) if parent else {}
         for section, values in tree.items():
-            items = values.items() if isinstance(values, dict) else [(None, values)]
-            for key, value in items:
-                have = inherited[section] if key is None else inherited[section][key]
+            for key in values if isinstance(values, dict) else [None]:
+                without = {s: v for s, v in tree.items() if s != section}
+                if key is not None:
+                    without[section] = {k: v for k, v in values.items() if k != key}
+                have = Config.model_validate(_merged(base, without)).model_dump(mode="json")
+                have = have[section] if key is None else have[section][key]
+                value = values if key is None else values[key]
                 assert have != value, f"{path.name}: {section}.{key}={value!r} repeats its base"
 
 
@@ -95,10 +107,18 @@ BAD = [
     ({"train": {"batch_size": 1.5}}, [], ["train.batch_size=1.5", "valid integer"]),
     ({"train": {"batch_size": "8"}}, [], ["train.batch_size='8'", "valid integer"]),
     ({"log": {"progress": 1}}, [], ["log.progress=1", "valid boolean"]),
-    ({}, ["margin.type=foo"], ["command line: margin.type='foo'", "'cosface'", "'adacos'"]),
+    ({}, ["margin.type=foo"], ["command line: margin.type='foo': not one of normface|",
+                               "|cosface|", "|adacos|"]),
+    ({}, ["margin.type=arcfce"], ["margin.type='arcfce'", "(did you mean 'arcface'?)"]),
+    (  # a key of another margin type: the types that read it, and this type's own keys
+        {"margin": {"type": "cosface", "ema": 0.1}},
+        [],
+        ["cfg.yaml: margin.ema=0.1: only read by margin.type=adaface|curricularface "
+         "(cosface's own keys: m)"],
+    ),
     ({}, ["engine.zero_stage=3"], ["engine.zero_stage=3", "0, 1 or 2"]),
-    ({}, ["head.sample_rate=-0.5"], ["head.sample_rate=-0.5", "greater than or equal to 0"]),
-    ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5", "less than or equal to 1"]),
+    ({}, ["head.sample_rate=-0.5"], ["head.sample_rate=-0.5: must be a finite number >= 0"]),
+    ({}, ["head.sample_rate=1.5"], ["head.sample_rate=1.5: must be a finite number >= 0 and <= 1"]),
     ({}, ["optim.betas=[0.9]"], ["optim.betas=[0.9]", "at least 2"]),
     ({}, ["lr=0.1"], ["command line: lr: unknown key"]),
     ({}, ["optim.lrr=0.1"],
@@ -113,7 +133,13 @@ BAD = [
         [],
         ["cfg.yaml: margin.m=0.5: sphereface needs an integer >= 1"],
     ),
-    ({}, ["margin.m=3.2"], ["margin.m=3.2: arcface needs a finite number >= 0 and < pi"]),
+    (
+        {"margin": {"type": "sphereface", "m": 2.5}},
+        [],
+        ["cfg.yaml: margin.m=2.5: sphereface needs an integer >= 1"],
+    ),
+    ({}, ["margin.m=3.2"], ["command line: margin.m=3.2: arcface needs a finite number >= 0 "
+                            "and < pi"]),
     ({"margin": {"type": "adacos"}}, [], ["margin.adacos=None", "fixed|dynamic"]),
     (
         {"margin": {"type": "adacos", "adacos": "dynamic"}, "train": {"grad_accum": 4}},
@@ -126,7 +152,7 @@ BAD = [
     ({}, ["backbone.depth=3"], ["command line: backbone.depth=3: a positive block count for "
                                 "vit_* only"]),
     ({}, ["optim.decay=some"], ["optim.decay='some'", "'all' or 'weights'"]),
-    ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1", "greater than or equal to 0"]),
+    ({}, ["margin.warmup_steps=-1"], ["margin.warmup_steps=-1: must be an integer >= 0"]),
     (  # a rule of partial_fc.margins, reported by the config check
         {"margin": {"type": "combined", "m1": 2.0, "m2": 0.5, "easy_margin": True}},
         [],
@@ -361,11 +387,11 @@ def test_observe_reads_the_gpus_from_torch(monkeypatch):
 
 def test_help_lists_every_key_with_its_description(capsys):
     """``launch.train --help`` is generated from the schema: every key has a description and
-    appears with its type and default."""
+    appears with its type and default; a margin type's own keys under ``margin.type=TYPE:``."""
     from pydantic import BaseModel
 
     from launch.train import parse_args
-    from trainer.config import Config
+    from trainer.config import MARGIN_MODELS, Config
 
     keys = {}
     for name, field in Config.model_fields.items():
@@ -375,7 +401,7 @@ def test_help_lists_every_key_with_its_description(capsys):
             for key, sub in section.model_fields.items():
                 assert sub.description, f"{name}.{key}: Field(description=...) missing"
                 keys[f"{name}.{key}"] = sub.description
-        else:
+        elif name != "margin":
             keys[name] = field.description
     with pytest.raises(SystemExit) as done:
         parse_args(["--help"])
@@ -392,47 +418,58 @@ def test_help_lists_every_key_with_its_description(capsys):
     assert lines[shown["margin.type"]].endswith("|elasticface_cos_plus = arcface")
     assert lines[shown["train.max_steps"]] == "  train.max_steps: int (> 0) | null = null"
     assert lines[shown["optim.betas"]].endswith("(length 2) = [0.9, 0.999]")
+    shared = MARGIN_MODELS["normface"].model_fields
+    for key in shared:
+        assert f"margin.{key}" in shown, key
+    for kind, model in MARGIN_MODELS.items():  # each type's own keys, under its heading
+        own = [k for k in model.model_fields if k not in shared]
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(f"  margin.type={kind}:"))
+        block = [ln.strip() for ln in lines[at + 1:] if ln.startswith("    margin.")]
+        assert [ln.split(":")[0] for ln in block[:len(own)]] == [f"margin.{k}" for k in own]
+        if own:
+            default = model.model_fields[own[0]].default
+            assert block[0].endswith(f"= {'true' if default is True else default}"), block[0]
+    sphere = lines.index("  margin.type=sphereface:")
+    assert lines[sphere + 1] == "    margin.m: float (>= 1) = 4"
 
 
-def test_margin_schema_holds_exactly_build_margins_keys():
-    """MarginConfig declares the keys the margin registry names (plus p_w), no more, no less;
-    its types are the registry's."""
+def test_margin_schema_is_one_model_per_registered_type():
+    """The margin section holds, for each type of the registry, exactly the keys that type's
+    margin reads (plus p_w), no more: a key of another type is refused."""
     from pydantic import ValidationError
 
-    from partial_fc.margins.registry import MARGIN_KEYS, MARGIN_TYPES
-    from trainer.config import MarginConfig
+    from partial_fc.margins.registry import MARGIN_TYPES, SHARED_KEYS, own_keys
+    from trainer.config import MARGIN_MODELS, Config
 
-    assert set(MarginConfig.model_fields) == MARGIN_KEYS | {"p_w"}
-    for kind in MARGIN_TYPES:  # each listed type is accepted (a refusal raises) ...
-        MarginConfig(type=kind)
-    with pytest.raises(ValidationError, match="'elasticface_cos_plus'"):  # ... and no other
-        MarginConfig(type="focal")
+    assert tuple(MARGIN_MODELS) == MARGIN_TYPES
+    for kind, model in MARGIN_MODELS.items():
+        assert set(model.model_fields) == {"type", *SHARED_KEYS, *own_keys(kind), "p_w"}, kind
+        assert Config.model_validate({"margin": {"type": kind}}).margin.type == kind
+    with pytest.raises(ValidationError, match="union_tag_invalid|does not match"):
+        Config.model_validate({"margin": {"type": "focal"}})
+    with pytest.raises(ValidationError, match="extra"):
+        Config.model_validate({"margin": {"type": "cosface", "h": 0.3}})
+    assert Config.model_validate({"margin": {"type": "adaface", "h": 0.3}}).margin.h == 0.3
 
 
 def test_margin_schema_defaults_are_the_registrys():
-    """Every default of the margin section comes from the registry: a key every declaring
-    type agrees on has that default, any other is null, and what the margin reads from the
-    schema's defaults is its type's dataclass defaults."""
+    """Every default of every type's margin section is its registry declaration's (the
+    type's dataclass, the shared keys'), and what the margin reads from the schema's defaults
+    is exactly those."""
     import dataclasses
 
     from partial_fc.margins.keys import SharedConfig
     from partial_fc.margins.registry import REGISTRY, effective
-    from trainer.config import MarginConfig
+    from trainer.config import MARGIN_MODELS
 
-    declared: dict[str, set] = {}
-    for spec in REGISTRY.values():
-        for f in dataclasses.fields(spec.config):
-            declared.setdefault(f.name, set()).add(repr(f.default))
-    for f in dataclasses.fields(SharedConfig):
-        declared[f.name] = {repr(f.default)}
-    for name, defaults in declared.items():
-        want = eval(defaults.pop()) if len(defaults) == 1 else None  # noqa: S307 - reprs
-        assert MarginConfig.model_fields[name].default == want, name
     for kind, spec in REGISTRY.items():
-        read = effective(MarginConfig(type=kind).model_dump(exclude={"p_w"}))
-        own = {f.name: f.default for f in dataclasses.fields(spec.config)}
-        assert {k: read[k] for k in own} == own, kind
-        assert read["s"] == SharedConfig.s, kind
+        fields = MARGIN_MODELS[kind].model_fields
+        declared = [*dataclasses.fields(SharedConfig), *dataclasses.fields(spec.config)]
+        for f in declared:
+            assert fields[f.name].default == f.default, (kind, f.name)
+            assert fields[f.name].description == f.metadata["description"], (kind, f.name)
+        read = effective(MARGIN_MODELS[kind]().model_dump(exclude={"p_w"}))
+        assert read == {"type": kind, **{f.name: f.default for f in declared}}, kind
 
 
 def test_data_dirs_sum_their_manifests_and_check_each(tmp_path):

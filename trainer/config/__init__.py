@@ -42,6 +42,7 @@ from trainer.config.machine import Machine
 from trainer.config.on_disk import path_errors, read_data_manifest
 from trainer.config.pace import cpu_pace_warning
 from trainer.config.schema import (
+    MARGIN_MODELS,
     BackboneConfig,
     CheckpointConfig,
     Config,
@@ -65,7 +66,7 @@ from trainer.config.schema import (
 __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
     "DistConfig", "DistillConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig",
-    "Machine",
+    "MARGIN_MODELS", "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
     "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
     "resume_drift", "run_folder", "theory_warnings",

@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from partial_fc.margins.registry import effective, margin_errors, margin_warnings
+from partial_fc.head_checks import triton_subcenters_rule
+from partial_fc.margins.registry import effective, margin_errors, margin_warnings, read_keys
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
 
@@ -26,6 +27,15 @@ if TYPE_CHECKING:
 # The rendezvous (TCPStore) and the first collectives take seconds on a loaded node; a
 # timeout below this ends healthy runs at start-up with torch's traceback.
 MIN_TIMEOUT_S = 5.0
+
+
+def fp16_engine_rule(engine: str, precision: str, engine_key: str = "engine.type") -> str | None:
+    """Why ``precision`` cannot train on ``engine`` (``engine_key``: how the caller spells
+    that setting; ``launch.plan`` says ``--engine``), or None: fp16 needs DeepSpeed's loss
+    scaler, and the DDP engine has none (it autocasts to bf16 only)."""
+    if engine == "ddp" and precision == "fp16":
+        return f"needs {engine_key}=deepspeed (its loss scaler; DDP has none)"
+    return None
 
 
 def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
@@ -46,11 +56,10 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
         if cfg.engine.type != "ddp" and value != default:
             out.append((f"engine.{key}", f"engine.{key}={value!r}: a DDP setting; needs "
                         f"engine.type=ddp (or {key}={default!r})"))
-    if cfg.engine.type == "ddp" and cfg.engine.precision == "fp16":
-        out.append(("engine.precision", "engine.precision='fp16': needs engine.type=deepspeed"))
-    if m.subcenters > 1 and cfg.head.kernel == "triton":
-        out.append(("head.kernel", f"head.kernel='triton': the Triton kernels have no K-way max "
-                    f"for margin.subcenters={m.subcenters} (use head.kernel=auto or torch)"))
+    if broken := fp16_engine_rule(cfg.engine.type, cfg.engine.precision):
+        out.append(("engine.precision", f"engine.precision='fp16': {broken}"))
+    if broken := triton_subcenters_rule(cfg.head.kernel, m.subcenters, "margin.subcenters"):
+        out.append(("head.kernel", f"head.kernel='triton': {broken}"))
     if (
         cfg.engine.type == "deepspeed"
         and cfg.engine.precision in ("fp16", "bf16")
@@ -334,10 +343,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def _margin_as_read(tree: dict) -> dict:
     """``tree`` with its margin section as the margin reads it (``partial_fc.margins``'
-    ``effective``: the type's keys, defaults filled), so that keys of other types and a null
-    meaning the default that was then in force compare equal; left as written when the
-    section is not valid today."""
-    margin = {k: v for k, v in (tree.get("margin") or {}).items() if k != "p_w"}
+    ``effective``: the type's keys, defaults filled), so that the other types' keys a
+    checkpoint's flat section held and a null meaning the default that was then in force
+    compare equal; left as written when the section is not valid today."""
+    margin = read_keys({k: v for k, v in (tree.get("margin") or {}).items() if k != "p_w"})
     if not margin or margin_errors(margin):
         return tree
     return {**tree, "margin": {**effective(margin), "p_w": tree["margin"].get("p_w")}}

@@ -24,8 +24,15 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from partial_fc.margins.keys import SharedConfig
-from partial_fc.margins.registry import DEFAULT_TYPE, REGISTRY, effective
-from trainer.config.schema import Config, ConfigError
+from partial_fc.margins.registry import (
+    DEFAULT_TYPE,
+    MARGIN_TYPES,
+    REGISTRY,
+    effective,
+    foreign_key_error,
+    margin_errors,
+)
+from trainer.config.schema import MARGIN_MODELS, Config, ConfigError, tagged_sections
 
 CLI = "command line"
 # The margin keys that stay when the command line changes margin.type: those of every type
@@ -195,11 +202,11 @@ def retype_margin(tree: dict, origin: dict[str, str], recipe_type: Any) -> str |
 
 def _nullable(dotted: str) -> bool:
     """Whether the schema's ``dotted`` key takes null (an unknown key: yes, so that the
-    schema names it)."""
+    schema names it; a margin key: where any type that reads it takes null)."""
     *parents, leaf = dotted.split(".")
-    model = _model_at(tuple(parents))
-    field = model.model_fields.get(leaf) if model else None
-    return field is None or type(None) in typing.get_args(field.annotation)
+    _, holders = _holders((*parents, leaf), tagged=False)
+    fields = [m.model_fields[leaf] for m in holders if leaf in m.model_fields]
+    return not fields or any(type(None) in typing.get_args(f.annotation) for f in fields)
 
 
 def _remove(tree: dict, dotted: str, origin: dict[str, str]) -> None:
@@ -226,38 +233,77 @@ def source_of(origin: dict[str, str], dotted: str, default: str) -> str:
     return default
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Config
-    for part in loc:
-        field = model.model_fields.get(part) if model else None
-        ann = field.annotation if field else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return model
+def _holders(loc: tuple[str, ...], tagged: bool) -> tuple[tuple[str, ...], list[type[BaseModel]]]:
+    """``loc`` as the user writes it, and the models that may hold its last key. In a
+    pydantic error's loc (``tagged``) the margin section's type follows ``margin``
+    (``margin.cosface.m``) and picks its model; a user's key holds no tag: every type's model
+    may hold it."""
+    keys: list[str] = []
+    models: list[type[BaseModel]] = [Config]
+    holders: list[type[BaseModel]] = []
+    rest = list(loc)
+    while rest:
+        part, holders, models = rest.pop(0), models, []
+        keys.append(part)
+        for model in holders:
+            field = model.model_fields.get(part)
+            ann = field.annotation if field else None
+            members = tagged_sections(ann)
+            if members and tagged and rest:
+                models.append(members[rest.pop(0)])
+            elif members:
+                models += members.values()
+            elif isinstance(ann, type) and issubclass(ann, BaseModel):
+                models.append(ann)
+    return tuple(keys), holders
+
+
+def _margin_type(model: type[BaseModel]) -> str | None:
+    """The margin type whose section ``model`` is, or None."""
+    return next((kind for kind, m in MARGIN_MODELS.items() if m is model), None)
 
 
 def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> list[str]:
     """pydantic's errors as report lines, each naming the file that set the key; an unknown
-    key lists the valid keys of its section."""
+    key lists the valid keys of its section, a margin key of another type names the types
+    that read it."""
     lines = []
     for e in err.errors():
-        loc = tuple(str(p) for p in e["loc"])
-        dotted = ".".join(loc)
+        keys, holders = _holders(tuple(str(p) for p in e["loc"]), tagged=True)
+        dotted = ".".join(keys)
         src = source_of(origin, dotted, top)
-        if e["type"] == "extra_forbidden":
-            parent = _model_at(loc[:-1])
-            keys = list(parent.model_fields) if parent else []
-            near = difflib.get_close_matches(loc[-1], keys, n=1)
-            hint = f"did you mean {'.'.join((*loc[:-1], near[0]))}? " if near else ""
-            lines.append(f"{src}: {dotted}: unknown key ({hint}valid keys: "
-                         f"{', '.join(keys) or 'none'})")
+        if e["type"] == "union_tag_invalid":  # the margin section's type: the registry's rule
+            value = e["input"].get("type")
+            ((key, msg),) = margin_errors({"type": value})
+            near = difflib.get_close_matches(str(value), MARGIN_TYPES, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            lines.append(f"{source_of(origin, key, top)}: {msg}{hint}")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{src}: {_extra_key(keys, holders[0] if holders else None, e)}")
         else:
             value = e.get("input")
             given = "<missing>" if e["type"] == "missing" else repr(value)
-            lines.append(f"{src}: {dotted}={given}: {e['msg']}{_hint(e, loc)}")
+            # A rule partial_fc states (a validator's ValueError): its own words, not pydantic's
+            # "Value error, " before them.
+            msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+            lines.append(f"{src}: {dotted}={given}: {msg}{_hint(e, keys, holders)}")
     return lines
 
 
-def _hint(error: dict, loc: tuple[str, ...]) -> str:
+def _extra_key(keys: tuple[str, ...], parent: type[BaseModel] | None, error: dict) -> str:
+    """The line of a key its section does not hold: a margin key of another type names the
+    types that read it (the registry's rule); any other, the section's keys."""
+    kind = _margin_type(parent) if parent else None
+    foreign = foreign_key_error(kind, keys[-1], error["input"]) if kind else None
+    if foreign:
+        return foreign[1]
+    known = list(parent.model_fields) if parent else []
+    near = difflib.get_close_matches(keys[-1], known, n=1)
+    hint = f"did you mean {'.'.join((*keys[:-1], near[0]))}? " if near else ""
+    return f"{'.'.join(keys)}: unknown key ({hint}valid keys: {', '.join(known) or 'none'})"
+
+
+def _hint(error: dict, keys: tuple[str, ...], holders: list[type[BaseModel]]) -> str:
     """What follows pydantic's message: the nearest choice of a mistyped enum value, or an
     example of the type a value did not parse as (the key's default)."""
     value = error.get("input")
@@ -267,12 +313,9 @@ def _hint(error: dict, loc: tuple[str, ...]) -> str:
         return f" (did you mean {near[0]!r}?)" if near else ""
     if not error["type"].endswith(("_parsing", "_type")):
         return ""
-    model = _model_at(loc[:-1])
-    field = model.model_fields.get(loc[-1]) if model else None
+    field = holders[0].model_fields.get(keys[-1]) if holders else None
     default = field.get_default(call_default_factory=True) if field else None
     if default is None or default == [] or isinstance(default, BaseModel):
         return ""
     shown_default = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...")
-    return f" (e.g. {'.'.join(loc)}={shown_default.strip()})"
-
-
+    return f" (e.g. {'.'.join(keys)}={shown_default.strip()})"

@@ -1,23 +1,35 @@
 """The config schema: every key, its type, bounds, default and description, in one place.
 
 The pydantic models below are the ONLY source of defaults; YAML files hold differences
-(:mod:`trainer.config.files` reads them). The schema alone refuses unknown keys, wrong types and
-out-of-range values; what needs several keys, the data or the machine is checked in
-:mod:`trainer.config.checks`. :func:`describe_keys` turns the schema into the key reference
-``python -m launch.train --help`` prints, so that reference cannot drift from the defaults.
+(:mod:`trainer.config.files` reads them). The ``margin:`` section is one model per
+``margin.type``, generated from ``partial_fc.margins``' registry, and ranges partial_fc states
+(``head.sample_rate``, the margin keys') are checked by its rules, in its words. The schema
+alone refuses unknown keys, a margin key of another type, wrong types and out-of-range values;
+what needs several keys, the data or the machine is checked in :mod:`trainer.config.checks`.
+:func:`describe_keys` turns the schema into the key reference ``python -m launch.train --help``
+prints, so that reference cannot drift from the defaults.
 """
 
 from __future__ import annotations
 
+import math
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
-from partial_fc.margins.registry import SchemaKey, schema_keys
+from partial_fc.head_checks import SAMPLE_RATE
+from partial_fc.margins.keys import Bounds
+from partial_fc.margins.registry import (
+    DEFAULT_TYPE,
+    MARGIN_TYPES,
+    SchemaKey,
+    own_keys,
+    schema_keys,
+)
 from partial_fc.tiles import KERNELS
 from trainer.errors import Refused
 
@@ -139,28 +151,63 @@ class BackboneConfig(_Section):
                 "depth": self.depth, "drop_path": self.drop_path, "mask_ratio": self.mask_ratio}
 
 
-def _margin_field(key: SchemaKey) -> tuple[Any, Any]:
-    """A ``margin:`` field from the registry's key: its bounds (where every type that
-    declares it agrees) as pydantic constraints."""
+def _bounded(kind: Any, bounds: Bounds, need: str = "must be") -> Any:
+    """``kind`` held to ``bounds``, a range partial_fc declares with its rule: the value gets
+    that rule's message (``need``: its first words), ``--help`` shows the range."""
+    def check(value: Any) -> Any:
+        broken = None if value is None else bounds.rule(value, need)
+        if broken:
+            raise ValueError(broken)
+        return value
+
+    return Annotated[kind, bounds, AfterValidator(check)]
+
+
+def _margin_field(key: SchemaKey, kind: str) -> tuple[Any, Any]:
+    """A ``margin:`` field of type ``kind`` from the registry's key, its bounds checked with
+    the registry's message (``kind needs ...`` for the type's own keys)."""
     ann, b = key.annotation, key.bounds
-    if b is not None and (b.ge, b.gt, b.le, b.lt) != (None,) * 4:
-        inner = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
-        bounded = Annotated[inner[0], Field(ge=b.ge, gt=b.gt, le=b.le, lt=b.lt)]
-        ann = bounded | None if type(None) in typing.get_args(ann) else bounded
+    if b is not None and b != Bounds():
+        need = f"{kind} needs" if key.name in own_keys(kind) else "must be"
+        ann = _bounded(ann, b, need)
     return ann, Field(key.default, description=key.description)
 
 
-# The margin section: generated from partial_fc.margins' registry (every type's keys, their
-# defaults, bounds and descriptions), plus p_w, a validation-only knob. The rules that tie keys
-# together (partial_fc.margins.registry.margin_errors) are reported by the config check.
-MarginConfig = create_model(
-    "MarginConfig", __base__=_Section, __doc__="Passed to ``partial_fc.build_margin`` minus "
-    "``p_w``; generated from ``partial_fc.margins.REGISTRY``.",
-    **{key.name: _margin_field(key) for key in schema_keys()},
-    p_w=(Annotated[float, Field(gt=0, lt=1)], Field(
-        0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
-        "checked against (a warning only; not passed to the margin)")),
-)
+P_W = (Annotated[float, Field(gt=0, lt=1)], Field(
+    0.9, description="target-class probability the NormFace/CosFace bound on margin.s is "
+    "checked against (a warning only; not passed to the margin)"))
+
+
+def _margin_model(kind: str) -> type[_Section]:
+    """The ``margin:`` section of ``margin.type=kind``, generated from its registry entry (the
+    shared keys and the type's own: defaults, bounds, descriptions), plus ``p_w``."""
+    return create_model(
+        f"MarginConfig[{kind}]", __base__=_Section, __doc__="Passed to "
+        f"``partial_fc.build_margin`` minus ``p_w``; generated from ``REGISTRY[{kind!r}]``.",
+        **{key.name: _margin_field(key, kind) for key in schema_keys(kind)}, p_w=P_W)
+
+
+MARGIN_MODELS: dict[str, type[_Section]] = {kind: _margin_model(kind) for kind in MARGIN_TYPES}
+
+
+def _margin_tag(value: Any) -> Any:
+    """The model a ``margin:`` value is validated by: its ``type`` (absent: the default type;
+    not a mapping: the default type's model, which refuses it)."""
+    if isinstance(value, BaseModel):
+        return value.type
+    tag = value.get("type", DEFAULT_TYPE) if isinstance(value, dict) else DEFAULT_TYPE
+    return tag if isinstance(tag, str) else repr(tag)
+
+
+# The margin section: one model per margin.type, chosen by the section's own type key, so that
+# a key of another type is refused (trainer.config.files names the type that reads it). The
+# rules that tie keys together (partial_fc.margins.registry.margin_errors) are reported by the
+# config check.
+MarginConfig = Annotated[
+    typing.Union[tuple(Annotated[model, Tag(kind)]  # noqa: UP007 - built from a tuple
+                       for kind, model in MARGIN_MODELS.items())],
+    Discriminator(_margin_tag),
+]
 
 
 class LossConfig(_Section):
@@ -177,7 +224,7 @@ class LossConfig(_Section):
 
 
 class HeadConfig(_Section):
-    sample_rate: Annotated[float, Field(ge=0, le=1)] = Field(
+    sample_rate: _bounded(float, SAMPLE_RATE) = Field(  # type: ignore[valid-type]
         1.0, description="share of the classes (the batch's own always included) each step's "
         "softmax is computed over (Partial FC); 1 = all, 0 = the batch's own only"
     )
@@ -396,7 +443,8 @@ class Config(_Section):
     )
     data: DataConfig = _section(DataConfig, "the training data")
     backbone: BackboneConfig = _section(BackboneConfig, "the embedding network")
-    margin: MarginConfig = _section(MarginConfig, "the margin-softmax loss")
+    margin: MarginConfig = _section(MARGIN_MODELS[DEFAULT_TYPE], "the margin-softmax loss; "
+                                    "margin.type picks which keys are read")
     loss: LossConfig = _section(LossConfig, "auxiliary loss terms")
     head: HeadConfig = _section(HeadConfig, "the class-sharded classifier (Partial FC)")
     optim: OptimConfig = _section(OptimConfig, "the optimiser")
@@ -432,13 +480,13 @@ def dump_config(cfg: Config) -> str:
 
 
 def describe_keys(width: int = 92) -> str:
-    """Every config key with its type, default and description, grouped by section: the
-    reference ``python -m launch.train --help`` prints, generated from the schema."""
+    """Every config key with its type, default and description, grouped by section (the
+    margin's: the keys every type reads, then each type's own): the reference
+    ``python -m launch.train --help`` prints, generated from the schema."""
     lines: list[str] = []
     top = Config.model_fields
     for name, field in top.items():
-        section = _section_model(field.annotation)
-        if section is None:
+        if _section_model(field.annotation) is None and not tagged_sections(field.annotation):
             lines += _describe(name, field, width)
     for name, field in top.items():
         section = _section_model(field.annotation)
@@ -446,7 +494,29 @@ def describe_keys(width: int = 92) -> str:
             lines += ["", f"{name}: {field.description}"]
             for key, sub in section.model_fields.items():
                 lines += _describe(f"{name}.{key}", sub, width)
+        elif members := tagged_sections(field.annotation):
+            lines += ["", f"{name}: {field.description}", *_describe_union(name, field, members,
+                                                                           width)]
     return "\n".join(lines)
+
+
+def _describe_union(name: str, field: Any, members: dict[str, type[_Section]],
+                    width: int) -> list[str]:
+    """A section whose ``type`` key picks its model (``margin``): the choices, the keys every
+    model holds, then each model's own under ``name.type=TAG:``."""
+    first = type(field.get_default(call_default_factory=True)).model_fields
+    common = [k for k in first
+              if k != "type" and all(k in m.model_fields for m in members.values())]
+    lines = _describe(f"{name}.type", first["type"], width, Literal[tuple(members)])
+    for key in common:
+        lines += _describe(f"{name}.{key}", first[key], width)
+    for kind, model in members.items():
+        own = [k for k in model.model_fields if k != "type" and k not in common]
+        lines.append(f"  {name}.type={kind}:" + ("" if own else " no keys of its own"))
+        for key in own:
+            lines += ["  " + line for line in _describe(f"{name}.{key}", model.model_fields[key],
+                                                         width - 2)]
+    return lines
 
 
 def _section_model(annotation: Any) -> type[_Section] | None:
@@ -454,10 +524,25 @@ def _section_model(annotation: Any) -> type[_Section] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, _Section) else None
 
 
-def _describe(key: str, field: Any, width: int) -> list[str]:
+def tagged_sections(annotation: Any) -> dict[str, type[_Section]]:
+    """The models of a section that is a union discriminated by a tag (``margin``), by tag;
+    empty for any other annotation."""
+    out = {}
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is Annotated:
+            model, *meta = typing.get_args(arg)
+            tags = [m.tag for m in meta if isinstance(m, Tag)]
+            if tags and _section_model(model):
+                out[tags[0]] = model
+    return out
+
+
+def _describe(key: str, field: Any, width: int, annotation: Any = None) -> list[str]:
+    """``key``'s line (type, bounds, default) and its description; ``annotation``: shown
+    instead of the field's."""
     import textwrap
 
-    kind = _type_name(field.annotation) + _bounds(field.metadata)
+    kind = _type_name(annotation or field.annotation) + _bounds(field.metadata)
     head = f"  {key}: {kind} = {_yaml_value(field.get_default(call_default_factory=True))}"
     return [head, *textwrap.wrap(field.description, width, initial_indent=" " * 6,
                                  subsequent_indent=" " * 6)]
@@ -494,7 +579,8 @@ def _bounds(metadata: Any) -> str:
         for bound in getattr(item, "metadata", [item]):
             for attr, symbol in symbols.items():
                 if getattr(bound, attr, None) is not None:
-                    parts.append(f"{symbol} {getattr(bound, attr)}")
+                    value = getattr(bound, attr)
+                    parts.append(f"{symbol} {'pi' if value == math.pi else value}")
             if getattr(bound, "min_length", None) is not None:  # betas: min == max
                 parts.append(f"length {bound.min_length}")
     return f" ({', '.join(parts)})" if parts else ""
