@@ -53,7 +53,7 @@ def _one_vote(engine, finite: bool) -> dict:
             emb = backend.model(x)
         own = backend.last_backward(emb.float().square().mean())
     flag = torch.tensor(finite) if own is None else own & torch.tensor(finite)
-    verdict = Verdict.agree(flag, torch.tensor(True), StopRequest(), group=None)
+    verdict = Verdict.agree(flag, StopRequest(), group=None)
     update = backend.update(verdict, 0)
     return {"own_flag": None if own is None else bool(own), "applied": update.applied,
             "overflow": update.overflow, "norm_finite": bool(torch.isfinite(
