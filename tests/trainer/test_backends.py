@@ -10,7 +10,6 @@ overflows, bad steps and stop requests from its fields.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 
@@ -140,11 +139,10 @@ def test_the_loop_counts_steps_from_the_step_result(tmp_path, one_rank_group):
     assert seen == [StopRequest(), StopRequest(), signal_10]  # the agreed one, after its step
     assert (run.skipped_steps, run.bad_steps, run.bad_in_a_row) == (1, 1, 0)
     one_step(run, [])
-    with pytest.raises(Diverged):
+    with pytest.raises(RuntimeError) as diverged:  # a failed run: its builtin base
         one_step(run, [])
+    assert type(diverged.value) is Diverged
     assert (run.step, run.bad_steps, run.bad_in_a_row) == (5, 3, 2)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        results[0].skipped = False
 
 
 @pytest.mark.parametrize("apply", [True, False])
