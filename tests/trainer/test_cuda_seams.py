@@ -104,12 +104,13 @@ def test_checkpoint_puts_the_cuda_generator_back_where_it_was_saved(tmp_path, on
     runs the real one on a GPU."""
     from trainer import checkpoint
 
-    state = {"cuda:0": torch.arange(16, dtype=torch.uint8)}
+    state = {"cuda:0": torch.arange(16, dtype=torch.uint8)}  # GPU 0's generator
 
     def get_rng_state(device):
-        return state[str(torch.device(device))].clone()
+        return state[str(torch.device(device))].clone()  # KeyError off GPU 0, as torch raises
 
     def set_rng_state(new, device):
+        get_rng_state(device)
         state[str(torch.device(device))] = new.clone()
 
     monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
