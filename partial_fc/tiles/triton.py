@@ -299,11 +299,12 @@ def clamp_constexpr(nontarget: NonTarget | None) -> float:
     head runs them on the reference (``Margin.torch_path_reason``)."""
     if nontarget is None:
         return 0.0
-    other = (nontarget.hard_above, nontarget.t, nontarget.tau, nontarget.hard_rows)
-    if any(x is not None for x in other) or not 0 < (nontarget.clamp or 0) < 1:
-        raise ValueError(f"tiles.triton: {nontarget}: of the non-target transforms the "
-                         "kernels apply only a clamp of eps in (0, 1); use "
-                         "partial_fc.tiles.reference for the others")
+    other = [k for k in ("hard_above", "t", "tau", "hard_rows")
+             if getattr(nontarget, k) is not None]
+    if other or not 0 < (nontarget.clamp or 0) < 1:
+        raise ValueError(f"tiles.triton: a non-target transform with {other or ['no clamp']} "
+                         f"(clamp={nontarget.clamp}): the kernels apply only a clamp of eps "
+                         "in (0, 1); use partial_fc.tiles.reference for the others")
     return float(nontarget.clamp)
 
 
