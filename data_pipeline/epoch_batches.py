@@ -53,10 +53,16 @@ class EpochBatches(Protocol):
     ``storage`` what that cost since the loader was made (:class:`StorageWait`).
     Implementations subclass it and set ``_len`` and ``_batches`` for the two methods it
     defines.
+
+    ``num_classes``: every label it yields lies in ``[0, num_classes)``; a sample whose label
+    does not is refused (a ``DataError`` naming its shard and key) before its batch is
+    yielded, never handed on. The trainer's head relies on it and skips its own range check
+    (``PartialFC.forward``'s ``trusted_labels``).
     """
 
     _len: int
     _batches: int
+    num_classes: int
     epoch: int
     num_skipped: int
     num_padded: int

@@ -171,6 +171,7 @@ class _ShardLoader(EpochBatches):
         self.folder = open_folder(data_dir, streaming.retry)
         self.data_dir = self.folder if isinstance(self.folder, Path) else self.folder.shown
         self.manifest = read_manifest(self.folder)
+        self.num_classes = self.manifest.num_classes  # each label is checked against it
         self.reader = (stages.LocalShards(self.folder, self.manifest.shards)
                        if isinstance(self.folder, Path) else
                        RemoteShards(self.folder, self.manifest.shards, streaming))

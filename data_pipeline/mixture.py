@@ -71,7 +71,7 @@ class MixedLoader(EpochBatches):
                         num_workers=max(1, round(num_workers * b / batch_size))
                         if num_workers else 0, **options)
             for d, b, x in zip(data_dirs, shares, excludes, strict=True)]
-        self.offsets = np.cumsum([0] + [m.num_classes for m in manifests]).tolist()
+        self.offsets = np.cumsum([0] + [s.num_classes for s in self.sets]).tolist()
         self.num_classes = self.offsets[-1]
         self.batch_size, self.with_keys, self.pin_memory = batch_size, with_keys, pin_memory
         self.deferred_flip = options.get("flip") == "deferred"  # sets yield their flip bits

@@ -43,7 +43,7 @@ from partial_fc.margins import Margin
 from partial_fc.margins.step import MarginBatch
 from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
-from partial_fc.rows import SampledRows, check_label_range
+from partial_fc.rows import SampledRows
 from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.step_terms import finish, step_terms
@@ -93,8 +93,8 @@ class PartialFC(nn.Module):
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks; ranks may pass different
-    ``n_local``. A loop that must not wait for the device passes ``sizes`` and
-    ``defer_label_check`` (see ``forward``).
+    ``n_local``. A loop that must not wait for the device passes ``sizes`` and, when its
+    data source has already refused out-of-range labels, ``trusted_labels`` (see ``forward``).
 
     State (``state_dict``): ``weight`` ``[K * num_local, D]`` (this rank's rows, classes
     ``class_start ..``); ``step`` (training forwards so far, replicated, a host int saved as
@@ -162,7 +162,7 @@ class PartialFC(nn.Module):
         self._plan: StepSample | None = None  # from begin_step, until the next pop
         self._draws = 0  # training forwards of the planned step so far (margin draws)
         self.sampled_index: Tensor | None = None  # rows used by the last forward; None = all
-        self._ledger = RowLedger(k * self.num_local, sample_rate, num_classes)
+        self._ledger = RowLedger(k * self.num_local, sample_rate)
 
     @property
     def row_start(self) -> int:
@@ -182,8 +182,8 @@ class PartialFC(nn.Module):
                 + (f", subcenters={self.subcenters}" if self.subcenters > 1 else ""))
 
     def pop_sampled_rows(self) -> SampledRows:
-        """The rows the forwards (with grad enabled) since the last call used, and the labels
-        of those run with ``defer_label_check=True``, for ``head_opt.step(rows)``. Call it
+        """The rows the forwards (with grad enabled) since the last call used, for
+        ``head_opt.step(rows)``. Call it
         once per step, also a skipped one (then drop the value): once a loop has popped, a
         forward that finds rows pending whose gradient was cleared raises, since those rows
         would be updated with the next step. After one forward ``rows.index`` is the
@@ -253,7 +253,7 @@ class PartialFC(nn.Module):
         return out
 
     def forward(self, embeddings: Tensor, labels: Tensor, sizes: Sequence[int] | None = None,
-                defer_label_check: bool = False) -> Tensor:
+                trusted_labels: bool = False) -> Tensor:
         """The loss of the global batch (see the class docstring); collective.
 
         ``sizes``: every rank's ``n_local`` in rank order, when the caller knows them (the
@@ -261,9 +261,12 @@ class PartialFC(nn.Module):
         rank alone and the metadata all-gather, which the host must read, is skipped. A rank
         whose inputs do not match raises alone (the others wait in the next collective until
         the process group's timeout), so pass ``sizes`` only where a mismatch is a bug.
-        ``defer_label_check``: instead of reading the host to check the label range here,
-        keep the gathered labels in the next :meth:`pop_sampled_rows` value, whose
-        ``labels_ok()`` / ``raise_label_error()`` the caller must use.
+        ``trusted_labels``: the caller vouches that every label lies in ``[0, num_classes)``,
+        and the range check, which reads the host, is skipped. Without the check a label out
+        of range is no error but a wrong loss (no rank owns its class, so its row has no
+        target logit): pass it only for labels from a source that refuses the others before
+        they get here, as the trainer's loaders do (``data_pipeline.EpochBatches.num_classes``,
+        held equal to ``num_classes`` by ``trainer.loop.build``).
         With both, a training-mode forward at ``sample_rate == 1`` reads nothing from the
         device; at ``r < 1`` the sampler reads its number of positives (the sample's size)."""
         group = self.process_group
@@ -273,10 +276,8 @@ class PartialFC(nn.Module):
         labels = labels.to(device=embeddings.device, dtype=torch.int64)
         e, norms = self._gather(embeddings.float(), sizes)  # [N, D], [N] or None
         y = dist_ops.all_gather(labels, group, sizes)  # [N]
-        if defer_label_check:
-            self._ledger.defer_labels(y)
-        else:
-            check_label_range(y, self.num_classes)
+        if not trusted_labels:
+            _check_label_range(y, self.num_classes)
         plan = self._plan if self.training else None
         if plan is not None:
             step, index, targets = plan.step, plan.index, plan.take(y, self.class_start,
@@ -354,6 +355,15 @@ class PartialFC(nn.Module):
         packed = torch.cat([F.normalize(x, dim=1), x.norm(dim=1, keepdim=True)], dim=1)
         packed = dist_ops.all_gather(packed, self.process_group, sizes)
         return packed[:, :-1].contiguous(), packed[:, -1]
+
+
+def _check_label_range(y: Tensor, num_classes: int) -> None:
+    """Raise the one-line error for the first gathered label outside ``[0, num_classes)``
+    (reads the host; every rank sees the same gathered labels, so all raise together)."""
+    bad = (y < 0) | (y >= num_classes)
+    if bool(bad.any()):
+        raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
+                         f"[0, {num_classes}) (num_classes={num_classes})")
 
 
 def _save_step(head: PartialFC, state: dict, prefix: str, _metadata) -> None:

@@ -3,9 +3,8 @@
 ``PartialFC``'s forwards use some rows of ``weight`` (all of them at ``sample_rate == 1``,
 the sampled ones below); ``partial_fc.optim`` must update exactly those, once per
 optimisation step, from the :class:`partial_fc.rows.SampledRows` a loop pops. The
-:class:`RowLedger` keeps that account for the head: the rows used since the last pop, the
-labels whose range check the caller deferred, and the one mistake it can catch, a loop that
-forgets a pop (docs/design.md, "The head's row ledger").
+:class:`RowLedger` keeps that account for the head: the rows used since the last pop, and
+the one mistake it can catch, a loop that forgets a pop (docs/design.md, "The head's row ledger").
 """
 
 from __future__ import annotations
@@ -19,19 +18,18 @@ from partial_fc.rows import SampledRows
 
 
 class RowLedger:
-    """The rows of a head's ``weight`` used since the last :meth:`pop`, and its labels.
+    """The rows of a head's ``weight`` used since the last :meth:`pop`.
 
-    ``num_local`` rows, ``sample_rate`` and ``num_classes`` as the head's. Only forwards
+    ``num_local`` rows and ``sample_rate`` as the head's. Only forwards
     with grad enabled are counted (an evaluation forward changes no row).
     """
 
-    def __init__(self, num_local: int, sample_rate: float, num_classes: int):
-        self.num_local, self.sample_rate, self.num_classes = num_local, sample_rate, num_classes
+    def __init__(self, num_local: int, sample_rate: float):
+        self.num_local, self.sample_rate = num_local, sample_rate
         self.rows: Tensor | None = None  # sorted unique int64; None: no forward, or all rows
         self.all_rows = False
         self.forwards = 0  # forwards since the last pop
         self.pops = 0
-        self.deferred: list[Tensor] = []  # gathered labels whose range check is deferred
         self._backward_seen = False  # a backward reached weight.grad since the last pop
         self._hooked = None  # a weakref to the hooked weight (a strong one would keep it)
 
@@ -46,10 +44,6 @@ class RowLedger:
                 f"PartialFC: the rows of {self.forwards} earlier forward(s) were never "
                 "popped and weight.grad was cleared since; call head.pop_sampled_rows() once "
                 "every step, also a skipped one")
-
-    def defer_labels(self, labels: Tensor) -> None:
-        """Keep a forward's gathered labels for the next pop's range check."""
-        self.deferred.append(labels)
 
     def record(self, index: Tensor | None) -> None:
         """Add a forward's rows (``index``: sorted, unique; None = all) in ``O(S log S)``,
@@ -67,7 +61,7 @@ class RowLedger:
             self.rows = torch.unique(torch.cat([self.rows, index]))
 
     def pop(self, weight: nn.Parameter) -> SampledRows:
-        """The rows and labels since the last pop, for ``head_opt.step(rows)``; the ledger
+        """The rows since the last pop, for ``head_opt.step(rows)``; the ledger
         starts empty again. After one forward ``rows.index`` is the sampler's own index."""
         rows, every, forwards = self.rows, self.all_rows, self.forwards
         self.rows, self.all_rows, self.forwards, self._backward_seen = None, False, 0, False
@@ -77,9 +71,8 @@ class RowLedger:
             index = torch.zeros(0, dtype=torch.int64, device=weight.device)
         else:
             index = rows
-        labels, self.deferred = tuple(self.deferred), []
         self.pops += 1
-        return SampledRows(weight, index, forwards, self.pops, self.num_classes, labels)
+        return SampledRows(weight, index, forwards, self.pops)
 
     def _watch(self, weight: nn.Parameter) -> None:
         """Hook ``weight`` once (a deep copy or a swapped weight gets its own hook), so that a

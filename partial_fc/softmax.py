@@ -54,10 +54,11 @@ class Shard:
     ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
-    back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity; only
-    ``partial_fc.tiles.reference`` takes one). With ``subcenters = K > 1`` ``w`` holds ``K``
-    rows per class (``partial_fc.subcenters``): ``cos_t`` is the largest of the target's ``K``
-    and ``nearest`` ``[N]`` which centre gave it. Every row is computed and the
+    back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity; the
+    Triton back-end takes AdaFace's clamp only, ``partial_fc.tiles.reference`` every one).
+    With ``subcenters = K > 1`` ``w`` holds ``K`` rows per class (``partial_fc.subcenters``):
+    ``cos_t`` is the largest of the target's ``K`` and ``nearest`` ``[N]`` which centre gave
+    it. Every row is computed and the
     others masked, rather than the owned rows selected: a selection's size depends on the
     labels, and on CUDA learning it makes the host wait for the device."""
 

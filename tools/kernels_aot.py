@@ -101,21 +101,29 @@ class Launch:
 
 
 def launches(operands: str) -> dict[str, Launch]:
-    """The four launches of ``class_tile_stats`` and ``class_tile_grads`` on CUDA for this
-    operand combination, with the constexprs they pass."""
+    """The launches of ``class_tile_stats`` and ``class_tile_grads`` on CUDA for this operand
+    combination, with the constexprs they pass: the two GEMMs, and the stats and ``G'``
+    kernels both plain and with AdaFace's non-target clamp (``CLAMP``, its ``eps``)."""
+    from partial_fc.margins.adaface import EPS
+    from partial_fc.nontarget import NonTarget
     from partial_fc.tiles import triton as tm
 
     e_dtype, w_dtype, exact = OPERANDS[operands]
     op, consts = tm.operand_constexprs(e_dtype, w_dtype, widen=False, fp32_exact=exact)
     t = tm.cuda_tiles(sms=132)
     e, w, g = TL_NAMES[e_dtype], TL_NAMES[w_dtype], TL_NAMES[op]
-    cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **consts)
+    cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, CLAMP=0.0, **consts)
+    clamped = dict(cos, CLAMP=tm.clamp_constexpr(NonTarget(clamp=EPS)))
     gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **consts)
     return {  # grad_e: part = G' W_chunk; grad_w: G'^T E - inv^2 r w, rounded to w's dtype
         "stats": Launch(tm._stats_kernel, cos, dict(E=e, W=w, TGT="i64"), ("N",),
                         ("S", "tiles_per_split")),
+        "stats, clamped": Launch(tm._stats_kernel, clamped, dict(E=e, W=w, TGT="i64"),
+                                 ("N",), ("S", "tiles_per_split")),
         "dcos": Launch(tm._dcos_kernel, cos, dict(E=e, W=w, TGT="i64", G_OUT=g), ("N",),
                        ("width",)),
+        "dcos, clamped": Launch(tm._dcos_kernel, clamped, dict(E=e, W=w, TGT="i64", G_OUT=g),
+                                ("N",), ("width",)),
         "gemm grad_e": Launch(tm._gemm_kernel, dict(gemm, PROJECT=False, ROUND_OUT=False,
                                                      stride_ak=1, stride_bn=1),
                               dict(A=g, B=w, W=w), ("M",), ("K", "k_per_split")),

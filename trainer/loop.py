@@ -155,6 +155,10 @@ def build(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> Run:
                      **cfg.partial_fc_kwargs())
     k = cfg.train.grad_accum
     loader = build_loader(cfg, env)
+    if loader.num_classes != cfg.data.num_classes:  # the head trusts the loader's labels
+        raise ConfigError(f"data.num_classes={cfg.data.num_classes}: the data has "
+                          f"{loader.num_classes} classes (manifest.json); set data.num_classes="
+                          f"{loader.num_classes} or drop the key (the manifest fills it)")
     steps_per_epoch = len(loader) // k
     if steps_per_epoch == 0:
         raise ConfigError(f"train.grad_accum={k}: more than the {len(loader)} batches per epoch")

@@ -27,8 +27,7 @@ class AdaFaceConfig:
     ema: float = key(0.01, "EMA weight of the global batch's norm mean and std (Eq. 12)",
                      gt=0, le=1)
     clamp_nontarget: bool = key(True, "clamp the non-target cosines to [-1 + 1e-3, 1 - 1e-3] "
-                                "as the authors' head.py does (the torch tile path); false: "
-                                "the target only (the Triton kernels)")
+                                "as the authors' head.py does; false: the target only")
 
 
 class AdaFaceMargin(Margin):
@@ -43,8 +42,8 @@ class AdaFaceMargin(Margin):
     with the *global* batch before the step uses them, as the code does per GPU. As that code
     (mk-minchul/AdaFace ``head.py``), every cosine is clamped to ``[-1 + 1e-3, 1 - 1e-3]``
     (zero gradient past it): the target in ``psi``, the non-target ones by a non-target
-    transform (``partial_fc.nontarget``, the tiles' torch path). ``clamp_nontarget=False``
-    clamps the target only and keeps the Triton kernels.
+    transform (``partial_fc.nontarget``, which the Triton kernels apply too).
+    ``clamp_nontarget=False`` clamps the target only.
     """
 
     needs_norms = True
@@ -81,12 +80,6 @@ class AdaFaceMargin(Margin):
                  **_shares(z_hat, names.ADAFACE_ZHAT_BINS)}
         nontarget = NonTarget(clamp=EPS) if self.clamp_nontarget else None
         return MarginStep(psi=psi, nontarget=nontarget, stats=stats)
-
-    def torch_path_reason(self) -> str | None:
-        if self.clamp_nontarget:
-            return ("AdaFace clamps the non-target cosines as its authors' code "
-                    "(margin.clamp_nontarget=false keeps the Triton kernels)")
-        return super().torch_path_reason()
 
     def extra_repr(self) -> str:
         return (f"m={self.m}, h={self.h}, ema={self.ema}, clamp_nontarget="

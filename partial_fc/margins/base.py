@@ -113,8 +113,8 @@ class Margin(nn.Module):
         return dataclasses.replace(out, psi=psi, nontarget=nontarget)
 
     def torch_path_reason(self) -> str | None:
-        """Why this margin needs the class tiles' torch path (a non-target transform, which
-        the Triton kernels do not apply), or None."""
+        """Why this margin needs the class tiles' torch path (a non-target transform the
+        Triton kernels do not apply: anything but AdaFace's clamp), or None."""
         if self.interclass_filter is not None:
             return "margin.interclass_filter zeroes non-target cosines above it"
         return None

@@ -18,6 +18,10 @@ tiny PyTorch reduction combines (deterministic, no atomics). Backward, per chunk
 ``r_k = sum_i dL/dcos_ik cos_ik``; ``_gemm_kernel`` then adds ``G' W_chunk`` to ``grad_e``
 (split-K, per-split partials summed in PyTorch) and writes ``grad_w = G'^T E - inv^2 r w``, the
 chain rule through ``1 / ||w||`` (``r_k = w_hat_k . g_k``) applied in its epilogue.
+Of the non-target transforms (``partial_fc.nontarget``) the kernels apply AdaFace's clamp
+(``CLAMP``, a constexpr: ``s f(cos)`` with ``f = clamp(cos, -1 + CLAMP, 1 - CLAMP)`` in the
+softmax, ``f' = 0`` outside the band, the cosine sum and ``r_k`` of the raw cosines, as the
+reference); the others need the reference.
 
 Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and ``w.dtype``
 (bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from partial_fc.nontarget import NonTarget
+
 try:
     import triton
     import triton.language as tl
@@ -51,7 +57,8 @@ except ImportError as err:  # triton ships with CUDA builds of torch, not with C
         "class-tile path of partial_fc.tiles.reference"
     ) from err
 
-__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "operand_constexprs"]
+__all__ = ["Tiles", "clamp_constexpr", "class_tile_grads", "class_tile_stats", "cuda_tiles",
+           "operand_constexprs"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -90,11 +97,26 @@ def _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
 
 
 @triton.jit
-def _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad):
-    """``dL/dcos`` of a tile: ``coef_i exp(s cos_ik - lse_i)`` off target, ``tgrad_i`` on it,
-    0 on masked columns (masked rows carry ``coef = tgrad = 0``, ``tgt = -1``)."""
+def _clamped(cos, CLAMP: tl.constexpr):
+    """AdaFace's ``clamp(cos, -1 + CLAMP, 1 - CLAMP)`` of the non-target cosines (its authors'
+    ``head.py``; ``partial_fc.nontarget``), or ``cos`` itself when ``CLAMP`` is 0."""
+    if CLAMP > 0:
+        return tl.minimum(tl.maximum(cos, -1.0 + CLAMP), 1.0 - CLAMP)
+    else:
+        return cos
+
+
+@triton.jit
+def _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, CLAMP: tl.constexpr):
+    """``dL/dcos`` of a tile: ``coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)`` off target (``f``:
+    :func:`_clamped`, whose slope is 0 past the band and 1 inside it, bounds included, where
+    ``f(cos) = cos``), ``tgrad_i`` on it, 0 on masked columns (masked rows carry
+    ``coef = tgrad = 0``, ``tgt = -1``)."""
     p = coef[:, None] * tl.exp(s * cos - lse[:, None])
-    g = tl.where(col_ok[None, :], p, 0.0)
+    inside = col_ok[None, :]
+    if CLAMP > 0:
+        inside = inside & (cos >= -1.0 + CLAMP) & (cos <= 1.0 - CLAMP)
+    g = tl.where(inside, p, 0.0)
     return tl.where(cols[None, :] == tgt[:, None], tgrad[:, None], g)
 
 
@@ -103,9 +125,9 @@ def _stats_kernel(E, W, INV, TGT, SCALE, MAX_OUT, SUM_OUT, COS_OUT,
                   N, S, D, stride_e, stride_w, tiles_per_split,
                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                   OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Program (row block, class split): online max / sum-exp of ``s cos`` and sum of ``cos``
-    over the split's non-target columns -> ``[splits, N]`` partials."""
+                  PRECISION: tl.constexpr, CLAMP: tl.constexpr):
+    """Program (row block, class split): online max / sum-exp of ``s f(cos)`` (:func:`_clamped`)
+    and sum of ``cos`` over the split's non-target columns -> ``[splits, N]`` partials."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
@@ -121,7 +143,7 @@ def _stats_kernel(E, W, INV, TGT, SCALE, MAX_OUT, SUM_OUT, COS_OUT,
         cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
                         BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
         keep = col_ok[None, :] & (cols[None, :] != tgt[:, None])
-        z = tl.where(keep, s * cos, float("-inf"))
+        z = tl.where(keep, s * _clamped(cos, CLAMP), float("-inf"))
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no (-inf) - (-inf)
         run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
@@ -138,7 +160,7 @@ def _dcos_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, G_OUT, R_OUT,
                  N, D, stride_e, stride_w, stride_g, stride_r, col0, width,
                  BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                  OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, CLAMP: tl.constexpr):
     """Program (row block, class tile of the chunk ``[col0, col0 + width)``): recompute
     ``cos``, write ``G'_ik = dL/dcos_ik inv_k`` in the operand dtype to ``G_OUT [N, width]``
     and the row block's ``sum_i dL/dcos_ik cos_ik`` (= ``w_hat_k . g_k`` over these rows) to
@@ -155,7 +177,7 @@ def _dcos_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, G_OUT, R_OUT,
     s = tl.load(SCALE)
     cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
                     BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
-    g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad)
+    g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, CLAMP)
     inv = tl.load(INV + cols, mask=col_ok, other=0.0)
     g_scaled = _operand(g * inv[None, :], OP, DOT, SOFT_BF16).to(G_OUT.dtype.element_ty)
     tl.store(G_OUT + rows[:, None] * stride_g + local[None, :], g_scaled,
@@ -271,6 +293,21 @@ def operand_constexprs(e_dtype: torch.dtype, w_dtype: torch.dtype, widen: bool,
                     PRECISION="ieee" if op == torch.float32 and fp32_exact else "tf32")
 
 
+def clamp_constexpr(nontarget: NonTarget | None) -> float:
+    """The kernels' ``CLAMP`` for the step's non-target transform: AdaFace's ``eps``, 0.0 for
+    none. The others (CurricularFace's modulation, the inter-class filter) are refused: the
+    head runs them on the reference (``Margin.torch_path_reason``)."""
+    if nontarget is None:
+        return 0.0
+    other = [k for k in ("hard_above", "t", "tau", "hard_rows")
+             if getattr(nontarget, k) is not None]
+    if other or not 0 < (nontarget.clamp or 0) < 1:
+        raise ValueError(f"tiles.triton: a non-target transform with {other or ['no clamp']} "
+                         f"(clamp={nontarget.clamp}): the kernels apply only a clamp of eps "
+                         "in (0, 1); use partial_fc.tiles.reference for the others")
+    return float(nontarget.clamp)
+
+
 def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tensor | float,
              extra: dict[str, Tensor]) -> tuple[list[Tensor], Tensor, torch.dtype, dict]:
     """Validate shapes/dtypes/devices. Returns the contiguous ``[e, w, inv_norm, target_col,
@@ -312,18 +349,20 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
 
 
 def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
-    """Row statistics of the non-target logits ``s cos_ik`` of this rank's classes.
+                     s: Tensor | float, nontarget: NonTarget | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """Row statistics of the non-target logits ``s f(cos_ik)`` of this rank's classes.
 
     Args:
         e: ``[N, D]`` normalised embeddings (fp32/bf16/fp16). w: ``[S, D]`` weight rows, not
             normalised. inv_norm: ``[S]`` fp32 ``1 / ||w_k||``. target_col: ``[N]`` int64,
             column of row ``i``'s target in ``w`` or ``-1``. s: the scale (float or 0-d tensor).
+        nontarget: ``f``: None (the identity) or AdaFace's clamp (:func:`clamp_constexpr`).
 
     Returns:
-        ``row_max [N]`` fp32 ``max_k s cos_ik`` (``-inf`` if the row has no non-target column),
-        ``row_sum [N]`` fp32 ``sum_k exp(s cos_ik - row_max_i)``, ``cos_sum [N]`` fp32
-        ``sum_k cos_ik``; all over non-target columns ``k != target_col_i``.
+        ``row_max [N]`` fp32 ``max_k s f(cos_ik)`` (``-inf`` if the row has no non-target
+        column), ``row_sum [N]`` fp32 ``sum_k exp(s f(cos_ik) - row_max_i)``, ``cos_sum [N]``
+        fp32 ``sum_k cos_ik``; all over non-target columns ``k != target_col_i``.
     """
     (e, w, inv_norm, target_col), scale, _, consts = _prepare(e, w, inv_norm, target_col, s, {})
     (n, d), s_cols = e.shape, w.shape[0]
@@ -334,7 +373,7 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     _stats_kernel[(row_blocks, splits)](
         e, w, inv_norm, target_col, scale, max_p, sum_p, cos_p, n, s_cols, d,
         e.stride(0), w.stride(0), per, BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth,
-        **t.launch_options, **consts)
+        CLAMP=clamp_constexpr(nontarget), **t.launch_options, **consts)
     row_max = max_p.amax(dim=0)
     shift = torch.where(torch.isinf(row_max), 0.0, row_max)  # all splits empty -> sum 0
     row_sum = (sum_p * torch.exp(max_p - shift)).sum(dim=0)
@@ -342,11 +381,12 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
 
 
 def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, lse: Tensor, coef: Tensor,
-                     target_grad: Tensor) -> tuple[Tensor, Tensor]:
+                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+                     nontarget: NonTarget | None = None) -> tuple[Tensor, Tensor]:
     """Gradients of the loss through the cosines, recomputing the ``cos`` tiles.
 
-    With ``G_ik = dL/dcos_ik``: ``coef_i exp(s cos_ik - lse_i)`` for ``k != target_col_i`` and
+    With ``G_ik = dL/dcos_ik``: ``coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)`` for
+    ``k != target_col_i`` (``f`` as in :func:`class_tile_stats`) and
     ``target_grad_i`` at ``k = target_col_i``. Per chunk of classes (a ``G' = G diag(inv)``
     buffer of at most 256 MiB in the operand dtype; ``[N, S]`` is never allocated):
     ``_dcos_kernel`` writes ``G'`` and ``r_k = sum_i G_ik cos_ik``; a split-K GEMM adds
@@ -354,7 +394,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     normalisation chain rule: ``r_k = w_hat_k . g_k``).
 
     Args:
-        e, w, inv_norm, target_col, s: as in ``class_tile_stats``.
+        e, w, inv_norm, target_col, s, nontarget: as in ``class_tile_stats``.
         lse: ``[N]`` fp32 global log-sum-exp of the logits. coef: ``[N]`` fp32.
         target_grad: ``[N]`` fp32 (read only where ``target_col_i >= 0``).
 
@@ -367,6 +407,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     extra = {"lse": lse, "coef": coef, "target_grad": target_grad}
     tensors, scale, op, consts = _prepare(e, w, inv_norm, target_col, s, extra)
     e, w, inv_norm, target_col, lse, coef, target_grad = tensors
+    clamp = clamp_constexpr(nontarget)
     (n, d), s_cols = e.shape, w.shape[0]
     t = _tiles(e.device)
     row_blocks = triton.cdiv(n, t.rows)
@@ -383,7 +424,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         _dcos_kernel[(row_blocks, triton.cdiv(width, t.cols))](
             e, w, inv_norm, target_col, scale, lse, coef, target_grad, g, r, n, d,
             e.stride(0), w.stride(0), g.stride(0), r.stride(0), col0, width, BLOCK_N=t.rows,
-            BLOCK_S=t.cols, BLOCK_D=t.depth, **t.launch_options, **consts)
+            BLOCK_S=t.cols, BLOCK_D=t.depth, CLAMP=clamp, **t.launch_options, **consts)
         splits, per = _splits(out_tiles, width, t.depth, t.programs)  # split-K over classes
         part = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
         _gemm_kernel[(triton.cdiv(n, t.gemm), triton.cdiv(d, t.gemm), splits)](

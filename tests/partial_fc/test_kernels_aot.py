@@ -50,7 +50,7 @@ def _compiled(operands: str, arch: int) -> list[kernels_aot.Row]:
 @pytest.mark.parametrize("operands", kernels_aot.DEFAULT_OPERANDS)
 def test_default_configurations_compile_without_spills(operands, arch):
     rows = _compiled(operands, arch)
-    assert len(rows) == 8 and all(row.default and row.arch == arch for row in rows)
+    assert len(rows) == 12 and all(row.default and row.arch == arch for row in rows)
     assert [p for row in rows for p in row.problems()] == []
     assert all(0 < row.registers <= 255 and row.shared_bytes > 0 for row in rows)
 

@@ -14,7 +14,7 @@ def _weight() -> nn.Parameter:
 
 
 def test_a_pop_hands_over_the_union_of_the_forwards_rows_once():
-    ledger, w = RowLedger(10, 0.5, 40), _weight()
+    ledger, w = RowLedger(10, 0.5), _weight()
     first, second = torch.tensor([1, 4]), torch.tensor([2, 4, 7])
     ledger.record(first)
     rows = ledger.pop(w)
@@ -33,18 +33,9 @@ def test_a_pop_hands_over_the_union_of_the_forwards_rows_once():
 
 @pytest.mark.parametrize("rate, index", [(1.0, [3]), (0.5, None), (0.5, list(range(10)))])
 def test_all_rows_pop_as_none(rate, index):
-    ledger = RowLedger(10, rate, 40)
+    ledger = RowLedger(10, rate)
     ledger.record(None if index is None else torch.tensor(index))
     assert ledger.pop(_weight()).index is None
-
-
-def test_deferred_labels_travel_with_the_pop():
-    ledger, w = RowLedger(10, 1.0, 40), _weight()
-    ledger.defer_labels(torch.tensor([0, 39]))
-    ledger.defer_labels(torch.tensor([40]))
-    rows = ledger.pop(w)
-    assert len(rows.deferred_labels) == 2 and not bool(rows.labels_ok())
-    assert ledger.pop(w).deferred_labels == ()
 
 
 def _forward_backward(ledger: RowLedger, w: nn.Parameter) -> None:
@@ -54,7 +45,7 @@ def _forward_backward(ledger: RowLedger, w: nn.Parameter) -> None:
 
 
 def test_a_forgotten_pop_raises_at_the_next_forward_only_in_a_loop_that_pops():
-    ledger, w = RowLedger(10, 0.5, 40), _weight()
+    ledger, w = RowLedger(10, 0.5), _weight()
     _forward_backward(ledger, w)
     w.grad = None  # a loop that never pops (no optimizer): nothing to police
     _forward_backward(ledger, w)

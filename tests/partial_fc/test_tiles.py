@@ -292,6 +292,58 @@ def test_kernels_compose_into_autograds_margin_softmax_gradients():
     torch.testing.assert_close(grad_w.cpu().double(), w_ref.grad, rtol=1e-4, atol=1e-6)
 
 
+def _near_the_poles(n=21, s_cols=45, d=24, seed=4):
+    """fp32 inputs whose non-target cosines reach past AdaFace's band ``[-1 + 1e-3, 1 - 1e-3]``:
+    rows of ``w`` that are (scaled) copies of an embedding (cos 1), of its negation (cos -1),
+    and slightly tilted copies (cos about 0.9999 and 0.998: just outside and inside), among
+    random ones, for the first 7 embeddings; the others are those 7 slightly moved (each
+    row has columns past the band); the targets elsewhere, so these are non-targets."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    w = torch.randn(s_cols, d, generator=g) * 0.05
+    for k, (i, tilt) in enumerate([(0, 0.0), (1, 0.0), (2, 0.014), (3, 0.06), (4, 0.0145)]):
+        noise = torch.randn(d, generator=g)
+        noise -= (noise @ e[i]) * e[i]  # perpendicular: cos = 1 / sqrt(1 + tilt^2)
+        w[k] = (e[i] + tilt * torch.nn.functional.normalize(noise, dim=0)) * (1.5 + k)
+    w[5], w[6] = -e[5] * 0.3, -e[6] * 2.0
+    e[7:] = torch.nn.functional.normalize(e[torch.arange(7, n) % 7]
+                                          + 1e-3 * torch.randn(n - 7, d, generator=g), dim=1)
+    tgt = torch.randint(7, s_cols, (n,), generator=g)
+    tgt[::4] = -1
+    inv = 1.0 / w.double().norm(dim=1)
+    return [t.to(DEVICE) for t in (e, w, inv.float(), tgt)]
+
+
+def test_the_kernels_clamp_nontarget_cosines_as_the_reference():
+    """AdaFace's non-target clamp (``NonTarget(clamp=1e-3)``, its authors' ``head.py``) in the
+    kernels equals the torch path on cosines past both ends of the band: the softmax sees the
+    clamped cosine, the gradient is 0 past the band, ``cos_sum`` stays the raw sum."""
+    from partial_fc.nontarget import NonTarget
+
+    e, w, inv, tgt = _near_the_poles()
+    clamp, s, ref = NonTarget(clamp=1e-3), 64.0, _seven_columns(e.shape[0])
+    raw = (e @ w.T) * inv
+    beyond = ((raw > 1 - 1e-3) | (raw < -1 + 1e-3)).sum().item()
+    assert beyond >= e.shape[0] // 2 and (raw < -1 + 1e-3).any()  # the case is exercised
+    got = tm.class_tile_stats(e, w, inv, tgt, s, nontarget=clamp)
+    want = ref.class_tile_stats(e, w, inv, tgt, s, nontarget=clamp)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+    plain = tm.class_tile_stats(e, w, inv, tgt, s)  # the clamp changes the statistics
+    assert (plain[0] - got[0]).abs().max() > 0.03 and torch.equal(plain[2], got[2])
+    lse = torch.logaddexp(want[0] + torch.log(want[1]), torch.zeros_like(want[0]))
+    coef = torch.full_like(lse, s / e.shape[0])
+    tgrad = torch.where(tgt >= 0, -coef, 0.0)
+    got = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad, nontarget=clamp)
+    want = ref.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad, nontarget=clamp)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    plain = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad)  # slope 1 past the band
+    assert (plain[0] - got[0]).abs().max() > 0.1 * got[0].abs().max()
+    with pytest.raises(ValueError, match="apply only a clamp"):
+        tm.class_tile_stats(e, w, inv, tgt, s, nontarget=NonTarget(tau=0.3))
+
+
 def test_every_launch_states_fp_fusion(monkeypatch):
     """Each kernel launch passes Triton the tiles' options with ``enable_fp_fusion`` set
     (``tm.FP_FUSION``): left unset, the kernels' rounding would change with Triton 3.10's new

@@ -10,7 +10,6 @@ overflows, bad steps and stop requests from its fields.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 
@@ -53,7 +52,7 @@ def _one_vote(engine, finite: bool) -> dict:
             emb = backend.model(x)
         own = backend.last_backward(emb.float().square().mean())
     flag = torch.tensor(finite) if own is None else own & torch.tensor(finite)
-    verdict = Verdict.agree(flag, torch.tensor(True), StopRequest(), group=None)
+    verdict = Verdict.agree(flag, StopRequest(), group=None)
     update = backend.update(verdict, 0)
     return {"own_flag": None if own is None else bool(own), "applied": update.applied,
             "overflow": update.overflow, "norm_finite": bool(torch.isfinite(
@@ -140,11 +139,10 @@ def test_the_loop_counts_steps_from_the_step_result(tmp_path, one_rank_group):
     assert seen == [StopRequest(), StopRequest(), signal_10]  # the agreed one, after its step
     assert (run.skipped_steps, run.bad_steps, run.bad_in_a_row) == (1, 1, 0)
     one_step(run, [])
-    with pytest.raises(Diverged):
+    with pytest.raises(RuntimeError) as diverged:  # a failed run: its builtin base
         one_step(run, [])
+    assert type(diverged.value) is Diverged
     assert (run.step, run.bad_steps, run.bad_in_a_row) == (5, 3, 2)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        results[0].skipped = False
 
 
 @pytest.mark.parametrize("apply", [True, False])

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from launch_helpers import build_engine, local_micro_batches, make_config
+from launch_helpers import build_engine, make_config
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -95,28 +95,37 @@ def test_peak_memory_comes_from_the_cuda_allocator_on_cuda(monkeypatch):
     assert memory_mb(torch.device("cpu")) > 0 and asked == [CUDA0]  # max RSS on CPU
 
 
-def test_checkpoint_saves_and_restores_the_cuda_rng(tmp_path, one_rank_group, monkeypatch):
-    """A fake CUDA generator: its state goes into ``rng-<rank>.pt`` and back on a CUDA run
-    (``tests/trainer/test_checkpoint.py::test_cuda_rng_is_saved_and_restored`` with the real
-    one); a CPU run leaves it alone."""
+def test_checkpoint_puts_the_cuda_generator_back_where_it_was_saved(tmp_path, one_rank_group,
+                                                                   monkeypatch):
+    """A CUDA run's checkpoint holds the CUDA generator (dropout's draws), and loading it puts
+    the generator back to its state at the save after later draws moved it; a CPU engine
+    loading the same checkpoint leaves the generator alone. The generator is a stateful fake
+    (get, set, a draw that advances it); ``test_checkpoint.py::test_cuda_rng_is_saved_and_restored``
+    runs the real one on a GPU."""
     from trainer import checkpoint
-    from trainer.checkpoint import layout
 
-    state = torch.arange(16, dtype=torch.uint8)
-    restored = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: state.clone())
-    monkeypatch.setattr(torch.cuda, "set_rng_state",
-                        lambda new, device: restored.append((new.clone(), device)))
+    state = {"cuda:0": torch.arange(16, dtype=torch.uint8)}  # GPU 0's generator
+
+    def get_rng_state(device):
+        return state[str(torch.device(device))].clone()  # KeyError off GPU 0, as torch raises
+
+    def set_rng_state(new, device):
+        get_rng_state(device)
+        state[str(torch.device(device))] = new.clone()
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
     engine = build_engine(make_config("train.batch_size=4"))
+    engine.device = CUDA0  # as a CUDA run's engine; only the RNG bookkeeping reads it here
     path = checkpoint.save(tmp_path, 1, engine, checkpoint.RunRecord(), keep=1)
-    assert "cuda" not in torch.load(path / "rng-0.pt", weights_only=True)  # a CPU run
-    torch.save(layout._rng_state(CUDA0), path / "rng-0.pt")  # what a CUDA run writes
+    saved = state["cuda:0"].clone()
+    state["cuda:0"] += 1  # draws after the save
+    engine.device = torch.device("cpu")
     checkpoint.load(path, engine)
-    assert restored == []  # the CPU engine does not touch the CUDA generator
-    engine.device = CUDA0  # only the RNG bookkeeping reads it in load
+    assert torch.equal(state["cuda:0"], saved + 1)  # a CPU engine does not touch it
+    engine.device = CUDA0
     checkpoint.load(path, engine)
-    assert len(restored) == 1 and torch.equal(restored[0][0], state)
-    assert restored[0][1] == CUDA0
+    assert torch.equal(state["cuda:0"], saved)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
@@ -131,38 +140,6 @@ def test_cuda_engine_takes_channels_last_and_cudnn_autotuning_from_the_config(
     fmt = Engine._cuda_settings(SimpleNamespace(device=CUDA0, cfg=cfg))
     assert fmt == (torch.channels_last if channels_last else torch.contiguous_format)
     assert torch.backends.cudnn.benchmark is benchmark
-
-
-def test_compiled_backbone_keeps_inductors_layout_choice_on_cuda_only(monkeypatch):
-    from trainer.engine import Engine
-
-    calls = []
-    monkeypatch.setattr(torch, "compile", lambda module, **kw: calls.append(kw) or module)
-    backbone = torch.nn.Linear(2, 2)
-    for device in (CUDA0, torch.device("cpu")):
-        assert Engine._compiled(SimpleNamespace(device=device, backbone=backbone)) is backbone
-    assert calls == [{}, {"options": {"layout_optimization": False}}]
-
-
-def test_engine_copies_the_batch_to_its_device_without_waiting(one_rank_group, monkeypatch):
-    """``non_blocking=True`` on the images, the labels and the flip bits: from pinned memory
-    the copy to a GPU is asynchronous (on CPU the flag changes nothing, so only the call is
-    checked)."""
-    engine = build_engine(make_config("train.batch_size=4"))
-    images, labels = local_micro_batches(0, 4, 0, 1, 1)[0]
-    flips = torch.tensor([True, False, False, True])
-    batch, seen = (images, labels, flips), []
-    real_to = torch.Tensor.to
-
-    def to(self, *args, **kwargs):
-        if any(self is t for t in batch) and args and isinstance(args[0], torch.device):
-            which = next(i for i, t in enumerate(batch) if self is t)
-            seen.append((which, args, kwargs.get("non_blocking")))  # a device copy
-        return real_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
-    engine.step(0, [batch])
-    assert sorted(seen) == [(i, (engine.device,), True) for i in range(3)]
 
 
 def test_deepspeed_accelerator_follows_a_cuda_run(monkeypatch):

@@ -11,15 +11,25 @@ from trainer.engine.state import EngineState, Rows
 
 
 def test_flat_names_round_trip_through_the_sections():
-    t = torch.ones(2)
-    state = EngineState(head={"weight": Rows(t, 0, 2), "step": t}, head_optimizer={"m": t},
-                        backbone={"fc.weight": t}, backbone_optimizer={"opt.fc.weight.m": t})
+    """Each entry comes back in its own section under its own key: every value is a distinct
+    tensor, so a value put in another entry's place fails (``backbone.`` and ``backbone_``
+    share a stem, as ``head.`` and ``head_opt.`` do)."""
+    v = [torch.full((2,), float(i)) for i in range(5)]
+    state = EngineState(head={"weight": Rows(v[0], 0, 2), "step": v[1]},
+                        head_optimizer={"m": v[2]}, backbone={"fc.weight": v[3]},
+                        backbone_optimizer={"opt.fc.weight.m": v[4]})
     flat = state.flat()
-    assert sorted(flat) == ["backbone.fc.weight", "backbone_opt.fc.weight.m", "head.step",
-                            "head.weight", "head_opt.m"]
-    assert EngineState.from_flat(flat) == state
+    names = ["head.weight", "head.step", "head_opt.m", "backbone.fc.weight",
+             "backbone_opt.fc.weight.m"]
+    assert sorted(flat) == sorted(names)
+    assert all((flat[k].local if k == "head.weight" else flat[k]) is v[i]
+               for i, k in enumerate(names))
+    back = EngineState.from_flat(flat)
+    for section in EngineState.PREFIXES:
+        want, got = getattr(state, section), getattr(back, section)
+        assert list(got) == list(want) and all(got[k] is want[k] for k in want), section
     with pytest.raises(KeyError, match="'stray.x': in no section"):
-        EngineState.from_flat({"stray.x": t})
+        EngineState.from_flat({"stray.x": v[0]})
 
 
 def test_an_engine_loads_its_own_state_into_a_fresh_engine(one_rank_group):

@@ -4,9 +4,9 @@ A read of a device value by the host (``.item()``, ``bool(t)``, ``nonzero``, ...
 CPU wait for the GPU's queue to drain; the budget of a steady-state step is held here so
 that a new ``.item()`` on the training path fails a CPU test:
 
-- ``PartialFC.forward`` + backward at ``r = 1`` with ``sizes`` and ``defer_label_check``: 0;
+- ``PartialFC.forward`` + backward at ``r = 1`` with ``sizes`` and ``trusted_labels``: 0;
 - ``Engine.step``, DDP, ``r = 1`` (with or without gradient accumulation): exactly 1, the
-  agreed finite/labels flags that decide whether the optimizers step;
+  agreed finite flag (and stop request) that decides whether the optimizers step;
 - DDP at ``r < 1``: the one above (``partial_fc.optim`` learns the sampled rows without a
   read: after one forward they are the sampler's index, and the sparse gradient holds exactly
   those), and the sampler's, whose sample size depends on the labels (``partial_fc.sampling``: the
@@ -57,40 +57,29 @@ def test_head_step_at_rate_1_with_known_sizes_reads_nothing(name):
         module(emb, labels).backward()
     x = emb.clone().requires_grad_()
     with HostReads() as reads:
-        head(x, labels, sizes=[6], defer_label_check=True).backward()
-        ok = head.pop_sampled_rows().labels_ok()
+        head(x, labels, sizes=[6], trusted_labels=True).backward()
     assert len(reads) == 0, reads.table()
     x_ref = emb.clone().requires_grad_()
     eager(x_ref, labels).backward()
     with HostReads() as reads:
         stats = dict(head.stats)
     assert len(reads) == 1, reads.table()  # every statistic in one transfer
-    assert bool(ok) and stats == dict(eager.stats)  # the same floats as the eager path
+    assert stats == dict(eager.stats)  # the same floats as the eager path
     assert torch.equal(x.grad, x_ref.grad) and torch.equal(head.weight.grad, eager.weight.grad)
 
 
-def test_deferred_label_check_raises_the_eager_error_on_request():
+def test_only_trusted_labels_skip_the_range_check():
+    """The default forward refuses a label out of range on the host; ``trusted_labels`` reads
+    nothing and computes a loss for it (no error: hence only for a source that refused such
+    labels already, tests/trainer/test_trusted_labels.py)."""
     head = PartialFC(8, 20, build_margin(MARGINS["arcface"]))
     emb, labels = _inputs()
     bad = labels.clone()
     bad[3] = 20
-    with pytest.raises(ValueError) as eager:
+    with pytest.raises(ValueError, match=r"^PartialFC: label 20 out of range \[0, 20\) "
+                                         r"\(num_classes=20\)$"):
         head(emb, bad)
-    head(emb, labels, defer_label_check=True)
-    head(emb, bad, defer_label_check=True)  # no raise here: the caller decides when to read
-    rows = head.pop_sampled_rows()
-    assert len(rows.deferred_labels) == 2 and not bool(rows.labels_ok())
-    with pytest.raises(ValueError) as deferred:
-        rows.raise_label_error()
-    assert str(deferred.value) == str(eager.value) == \
-        "PartialFC: label 20 out of range [0, 20) (num_classes=20)"
-    head(emb, labels, defer_label_check=True)  # a new window: only this forward's labels
-    rows = head.pop_sampled_rows()
-    assert len(rows.deferred_labels) == 1 and bool(rows.labels_ok())
-    rows.raise_label_error()
-    with pytest.raises(ValueError):
-        head(emb, bad)  # an eager check raises at once and leaves nothing deferred
-    assert head.pop_sampled_rows().deferred_labels == ()
+    assert torch.isfinite(head(emb, bad, trusted_labels=True))
 
 
 def test_known_sizes_are_checked_against_the_inputs():
@@ -215,8 +204,7 @@ def test_head_step_on_cuda_never_synchronises():
     torch.cuda.set_sync_debug_mode("error")
     try:
         x = emb.clone().requires_grad_()
-        head(x, labels, sizes=[256], defer_label_check=True).backward()
-        head.pop_sampled_rows().labels_ok()
+        head(x, labels, sizes=[256], trusted_labels=True).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()

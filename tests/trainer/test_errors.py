@@ -81,11 +81,21 @@ def test_each_user_error_has_its_kinds_exit_code_and_scope_through_a_real_raise(
         assert (f"on rank {rank}:" in report.text) == (error.scope is Scope.ONE_RANK)
 
 
-def test_the_builtin_bases_catch_them():
-    """Each kind is also the builtin exception its cause is (a bad value, a failed run), so
-    code that catches ``ValueError`` or ``RuntimeError`` catches it."""
-    assert issubclass(ConfigError, ValueError) and issubclass(CheckpointError, ValueError)
-    assert issubclass(Diverged, RuntimeError) and issubclass(CollectiveFailed, RuntimeError)
+def test_a_bad_config_or_checkpoint_reaches_a_handler_of_the_builtin(tmp_path):
+    """What the public calls raise for a bad value is also a ``ValueError`` (the kinds'
+    declared builtin bases), so a library user's ``except ValueError`` around a config load or
+    a checkpoint check catches it, with its one line."""
+    from launch_helpers import ROOT
+
+    from trainer.checkpoint import verify
+    from trainer.config import load_config
+
+    with pytest.raises(ValueError) as config:
+        load_config(ROOT / "configs" / "smoke.yaml", ["train.batch_size=0"], resolve=False)
+    with pytest.raises(ValueError) as checkpoint:
+        verify(tmp_path)  # a folder with no meta.json
+    assert type(config.value) is ConfigError and "train.batch_size" in str(config.value)
+    assert type(checkpoint.value) is CheckpointError and "meta.json" in str(checkpoint.value)
 
 
 @pytest.mark.parametrize("error", [DataError, ShardError, CorruptImageError])

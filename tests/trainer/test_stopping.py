@@ -14,29 +14,29 @@ from trainer.engine.backend import Verdict
 from trainer.errors import classify
 from trainer.stopping import StopReason, StopRequest, StopRequested, StopRequests
 
-ASKS = [  # rank -> (finite, labels ok, its stop request)
-    (True, True, StopRequest(StopReason.SIGNAL, int(signal.SIGUSR1))),
-    (False, True, StopRequest(StopReason.DISK_FULL)),
-    (True, False, StopRequest(StopReason.SIGNAL, int(signal.SIGTERM))),
+ASKS = [  # rank -> (finite, its stop request)
+    (True, StopRequest(StopReason.SIGNAL, int(signal.SIGUSR1))),
+    (False, StopRequest(StopReason.DISK_FULL)),
+    (True, StopRequest(StopReason.SIGNAL, int(signal.SIGTERM))),
 ]
 
 
 def _agree(rank: int, world: int) -> tuple:
-    finite, labels_ok, stop = ASKS[rank]
-    verdict = Verdict.agree(torch.tensor(finite), torch.tensor(labels_ok), stop, group=None)
+    finite, stop = ASKS[rank]
+    verdict = Verdict.agree(torch.tensor(finite), stop, group=None)
     return verdict.read(), bool(verdict.apply), verdict.applies
 
 
 def test_every_rank_reads_the_same_verdict_with_the_largest_stop_request():
     out = run_ranks(_agree, 3, timeout=120)
     largest_signal = max(int(signal.SIGUSR1), int(signal.SIGTERM))
-    expected = ((False, False, StopRequest(StopReason.DISK_FULL, largest_signal)), False, False)
+    expected = ((False, StopRequest(StopReason.DISK_FULL, largest_signal)), False, False)
     assert out == [expected] * 3
 
 
 def test_a_verdict_for_the_step_applies(one_rank_group):
-    verdict = Verdict.agree(torch.tensor(True), torch.tensor(True), StopRequest(), group=None)
-    assert verdict.read() == (True, True, StopRequest()) and verdict.applies
+    verdict = Verdict.agree(torch.tensor(True), StopRequest(), group=None)
+    assert verdict.read() == (True, StopRequest()) and verdict.applies
     assert not StopRequest() and StopRequest(StopReason.LOCK_LOST)
 
 

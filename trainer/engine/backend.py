@@ -16,7 +16,7 @@ One step, as ``Engine.step`` calls it on every rank (``k`` micro-batches)::
                                ... the head's forward and backward, the surrogate ...
                                backend.backward(surrogate)              (micro-batches 1..k-1)
                                finite = backend.last_backward(surrogate)            (k)
-    verdict = Verdict.agree(finite, labels ok, stop request)    (the step's one all-reduce)
+    verdict = Verdict.agree(finite, stop request)         (the step's one all-reduce)
     update = backend.update(verdict, step)          (steps, or drops the step, on its verdict)
 
 The step is decided once, by the engine, in :meth:`Verdict.agree`; a backend only adds its
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -38,27 +38,34 @@ from torch import Tensor, nn
 from trainer.stopping import StopReason, StopRequest
 
 
-@dataclass(frozen=True)
 class Verdict:
     """The step's one decision, the same on every rank: whether every loss and gradient was
-    finite, whether every label was in range, and the stop request agreed over the ranks.
+    finite, and the stop request agreed over the ranks.
 
-    ``flags`` is int32 ``[finite, labels ok, -stop reason, -signal number]`` on the device,
-    all-reduced with MIN (:meth:`agree`): the two flags hold only where they hold on every
-    rank, the negated stop fields agree on the largest.
+    ``flags`` is int32 ``[finite, -stop reason, -signal number]`` on the device, all-reduced
+    with MIN (:meth:`agree`): ``finite`` holds only where it holds on every rank, the negated
+    stop fields agree on the largest.
+
+    Not a value but the step's one host read, made lazily and kept: :meth:`read` copies
+    ``flags`` to the host the first time it is called and answers from that copy after, so
+    whichever of the backend and the engine reads first pays and the other reads free.
+    Lazily, not in :meth:`agree`: DeepSpeed's backend queues its backward on :attr:`apply`
+    (device side) before it reads, and a read at construction would make the host wait for
+    the all-reduce before that backward is queued.
     """
 
-    flags: Tensor
-    _host: list = field(default_factory=list, repr=False, compare=False)  # read() fills it
+    def __init__(self, flags: Tensor) -> None:
+        self.flags = flags
+        self._host: tuple[bool, StopRequest] | None = None  # read() fills it, once
 
     @classmethod
-    def agree(cls, finite: Tensor, labels_ok: Tensor, stop: StopRequest,
+    def agree(cls, finite: Tensor, stop: StopRequest,
               group: dist.ProcessGroup | None) -> Verdict:
-        """One all-reduce on ``group``, no host read: ``finite`` and ``labels_ok`` are 0-d
-        bool tensors on the device; ``torch.full`` writes the stop fields there (a tensor
-        made from host values would be a blocking copy)."""
+        """One all-reduce on ``group``, no host read: ``finite`` is a 0-d bool tensor on the
+        device; ``torch.full`` writes the stop fields there (a tensor made from host values
+        would be a blocking copy)."""
         device = finite.device
-        flags = torch.stack([finite.to(torch.int32), labels_ok.to(torch.int32),
+        flags = torch.stack([finite.to(torch.int32),
                              torch.full((), -int(stop.reason), dtype=torch.int32, device=device),
                              torch.full((), -stop.signum, dtype=torch.int32, device=device)])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
@@ -66,21 +73,20 @@ class Verdict:
 
     @property
     def apply(self) -> Tensor:
-        """0-d bool on the device: the step may update (finite and labels in range)."""
-        return self.flags[:2].min() > 0
+        """0-d bool on the device: the step may update (every loss and gradient finite)."""
+        return self.flags[0] > 0
 
-    def read(self) -> tuple[bool, bool, StopRequest]:
-        """``(finite, labels ok, stop)`` on the host: the step's one host read, made once."""
-        if not self._host:
-            self._host.extend(self.flags.tolist())
-        finite, labels_ok, reason, signum = self._host
-        return bool(finite), bool(labels_ok), StopRequest(StopReason(-reason), -signum)
+    def read(self) -> tuple[bool, StopRequest]:
+        """``(finite, stop)`` on the host: the step's one host read, made on the first call."""
+        if self._host is None:
+            finite, reason, signum = self.flags.tolist()
+            self._host = bool(finite), StopRequest(StopReason(-reason), -signum)
+        return self._host
 
     @property
     def applies(self) -> bool:
         """:attr:`apply` on the host (:meth:`read`)."""
-        finite, labels_ok, _ = self.read()
-        return finite and labels_ok
+        return self.read()[0]
 
 
 @dataclass(frozen=True)

@@ -246,8 +246,9 @@ class Engine:
         backend's own overflow check: ``trainer.engine.backend``): then neither the backbone
         nor the head is updated, both optimizers' states and every buffer (BatchNorm
         statistics, the AdaCos scale) are as before the step, and the gradients are cleared.
-        A label out of range raises the head's ``ValueError`` on every rank, before any
-        update.
+        The labels are not range-checked here (``PartialFC.forward``'s ``trusted_labels``):
+        the run's loaders refuse a label outside ``[0, data.num_classes)`` before it reaches
+        the step, and ``trainer.loop.build`` refuses a loader of another class count.
 
         Host reads (each makes the CPU wait for the device; tests/trainer/test_engine_syncs.py
         holds the budget): one, the verdict, read after the backbone's backward to decide
@@ -287,11 +288,9 @@ class Engine:
         if backbone_finite is not None:
             finite &= backbone_finite
         stop = NO_STOP if stops is None else stops.current()
-        verdict = Verdict.agree(finite, rows.labels_ok(), stop, self.env.group)
+        verdict = Verdict.agree(finite, stop, self.env.group)
         update = self.backend.update(verdict, step)
-        _, labels_ok, agreed_stop = verdict.read()  # the step's one host read
-        if not labels_ok:
-            rows.raise_label_error()
+        _, agreed_stop = verdict.read()  # the step's one host read
         self._update_head(update.applied, rows, saved)
         return StepResult(lr=lr, skipped=not update.applied, overflow=update.overflow,
                           stop=agreed_stop, angles=sample, head_stats=self.head.stats,
@@ -322,7 +321,7 @@ class Engine:
         e = emb.detach().float().requires_grad_()
         sizes = [self.cfg.train.batch_size] * self.env.world_size  # the global batch's split
         with self._head_operands():
-            loss = self.head(e, y, sizes=sizes, defer_label_check=True)
+            loss = self.head(e, y, sizes=sizes, trusted_labels=True)
         loss = seams.HEAD_LOSS(loss, rank=self.env.rank)
         total = loss
         if self.distillation is not None:
