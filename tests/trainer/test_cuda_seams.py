@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from launch_helpers import build_engine, make_config
+from launch_helpers import build_engine, local_micro_batches, make_config
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -140,6 +140,27 @@ def test_cuda_engine_takes_channels_last_and_cudnn_autotuning_from_the_config(
     fmt = Engine._cuda_settings(SimpleNamespace(device=CUDA0, cfg=cfg))
     assert fmt == (torch.channels_last if channels_last else torch.contiguous_format)
     assert torch.backends.cudnn.benchmark is benchmark
+
+
+def test_engine_copies_the_batch_to_its_device_without_waiting(one_rank_group, monkeypatch):
+    """``non_blocking=True`` on the images, the labels and the flip bits: from pinned memory
+    the copy to a GPU is asynchronous (on CPU the flag changes nothing, so only the call is
+    checked)."""
+    engine = build_engine(make_config("train.batch_size=4"))
+    images, labels = local_micro_batches(0, 4, 0, 1, 1)[0]
+    flips = torch.tensor([True, False, False, True])
+    batch, seen = (images, labels, flips), []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if any(self is t for t in batch) and args and isinstance(args[0], torch.device):
+            which = next(i for i, t in enumerate(batch) if self is t)
+            seen.append((which, args, kwargs.get("non_blocking")))  # a device copy
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    engine.step(0, [batch])
+    assert sorted(seen) == [(i, (engine.device,), True) for i in range(3)]
 
 
 def test_deepspeed_accelerator_follows_a_cuda_run(monkeypatch):
