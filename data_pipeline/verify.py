@@ -3,7 +3,8 @@
 Per shard: the file exists with the manifest's size, it is a readable tar, it holds exactly
 the manifest's sample count, every sample has `jpg` and `cls`, every label is in
 [0, num_classes) and every image decodes; its member index, where it has one, is the one its
-tar gives. Keys must be unique across the folder. A folder at a URL is checked the same way,
+tar gives. Keys must be unique across the folder, and the label-to-identity map the manifest
+names (data_pipeline.identities) must hold one name per class. A folder at a URL is checked the same way,
 one shard at a time copied to a temporary file (data_pipeline.remote_shards.local_copy).
 """
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.errors import CorruptImageError, ShardError
+from data_pipeline.errors import CorruptImageError, DataError, ShardError
+from data_pipeline.identities import read_identities
 from data_pipeline.manifest import ShardInfo, read_manifest
 from data_pipeline.remote import RemoteFolder, open_folder
 from data_pipeline.remote_shards import local_copy
@@ -126,6 +128,10 @@ def verify_dataset(data_dir: str | os.PathLike, *, workers: int = 1, decoder: st
             if progress:
                 progress(report.count)
     problems = [p for r in reports for p in r.problems]
+    try:
+        read_identities(folder, manifest)
+    except DataError as exc:
+        problems.append(str(exc))
     seen: set[str] = set()
     for report in reports:
         duplicates = seen.intersection(report.keys)

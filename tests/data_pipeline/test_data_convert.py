@@ -119,6 +119,16 @@ def test_verify_reports_corrupt_images_and_shard_problems(image_folder, tmp_path
     assert "shard-000001.tar: shard listed in the manifest is missing" in capsys.readouterr().err
 
 
+def test_verify_checks_the_identity_map(image_folder, tmp_path, capsys):
+    src, _ = image_folder
+    out = tmp_path / "out"
+    assert main(["imagefolder", str(src), str(out)]) == 0
+    assert main(["verify", str(out)]) == 0
+    (out / IDENTITIES_NAME).write_text(json.dumps({"origin": "x", "names": ["a"]}))
+    assert main(["verify", str(out)]) == 1
+    assert "identities.json: 1 names for 3 classes" in capsys.readouterr().err
+
+
 def test_cli_errors_and_help(tmp_path, capsys):
     assert main(["imagefolder", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
     assert "none: not a folder" in capsys.readouterr().err
