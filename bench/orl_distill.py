@@ -52,8 +52,8 @@ from trainer.evaluation import embed_images
 TRAIN_CLASSES, TEST_CLASSES, IMAGES = 200, 40, 8
 DISTILL = ("distill.loss=cosine", "distill.weight=5.0", "distill.head_init=true")
 SETS = {  # set -> (teacher overrides, student overrides, default teacher/student epochs)
-    "orl": (("backbone.name=iresnet18",), ("backbone.name=mbf",), 3, 3),
-    "synthetic": ((), (), 6, 2),
+    "orl": (("backbone.name=iresnet18",), ("backbone.name=mbf",), 4, 2),
+    "synthetic": ((), (), 6, 1),
 }
 
 
