@@ -45,14 +45,16 @@ from data_pipeline.orl_pairs import orl_pairs
 from data_pipeline.synthetic import SyntheticSource
 from launch import train
 from offline.embedding_sets import embed_shards
+from partial_fc.backbones import build_backbone
 from partial_fc.eval.verification import evaluate_pairs
 from trainer.checkpoint.backbone import load_backbone
+from trainer.config import load_config
 from trainer.evaluation import embed_images
 
-TRAIN_CLASSES, TEST_CLASSES, IMAGES = 200, 40, 8
+TRAIN_CLASSES, TEST_CLASSES, IMAGES = 100, 40, 8
 DISTILL = ("distill.loss=cosine", "distill.weight=5.0", "distill.head_init=true")
 SETS = {  # set -> (teacher overrides, student overrides, default teacher/student epochs)
-    "orl": (("backbone.name=iresnet18",), ("backbone.name=mbf",), 4, 2),
+    "orl": (("backbone.name=iresnet18",), ("backbone.name=mbf",), 2, 1),
     "synthetic": ((), (), 6, 1),
 }
 
@@ -85,10 +87,9 @@ def orl_data(work: Path):
     return shards, images, balanced, every
 
 
-def score(run: Path, images: np.ndarray, balanced: list, every: list) -> dict[str, float]:
+def score(backbone, images: np.ndarray, balanced: list, every: list) -> dict[str, float]:
     """Accuracy (± fold std) and AUC on ``balanced``, TAR@FAR=1e-3 on ``every`` pair."""
-    backbone = load_backbone(run)[0].eval()
-    emb = embed_images(backbone, images, 64, "cpu").numpy()
+    emb = embed_images(backbone.eval(), images, 64, "cpu").numpy()
 
     def pairs(which):
         a, b, same = (np.array(column) for column in zip(*which, strict=True))
@@ -100,19 +101,25 @@ def score(run: Path, images: np.ndarray, balanced: list, every: list) -> dict[st
 
 
 def trained(run: Path, shards: Path, seed: int, epochs: int, overrides) -> dict:
-    """Train ``configs/orl.yaml`` + ``overrides`` into ``run`` (kept when already trained);
-    the last logged step's loss and distillation cosine, and the wall time."""
+    """Train ``configs/orl.yaml`` + ``overrides`` into ``run``; the last logged step's loss
+    and distillation cosine, and the wall time."""
     start = time.perf_counter()
-    if not (run / "metrics.jsonl").is_file():
-        args = [f"data.dir={shards}", f"output={run}", f"seed={seed}", f"train.epochs={epochs}",
-                "log.progress=false", "checkpoint.resume=none", "backbone.embedding_size=128",
-                *overrides]
-        if train.main(["--config", str(CONFIG), *args]) != 0:
-            raise RuntimeError(f"launch.train failed: {args}")
+    args = [f"data.dir={shards}", f"output={run}", f"seed={seed}", f"train.epochs={epochs}",
+            "log.progress=false", "checkpoint.resume=none", "backbone.embedding_size=128",
+            *overrides]
+    if train.main(["--config", str(CONFIG), *args]) != 0:
+        raise RuntimeError(f"launch.train failed: {args}")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "loss" in r][-1]
     return {"loss": last["loss"], "cosine": last.get("distill_cos_mean"),
             "steps": last["step"], "wall": time.perf_counter() - start}
+
+
+def untrained(seed: int, overrides) -> torch.nn.Module:
+    """The student exactly as ``launch.train`` initialises it (``torch.manual_seed(seed)``)."""
+    cfg = load_config(CONFIG, ["backbone.embedding_size=128", *overrides], resolve=False)
+    torch.manual_seed(seed)
+    return build_backbone(**cfg.backbone.build_kwargs())
 
 
 def _pct(values: list[float]) -> str:
@@ -143,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", choices=list(SETS), default="orl")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--work", type=Path, help="data + run folders, reused by a rerun "
-                   "(default: a temporary one)")
+    p.add_argument("--work", type=Path, help="data + run folders, kept (default: a temporary "
+                   "one)")
     p.add_argument("--teacher-epochs", type=int)
     p.add_argument("--student-epochs", type=int)
     args = p.parse_args(argv)
@@ -159,8 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         shards, images, balanced, every = (orl_data if args.set == "orl" else synthetic_data)(work)
         runs, rows = work / "runs", []
 
-        def add(name: str, run: Path, seed: int, out: dict) -> None:
-            rows.append({"name": name, "seed": seed, **out, **score(run, images, balanced, every)})
+        def add(name: str, run: Path | None, seed: int, out: dict) -> None:
+            backbone = load_backbone(run)[0] if run else untrained(seed, student_overrides)
+            rows.append({"name": name, "seed": seed, **out,
+                         **score(backbone, images, balanced, every)})
             r = rows[-1]
             print(f"{name} seed {seed}: accuracy {r['accuracy']:.4f} AUC {r['auc']:.4f} "
                   f"TAR@FAR=1e-3 {r[FAR]:.4f} loss {r['loss']:.3f} {r['wall']:.0f} s", flush=True)
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         embed_shards(load_backbone(teacher)[0], str(teacher), shards, stored, flip=True)
         print(f"teacher embeddings: {time.perf_counter() - start:.0f} s", flush=True)
         for seed in args.seeds:
+            add("student untrained", None, seed,
+                {"loss": float("nan"), "cosine": None, "steps": 0, "wall": 0.0})
             alone = runs / f"alone-seed{seed}"
             add("student alone", alone, seed,
                 trained(alone, shards, seed, student_epochs, student_overrides))
