@@ -44,7 +44,7 @@ import yaml
 from torch import nn
 
 from data_pipeline.errors import DataError
-from data_pipeline.ijb import TARGETS
+from data_pipeline.ijb import TARGETS, read_ijb_meta
 from launch.cli import (
     checkpoint_program_parser,
     load_backbone_or_exit,
@@ -183,6 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out}/ (model.safetensors, config.json, README.md)")
         return 0
     calibration = _calibration_folder(args) if args.int8 else None
+    if args.int8 and args.ijb is not None:
+        try:  # before the export and the quantization, which take minutes on a large model
+            read_ijb_meta(args.ijb, args.ijb_target)
+        except DataError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     backbone = load_backbone_or_exit(args.checkpoint)
     export_onnx(backbone, args.out, args.opset)
     cosine = check_onnx(backbone, args.out)

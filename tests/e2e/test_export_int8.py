@@ -103,10 +103,14 @@ def test_int8_cost_on_an_ijb_folder_is_the_evaluators_ijb_figures(tmp_path, caps
     assert len(errors) == 1 and "on IJBC/1:1/norm-kept (> --max-drop" in errors[0]
     assert not (tmp_path / "model.int8.onnx").exists()
 
-    args[args.index(str(ijb))] = str(tmp_path / "nowhere")
-    assert main([*args, "--max-drop", "100"]) == 2
+
+def test_int8_refuses_an_unreadable_ijb_folder_before_exporting(tmp_path, capsys):
+    out = tmp_path / "model.onnx"
+    assert main(["--checkpoint", str(make_run(tmp_path)), "--out", str(out), "--int8",
+                 "--ijb", str(tmp_path / "nowhere"), "--calibration-data", str(tmp_path)]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and str(tmp_path / "nowhere") in errors[0]
+    assert not out.exists()
 
 
 def test_int8_needs_a_bin(tmp_path, capsys):
