@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ijb", type=Path, metavar="DIR", default=None,
                    help="--int8: also compare them on this IJB_release folder's 1:1 protocol "
                    "(TAR@FAR, as python -m launch.evaluate --ijb scores it)")
-    p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
+    p.add_argument("--ijb-target", choices=TARGETS, default="IJBC",
+                   help="--ijb: the protocol compared on (default IJBC)")
     p.add_argument("--max-drop", type=float, default=1.0,
                    help="--int8: refuse when accuracy or a TAR@FAR drops more than this many "
                    "percentage points (default 1.0)")
