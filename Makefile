@@ -32,7 +32,7 @@ SMOKE_DIR      = $(if $(filter data.dir=% data.dirs=%,$(ARGS)),,data.dir=$(SMOKE
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
 
-.PHONY: setup train train-orl bench-orl demo-scale test test-fast docs-check test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl bench-distill demo-scale test test-fast docs-check test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3`: no venv is built there.
@@ -118,6 +118,12 @@ train-orl: $(ORL_DATA)/manifest.json $(ORL_BIN)
 
 bench-orl: setup
 	OMP_NUM_THREADS=1 $(PY) bench/orl_margins.py --seeds 0 1 2
+
+# A student with and without a teacher's stored embeddings (docs/orl_results.md): ORL (an
+# iresnet18 teacher, mbf students) and the synthetic set (iresnet_tiny both), seeds 1-3.
+bench-distill: setup
+	OMP_NUM_THREADS=1 nice -n 15 $(PY) bench/orl_distill.py --set orl
+	OMP_NUM_THREADS=1 nice -n 15 $(PY) bench/orl_distill.py --set synthetic
 
 # Issue 13's synthetic-scale demonstration (bench/scale_demo.py on configs/scale_demo.yaml): ArcFace,
 # AdaCos fixed and AdaCos dynamic at r=0.1, AdaCos dynamic at r=1, on 1M synthetic identities

@@ -83,7 +83,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _open_set_data(work: Path) -> tuple[Path, Path]:
+def open_set_data(work: Path) -> tuple[Path, Path]:
     """Shards of s1-s30 and the s31-s40 ``orl.bin``, written once into ``work``."""
     shards, pairs = work / "orl_s1-s30", work / "orl.bin"
     if not (shards / "manifest.json").is_file():
@@ -93,7 +93,7 @@ def _open_set_data(work: Path) -> tuple[Path, Path]:
     return shards, pairs
 
 
-def _all_pairs_images() -> tuple[np.ndarray, list[tuple[int, int]], list[tuple[int, int, bool]]]:
+def all_pairs_images() -> tuple[np.ndarray, list[tuple[int, int]], list[tuple[int, int, bool]]]:
     """The 100 test images (uint8 [100, 3, 112, 112], encoded as in the .bin) and all pairs."""
     root, decoder = find_orl_root(), resolve_decoder("auto")
     faces = [(i, k) for i in TEST_IDS for k in range(1, 11)]
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["WANDB_MODE"] = "disabled"
     with TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
-        shards, pairs_bin = _open_set_data(work)
-        all_pairs = _all_pairs_images()
+        shards, pairs_bin = open_set_data(work)
+        all_pairs = all_pairs_images()
         rows = []
         for seed in args.seeds:
             row = {"name": "untrained", "overrides": None, "loss": None, "scale": None,

@@ -11,11 +11,13 @@ the run (data, margin, steps, the newest evaluation, the licence stated by ``--l
 ``huggingface_hub.upload_folder`` publishes the folder as it is. Nothing is uploaded.
 
     python -m launch.export --checkpoint RUN --out model.onnx --int8 --bin lfw.bin --max-drop 0.5
+    python -m launch.export --checkpoint RUN --out model.onnx --int8 --ijb /data/IJB_release
 
 ``--int8`` also writes ``model.int8.onnx``: static INT8 through ONNX Runtime's quantization
 (``offline.int8``), calibrated on ``--calibration-samples`` images spread over the run's
 training shards (``data.dir``, or ``--calibration-data``). It prints the accuracy and TAR@FAR
-of fp32 and INT8 on ``--bin`` and their difference; when a difference passes ``--max-drop``
+of fp32 and INT8 on each ``--bin``, and the TAR@FAR of the IJB 1:1 protocol (``--ijb``,
+``--ijb-target``), with their differences; when a difference passes ``--max-drop``
 percentage points the INT8 file is not kept and the program ends with one ``error:`` line.
 
 The graph maps float32 ``images [batch, 3, 112, 112]`` in [-1, 1] (see
@@ -41,12 +43,14 @@ import torch
 import yaml
 from torch import nn
 
+from data_pipeline.errors import DataError
+from data_pipeline.ijb import TARGETS, read_ijb_meta
 from launch.cli import (
     checkpoint_program_parser,
     load_backbone_or_exit,
     resolve_checkpoint_or_exit,
 )
-from offline.int8 import calibration_images, int8_cost, quantize_int8
+from offline.int8 import calibration_images, int8_costs, quantize_int8
 from offline.model_card import card_facts, model_card
 from partial_fc.pretrained import PretrainedConfig, save_pretrained
 from trainer.checkpoint.backbone import backbone_spec
@@ -102,23 +106,28 @@ def export_pretrained(checkpoint: str, out: Path, license: str) -> Path:
     return out
 
 
-def export_int8(fp32: Path, calibration_data: Path, samples: int, bin_path: Path,
-                max_drop: float) -> int:
-    """``fp32``'s INT8 twin beside it (``X.int8.onnx``), kept only within ``max_drop``; the
-    exit status."""
+def export_int8(fp32: Path, calibration_data: Path, samples: int, max_drop: float,
+                bins: Sequence[Path], ijb: Path | None = None, ijb_target: str = "IJBC") -> int:
+    """``fp32``'s INT8 twin beside it (``X.int8.onnx``), kept only when no figure of any set
+    (``bins``, the IJB folder's 1:1 protocol) drops more than ``max_drop``; the exit status."""
     out = fp32.with_suffix(".int8.onnx")
     quantize_int8(fp32, out, calibration_images(calibration_data, samples))
-    cost = int8_cost(fp32, out, bin_path)
-    print("\n".join(cost.lines()))
-    worst = max(cost.drops, key=cost.drops.get)
-    if cost.drops[worst] > max_drop:
+    try:
+        costs = int8_costs(fp32, out, bins, ijb, ijb_target)
+    except DataError as err:
         out.unlink()
-        print(f"error: INT8 costs {cost.drops[worst]:.2f} pp of {worst} on {bin_path} "
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(line for cost in costs for line in cost.lines()))
+    drop, figure, name = max((d, k, c.name) for c in costs for k, d in c.drops.items())
+    if drop > max_drop:
+        out.unlink()
+        print(f"error: INT8 costs {drop:.2f} pp of {figure} on {name} "
               f"(> --max-drop {max_drop}); not written, {fp32} is the fp32 model",
               file=sys.stderr)
         return 1
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); worst cost {worst} "
-          f"{cost.drops[worst]:+.2f} pp <= --max-drop {max_drop}")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); worst cost {figure} on {name} "
+          f"{drop:+.2f} pp <= --max-drop {max_drop}")
     return 0
 
 
@@ -148,9 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-cosine", type=float, default=0.9999,
                    help="fail if ONNX Runtime and PyTorch disagree more than this")
     p.add_argument("--int8", action="store_true",
-                   help="also write OUT with .int8.onnx: static INT8, its cost measured on --bin")
-    p.add_argument("--bin", type=Path, default=None,
-                   help="--int8: verification .bin on which fp32 and INT8 are compared")
+                   help="also write OUT with .int8.onnx: static INT8, its cost measured on "
+                   "--bin and/or --ijb")
+    p.add_argument("--bin", type=Path, nargs="+", default=[],
+                   help="--int8: verification .bin(s) on which fp32 and INT8 are compared")
+    p.add_argument("--ijb", type=Path, metavar="DIR", default=None,
+                   help="--int8: also compare them on this IJB_release folder's 1:1 protocol "
+                   "(TAR@FAR, as python -m launch.evaluate --ijb scores it)")
+    p.add_argument("--ijb-target", choices=TARGETS, default="IJBC",
+                   help="--ijb: the protocol compared on (default IJBC)")
     p.add_argument("--max-drop", type=float, default=1.0,
                    help="--int8: refuse when accuracy or a TAR@FAR drops more than this many "
                    "percentage points (default 1.0)")
@@ -159,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calibration-samples", type=int, default=256,
                    help="--int8: calibration images, spread over the shards (default 256)")
     args = p.parse_args(argv)
-    if args.int8 and (args.format != "onnx" or args.bin is None):
-        p.error("--int8 needs --format onnx and --bin X.bin (where its cost is measured)")
+    if args.int8 and (args.format != "onnx" or not (args.bin or args.ijb)):
+        p.error("--int8 needs --format onnx and --bin X.bin and/or --ijb DIR (where its cost "
+                "is measured)")
     if args.format == "safetensors":
         if not args.license:
             p.error("--format safetensors needs --license (the licence you publish under)")
@@ -168,6 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out}/ (model.safetensors, config.json, README.md)")
         return 0
     calibration = _calibration_folder(args) if args.int8 else None
+    if args.int8 and args.ijb is not None:
+        try:  # before the export and the quantization, which take minutes on a large model
+            read_ijb_meta(args.ijb, args.ijb_target)
+        except DataError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     backbone = load_backbone_or_exit(args.checkpoint)
     export_onnx(backbone, args.out, args.opset)
     cosine = check_onnx(backbone, args.out)
@@ -178,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if calibration is not None:
-        return export_int8(args.out, calibration, args.calibration_samples,
-                           args.bin, args.max_drop)
+        return export_int8(args.out, calibration, args.calibration_samples, args.max_drop,
+                           args.bin, args.ijb, args.ijb_target)
     return 0
 
 

@@ -7,7 +7,6 @@ written atomically when complete, so a rerun resumes) and checks it against the 
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -17,10 +16,10 @@ from torch import nn
 
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.errors import CorruptImageError, DataError
-from data_pipeline.manifest import atomic_file, atomic_write_bytes, read_manifest
+from data_pipeline.manifest import atomic_write_bytes, read_manifest
 from data_pipeline.tar_reader import tar_samples
 from partial_fc.backbones import normalize_images
-from trainer.teacher_embeddings import FORMAT_VERSION, INDEX, read_index, shard_file
+from trainer.teacher_embeddings import FORMAT_VERSION, INDEX, read_index, shard_file, write_shard
 
 
 def _index(teacher: str, width: int, flip: bool, data_dir: Path) -> dict:
@@ -73,11 +72,7 @@ def embed_shards(teacher: nn.Module, teacher_name: str, data_dir: str | Path, ou
         width = index["embedding_size"]
         embeddings = (np.concatenate(parts) if parts
                       else np.zeros((0, len(index["views"]), width), np.float32))
-        buffer = io.BytesIO()
-        np.savez(buffer, keys=np.array(keys, dtype=str), skipped=np.array(skipped, dtype=str),
-                 embeddings=embeddings)
-        with atomic_file(target) as f:
-            f.write(buffer.getvalue())
+        write_shard(target, keys, skipped, embeddings)
         written.append(name)
     return written
 

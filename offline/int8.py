@@ -7,15 +7,15 @@ the training shards, spread evenly over them, normalised as training normalises
 (``partial_fc.backbones.normalize_images``).
 
 A face model's INT8 error shows at low FAR before it shows in accuracy: the impostor scores'
-tail moves. :func:`int8_cost` therefore scores the fp32 and the INT8 model on the same ``.bin``
-through the same evaluation code (flip TTA, 10-fold accuracy, TAR@FAR) and reports the drop
-of each figure.
+tail moves. :func:`int8_costs` therefore scores the fp32 and the INT8 model on the same ``.bin``
+sets and IJB protocol through the same evaluation code (flip TTA, 10-fold accuracy, TAR@FAR;
+IJB's template pooling) and reports the drop of each figure.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from data_pipeline.manifest import read_manifest
 from data_pipeline.tar_reader import tar_samples
 from partial_fc.backbones import normalize_images
 from partial_fc.eval.verification import resolves
-from trainer.evaluation import evaluate_bins
+from trainer.evaluation import evaluate_bins, evaluate_ijb_dir
 from trainer.onnx_backbone import OnnxBackbone
 
 
@@ -95,8 +95,9 @@ def quantize_int8(fp32: str | Path, out: str | Path, images: np.ndarray) -> Path
 
 @dataclass(frozen=True)
 class Int8Cost:
-    """The fp32 and INT8 figures on one ``.bin``; ``drops`` in percentage points (fp32 minus
-    INT8; positive is a loss), for the accuracy and each TAR@FAR."""
+    """The fp32 and INT8 figures on one set (a ``.bin``, or an IJB 1:1 protocol); ``drops`` in
+    percentage points (fp32 minus INT8; positive is a loss), for the accuracy (``.bin``) and
+    each TAR@FAR."""
 
     name: str
     fp32: dict[str, float]
@@ -104,7 +105,8 @@ class Int8Cost:
 
     @property
     def drops(self) -> dict[str, float]:
-        keys = ["accuracy", *sorted(k for k in self.fp32 if k.startswith("tar@far="))]
+        keys = [*(["accuracy"] if "accuracy" in self.fp32 else []),
+                *sorted(k for k in self.fp32 if k.startswith("tar@far="))]
         return {k: 100 * (self.fp32[k] - self.int8[k]) for k in keys}
 
     def lines(self) -> list[str]:
@@ -119,10 +121,18 @@ class Int8Cost:
                 for k, drop in self.drops.items()]
 
 
-def int8_cost(fp32: str | Path, int8: str | Path, bin_path: str | Path,
-              batch_size: int = 64) -> Int8Cost:
-    """Score both ONNX models on the verification set ``bin_path`` (one process)."""
-    name = Path(bin_path).stem
-    scores = [evaluate_bins(OnnxBackbone(model), [bin_path], batch_size, "cpu")[name]
-              for model in (fp32, int8)]
-    return Int8Cost(name, *scores)
+def int8_costs(fp32: str | Path, int8: str | Path, bins: Sequence[str | Path] = (),
+               ijb: str | Path | None = None, ijb_target: str = "IJBC",
+               batch_size: int = 64) -> list[Int8Cost]:
+    """Score both ONNX models on the verification sets ``bins`` and, given an IJB folder, on
+    its ``ijb_target`` 1:1 protocol (``trainer.evaluation.evaluate_ijb_dir``: template
+    pooling with the image norms kept, TAR at the IJB FARs), in one process; one cost per set,
+    the ``.bin`` sets first. Raises DataError when a set cannot be read."""
+    scores = []
+    for model in (fp32, int8):
+        backbone = OnnxBackbone(model)
+        found = evaluate_bins(backbone, list(bins), batch_size, "cpu")
+        if ijb is not None:
+            found |= evaluate_ijb_dir(backbone, ijb, ijb_target, batch_size, "cpu")
+        scores.append(found)
+    return [Int8Cost(name, scores[0][name], scores[1][name]) for name in scores[0]]

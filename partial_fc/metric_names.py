@@ -46,3 +46,9 @@ LOSS_MAGFACE_G = "loss_magface_g"
 MARGIN_STATS = (NORM_MEAN, NORM_STD, NORM_MIN, NORM_MAX, ADAFACE_EMA_MEAN, ADAFACE_EMA_STD,
                 *ADAFACE_ZHAT_BINS, CURRICULAR_T, HARD_NEGATIVE_SHARE, ELASTIC_MARGIN_MEAN,
                 LOSS_INTRA, LOSS_INTER, LOSS_TRIPLET, LOSS_MAGFACE_G)
+
+# Distillation (``distill.*``, partial_fc.distill): the distillation loss of the global batch
+# (unweighted), and the student-teacher cosine's summary, ``DISTILL_COS_PREFIX`` + ``mean`` or a
+# percentile ``p5``, ``p50``, ``p95`` (partial_fc.distill.cosine_summary's names).
+DISTILL_LOSS = "distill_loss"
+DISTILL_COS_PREFIX = "distill_cos_"

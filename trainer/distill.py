@@ -93,7 +93,7 @@ class Distillation:
         for name, _ in self.offline.index["data"]["shards"]:
             for sample in tar_samples(Path(data_dir) / name, exts=("cls",)):
                 label = int(sample["cls"])
-                if head.class_start <= label < stop and sample["__key__"] in self.offline.rows:
+                if head.class_start <= label < stop and sample["__key__"] in self.offline:
                     keys.append(sample["__key__"])
                     labels.append(label - head.class_start)
         if keys:

@@ -14,12 +14,13 @@ from launch_helpers import train_in_process
 from matplotlib.collections import QuadMesh
 
 from launch import report
-from offline.report_figures import FIGURES, MARGIN_FIGURES, WHEN_ABSENT
+from offline.report_figures import DISTILL_FIGURES, FIGURES, MARGIN_FIGURES, WHEN_ABSENT
 from partial_fc import metric_names as names
 from partial_fc.scale import fixed_adacos_scale
 
 STEPS = 12
-PLAIN = [slug for slug in FIGURES if slug not in MARGIN_FIGURES]  # what ArcFace/AdaCos runs draw
+# what ArcFace/AdaCos runs draw
+PLAIN = [slug for slug in FIGURES if slug not in MARGIN_FIGURES and slug not in DISTILL_FIGURES]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -262,3 +263,32 @@ def test_margin_figures_draw_the_margins_statistics():
     assert len(panels) == 2 and all(ax.get_title().endswith("z_hat histogram") for ax in panels)
     assert all(len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 8
                for ax in panels)
+
+
+def test_distillation_figure_draws_the_loss_and_the_cosine_band():
+    """A distilling run with the cosine (cosine loss), one without (similarity with a teacher
+    of another width) and one not distilling: both distilling runs' losses in their run's
+    colour; the cosine's mean, median and 5th-95th band for the first only."""
+    from matplotlib.collections import PolyCollection
+
+    from offline.report_figures import RunData
+
+    cos = {f"{names.DISTILL_COS_PREFIX}{k}": v for k, v in
+           (("mean", 0.5), ("p5", 0.2), ("p50", 0.55), ("p95", 0.8))}
+    rows = [{"step": i, "loss": 1.0, names.DISTILL_LOSS: 1 / i, **cos} for i in (1, 2, 3)]
+    runs = [RunData("plain", {}, [{"step": 1, "loss": 1.0}], [], None),
+            RunData("cosine", {}, rows, [], None),
+            RunData("similarity", {}, [{k: r[k] for k in ("step", "loss", names.DISTILL_LOSS)}
+                                       for r in rows], [], None)]
+    fig = report.build_figures(runs)["distill"]
+    _check_figure("distill", fig)
+    loss_ax, cos_ax = _plot_axes(fig)
+    assert [(line.get_label(), line.get_color()) for line in loss_ax.lines] == [
+        ("cosine", "C1"), ("similarity", "C2")]
+    assert loss_ax.lines[0].get_ydata().tolist() == [1, 1 / 2, 1 / 3]
+    assert [line.get_label() for line in cos_ax.lines] == ["cosine: mean", "cosine: median"]
+    (band,) = [c for c in cos_ax.collections if isinstance(c, PolyCollection)]
+    assert band.get_paths()[0].vertices[:, 1].min() == pytest.approx(0.2)
+    assert band.get_paths()[0].vertices[:, 1].max() == pytest.approx(0.8)
+    assert len(_plot_axes(FIGURES["distill"][0](runs[2:]))) == 1  # no cosine: the loss alone
+    assert "distill" not in report.build_figures(runs[:1])

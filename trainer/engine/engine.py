@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from partial_fc import metric_names as names
 from partial_fc.backbones import normalize_images
 from partial_fc.distill import cosine_summary, distill_loss
 from partial_fc.optim import SampledAdamW, SampledSGD
@@ -336,8 +337,8 @@ class Engine:
         ``sizes``: each rank's rows of the global batch."""
         d = self.distillation
         value = distill_loss(d.loss, e, teacher, sizes, self.env.group)
-        terms = {"distill_loss": value.detach(),
-                 **{f"distill_cos_{name}": v
+        terms = {names.DISTILL_LOSS: value.detach(),
+                 **{names.DISTILL_COS_PREFIX + name: v
                     for name, v in cosine_summary(e, teacher, sizes, self.env.group).items()}}
         for key, v in terms.items():
             distilled[key] = distilled.get(key, 0.0) + v
