@@ -4,8 +4,9 @@ Per shard: the file exists with the manifest's size, it is a readable tar, it ho
 the manifest's sample count, every sample has `jpg` and `cls`, every label is in
 [0, num_classes) and every image decodes; its member index, where it has one, is the one its
 tar gives. Keys must be unique across the folder, and the label-to-identity map the manifest
-names (data_pipeline.identities) must hold one name per class. A folder at a URL is checked the same way,
-one shard at a time copied to a temporary file (data_pipeline.remote_shards.local_copy).
+names (data_pipeline.identities) must hold one name per class. A folder at a URL is checked
+the same way, one shard at a time copied to a temporary file
+(data_pipeline.remote_shards.local_copy).
 """
 
 from __future__ import annotations
