@@ -34,6 +34,11 @@ class TinyFaceLists:
     gallery_paths: list[Path]
     gallery_ids: np.ndarray  # [G] int64, DISTRACTOR_ID for distractors
 
+    @property
+    def num_matched(self) -> int:
+        """How many gallery images (the first ones) have an identity."""
+        return int((self.gallery_ids != DISTRACTOR_ID).sum())
+
 
 def _testing_set(root: Path) -> Path:
     for folder in (root, root / "Testing_Set", root / "tinyface" / "Testing_Set"):

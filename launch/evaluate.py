@@ -1,6 +1,6 @@
 """Evaluate a backbone: verification ``.bin`` sets (10-fold accuracy, AUC, TAR@FAR),
 IJB-B/C 1:1 (TAR@FAR) and 1:N (rank-k, TPIR@FPIR) as insightface's scripts score them,
-RFW accuracy by group and TinyFace rank-1/5/20.
+RFW accuracy by group, TinyFace rank-1/5/20 and MegaFace rank-1 at 10^k distractors.
 
 Command line (one process)::
 
@@ -8,6 +8,7 @@ Command line (one process)::
     python -m launch.evaluate --checkpoint RUN --ijb /data/IJB_release --ijb-target IJBC
     python -m launch.evaluate --checkpoint RUN --ijb DIR --ijb-1n --ijb-image-norm kept unit
     python -m launch.evaluate --checkpoint RUN --rfw /data/RFW_bins --tinyface /data/tinyface
+    python -m launch.evaluate --checkpoint RUN --megaface /data/megaface_testpack/data
 
 ``--rfw`` takes a folder of one ``.bin`` per group (``African.bin`` or ``African_test.bin``,
 likewise Asian, Caucasian, Indian) and adds each group's row and a fairness table (mean,
@@ -33,10 +34,17 @@ from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 from partial_fc.eval.fairness import RFW_GROUPS, group_summary
+from partial_fc.eval.gallery_search import INDEXES
 from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
 from partial_fc.eval.ijb_1n import FPIRS
+from partial_fc.eval.megaface import MEGAFACE_SIZES
 from partial_fc.eval.verification import FARS, resolves
-from trainer.evaluation import evaluate_bins, evaluate_ijb_dir, evaluate_tinyface_dir
+from trainer.evaluation import (
+    evaluate_bins,
+    evaluate_ijb_dir,
+    evaluate_megaface_dir,
+    evaluate_tinyface_dir,
+)
 
 
 def format_table(results: dict[str, dict[str, float | int]]) -> str:
@@ -101,12 +109,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
     p.add_argument("--tinyface", type=Path, metavar="DIR",
                    help="TinyFace's Testing_Set (or a folder holding it): rank-1/5/20")
+    p.add_argument("--megaface", type=Path, metavar="DIR",
+                   help="insightface's MegaFace testsuite data/ folder: rank-1 at 10^k "
+                        "distractors")
+    p.add_argument("--megaface-sizes", type=int, nargs="+", default=list(MEGAFACE_SIZES),
+                   metavar="N", help="distractor counts (the first N of megaface_lst)")
+    p.add_argument("--gallery-index", choices=INDEXES, default="flat",
+                   help="MegaFace/TinyFace distractor search: flat (exact, the protocols' "
+                        "numbers) or ivf (approximate, faster for many probes)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    if not (args.bin or args.ijb or args.rfw or args.tinyface):
-        p.error("nothing to evaluate: give --bin, --ijb, --rfw and/or --tinyface")
+    if not (args.bin or args.ijb or args.rfw or args.tinyface or args.megaface):
+        p.error("nothing to evaluate: give --bin, --ijb, --rfw, --tinyface and/or --megaface")
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
@@ -143,12 +159,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         image_norms=args.ijb_image_norm, one_to_n=args.ijb_1n)
         if args.tinyface is not None:
             results["TinyFace"] = evaluate_tinyface_dir(backbone, args.tinyface,
-                                                        args.batch_size, device)
+                                                        args.batch_size, device,
+                                                        args.gallery_index, progress=True)
+        if args.megaface is not None:
+            results |= evaluate_megaface_dir(backbone, args.megaface, args.batch_size, device,
+                                             args.megaface_sizes, args.gallery_index,
+                                             progress=True)
     except (DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     # One table per kind: pair verification (.bin, RFW groups, IJB 1:1), identification
-    # (IJB 1:N, TinyFace), fairness (RFW).
+    # (IJB 1:N, TinyFace, MegaFace), fairness (RFW).
     tables = [{k: r for k, r in results.items() if key(r)} for key in (
         lambda r: "num_probes" not in r and "gap" not in r, lambda r: "num_probes" in r,
         lambda r: "gap" in r)]
