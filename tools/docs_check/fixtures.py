@@ -1,6 +1,6 @@
 """The small data the docs' placeholders stand for, built on first use, the way the tests build
 theirs: synthetic shards, a run trained here for a few steps, ORL verification pairs, a
-fabricated IJB folder, an insightface ``.rec`` folder, and an arcface_torch config and output
+fabricated IJB, MegaFace, TinyFace and RFW folders, an insightface ``.rec`` folder, and an arcface_torch config and output
 folder in ``train_v2.py``'s format."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ PLACEHOLDERS = {
     "agedb_30.bin": "bins/agedb_30.bin", "/data/lfw.bin": "bins/lfw.bin",
     "/data/cfp_fp.bin": "bins/cfp_fp.bin", "/data/agedb_30.bin": "bins/agedb_30.bin",
     "data/lfw.bin": "bins/lfw.bin", "/data/IJB_release": "ijb",
+    "/data/megaface_testpack/data": "megaface/data", "/data/tinyface": "tinyface",
+    "/data/RFW": "rfw",
     "insightface/recognition/arcface_torch/configs/wf42m_pfc02_r100.py":
         "arcface_configs/wf42m_pfc02_r100.py",
     "insightface/.../wf42m_pfc02_r100.py": "arcface_configs/wf42m_pfc02_r100.py",
@@ -75,6 +77,34 @@ def _ijb(dest: Path, _fx: Fixtures) -> None:
              ("4.png", 4, 4, red, 1.0), ("5.png", 4, 5, white, 0.5)]
     for target in ("IJBB", "IJBC"):
         write_ijb(dest / target, faces, [(1, 2, 1), (3, 4, 1), (1, 3, 0)], target.lower())
+
+
+def _megaface(dest: Path, _fx: Fixtures) -> None:
+    """insightface's MegaFace testsuite data/ folder: 5 FaceScrub images, 10 distractors (the
+    smallest default size)."""
+    from tests.data_pipeline.test_megaface import write_megaface
+    data = write_megaface(dest)
+    first = data / "megaface_images" / "0" / "0" / "d1.png"
+    extra = [f"0/2/e{i}.png" for i in range(6)]
+    for name in extra:
+        (data / "megaface_images" / name).parent.mkdir(exist_ok=True)
+        shutil.copy(first, data / "megaface_images" / name)
+    with (data / "megaface_lst").open("a") as lst:
+        lst.write("\n".join(extra) + "\n")
+
+
+def _tinyface(dest: Path, _fx: Fixtures) -> None:
+    """TinyFace's Testing_Set: 2 probes, 3 matched gallery images, 1 distractor."""
+    from tests.data_pipeline.test_tinyface import write_tinyface
+    write_tinyface(dest)
+
+
+def _rfw(dest: Path, fx: Fixtures) -> None:
+    """RFW as one .bin per group (ORL's pairs under each group's name)."""
+    from partial_fc.eval.fairness import RFW_GROUPS
+    dest.mkdir(parents=True)
+    for group in RFW_GROUPS:
+        shutil.copy(fx.path("bins/lfw.bin"), dest / f"{group}_test.bin")
 
 
 def _faces_emore(dest: Path, fx: Fixtures) -> None:
@@ -142,6 +172,9 @@ BUILDERS: dict[str, Callable[[Path, Fixtures], None]] = {
     "subcenter_run": _trained("margin.type=arcface", "margin.subcenters=3"),
     "bins": _bins,
     "ijb": _ijb,
+    "megaface": _megaface,
+    "tinyface": _tinyface,
+    "rfw": _rfw,
     "faces_emore": _faces_emore,
     "arcface_configs": _arcface_configs,
     "arcface_run": _arcface_run,
