@@ -11,10 +11,11 @@ Command line (one process)::
     python -m launch.evaluate --checkpoint RUN --megaface /data/megaface_testpack/data
 
 ``--rfw`` takes a folder of one ``.bin`` per group (``African.bin`` or ``African_test.bin``,
-likewise Asian, Caucasian, Indian) and adds each group's row and a fairness table (mean,
-standard deviation, best-to-worst gap). IJB rows are named ``IJBC/1:1/norm-kept``
-(insightface's eval_ijbc.py: image features keep their norm) or ``.../unit-norm`` (each
-image feature L2-normalised before pooling).
+likewise Asian, Caucasian, Indian) or RFW's released ``test/`` folder (images and
+``<group>_pairs.txt``) and adds each group's row and a fairness table (mean, standard
+deviation, best-to-worst gap), scored as TFace's verification_rfw.py scores them. IJB rows
+are named ``IJBC/1:1/norm-kept`` (insightface's eval_ijbc.py: image features keep their
+norm) or ``.../unit-norm`` (each image feature L2-normalised before pooling).
 
 The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
 """
@@ -33,7 +34,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
-from partial_fc.eval.fairness import RFW_GROUPS, group_summary
+from partial_fc.eval.fairness import THRESHOLD_RULES
 from partial_fc.eval.gallery_search import INDEXES
 from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
 from partial_fc.eval.ijb_1n import FPIRS
@@ -43,6 +44,7 @@ from trainer.evaluation import (
     evaluate_bins,
     evaluate_ijb_dir,
     evaluate_megaface_dir,
+    evaluate_rfw_dir,
     evaluate_tinyface_dir,
 )
 
@@ -106,7 +108,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="kept: image features keep their norm (insightface's eval_ijbc.py); "
                         "unit: each is L2-normalised before pooling; both: one row each")
     p.add_argument("--rfw", type=Path, metavar="DIR",
-                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
+                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian), or "
+                        "the released test/ folder (txts/<group>/<group>_pairs.txt, data/)")
+    p.add_argument("--rfw-threshold", choices=THRESHOLD_RULES, default="tface",
+                   help="tface: TFace's threshold grid (its numbers); exact: the best "
+                        "threshold, as for --bin")
     p.add_argument("--tinyface", type=Path, metavar="DIR",
                    help="TinyFace's Testing_Set (or a folder holding it): rank-1/5/20")
     p.add_argument("--megaface", type=Path, metavar="DIR",
@@ -126,17 +132,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
-    args.rfw_bins = [] if args.rfw is None else [_rfw_bin(p, args.rfw, g) for g in RFW_GROUPS]
     return args
-
-
-def _rfw_bin(p: argparse.ArgumentParser, folder: Path, group: str) -> Path:
-    """``folder/<group>_test.bin`` or ``folder/<group>.bin``; a parser error names both."""
-    for name in (f"{group}_test.bin", f"{group}.bin"):
-        if (folder / name).is_file():
-            return folder / name
-    p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (RFW needs one .bin per "
-            f"group: {', '.join(RFW_GROUPS)})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,11 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     backbone.to(device)
     try:
         results = evaluate_bins(backbone, args.bin, args.batch_size, device)
-        if args.rfw_bins:
-            groups = evaluate_bins(backbone, args.rfw_bins, args.batch_size, device)
-            by_group = dict(zip(RFW_GROUPS, groups.values(), strict=True))
-            results |= {f"RFW/{g}": r for g, r in by_group.items()}
-            results["RFW"] = group_summary({g: r["accuracy"] for g, r in by_group.items()})
+        if args.rfw is not None:
+            results |= evaluate_rfw_dir(backbone, args.rfw, args.batch_size, device,
+                                        args.rfw_threshold)
         if args.ijb is not None:
             results |= evaluate_ijb_dir(backbone, args.ijb, args.ijb_target, args.batch_size,
                                         device, progress=True,

@@ -1,6 +1,6 @@
 """Embed images with a backbone and score verification sets (``.bin``: 10-fold accuracy,
-AUC, TAR@FAR), IJB-B/C 1:1 and 1:N templates, TinyFace's and MegaFace's rank-k; shared by
-``launch.evaluate`` and training.
+AUC, TAR@FAR), IJB-B/C 1:1 and 1:N templates, RFW by group, TinyFace's and MegaFace's
+rank-k; shared by ``launch.evaluate`` and training.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import iter_aligned_faces, read_ijb_1n_meta, read_ijb_meta
 from data_pipeline.megaface import read_megaface
+from data_pipeline.rfw import find_rfw_bin, read_rfw_pairs, rfw_image_root
 from data_pipeline.tinyface import read_tinyface
 from data_pipeline.verification_bin import read_bin
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
+from partial_fc.eval.fairness import RFW_GROUPS, THRESHOLD_RULES, group_summary, tface_accuracy
 from partial_fc.eval.gallery_search import top_k_search
 from partial_fc.eval.ijb import evaluate_ijb, template_features
 from partial_fc.eval.ijb_1n import identification
@@ -101,13 +103,62 @@ def evaluate_bins(
     results = {}
     with eval_mode(backbone):
         for name, path in zip(names, bin_paths, strict=True):
-            encoded, issame = read_bin(path)
-            # A face appears in several pairs (ORL's 1,800 entries hold 100 images): embed
-            # each distinct image once and index.
-            unique = {image: i for i, image in enumerate(dict.fromkeys(encoded))}
-            emb = embed_shared(backbone, list(unique), batch_size, device, process_group)
-            emb = emb.cpu()[torch.tensor([unique[image] for image in encoded])].numpy()
+            emb, issame = _bin_embeddings(backbone, path, batch_size, device, process_group)
             results[name] = evaluate_pairs(emb[0::2], emb[1::2], issame)
+    return results
+
+
+def _bin_embeddings(backbone: nn.Module, path: str | Path, batch_size: int,
+                    device: torch.device | str, process_group=None) -> tuple[np.ndarray, list]:
+    """``[2P, D]`` unit features of a ``.bin`` set's images (pairs interleaved) and its
+    ``issame``; every rank of ``process_group`` calls it."""
+    encoded, issame = read_bin(path)
+    # A face appears in several pairs (ORL's 1,800 entries hold 100 images): embed each
+    # distinct image once and index.
+    unique = {image: i for i, image in enumerate(dict.fromkeys(encoded))}
+    emb = embed_shared(backbone, list(unique), batch_size, device, process_group)
+    return emb.cpu()[torch.tensor([unique[image] for image in encoded])].numpy(), issame
+
+
+def evaluate_rfw_dir(backbone: nn.Module, root: str | Path, batch_size: int,
+                     device: torch.device | str,
+                     rule: str = "tface") -> dict[str, dict[str, float | int | str]]:
+    """RFW accuracy per group and their spread (``partial_fc.eval.fairness``), one process.
+
+    ``root`` holds one ``.bin`` per group or the released folder of images and
+    ``<group>_pairs.txt`` lists (``data_pipeline.rfw``). Each group's row is
+    :func:`evaluate_pairs`' metrics, its accuracy (and threshold) replaced by TFace's
+    :func:`tface_accuracy` under ``rule="tface"``; the row ``RFW`` summarises them.
+    """
+    if rule not in THRESHOLD_RULES:
+        raise ValueError(f"unknown RFW threshold rule {rule!r}; choose one of "
+                         f"{', '.join(THRESHOLD_RULES)}")
+    images = rfw_image_root(root)
+    results: dict[str, dict[str, float | int | str]] = {}
+    with eval_mode(backbone):
+        for group in RFW_GROUPS:
+            found = find_rfw_bin(Path(root), group)
+            if found is not None:
+                emb, issame = _bin_embeddings(backbone, found, batch_size, device)
+                first, second = emb[0::2], emb[1::2]
+            elif images is not None:
+                pairs = read_rfw_pairs(images, group)
+                unique = {path: i for i, path in enumerate(dict.fromkeys(pairs.first
+                                                                         + pairs.second))}
+                emb = embed_files(backbone, list(unique), batch_size, device, "RFW")
+                first, second = (emb[[unique[p] for p in side]]
+                                 for side in (pairs.first, pairs.second))
+                issame = pairs.issame
+            else:
+                raise DataError(f"{root}: no {group}_test.bin, {group}.bin or "
+                                f"txts/{group}/{group}_pairs.txt (RFW needs one of them per "
+                                f"group: {', '.join(RFW_GROUPS)})")
+            row = evaluate_pairs(first, second, issame)
+            if rule == "tface":
+                row |= tface_accuracy(first, second, issame)
+            results[f"RFW/{group}"] = {**row, "threshold_rule": rule}
+    results["RFW"] = {**group_summary({g: results[f"RFW/{g}"]["accuracy"] for g in RFW_GROUPS}),
+                      "threshold_rule": rule}
     return results
 
 

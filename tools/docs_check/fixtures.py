@@ -1,7 +1,7 @@
 """The small data the docs' placeholders stand for, built on first use, the way the tests build
-theirs: synthetic shards, a run trained here for a few steps, ORL verification pairs, a
-fabricated IJB, MegaFace, TinyFace and RFW folders, an insightface ``.rec`` folder, and an arcface_torch config and output
-folder in ``train_v2.py``'s format."""
+theirs: synthetic shards, a run trained here for a few steps, ORL verification pairs,
+fabricated IJB, MegaFace, TinyFace and RFW folders, an insightface ``.rec`` folder, and an
+arcface_torch config and output folder in ``train_v2.py``'s format."""
 
 from __future__ import annotations
 
