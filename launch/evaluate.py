@@ -114,7 +114,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="tface: TFace's threshold grid (its numbers); exact: the best "
                         "threshold, as for --bin")
     p.add_argument("--tinyface", type=Path, metavar="DIR",
-                   help="TinyFace's Testing_Set (or a folder holding it): rank-1/5/20")
+                   help="TinyFace's Testing_Set (or a folder holding it; with AdaFace's "
+                        "aligned_pad_0.1_pad_high/ beside tinyface/, its aligned images): "
+                        "rank-1/5/20")
     p.add_argument("--megaface", type=Path, metavar="DIR",
                    help="insightface's MegaFace testsuite data/ folder: rank-1 at 10^k "
                         "distractors")
@@ -152,9 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         device, progress=True,
                                         image_norms=args.ijb_image_norm, one_to_n=args.ijb_1n)
         if args.tinyface is not None:
-            results["TinyFace"] = evaluate_tinyface_dir(backbone, args.tinyface,
-                                                        args.batch_size, device,
-                                                        args.gallery_index, progress=True)
+            tinyface = evaluate_tinyface_dir(backbone, args.tinyface, args.batch_size, device,
+                                             args.gallery_index, progress=True)
+            # Published numbers are on aligned images: a row on the raw crops says so.
+            results["TinyFace" if tinyface["alignment"] != "none" else
+                    "TinyFace/unaligned"] = tinyface
         if args.megaface is not None:
             results |= evaluate_megaface_dir(backbone, args.megaface, args.batch_size, device,
                                              args.megaface_sizes, args.gallery_index,

@@ -21,7 +21,7 @@ from data_pipeline.errors import DataError
 from data_pipeline.ijb import iter_aligned_faces, read_ijb_1n_meta, read_ijb_meta
 from data_pipeline.megaface import read_megaface
 from data_pipeline.rfw import find_rfw_bin, read_rfw_pairs, rfw_image_root
-from data_pipeline.tinyface import read_tinyface
+from data_pipeline.tinyface import ALIGNED_DIR, read_tinyface
 from data_pipeline.verification_bin import read_bin
 from partial_fc.backbones import normalize_images
 from partial_fc.distributed import all_gather, get_rank, get_world_size
@@ -270,11 +270,12 @@ def search_gallery(backbone: nn.Module, probes: np.ndarray, paths: Sequence[Path
 
 def evaluate_tinyface_dir(backbone: nn.Module, root: str | Path, batch_size: int,
                           device: torch.device | str, index: str = "flat",
-                          progress: bool = False) -> dict[str, float | int]:
+                          progress: bool = False) -> dict[str, float | int | str]:
     """TinyFace rank-1/5/20 (``partial_fc.eval.ranking.cmc``) of ``backbone`` on ``root``
-    (one process). Images are stretched to 112x112 as decoded (the released crops are
-    smaller and unaligned) and embedded with flip TTA, unit rows; the distractors are
-    streamed through :func:`search_gallery`."""
+    (one process), ``"alignment"`` naming the images used: AdaFace's aligned folder
+    (``aligned_pad_0.1_pad_high``) where ``data_pipeline.tinyface`` finds it, else ``none``
+    (the released crops, stretched to 112x112 as decoded). Embedded with flip TTA, unit
+    rows; the distractors are streamed through :func:`search_gallery`."""
     lists = read_tinyface(root)
     matched = lists.num_matched
     distractors = lists.gallery_paths[matched:]
@@ -285,9 +286,9 @@ def evaluate_tinyface_dir(backbone: nn.Module, root: str | Path, batch_size: int
         top = search_gallery(backbone, probes, distractors, np.zeros(len(distractors), bool),
                              max(TINYFACE_RANKS), [len(distractors)], batch_size, device,
                              index, what="TinyFace", progress=progress)[len(distractors)]
-    return cmc(probes, lists.probe_ids, matched_feats, lists.gallery_ids[:matched],
-               distractor_top=top,
-               distractors=len(distractors))
+    return {**cmc(probes, lists.probe_ids, matched_feats, lists.gallery_ids[:matched],
+                  distractor_top=top, distractors=len(distractors)),
+            "alignment": ALIGNED_DIR if lists.aligned else "none"}
 
 
 def evaluate_megaface_dir(backbone: nn.Module, root: str | Path, batch_size: int,

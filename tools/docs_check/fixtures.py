@@ -99,12 +99,10 @@ def _tinyface(dest: Path, _fx: Fixtures) -> None:
     write_tinyface(dest)
 
 
-def _rfw(dest: Path, fx: Fixtures) -> None:
-    """RFW as one .bin per group (ORL's pairs under each group's name)."""
-    from partial_fc.eval.fairness import RFW_GROUPS
-    dest.mkdir(parents=True)
-    for group in RFW_GROUPS:
-        shutil.copy(fx.path("bins/lfw.bin"), dest / f"{group}_test.bin")
+def _rfw(dest: Path, _fx: Fixtures) -> None:
+    """RFW's released folder: test/txts/<group>/<group>_pairs.txt and 112x112 images."""
+    from tests.data_pipeline.test_rfw import write_rfw
+    write_rfw(dest, weak={"African": 1})
 
 
 def _faces_emore(dest: Path, fx: Fixtures) -> None:
