@@ -33,13 +33,18 @@ import torch
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from launch.cli import (
+    checkpoint_program_parser,
+    load_backbone_or_exit,
+    resolve_checkpoint_or_exit,
+)
 from partial_fc.eval.fairness import THRESHOLD_RULES
 from partial_fc.eval.gallery_search import INDEXES
 from partial_fc.eval.ijb import IJB_FARS, IMAGE_NORMS
 from partial_fc.eval.ijb_1n import FPIRS
 from partial_fc.eval.megaface import MEGAFACE_SIZES
 from partial_fc.eval.verification import FARS, resolves
+from trainer.checkpoint.meta import checkpoint_step
 from trainer.evaluation import (
     evaluate_bins,
     evaluate_ijb_dir,
@@ -47,6 +52,7 @@ from trainer.evaluation import (
     evaluate_rfw_dir,
     evaluate_tinyface_dir,
 )
+from trainer.telemetry.evaluation_log import log_to_run
 
 
 def format_table(results: dict[str, dict[str, float | int]]) -> str:
@@ -128,6 +134,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    p.add_argument("--log-to-run", action="store_true",
+                   help="also append the results to the checkpoint's run: a metrics.jsonl "
+                        "row at its step, and its W&B / TensorBoard as its config sets them "
+                        "(launch.report then draws them)")
     args = p.parse_args(argv)
     if not (args.bin or args.ijb or args.rfw or args.tinyface or args.megaface):
         p.error("nothing to evaluate: give --bin, --ijb, --rfw, --tinyface and/or --megaface")
@@ -174,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n\n".join(format_table(t) for t in tables if t))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.log_to_run:
+        config, weights = resolve_checkpoint_or_exit(args.checkpoint)
+        for line in log_to_run(config.parent, checkpoint_step(weights.parent), results):
+            print(line)
     return 0
 
 

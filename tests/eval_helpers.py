@@ -15,6 +15,7 @@ from torch import nn
 from data_pipeline.ijb import ARCFACE_REFERENCE
 from data_pipeline.verification_bin import write_bin
 from partial_fc.backbones import build_backbone
+from partial_fc.eval.fairness import RFW_GROUPS
 from trainer.checkpoint.integrity import META, sha256
 
 
@@ -93,3 +94,35 @@ def write_ijb(root, faces, pairs, target="ijbc"):
     (root / "meta" / f"{target}_name_5pts_score.txt").write_text("\n".join(pts) + "\n")
     (root / "meta" / f"{target}_template_pair_label.txt").write_text(
         "\n".join(" ".join(map(str, p)) for p in pairs) + "\n")
+
+
+WHITE, YELLOW, RED, CYAN = (255, 255, 255), (255, 255, 0), (255, 0, 0), (0, 255, 255)
+
+
+def _rfw_image(folder, group, identity, number, rgb):
+    path = folder / "data" / group / identity / f"{identity}_{number:04d}.jpg"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((112, 112, 3), rgb, np.uint8)).save(path, quality=100)
+
+
+def write_rfw(root, weak=None):
+    """RFW's test/ folder; 10 pairs per group: 5 impostor pairs (red against cyan, cosine -1
+    under MeanColour) and 5 genuine pairs, ``weak[group]`` of them white against yellow
+    (cosine 1/3, squared distance 4/3), the rest one colour twice (cosine 1)."""
+    weak = weak or {}
+    folder = root / "test"
+    for group in RFW_GROUPS:
+        lines = []
+        for k in range(5):
+            identity = f"m.{group[:2]}{k}"
+            second = YELLOW if k < weak.get(group, 0) else WHITE
+            _rfw_image(folder, group, identity, 1, WHITE)
+            _rfw_image(folder, group, identity, 12, second)
+            lines.append(f"{identity}\t1\t12")
+            a, b = f"m.{group[:2]}r{k}", f"m.{group[:2]}c{k}"
+            _rfw_image(folder, group, a, 1, RED)
+            _rfw_image(folder, group, b, 3, CYAN)
+            lines.append(f"{a}\t1\t{b}\t3")
+        (folder / "txts" / group).mkdir(parents=True, exist_ok=True)
+        (folder / "txts" / group / f"{group}_pairs.txt").write_text("\n".join(lines) + "\n")
+    return folder

@@ -6,45 +6,13 @@ import json
 
 import numpy as np
 import pytest
-from eval_helpers import MeanColour, make_run
-from PIL import Image
+from eval_helpers import MeanColour, make_run, write_rfw
 
 from data_pipeline.errors import DataError
 from data_pipeline.rfw import read_rfw_pairs
 from launch.evaluate import main
 from partial_fc.eval.fairness import RFW_GROUPS, tface_accuracy
 from trainer.evaluation import evaluate_rfw_dir
-
-WHITE, YELLOW, RED, CYAN = (255, 255, 255), (255, 255, 0), (255, 0, 0), (0, 255, 255)
-
-
-def _image(folder, group, identity, number, rgb):
-    path = folder / "data" / group / identity / f"{identity}_{number:04d}.jpg"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full((112, 112, 3), rgb, np.uint8)).save(path, quality=100)
-
-
-def write_rfw(root, weak=None):
-    """RFW's test/ folder; 10 pairs per group: 5 impostor pairs (red against cyan, cosine -1
-    under MeanColour) and 5 genuine pairs, ``weak[group]`` of them white against yellow
-    (cosine 1/3, squared distance 4/3), the rest one colour twice (cosine 1)."""
-    weak = weak or {}
-    folder = root / "test"
-    for group in RFW_GROUPS:
-        lines = []
-        for k in range(5):
-            identity = f"m.{group[:2]}{k}"
-            second = YELLOW if k < weak.get(group, 0) else WHITE
-            _image(folder, group, identity, 1, WHITE)
-            _image(folder, group, identity, 12, second)
-            lines.append(f"{identity}\t1\t12")
-            a, b = f"m.{group[:2]}r{k}", f"m.{group[:2]}c{k}"
-            _image(folder, group, a, 1, RED)
-            _image(folder, group, b, 3, CYAN)
-            lines.append(f"{a}\t1\t{b}\t3")
-        (folder / "txts" / group).mkdir(parents=True, exist_ok=True)
-        (folder / "txts" / group / f"{group}_pairs.txt").write_text("\n".join(lines) + "\n")
-    return folder
 
 
 def test_tface_grid_by_hand():

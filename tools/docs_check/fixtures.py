@@ -101,7 +101,7 @@ def _tinyface(dest: Path, _fx: Fixtures) -> None:
 
 def _rfw(dest: Path, _fx: Fixtures) -> None:
     """RFW's released folder: test/txts/<group>/<group>_pairs.txt and 112x112 images."""
-    from tests.data_pipeline.test_rfw import write_rfw
+    from tests.eval_helpers import write_rfw
     write_rfw(dest, weak={"African": 1})
 
 
