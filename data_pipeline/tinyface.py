@@ -33,6 +33,8 @@ from data_pipeline.errors import DataError
 DISTRACTOR_ID = -1
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 ALIGNED_DIR = "aligned_pad_0.1_pad_high"
+# The reference read and followed: validation_lq/validate_tinyface.py, tinyface_helper.py.
+ADAFACE_COMMIT = "c60eaa786a42c03444f3df7096dbaf9d57ae010d"
 SUBSETS = ("Probe", "Gallery_Match", "Gallery_Distractor")
 
 

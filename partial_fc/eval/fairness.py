@@ -18,6 +18,8 @@ from sklearn.model_selection import KFold
 from partial_fc.eval.verification import normalise_rows
 
 RFW_GROUPS = ("African", "Asian", "Caucasian", "Indian")
+# The reference read and matched: recognition/test/verification_rfw.py and utils.py there.
+TFACE_COMMIT = "171ec1434aca0972e111663ac646c9c1e3e44b5b"
 # TFace's rfw_evaluate: thresholds on the *squared L2 distance* of unit features, which lies
 # in [0, 4]; its grid stops below 1, so "same" is predicted only for cosines above ~0.5.
 TFACE_THRESHOLDS = np.arange(-1, 1, 0.001)

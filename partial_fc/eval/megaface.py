@@ -27,6 +27,9 @@ import numpy as np
 from partial_fc.eval.gallery_search import check_depth, rank_of
 
 MEGAFACE_SIZES = (10, 100, 1_000, 10_000, 100_000, 1_000_000)
+# The references read: insightface's recognition/_evaluation_/megaface/ at bench/
+# ijb_equivalence.py's INSIGHTFACE_COMMIT; FaceX-Zoo's test_protocol/megaface/ at this one.
+FACEX_ZOO_COMMIT = "f8f3cf1e7502325d1891c5cc6ad4ce0c1a653145"
 
 
 def clean_probe_features(feats: np.ndarray, identities: np.ndarray,
