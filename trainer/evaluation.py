@@ -121,12 +121,13 @@ def _bin_embeddings(backbone: nn.Module, path: str | Path, batch_size: int,
 
 
 def evaluate_rfw_dir(backbone: nn.Module, root: str | Path, batch_size: int,
-                     device: torch.device | str,
-                     rule: str = "tface") -> dict[str, dict[str, float | int | str]]:
-    """RFW accuracy per group and their spread (``partial_fc.eval.fairness``), one process.
+                     device: torch.device | str, rule: str = "tface",
+                     process_group=None) -> dict[str, dict[str, float | int | str]]:
+    """RFW accuracy per group and their spread (``partial_fc.eval.fairness``).
 
-    ``root`` holds one ``.bin`` per group or the released folder of images and
-    ``<group>_pairs.txt`` lists (``data_pipeline.rfw``). Each group's row is
+    ``root`` holds one ``.bin`` per group (every rank of ``process_group`` calls it and
+    embeds its share, as :func:`evaluate_bins`) or the released folder of images and
+    ``<group>_pairs.txt`` lists (``data_pipeline.rfw``; one process). Each group's row is
     :func:`evaluate_pairs`' metrics, its accuracy (and threshold) replaced by TFace's
     :func:`tface_accuracy` under ``rule="tface"``; the row ``RFW`` summarises them.
     """
@@ -139,7 +140,8 @@ def evaluate_rfw_dir(backbone: nn.Module, root: str | Path, batch_size: int,
         for group in RFW_GROUPS:
             found = find_rfw_bin(Path(root), group)
             if found is not None:
-                emb, issame = _bin_embeddings(backbone, found, batch_size, device)
+                emb, issame = _bin_embeddings(backbone, found, batch_size, device,
+                                              process_group)
                 first, second = emb[0::2], emb[1::2]
             elif images is not None:
                 pairs = read_rfw_pairs(images, group)

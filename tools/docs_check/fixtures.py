@@ -70,13 +70,20 @@ def _bins(dest: Path, _fx: Fixtures) -> None:
 
 
 def _ijb(dest: Path, _fx: Fixtures) -> None:
-    """An IJB_release folder: IJBB and IJBC, 4 templates of 5 plain-coloured faces each."""
+    """An IJB_release folder: IJBB and IJBC, 4 templates of 5 plain-coloured faces each, and
+    their 1:N gallery and probe lists."""
     from tests.eval_helpers import write_ijb
     white, red = (255, 255, 255), (255, 0, 0)
     faces = [("1.png", 1, 1, white, 1.0), ("2.png", 2, 2, white, 0.9), ("3.png", 3, 3, red, 0.8),
              ("4.png", 4, 4, red, 1.0), ("5.png", 4, 5, white, 0.5)]
-    for target in ("IJBB", "IJBC"):
+    for target, galleries in (("IJBB", ("S1", "S2")), ("IJBC", ("G1", "G2"))):
         write_ijb(dest / target, faces, [(1, 2, 1), (3, 4, 1), (1, 3, 0)], target.lower())
+        # 1:N: templates 1 (subject 1) and 3 (subject 2) the gallery, 2 and 4 the probes.
+        lists = {f"gallery_{galleries[0]}": "1,1,1.png", f"gallery_{galleries[1]}": "3,2,3.png",
+                 "probe_mixed": "2,1,2.png\n4,2,4.png"}
+        for name, rows in lists.items():
+            (dest / target / "meta" / f"{target.lower()}_1N_{name}.csv").write_text(
+                f"TEMPLATE_ID,SUBJECT_ID,FILENAME\n{rows}\n")
 
 
 def _megaface(dest: Path, _fx: Fixtures) -> None:

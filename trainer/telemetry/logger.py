@@ -211,9 +211,12 @@ class RunLogger:
         self._to_sinks(lambda sink: sink.histograms(step, values))
 
     def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
-        """Verification results of ``trainer.evaluation.evaluate_bins``."""
+        """Verification results of ``trainer.evaluation.evaluate_bins`` (and RFW's groups
+        and summary, ``evaluate_rfw_dir``)."""
         self.write({"step": step, **flat_metrics(results)})
-        self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" for name, r in results.items()))
+        self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" if "accuracy" in r else
+                            f"{name}: mean {r['mean']:.4f} gap {r['gap']:.4f}"
+                            for name, r in results.items()))
 
     def write(self, record: dict) -> None:
         """One metrics.jsonl row (rank 0), and its numbers to the sinks."""
