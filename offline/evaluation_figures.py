@@ -27,6 +27,15 @@ def _newest(run: RunData, wanted: Callable[[dict[str, dict]], bool]) -> dict[str
     return {}
 
 
+def _finish(fig: Figure, ax, ylabel: str, title: str, **grid) -> Figure:
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, **grid)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 def _ijb_curves(results: dict[str, dict]) -> dict[str, dict]:
     return {name: r for name, r in results.items()
             if "/1:1/" in name and all(f"tar@far={far:.0e}" in r for far in IJB_FARS)}
@@ -46,12 +55,7 @@ def tar_far_figure(runs: list[RunData]) -> Figure | None:
                     color=f"C{i % 10}", ls=("-", "--", ":")[j % 3], label=f"{label}: {name}")
     ax.set_xscale("log")
     ax.set_xlabel("FAR")
-    ax.set_ylabel("TAR (%)")
-    ax.set_title("IJB 1:1: TAR against FAR")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "TAR (%)", "IJB 1:1: TAR against FAR", which="both")
 
 
 def _rfw(results: dict[str, dict]) -> bool:
@@ -76,12 +80,7 @@ def rfw_figure(runs: list[RunData]) -> Figure | None:
     ax.set_xticks(x, RFW_GROUPS)
     low = min(100 * r[f"RFW/{g}"]["accuracy"] for _, r in rows for g in RFW_GROUPS)
     ax.set_ylim(max(0.0, low - 5), 100)  # the differences are a few points: no zero baseline
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title("RFW: accuracy by group (dashed: mean)")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "accuracy (%)", "RFW: accuracy by group (dashed: mean)", axis="y")
 
 
 # slug -> (builder, caption), drawn after the training figures; and what an absent one needs.
