@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
+from scipy.io import savemat
 from torch import nn
 
 from data_pipeline.ijb import ARCFACE_REFERENCE
@@ -99,10 +100,15 @@ def write_ijb(root, faces, pairs, target="ijbc"):
 WHITE, YELLOW, RED, CYAN = (255, 255, 255), (255, 255, 0), (255, 0, 0), (0, 255, 255)
 
 
-def _rfw_image(folder, group, identity, number, rgb):
-    path = folder / "data" / group / identity / f"{identity}_{number:04d}.jpg"
+def solid_image(path: Path, rgb, height: int = 112, width: int = 112) -> None:
+    """One plain-coloured image file (folders made; a JPEG at quality 100)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full((112, 112, 3), rgb, np.uint8)).save(path, quality=100)
+    image = Image.fromarray(np.full((height, width, 3), rgb, np.uint8))
+    image.save(path, **({"quality": 100} if path.suffix == ".jpg" else {}))
+
+
+def _rfw_image(folder, group, identity, number, rgb):
+    solid_image(folder / "data" / group / identity / f"{identity}_{number:04d}.jpg", rgb)
 
 
 def write_rfw(root, weak=None):
@@ -126,3 +132,66 @@ def write_rfw(root, weak=None):
         (folder / "txts" / group).mkdir(parents=True, exist_ok=True)
         (folder / "txts" / group / f"{group}_pairs.txt").write_text("\n".join(lines) + "\n")
     return folder
+
+
+def tinyface_image(path, rgb):
+    """A 24x20 TinyFace-sized crop."""
+    solid_image(path, rgb, 24, 20)
+
+
+def mat_cells(names):
+    """A MATLAB cell array of strings, as TinyFace's .mat lists hold them."""
+    return np.array([[np.array([n])] for n in names], dtype=object)
+
+
+def write_tinyface(root):
+    """Probe 1 white, probe 2 red. Gallery: id 1 white and grey-blue, id 2 (255, 0, 128);
+    distractor red. Under MeanColour the red probe's mate scores 2/sqrt(6) < 1 (the
+    distractor): rank 2; the white probe's mate is exact: rank 1."""
+    t = root / "tinyface" / "Testing_Set"
+    for name, rgb in (("p1.png", (255, 255, 255)), ("p2.png", (255, 0, 0))):
+        tinyface_image(t / "Probe" / name, rgb)
+    for name, rgb in (("g1.png", (255, 255, 255)), ("g2.png", (0, 0, 255)),
+                      ("g3.png", (255, 0, 128))):
+        tinyface_image(t / "Gallery_Match" / name, rgb)
+    tinyface_image(t / "Gallery_Distractor" / "d1.png", (255, 0, 0))
+    savemat(t / "probe_img_ID_pairs.mat", {"probe_set": mat_cells(["p1.png", "p2.png"]),
+                                           "probe_ids": np.array([[1], [2]])})
+    savemat(t / "gallery_match_img_ID_pairs.mat", {
+        "gallery_set": mat_cells(["g1.png", "g2.png", "g3.png"]),
+        "gallery_ids": np.array([[1], [1], [2]])})
+    return t
+
+
+# Under MeanColour a colour's feature is its (R, G, B) mapped to [-1, 1] and normalised.
+PROBES = {"A/a1.png": (255, 255, 255),  # (1, 1, 1)/sqrt3
+          "A/a2.png": (255, 255, 128),  # ~(1, 1, 0)/sqrt2
+          "A/a3.png": (0, 0, 0),        # noisy: becomes normalise(a1 + a2)
+          "B/b1.png": (0, 0, 255),      # (-1, -1, 1)/sqrt3
+          "B/b2.png": (0, 255, 255)}    # (-1, 1, 1)/sqrt3
+DISTRACTORS = {"0/0/d1.png": (255, 0, 0),    # (1, -1, -1)/sqrt3
+               "0/0/d2.png": (250, 255, 255),  # noisy (shows A, ~a1): never searched
+               "0/1/d3.png": (0, 255, 5),    # ~(-1, 1, -0.96)
+               "0/1/d4.png": (0, 0, 250)}    # ~(-1, -1, 0.96)
+
+
+def write_megaface(root, noises=True):
+    """The testsuite's data/ folder. By hand (scores of unit features):
+
+    - A's pairs: a1.a2 = 0.818, a1.a3' = 0.96, a2.a3' = 0.96, and no distractor scores
+      above 0 with a1, a2 or a3' (d2, 0.9997 with a1, is noise-listed): 6 of 6 pairs.
+    - B: b1.b2 = 1/3. With d1 alone: b1.d1 = -1/3, b2.d1 = -1, both pairs count. With d1, d3,
+      d4: b1.d4 = 0.9997 > 1/3 and b2.d3 = 0.351 > 1/3: neither counts.
+
+    So rank-1 at 2 distractors (d1, d2) is 8/8, at 4 (d1..d4) 6/8.
+    """
+    data = root / "data"
+    for folder, images in (("facescrub_images", PROBES), ("megaface_images", DISTRACTORS)):
+        for name, rgb in images.items():
+            solid_image(data / folder / name, rgb)
+    (data / "facescrub_lst").write_text("\n".join(PROBES) + "\n")
+    (data / "megaface_lst").write_text("\n".join(DISTRACTORS) + "\n")
+    if noises:
+        (data / "facescrub_noises.txt").write_text("# noisy FaceScrub\na3.png\n")
+        (data / "megaface_noises.txt").write_text("# noisy MegaFace\nx\t0/0/d2.png\n")
+    return data

@@ -4,50 +4,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from eval_helpers import MeanColour, make_run
-from PIL import Image
+from eval_helpers import MeanColour, make_run, write_megaface
 
 from data_pipeline.errors import DataError
 from data_pipeline.megaface import read_megaface
 from launch.evaluate import main
 from trainer.evaluation import evaluate_megaface_dir
-
-# Under MeanColour a colour's feature is its (R, G, B) mapped to [-1, 1] and normalised.
-PROBES = {"A/a1.png": (255, 255, 255),  # (1, 1, 1)/sqrt3
-          "A/a2.png": (255, 255, 128),  # ~(1, 1, 0)/sqrt2
-          "A/a3.png": (0, 0, 0),        # noisy: becomes normalise(a1 + a2)
-          "B/b1.png": (0, 0, 255),      # (-1, -1, 1)/sqrt3
-          "B/b2.png": (0, 255, 255)}    # (-1, 1, 1)/sqrt3
-DISTRACTORS = {"0/0/d1.png": (255, 0, 0),    # (1, -1, -1)/sqrt3
-               "0/0/d2.png": (250, 255, 255),  # noisy (shows A, ~a1): never searched
-               "0/1/d3.png": (0, 255, 5),    # ~(-1, 1, -0.96)
-               "0/1/d4.png": (0, 0, 250)}    # ~(-1, -1, 0.96)
-
-
-def write_megaface(root, noises=True):
-    """The testsuite's data/ folder. By hand (scores of unit features):
-
-    - A's pairs: a1.a2 = 0.818, a1.a3' = 0.96, a2.a3' = 0.96, and no distractor scores
-      above 0 with a1, a2 or a3' (d2, 0.9997 with a1, is noise-listed): 6 of 6 pairs.
-    - B: b1.b2 = 1/3. With d1 alone: b1.d1 = -1/3, b2.d1 = -1, both pairs count. With d1, d3,
-      d4: b1.d4 = 0.9997 > 1/3 and b2.d3 = 0.351 > 1/3: neither counts.
-
-    So rank-1 at 2 distractors (d1, d2) is 8/8, at 4 (d1..d4) 6/8.
-    """
-    data = root / "data"
-    for folder, images in (("facescrub_images", PROBES), ("megaface_images", DISTRACTORS)):
-        for name, rgb in images.items():
-            path = data / folder / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(np.full((112, 112, 3), rgb, np.uint8)).save(path)
-    (data / "facescrub_lst").write_text("\n".join(PROBES) + "\n")
-    (data / "megaface_lst").write_text("\n".join(DISTRACTORS) + "\n")
-    if noises:
-        (data / "facescrub_noises.txt").write_text("# noisy FaceScrub\na3.png\n")
-        (data / "megaface_noises.txt").write_text("# noisy MegaFace\nx\t0/0/d2.png\n")
-    return data
 
 
 def test_read_and_rank_by_hand(tmp_path):

@@ -4,44 +4,14 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from eval_helpers import MeanColour, make_run
-from PIL import Image
+from eval_helpers import MeanColour, make_run, mat_cells, solid_image, write_tinyface
 from scipy.io import savemat
 
 from data_pipeline.errors import DataError
 from data_pipeline.tinyface import read_tinyface
 from launch.evaluate import main
 from trainer.evaluation import evaluate_tinyface_dir
-
-
-def _image(path, rgb):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full((24, 20, 3), rgb, np.uint8)).save(path)
-
-
-def _cells(names):
-    return np.array([[np.array([n])] for n in names], dtype=object)
-
-
-def write_tinyface(root):
-    """Probe 1 white, probe 2 red. Gallery: id 1 white and grey-blue, id 2 (255, 0, 128);
-    distractor red. Under MeanColour the red probe's mate scores 2/sqrt(6) < 1 (the
-    distractor): rank 2; the white probe's mate is exact: rank 1."""
-    t = root / "tinyface" / "Testing_Set"
-    for name, rgb in (("p1.png", (255, 255, 255)), ("p2.png", (255, 0, 0))):
-        _image(t / "Probe" / name, rgb)
-    for name, rgb in (("g1.png", (255, 255, 255)), ("g2.png", (0, 0, 255)),
-                      ("g3.png", (255, 0, 128))):
-        _image(t / "Gallery_Match" / name, rgb)
-    _image(t / "Gallery_Distractor" / "d1.png", (255, 0, 0))
-    savemat(t / "probe_img_ID_pairs.mat", {"probe_set": _cells(["p1.png", "p2.png"]),
-                                           "probe_ids": np.array([[1], [2]])})
-    savemat(t / "gallery_match_img_ID_pairs.mat", {
-        "gallery_set": _cells(["g1.png", "g2.png", "g3.png"]),
-        "gallery_ids": np.array([[1], [1], [2]])})
-    return t
 
 
 def test_read_and_rank_by_hand(tmp_path):
@@ -65,7 +35,7 @@ def test_aligned_images_replace_the_released_crops(tmp_path):
                               ("Gallery_Match", "g2", (0, 0, 255)),
                               ("Gallery_Match", "g3", (255, 0, 128)),
                               ("Gallery_Distractor", "d1", (255, 0, 0))):
-        _image(aligned / subset / f"{name}.png", rgb)
+        solid_image(aligned / subset / f"{name}.png", rgb)  # aligned: 112x112
     lists = read_tinyface(tmp_path)
     assert lists.aligned and lists.probe_paths[1] == aligned / "Probe" / "p2.png"
     out = evaluate_tinyface_dir(MeanColour(), tmp_path, batch_size=2, device="cpu")
@@ -79,7 +49,7 @@ def test_layout_errors(tmp_path):
     with pytest.raises(DataError, match="no probe_img_ID_pairs.mat"):
         read_tinyface(tmp_path)
     t = write_tinyface(tmp_path)
-    savemat(t / "gallery_match_img_ID_pairs.mat", {"gallery_set": _cells(["g1.png"])})
+    savemat(t / "gallery_match_img_ID_pairs.mat", {"gallery_set": mat_cells(["g1.png"])})
     with pytest.raises(DataError, match=r"gallery_match_img_ID_pairs.mat: no variable "
                                         r"'gallery_ids'"):
         read_tinyface(t)

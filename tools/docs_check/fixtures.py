@@ -89,7 +89,7 @@ def _ijb(dest: Path, _fx: Fixtures) -> None:
 def _megaface(dest: Path, _fx: Fixtures) -> None:
     """insightface's MegaFace testsuite data/ folder: 5 FaceScrub images, 10 distractors (the
     smallest default size)."""
-    from tests.data_pipeline.test_megaface import write_megaface
+    from tests.eval_helpers import write_megaface
     data = write_megaface(dest)
     first = data / "megaface_images" / "0" / "0" / "d1.png"
     extra = [f"0/2/e{i}.png" for i in range(6)]
@@ -102,7 +102,7 @@ def _megaface(dest: Path, _fx: Fixtures) -> None:
 
 def _tinyface(dest: Path, _fx: Fixtures) -> None:
     """TinyFace's Testing_Set: 2 probes, 3 matched gallery images, 1 distractor."""
-    from tests.data_pipeline.test_tinyface import write_tinyface
+    from tests.eval_helpers import write_tinyface
     write_tinyface(dest)
 
 
