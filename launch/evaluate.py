@@ -17,7 +17,11 @@ deviation, best-to-worst gap), scored as TFace's verification_rfw.py scores them
 are named ``IJBC/1:1/norm-kept`` (insightface's eval_ijbc.py: image features keep their
 norm) or ``.../unit-norm`` (each image feature L2-normalised before pooling).
 
-The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` on every rank.
+``--log-to-run`` also writes the results into the checkpoint's run (metrics.jsonl, W&B,
+TensorBoard) for ``launch.report``'s TAR-FAR curve and RFW bars.
+
+The work is ``trainer.evaluation``; training calls its ``evaluate_bins`` (and
+``evaluate_rfw_dir`` for ``eval.rfw``) on every rank.
 """
 
 from __future__ import annotations
