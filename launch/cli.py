@@ -63,16 +63,3 @@ def _or_exit(read: Callable[[str | os.PathLike], T], path: str | os.PathLike) ->
         raise SystemExit(2) from None
 
 
-def rfw_group_bins(p: argparse.ArgumentParser, folder: Path) -> list[Path]:
-    """RFW's ``.bin`` per group, in ``RFW_GROUPS`` order: ``folder/<group>_test.bin`` or
-    ``folder/<group>.bin``; a parser error names both for a group that has neither."""
-    from partial_fc.eval.fairness import RFW_GROUPS
-
-    found = []
-    for group in RFW_GROUPS:
-        paths = [folder / f"{group}_test.bin", folder / f"{group}.bin"]
-        if not any(path.is_file() for path in paths):
-            p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (RFW needs one .bin "
-                    f"per group: {', '.join(RFW_GROUPS)})")
-        found.append(next(path for path in paths if path.is_file()))
-    return found

@@ -35,7 +35,7 @@ from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit, rfw_group_bins
+from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 from offline.overlap import DEFAULT_FMR, DEFAULT_THRESHOLD
 
 LISTED = 20  # shared identities printed per set; --out and --json hold them all
@@ -77,7 +77,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.pair_sets = [(b.stem, b) for b in args.bins]
     if args.rfw is not None:
         args.pair_sets += [(f"RFW/{b.stem.removesuffix('_test')}", b)
-                           for b in rfw_group_bins(p, args.rfw)]
+                           for b in _rfw_group_bins(p, args.rfw)]
     if args.threshold is not None and not -1 <= args.threshold <= 1:
         p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
     if not 0 < args.fmr < 1:
@@ -85,6 +85,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not is_url(args.data) and not (Path(args.data) / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
+
+
+def _rfw_group_bins(p: argparse.ArgumentParser, folder: Path) -> list[Path]:
+    """RFW's ``.bin`` per group, in ``RFW_GROUPS`` order (data_pipeline.rfw.find_rfw_bin); a
+    parser error names the group that has none."""
+    from data_pipeline.rfw import find_rfw_bin
+    from partial_fc.eval.fairness import RFW_GROUPS
+
+    found = [find_rfw_bin(folder, group) for group in RFW_GROUPS]
+    for group, path in zip(RFW_GROUPS, found, strict=True):
+        if path is None:
+            p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (the overlap reads "
+                    f"RFW's .bin form, one per group: {', '.join(RFW_GROUPS)})")
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,8 +4,10 @@ a training run's dynamics, several runs overlaid.
 Reads only the run folder (``config.yaml``, ``metrics.jsonl``, ``histograms.jsonl``), so it
 needs no W&B and works on a run that is still going (a partial last line is skipped). The
 page is self-contained: figures are PNGs embedded as base64. ``--png DIR`` also writes them
-as files (``DIR/<figure>.png``, at ``--dpi``). The figures and what to read in them:
-:mod:`offline.report_figures`.
+as files (``DIR/<figure>.png``, at ``--dpi``). ``--evaluation FILE.json`` (``launch.evaluate
+--json``) adds an evaluation to draw; ``launch.evaluate --log-to-run`` puts one in the run.
+The figures and what to read in them: :mod:`offline.report_figures`,
+:mod:`offline.evaluation_figures`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import base64
 import html
 import io
+import json
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -22,9 +25,14 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
+from offline.evaluation_figures import EVALUATION_FIGURES, EVALUATION_WHEN_ABSENT
 from offline.report_figures import FIGURES, WHEN_ABSENT, RunData
 from trainer.errors import EXIT_STATUS, Refused
 from trainer.telemetry import run_files
+from trainer.telemetry.evaluation_log import flat_metrics
+
+ALL_FIGURES = {**FIGURES, **EVALUATION_FIGURES}
+ALL_WHEN_ABSENT = {**WHEN_ABSENT, **EVALUATION_WHEN_ABSENT}
 
 
 class ReportError(Refused, ValueError):
@@ -62,10 +70,24 @@ def load_runs(folders: Sequence[str | Path]) -> list[RunData]:
             for f, n in zip(folders, names, strict=True)]
 
 
+def load_evaluation(path: str | Path) -> RunData:
+    """``launch.evaluate --json``'s file as a run with one evaluation row and nothing else."""
+    path = Path(path)
+    try:
+        results = json.loads(path.read_text())
+        if not isinstance(results, dict) or not all(isinstance(r, dict)
+                                                    for r in results.values()):
+            raise ValueError("expected {set: {metric: value}} (launch.evaluate --json)")
+    except (OSError, ValueError) as err:
+        raise ReportError(f"{path}: {getattr(err, 'strerror', None) or err}") from None
+    return RunData(label=path.stem, config={}, train=[],
+                   evals=[{"step": 0, **flat_metrics(results)}], hist=None)
+
+
 def build_figures(runs: list[RunData]) -> dict[str, Figure]:
     """The report's figures in order; those no run has data for are left out."""
     out = {}
-    for slug, (build, _) in FIGURES.items():
+    for slug, (build, _) in ALL_FIGURES.items():
         fig = build(runs)
         if fig is not None:
             out[slug] = fig
@@ -100,10 +122,10 @@ def render_html(runs: list[RunData], figures: dict[str, Figure], dpi: int = 90) 
     parts = []
     for slug, fig in figures.items():
         data = base64.b64encode(png_bytes(fig, dpi)).decode("ascii")
-        caption = html.escape(FIGURES[slug][1])
+        caption = html.escape(ALL_FIGURES[slug][1])
         parts.append(f'<figure id="{slug}"><img alt="{slug}" src="data:image/png;base64,{data}">'
                      f"<figcaption>{caption}</figcaption></figure>")
-    absent = [WHEN_ABSENT[slug] for slug in FIGURES if slug not in figures]
+    absent = [ALL_WHEN_ABSENT[slug] for slug in ALL_FIGURES if slug not in figures]
     note = (f"<p class=note>Not drawn, as these runs did not record it: "
             f"{html.escape('; '.join(absent))}.</p>" if absent else "")
     title = "partial-fc report: " + ", ".join(r.label for r in runs)
@@ -125,11 +147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m launch.report",
         description="Plot one or more training runs (loss, lr, s, B_avg, theta_med, angle "
-        "histograms, throughput, verification) into one self-contained HTML page.",
+        "histograms, throughput, verification, IJB's TAR-FAR curve, RFW's groups) into one "
+        "self-contained HTML page.",
         epilog=EXIT_STATUS,
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN",
+    parser.add_argument("runs", nargs="*", metavar="RUN",
                         help="run folders (launch.train's output)")
+    parser.add_argument("--evaluation", nargs="+", default=[], metavar="JSON",
+                        help="launch.evaluate --json files: IJB's TAR-FAR curve, RFW's groups")
     parser.add_argument("--out", default="report.html", help="HTML file (default: report.html)")
     parser.add_argument("--png", metavar="DIR", help="also write each figure as DIR/<name>.png")
     parser.add_argument("--dpi", type=int, default=90, help="PNG resolution (default: 90)")
@@ -138,8 +163,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not (args.runs or args.evaluation):
+        print("report: give run folders and/or --evaluation files", file=sys.stderr)
+        return 2
     try:
-        runs = load_runs(args.runs)
+        runs = load_runs(args.runs) + [load_evaluation(p) for p in args.evaluation]
     except ReportError as err:
         print(f"report: {err}", file=sys.stderr)
         return err.exit_code

@@ -226,7 +226,8 @@ def angles_figure(runs: list[RunData]) -> Figure | None:
 
 
 def _eval_sets(runs: list[RunData]) -> list[str]:
-    names = {k.split("/")[1] for r in runs for row in r.evals for k in row
+    # A set's name may hold slashes (RFW/African); the metric's never does.
+    names = {k[len("val/"):].rpartition("/")[0] for r in runs for row in r.evals for k in row
              if k.startswith("val/") and k.endswith("/accuracy")}
     return sorted(names)
 

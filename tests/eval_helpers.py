@@ -16,6 +16,7 @@ from torch import nn
 from data_pipeline.ijb import ARCFACE_REFERENCE
 from data_pipeline.verification_bin import write_bin
 from partial_fc.backbones import build_backbone
+from partial_fc.eval.fairness import RFW_GROUPS
 from trainer.checkpoint.integrity import META, sha256
 
 
@@ -121,3 +122,84 @@ def write_tinyface_lists(root: Path, probes, matched, distractors) -> Path:
         "gallery_set": tinyface_cells([n for n, _, _ in matched]),
         "gallery_ids": np.array([[i] for _, i, _ in matched])})
     return t
+
+
+WHITE, YELLOW, RED, CYAN = (255, 255, 255), (255, 255, 0), (255, 0, 0), (0, 255, 255)
+
+
+def solid_image(path: Path, rgb, height: int = 112, width: int = 112) -> None:
+    """One plain-coloured image file (folders made; a JPEG at quality 100)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image = Image.fromarray(np.full((height, width, 3), rgb, np.uint8))
+    image.save(path, **({"quality": 100} if path.suffix == ".jpg" else {}))
+
+
+def _rfw_image(folder, group, identity, number, rgb):
+    solid_image(folder / "data" / group / identity / f"{identity}_{number:04d}.jpg", rgb)
+
+
+def write_rfw(root, weak=None):
+    """RFW's test/ folder; 10 pairs per group: 5 impostor pairs (red against cyan, cosine -1
+    under MeanColour) and 5 genuine pairs, ``weak[group]`` of them white against yellow
+    (cosine 1/3, squared distance 4/3), the rest one colour twice (cosine 1)."""
+    weak = weak or {}
+    folder = root / "test"
+    for group in RFW_GROUPS:
+        lines = []
+        for k in range(5):
+            identity = f"m.{group[:2]}{k}"
+            second = YELLOW if k < weak.get(group, 0) else WHITE
+            _rfw_image(folder, group, identity, 1, WHITE)
+            _rfw_image(folder, group, identity, 12, second)
+            lines.append(f"{identity}\t1\t12")
+            a, b = f"m.{group[:2]}r{k}", f"m.{group[:2]}c{k}"
+            _rfw_image(folder, group, a, 1, RED)
+            _rfw_image(folder, group, b, 3, CYAN)
+            lines.append(f"{a}\t1\t{b}\t3")
+        (folder / "txts" / group).mkdir(parents=True, exist_ok=True)
+        (folder / "txts" / group / f"{group}_pairs.txt").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def write_tinyface(root):
+    """Probe 1 white, probe 2 red. Gallery: id 1 white and grey-blue, id 2 (255, 0, 128);
+    distractor red. Under MeanColour the red probe's mate scores 2/sqrt(6) < 1 (the
+    distractor): rank 2; the white probe's mate is exact: rank 1."""
+    return write_tinyface_lists(
+        root, probes=[("p1.png", 1, WHITE), ("p2.png", 2, RED)],
+        matched=[("g1.png", 1, WHITE), ("g2.png", 1, (0, 0, 255)), ("g3.png", 2, (255, 0, 128))],
+        distractors=[("d1.png", RED)])
+
+
+# Under MeanColour a colour's feature is its (R, G, B) mapped to [-1, 1] and normalised.
+PROBES = {"A/a1.png": (255, 255, 255),  # (1, 1, 1)/sqrt3
+          "A/a2.png": (255, 255, 128),  # ~(1, 1, 0)/sqrt2
+          "A/a3.png": (0, 0, 0),        # noisy: becomes normalise(a1 + a2)
+          "B/b1.png": (0, 0, 255),      # (-1, -1, 1)/sqrt3
+          "B/b2.png": (0, 255, 255)}    # (-1, 1, 1)/sqrt3
+DISTRACTORS = {"0/0/d1.png": (255, 0, 0),    # (1, -1, -1)/sqrt3
+               "0/0/d2.png": (250, 255, 255),  # noisy (shows A, ~a1): never searched
+               "0/1/d3.png": (0, 255, 5),    # ~(-1, 1, -0.96)
+               "0/1/d4.png": (0, 0, 250)}    # ~(-1, -1, 0.96)
+
+
+def write_megaface(root, noises=True):
+    """The testsuite's data/ folder. By hand (scores of unit features):
+
+    - A's pairs: a1.a2 = 0.818, a1.a3' = 0.96, a2.a3' = 0.96, and no distractor scores
+      above 0 with a1, a2 or a3' (d2, 0.9997 with a1, is noise-listed): 6 of 6 pairs.
+    - B: b1.b2 = 1/3. With d1 alone: b1.d1 = -1/3, b2.d1 = -1, both pairs count. With d1, d3,
+      d4: b1.d4 = 0.9997 > 1/3 and b2.d3 = 0.351 > 1/3: neither counts.
+
+    So rank-1 at 2 distractors (d1, d2) is 8/8, at 4 (d1..d4) 6/8.
+    """
+    data = root / "data"
+    for folder, images in (("facescrub_images", PROBES), ("megaface_images", DISTRACTORS)):
+        for name, rgb in images.items():
+            solid_image(data / folder / name, rgb)
+    (data / "facescrub_lst").write_text("\n".join(PROBES) + "\n")
+    (data / "megaface_lst").write_text("\n".join(DISTRACTORS) + "\n")
+    if noises:
+        (data / "facescrub_noises.txt").write_text("# noisy FaceScrub\na3.png\n")
+        (data / "megaface_noises.txt").write_text("# noisy MegaFace\nx\t0/0/d2.png\n")
+    return data

@@ -275,7 +275,7 @@ def loop(run: Run) -> str | None:
                 return None
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
                 save(run)
-            if cfg.eval.bins and run.step % cfg.eval.every == 0:
+            if evaluates(cfg) and run.step % cfg.eval.every == 0:
                 evaluate(run)
             if stop:  # agreed in the step: every rank stops after this same step
                 return stopped_by(run, stop)
@@ -391,13 +391,23 @@ def save(run: Run) -> None:
     run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, record, cfg.checkpoint.keep)
 
 
-def evaluate(run: Run) -> None:
-    """Verification accuracy on ``eval.bins`` (every rank embeds its share)."""
-    from trainer.evaluation import evaluate_bins
+def evaluates(cfg) -> bool:
+    """Whether the run evaluates: ``eval.bins`` or ``eval.rfw`` set."""
+    return bool(cfg.eval.bins) or cfg.eval.rfw is not None
 
+
+def evaluate(run: Run) -> None:
+    """Verification accuracy on ``eval.bins`` and RFW's groups on ``eval.rfw`` (every rank
+    embeds its share)."""
+    from trainer.evaluation import evaluate_bins, evaluate_rfw_dir
+
+    cfg, backbone = run.cfg.eval, run.engine.backbone
     with run.engine.eval_context():
-        results = evaluate_bins(run.engine.backbone, run.cfg.eval.bins, run.cfg.eval.batch_size,
-                                run.env.device, process_group=run.env.group)
+        results = evaluate_bins(backbone, cfg.bins, cfg.batch_size, run.env.device,
+                                process_group=run.env.group)
+        if cfg.rfw is not None:
+            results |= evaluate_rfw_dir(backbone, cfg.rfw, cfg.batch_size, run.env.device,
+                                        process_group=run.env.group)
     run.log.evaluation(run.step, results)
 
 
@@ -409,7 +419,7 @@ def finish(run: Run, stopped_by: str | None) -> dict:
     if stopped_by is not None:
         run.log.info(f"stopped by {stopped_by} after step {run.step}: checkpoint {run.saved}; "
                      f"run the same command again to resume (checkpoint.resume=auto)")
-    elif run.cfg.eval.bins:
+    elif evaluates(run.cfg):
         evaluate(run)
     return run.log.close(run.step, run.saved)
 

@@ -253,6 +253,9 @@ def test_manifest_fills_checks_and_feeds_theory_checks(tmp_path):
            "set data.num_samples=5000" in str(err.value)
     assert any(line.startswith("command line: eval.bins[0]='x.bin': no such file (")
                for line in lines)  # all errors together
+    with pytest.raises(ConfigError, match=rf"eval.rfw='{tmp_path}': no African_test.bin or "
+                                          r"African.bin \(training evaluates RFW's .bin form"):
+        load_config(path, [f"eval.rfw={tmp_path}"])
 
 
 def _data_dir_error(tmp_path, folder) -> str:

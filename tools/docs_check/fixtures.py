@@ -1,7 +1,7 @@
 """The small data the docs' placeholders stand for, built on first use, the way the tests build
-theirs: synthetic shards, a run trained here for a few steps, ORL verification pairs, a
-fabricated IJB folder, RFW's group .bins, a TinyFace folder, an insightface ``.rec`` folder,
-and an arcface_torch config and output folder in ``train_v2.py``'s format."""
+theirs: synthetic shards, a run trained here for a few steps, ORL verification pairs,
+fabricated IJB, MegaFace and TinyFace folders, RFW in both its forms, an insightface ``.rec``
+folder, and an arcface_torch config and output folder in ``train_v2.py``'s format."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ PLACEHOLDERS = {
     "agedb_30.bin": "bins/agedb_30.bin", "/data/lfw.bin": "bins/lfw.bin",
     "/data/cfp_fp.bin": "bins/cfp_fp.bin", "/data/agedb_30.bin": "bins/agedb_30.bin",
     "data/lfw.bin": "bins/lfw.bin", "/data/IJB_release": "ijb",
-    "/data/RFW": "rfw", "/data/tinyface": "tinyface",
+    "/data/megaface_testpack/data": "megaface/data", "/data/tinyface": "tinyface",
+    "/data/RFW": "rfw",
     "insightface/recognition/arcface_torch/configs/wf42m_pfc02_r100.py":
         "arcface_configs/wf42m_pfc02_r100.py",
     "insightface/.../wf42m_pfc02_r100.py": "arcface_configs/wf42m_pfc02_r100.py",
@@ -69,30 +70,50 @@ def _bins(dest: Path, _fx: Fixtures) -> None:
 
 
 def _ijb(dest: Path, _fx: Fixtures) -> None:
-    """An IJB_release folder: IJBB and IJBC, 4 templates of 5 plain-coloured faces each."""
+    """An IJB_release folder: IJBB and IJBC, 4 templates of 5 plain-coloured faces each, and
+    their 1:N gallery and probe lists."""
     from tests.eval_helpers import write_ijb
     white, red = (255, 255, 255), (255, 0, 0)
     faces = [("1.png", 1, 1, white, 1.0), ("2.png", 2, 2, white, 0.9), ("3.png", 3, 3, red, 0.8),
              ("4.png", 4, 4, red, 1.0), ("5.png", 4, 5, white, 0.5)]
-    for target in ("IJBB", "IJBC"):
+    for target, galleries in (("IJBB", ("S1", "S2")), ("IJBC", ("G1", "G2"))):
         write_ijb(dest / target, faces, [(1, 2, 1), (3, 4, 1), (1, 3, 0)], target.lower())
+        # 1:N: templates 1 (subject 1) and 3 (subject 2) the gallery, 2 and 4 the probes.
+        lists = {f"gallery_{galleries[0]}": "1,1,1.png", f"gallery_{galleries[1]}": "3,2,3.png",
+                 "probe_mixed": "2,1,2.png\n4,2,4.png"}
+        for name, rows in lists.items():
+            (dest / target / "meta" / f"{target.lower()}_1N_{name}.csv").write_text(
+                f"TEMPLATE_ID,SUBJECT_ID,FILENAME\n{rows}\n")
 
 
-def _rfw(dest: Path, fx: Fixtures) -> None:
-    """RFW's one .bin per group: the ORL pairs under each group's name."""
-    dest.mkdir(parents=True)
-    for group in ("African", "Asian", "Caucasian", "Indian"):
-        shutil.copy(fx.path("bins/lfw.bin"), dest / f"{group}_test.bin")
+def _megaface(dest: Path, _fx: Fixtures) -> None:
+    """insightface's MegaFace testsuite data/ folder: 5 FaceScrub images, 10 distractors (the
+    smallest default size)."""
+    from tests.eval_helpers import write_megaface
+    data = write_megaface(dest)
+    first = data / "megaface_images" / "0" / "0" / "d1.png"
+    extra = [f"0/2/e{i}.png" for i in range(6)]
+    for name in extra:
+        (data / "megaface_images" / name).parent.mkdir(exist_ok=True)
+        shutil.copy(first, data / "megaface_images" / name)
+    with (data / "megaface_lst").open("a") as lst:
+        lst.write("\n".join(extra) + "\n")
 
 
 def _tinyface(dest: Path, _fx: Fixtures) -> None:
-    """TinyFace's Testing_Set: 2 probes, 3 matched gallery images, 1 distractor (colours)."""
-    from tests.eval_helpers import write_tinyface_lists
-    write_tinyface_lists(dest, probes=[("1_1.png", 1, (255, 255, 255)),
-                                       ("2_1.png", 2, (255, 0, 0))],
-                         matched=[("1_2.png", 1, (250, 250, 250)), ("2_2.png", 2, (0, 0, 255)),
-                                  ("2_3.png", 2, (255, 0, 128))],
-                         distractors=[("d1.png", (255, 0, 0))])
+    """TinyFace's Testing_Set: 2 probes, 3 matched gallery images, 1 distractor."""
+    from tests.eval_helpers import write_tinyface
+    write_tinyface(dest)
+
+
+def _rfw(dest: Path, fx: Fixtures) -> None:
+    """RFW in both its forms: the released folder (test/txts/<group>/<group>_pairs.txt and
+    112x112 images) and one .bin per group (the ORL pairs under each group's name), which
+    ``launch.evaluate`` prefers and ``launch.overlap`` reads."""
+    from tests.eval_helpers import write_rfw
+    write_rfw(dest, weak={"African": 1})
+    for group in ("African", "Asian", "Caucasian", "Indian"):
+        shutil.copy(fx.path("bins/lfw.bin"), dest / f"{group}_test.bin")
 
 
 def _faces_emore(dest: Path, fx: Fixtures) -> None:
@@ -160,8 +181,9 @@ BUILDERS: dict[str, Callable[[Path, Fixtures], None]] = {
     "subcenter_run": _trained("margin.type=arcface", "margin.subcenters=3"),
     "bins": _bins,
     "ijb": _ijb,
-    "rfw": _rfw,
+    "megaface": _megaface,
     "tinyface": _tinyface,
+    "rfw": _rfw,
     "faces_emore": _faces_emore,
     "arcface_configs": _arcface_configs,
     "arcface_run": _arcface_run,

@@ -5,7 +5,9 @@ engine's state (:class:`RunRecord`) and what a checkpoint folder says about itse
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,16 @@ class CheckpointMeta:
         known = {f.name for f in fields(cls)} - {"loaders"}
         return cls(loaders=data.get("loader") or [],
                    **{k: v for k, v in data.items() if k in known})
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step checkpoint ``folder`` holds: its meta.json's ``step``, else the number in its
+    ``step-<n>`` tag (a ``final`` folder always has meta.json), else 0."""
+    try:
+        step = json.loads((folder / "meta.json").read_text()).get("step")
+    except (OSError, ValueError):
+        step = None
+    if isinstance(step, int):
+        return step
+    match = re.fullmatch(r"step-(\d+)", folder.name)
+    return int(match.group(1)) if match else 0

@@ -107,6 +107,15 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
 
             out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
                         f"({MISSING_BIN_FIX})"))
+    if cfg.eval.rfw is not None:
+        from data_pipeline.rfw import find_rfw_bin
+        from partial_fc.eval.fairness import RFW_GROUPS
+
+        missing = [g for g in RFW_GROUPS if find_rfw_bin(Path(cfg.eval.rfw), g) is None]
+        if missing:
+            out.append(("eval.rfw", f"eval.rfw={cfg.eval.rfw!r}: no {missing[0]}_test.bin or "
+                        f"{missing[0]}.bin (training evaluates RFW's .bin form: one per group, "
+                        f"{', '.join(RFW_GROUPS)})"))
     return out
 
 

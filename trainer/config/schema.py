@@ -401,7 +401,11 @@ class EvalConfig(_Section):
         [], description="verification .bin files (LFW, CFP-FP, ...) evaluated during training "
         "and at the end"
     )
-    every: PosInt = Field(2000, description="steps between evaluations of eval.bins")
+    rfw: str | None = Field(
+        None, description="RFW folder of one .bin per group (<group>_test.bin or <group>.bin): "
+        "accuracy per group and their spread (TFace's rule), with eval.bins"
+    )
+    every: PosInt = Field(2000, description="steps between evaluations of eval.bins and eval.rfw")
     batch_size: PosInt = Field(256, description="images per evaluation batch")
 
 

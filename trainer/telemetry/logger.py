@@ -34,6 +34,7 @@ from trainer.dist import launcher_rank
 from trainer.errors import Stopped
 from trainer.telemetry import run_files
 from trainer.telemetry.console import Console
+from trainer.telemetry.evaluation_log import flat_metrics
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
 
 if TYPE_CHECKING:
@@ -211,15 +212,12 @@ class RunLogger:
         self._to_sinks(lambda sink: sink.histograms(step, values))
 
     def evaluation(self, step: int, results: dict[str, dict[str, float | int]]) -> None:
-        """Verification results of ``trainer.evaluation.evaluate_bins``."""
-        flat = {
-            f"val/{name}/{k}": v
-            for name, r in results.items()
-            for k, v in r.items()
-            if isinstance(v, int | float)
-        }
-        self.write({"step": step, **flat})
-        self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" for name, r in results.items()))
+        """Verification results of ``trainer.evaluation.evaluate_bins`` (and RFW's groups
+        and summary, ``evaluate_rfw_dir``)."""
+        self.write({"step": step, **flat_metrics(results)})
+        self.info("  ".join(f"{name}: acc {r['accuracy']:.4f}" if "accuracy" in r else
+                            f"{name}: mean {r['mean']:.4f} gap {r['gap']:.4f}"
+                            for name, r in results.items()))
 
     def write(self, record: dict) -> None:
         """One metrics.jsonl row (rank 0), and its numbers to the sinks."""
