@@ -61,5 +61,3 @@ def _or_exit(read: Callable[[str | os.PathLike], T], path: str | os.PathLike) ->
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-
-

@@ -57,7 +57,5 @@ def _inject(argv: list[str]) -> int:
     return train_main(argv[split + 1 :])
 
 
-
-
 if __name__ == "__main__":
     sys.exit(main())
