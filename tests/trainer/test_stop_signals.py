@@ -18,6 +18,16 @@ from trainer.preemption import LAUNCHER_SIGNAL, LAUNCHER_WATCH, Interrupted, Sto
 from trainer.stopping import StopReason, StopRequest, StopRequests
 
 
+@pytest.fixture(autouse=True)
+def python_sigint():
+    """SIGINT as a Python started from a terminal has it (KeyboardInterrupt): a suite that a
+    shell started in the background inherits SIGINT ignored, and these tests' Ctrl-C would
+    reach nothing."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 class Clock:
     """``(steps done, start of the current step)`` as the loop reports them."""
 
