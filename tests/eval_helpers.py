@@ -98,8 +98,12 @@ def write_ijb(root, faces, pairs, target="ijbc"):
 
 
 def tinyface_cells(names):
-    """A MATLAB cell array of file names, as TinyFace's .mat lists hold them."""
-    return np.array([[np.array([n])] for n in names], dtype=object)
+    """A MATLAB ``N x 1`` cell array of file names, as TinyFace's .mat lists hold them
+    (loadmat gives ``[N, 1]`` objects, each a one-string array: AdaFace's
+    ``tinyface_helper.py`` reads ``row[0].item()``)."""
+    cells = np.empty((len(names), 1), dtype=object)
+    cells[:, 0] = list(names)
+    return cells
 
 
 def write_tinyface_lists(root: Path, probes, matched, distractors) -> Path:
