@@ -27,13 +27,6 @@ PRIVATE_CACHES = {
 }
 
 
-def pytest_collection_modifyitems(items):
-    """Slow tests first (a stable sort: each group keeps its order). ``make test``'s two
-    workers then share the minute-long tests from the start, and the short ones fill the end
-    instead of one worker finishing a long test alone while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def private_caches(tmp_path, monkeypatch):
     """Every cache of :data:`PRIVATE_CACHES` under this test's ``tmp_path/caches`` (made only
@@ -70,6 +63,12 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    # DeepSpeed keeps a clone of the world group for the life of the process (there is no
+    # public reset): a later test's engine in this worker would start on the destroyed one
+    # ("Group ... is not registered"), as it did once the tests ran in another order.
+    deepspeed_groups = sys.modules.get("deepspeed.utils.groups")
+    if deepspeed_groups is not None:
+        deepspeed_groups._WORLD_GROUP = None
 
 
 @pytest.fixture(scope="session")
