@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -n 2 -q -m "not plan_full"
+	$(PY) -m pytest -n 2 --dist worksteal -q -m "not plan_full"
 
 test-fast: setup
 	$(PY) -m pytest -n 2 -q -m "not slow and not plan_full"
