@@ -60,3 +60,21 @@ def test_every_cache_folder_is_the_tests_own(tmp_path):
     for variable in PRIVATE_CACHES:
         assert Path(os.environ[variable]).is_relative_to(tmp_path / "caches"), variable
     assert os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+
+
+def _cache_settings(rank: int, world: int) -> dict[str, str]:
+    return {variable: os.environ[variable] for variable in PRIVATE_CACHES}
+
+
+def test_ranks_forked_for_a_test_get_its_cache_folders(tmp_path, monkeypatch):
+    """tests/spawn.py forks ranks from a server started by an earlier test: each rank must
+    see the calling test's folders, not the environment the server started with (here the
+    server starts, if no earlier test in this process started it, before the folders move)."""
+    from spawn import run_ranks
+
+    run_ranks(_cache_settings, 1)
+    for variable in PRIVATE_CACHES:
+        monkeypatch.setenv(variable, str(tmp_path / "moved" / variable))
+    for settings in run_ranks(_cache_settings, 2):
+        assert settings == {variable: str(tmp_path / "moved" / variable)
+                            for variable in PRIVATE_CACHES}
