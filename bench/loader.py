@@ -88,10 +88,21 @@ def _workers_cpu() -> float:
     /proc: ``os.times`` counts children only once they are joined."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0
     for task in Path("/proc/self/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+        for pid in _proc_text(task / "children").split():
+            stat = _proc_text(Path(f"/proc/{pid}/stat"))
+            if stat:
+                fields = stat.rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / tick
+
+
+def _proc_text(path: Path) -> str:
+    """A /proc file's text, or "" when its thread or process ended since the folder was
+    listed (the servers' and the stores' client threads come and go)."""
+    try:
+        return path.read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def loader_rate(data_dir: Path | str, workers: int, batch_size: int, decoder: str,
