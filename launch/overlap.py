@@ -10,8 +10,9 @@ Command line (one process, or every rank of torchrun)::
 Each training identity's centre (mean unit embedding over its images in DIR's shards; DIR may
 be an s3://, gs://, https:// or file:// URL, read as training reads it) is compared with
 every evaluation image; an identity within the cosine threshold of any image is listed. The
-sets are read as launch.evaluate reads them: .bin files, an IJB-B/C folder, RFW's one .bin per
-group (drawn from MS-Celeb-1M: it overlaps MS1M training sets) and TinyFace's Testing_Set.
+sets are read as launch.evaluate reads them: .bin files, an IJB-B/C folder, RFW (drawn from
+MS-Celeb-1M: it overlaps MS1M training sets) as one .bin per group or its released folder of
+images and pair lists, and TinyFace's Testing_Set.
 
 The threshold comes from the model itself: the cosine that a share ``--fmr`` of the impostor
 pairs of the .bins (RFW's included) reach (printed with how it was chosen); ``--threshold``
@@ -27,7 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from data_pipeline.errors import DataError
@@ -37,6 +39,7 @@ from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
 from offline.overlap import DEFAULT_FMR, DEFAULT_THRESHOLD
+from offline.overlap_sets import PairSet, bin_pairs, rfw_folder_pairs
 
 LISTED = 20  # shared identities printed per set; --out and --json hold them all
 
@@ -50,7 +53,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
     p.add_argument("--ijb-target", choices=TARGETS, default="IJBC")
     p.add_argument("--rfw", type=Path, metavar="DIR",
-                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian)")
+                   help="RFW: one .bin per group (African, Asian, Caucasian, Indian), or the "
+                   "released folder (txts/<group>/<group>_pairs.txt and data/)")
     p.add_argument("--tinyface", type=Path, metavar="DIR",
                    help="TinyFace's Testing_Set (or a folder holding it)")
     p.add_argument("--threshold", type=float, default=None,
@@ -74,10 +78,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--bins {path}: no such file ({MISSING_BIN_FIX})")
     if len({b.stem for b in args.bins}) != len(args.bins):
         p.error(f"--bins {','.join(map(str, args.bins))}: two sets with the same file name")
-    args.pair_sets = [(b.stem, b) for b in args.bins]
+    args.pair_sets = [partial(bin_pairs, b.stem, b) for b in args.bins]
     if args.rfw is not None:
-        args.pair_sets += [(f"RFW/{b.stem.removesuffix('_test')}", b)
-                           for b in _rfw_group_bins(p, args.rfw)]
+        args.pair_sets += _rfw_groups(p, args.rfw)
     if args.threshold is not None and not -1 <= args.threshold <= 1:
         p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
     if not 0 < args.fmr < 1:
@@ -87,18 +90,25 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _rfw_group_bins(p: argparse.ArgumentParser, folder: Path) -> list[Path]:
-    """RFW's ``.bin`` per group, in ``RFW_GROUPS`` order (data_pipeline.rfw.find_rfw_bin); a
-    parser error names the group that has none."""
-    from data_pipeline.rfw import find_rfw_bin
+def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], PairSet]]:
+    """RFW's groups in ``RFW_GROUPS`` order, each its ``.bin`` where there is one, else from
+    the released folder (``data_pipeline.rfw``), as ``launch.evaluate --rfw`` reads them; a
+    parser error names a group that has neither."""
+    from data_pipeline.rfw import find_rfw_bin, rfw_image_root
     from partial_fc.eval.fairness import RFW_GROUPS
 
-    found = [find_rfw_bin(folder, group) for group in RFW_GROUPS]
-    for group, path in zip(RFW_GROUPS, found, strict=True):
-        if path is None:
-            p.error(f"--rfw {folder}: no {group}_test.bin or {group}.bin (the overlap reads "
-                    f"RFW's .bin form, one per group: {', '.join(RFW_GROUPS)})")
-    return found
+    images, groups = rfw_image_root(folder), []
+    for group in RFW_GROUPS:
+        found = find_rfw_bin(folder, group)
+        if found is not None:
+            groups.append(partial(bin_pairs, f"RFW/{group}", found))
+        elif images is not None:
+            groups.append(partial(rfw_folder_pairs, images, group))
+        else:
+            p.error(f"--rfw {folder}: no {group}_test.bin, {group}.bin or "
+                    f"txts/{group}/{group}_pairs.txt (RFW needs one of them per group: "
+                    f"{', '.join(RFW_GROUPS)})")
+    return groups
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,7 +133,6 @@ def _find(args: argparse.Namespace, env) -> tuple:
     """Every rank: the centres, the sets' matches and their nearest training images."""
     from data_pipeline.identities import read_identities
     from data_pipeline.manifest import read_manifest
-    from data_pipeline.verification_bin import read_bin
     from offline.overlap import (
         class_centres,
         impostor_cosines,
@@ -132,19 +141,19 @@ def _find(args: argparse.Namespace, env) -> tuple:
         queries,
         set_overlap,
     )
-    from offline.overlap_sets import bin_images, ijb_images, tinyface_images
+    from offline.overlap_sets import ijb_images, tinyface_images
 
     manifest = read_manifest(args.data)
     identities = read_identities(args.data, manifest)
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
     centres, counts = class_centres(backbone, args.data, args.batch_size, env.device, env.group)
     sets, impostors = [], []
-    for name, path in args.pair_sets:
-        encoded, issame = read_bin(path)
-        sets.append(bin_images(name, path, encoded))
+    for read_pairs in args.pair_sets:
+        pairs = read_pairs()
+        sets.append(pairs.images)
         if args.threshold is None:
-            impostors.append(impostor_cosines(backbone, encoded, issame, args.batch_size,
-                                              env.device))
+            impostors.append((pairs.images.name, impostor_cosines(
+                backbone, pairs.encoded, pairs.issame, args.batch_size, env.device)))
     if args.ijb is not None:
         sets.append(ijb_images(args.ijb, args.ijb_target))
     if args.tinyface is not None:
@@ -224,14 +233,14 @@ def _threshold(args: argparse.Namespace, impostors: list) -> tuple[float, str]:
 
     if args.threshold is not None:
         return args.threshold, f"threshold {args.threshold:g} (--threshold)"
-    cosines = np.concatenate(impostors) if impostors else np.zeros(0)
+    cosines = np.concatenate([c for _, c in impostors]) if impostors else np.zeros(0)
     if not len(cosines):
         return DEFAULT_THRESHOLD, (f"threshold {DEFAULT_THRESHOLD:g}: the default (no .bin "
                                    "impostor pairs to calibrate from; --threshold sets it)")
     tau = calibrated_threshold(cosines, args.fmr)
     reached = int((cosines >= tau).sum())
     return tau, (f"threshold {tau:.4f}: the cosine {reached} of the {len(cosines)} impostor "
-                 f"pairs of {', '.join(name for name, _ in args.pair_sets)} reach under this "
+                 f"pairs of {', '.join(name for name, _ in impostors)} reach under this "
                  f"model (false-match rate {reached / len(cosines):.2g}, --fmr {args.fmr:g}; "
                  "--threshold sets it instead)")
 

@@ -1,12 +1,15 @@
 """The evaluation sets ``launch.overlap`` compares training identities with, each as its
 distinct images, named and loaded by index, in the form ``launch.evaluate`` reads them:
-verification ``.bin`` files (LFW, CFP-FP, AgeDB, ..., and RFW's one ``.bin`` per group; RFW is
-drawn from MS-Celeb-1M, so it shares identities with MS1M training sets), IJB-B/C's
-``IJB_release`` folder (faces aligned from their landmarks) and TinyFace's ``Testing_Set``
-(probes, matched gallery and distractors, stretched to 112x112 as evaluation does).
+verification ``.bin`` files (LFW, CFP-FP, AgeDB, ...), RFW per group as a ``.bin`` or from its
+released folder of images and pair lists (RFW is drawn from MS-Celeb-1M, so it shares
+identities with MS1M training sets), IJB-B/C's ``IJB_release`` folder (faces aligned from their
+landmarks) and TinyFace's ``Testing_Set`` (probes, matched gallery and distractors, stretched
+to 112x112 as evaluation does). Sets of pairs (:class:`PairSet`) also give their impostor pairs,
+on which the overlap's threshold is calibrated.
 
 An image's name says where to find it: ``lfw.bin[123]`` (its first position among the .bin's
-images), ``loose_crop/1234.jpg`` (IJB), ``Probe/1_1.jpg`` (TinyFace).
+images), ``data/African/m.0abc/m.0abc_0001.jpg`` (RFW's folder), ``loose_crop/1234.jpg``
+(IJB), ``Probe/1_1.jpg`` (TinyFace).
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def _encoded_loader(blob: Callable[[int], bytes]) -> Loader:
     return load
 
 
+def _read_image(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read {what} image ({exc.strerror})") from exc
+
+
 def bin_images(name: str, path: str | Path, encoded: list[bytes]) -> EvalImages:
     """A ``.bin``'s distinct images (``encoded``: all 2P of them, as read_bin gives them)."""
     first: dict[bytes, int] = {}
@@ -65,6 +75,38 @@ def bin_images(name: str, path: str | Path, encoded: list[bytes]) -> EvalImages:
         first.setdefault(blob, i)
     return EvalImages(name, tuple(f"{Path(path).name}[{i}]" for i in first.values()),
                       _encoded_loader(list(first).__getitem__))
+
+
+@dataclass(frozen=True)
+class PairSet:
+    """A verification set: its distinct images, and its 2P encoded images in pair order with
+    each pair's label (``issame``), as ``read_bin`` gives them."""
+
+    images: EvalImages
+    encoded: list[bytes]
+    issame: list[bool]
+
+
+def bin_pairs(name: str, path: Path) -> PairSet:
+    """A verification ``.bin`` (LFW, CFP-FP, ..., one RFW group)."""
+    from data_pipeline.verification_bin import read_bin
+
+    encoded, issame = read_bin(path)
+    return PairSet(bin_images(name, path, encoded), encoded, issame)
+
+
+def rfw_folder_pairs(root: Path, group: str) -> PairSet:
+    """One RFW group from the released folder (``data_pipeline.rfw``: ``root`` holds
+    ``txts/`` and ``data/``), its images named by their path under ``root``."""
+    from data_pipeline.rfw import read_rfw_pairs
+
+    pairs = read_rfw_pairs(root, group)
+    in_order = [path for pair in zip(pairs.first, pairs.second, strict=True) for path in pair]
+    distinct = list(dict.fromkeys(in_order))
+    blobs = {path: _read_image(path, "RFW") for path in distinct}
+    images = EvalImages(f"RFW/{group}", tuple(p.relative_to(root).as_posix() for p in distinct),
+                        _encoded_loader(lambda i: blobs[distinct[i]]))
+    return PairSet(images, [blobs[path] for path in in_order], pairs.issame)
 
 
 def ijb_images(root: str | Path, target: str) -> EvalImages:
@@ -85,12 +127,5 @@ def tinyface_images(root: str | Path) -> EvalImages:
 
     lists = read_tinyface(root)
     paths = list(dict.fromkeys(lists.probe_paths + lists.gallery_paths))
-
-    def read(path: Path) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise DataError(f"{path}: cannot read TinyFace image ({exc})") from exc
-
     return EvalImages("TinyFace", tuple(f"{p.parent.name}/{p.name}" for p in paths),
-                      _encoded_loader(lambda i: read(paths[i])))
+                      _encoded_loader(lambda i: _read_image(paths[i], "TinyFace")))

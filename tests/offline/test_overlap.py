@@ -339,3 +339,60 @@ def test_a_data_folder_at_a_url_gives_the_local_answer(converted, sets, tmp_path
     _, file_url, _ = _run_overlap(monkeypatch, tmp_path / "file",
                                   (converted / "data").as_uri(), *bins)
     assert http["shared"] == local["shared"] == file_url["shared"] and local["shared"]
+
+
+def _write_rfw_folder(root, groups: dict[str, list[bytes]]) -> None:
+    """RFW's released layout (data_pipeline.rfw): per group one genuine pair of its first two
+    images (identity ``m.<group>``), then impostor pairs of the rest, one identity each."""
+    for group, images in groups.items():
+        lines, owner = [f"m.{group}\t1\t2"], [f"m.{group}"] * 2
+        owner += [f"m.{group}{i}" for i in range(2, len(images))]
+        lines += [f"{owner[i]}\t1\t{owner[i + 1]}\t1" for i in range(2, len(images), 2)]
+        for i, blob in enumerate(images):
+            number = 1 + i if i < 2 else 1
+            path = root / "data" / group / owner[i] / f"{owner[i]}_{number:04d}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(blob)
+        (root / "txts" / group).mkdir(parents=True)
+        (root / "txts" / group / f"{group}_pairs.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_rfw_from_its_released_folder_as_from_its_bins(converted, tmp_path, monkeypatch,
+                                                       capsys):
+    """``--rfw`` on the released folder of images and pair lists (what ``launch.evaluate
+    --rfw`` also reads) finds the identity planted in RFW/African, named by the image's path,
+    and calibrates the threshold on its impostor pairs; a missing list or form is one line."""
+    from launch import overlap
+
+    groups = {group: (_unseen(7, 2) if group == "African" else _strangers(40 + 4 * k, 2))
+              + _strangers(60 + 4 * k, 4)
+              for k, group in enumerate(("African", "Asian", "Caucasian", "Indian"))}
+    _write_rfw_folder(tmp_path / "RFW" / "test", groups)
+    rc, found, _ = _run_overlap(monkeypatch, tmp_path, converted / "data",
+                                "--rfw", str(tmp_path / "RFW"))
+    assert rc == 0
+    assert [s["name"] for s in found["sets"]] == [f"RFW/{g}" for g in groups]
+    assert [s["images"] for s in found["sets"]] == [6] * 4
+    ((label, image),) = {(r["label"], r["image"]) for r in found["shared"]}
+    assert label == 7 and image in {"data/African/m.African/m.African_0001.jpg",
+                                    "data/African/m.African/m.African_0002.jpg"}
+
+    capsys.readouterr()
+    assert overlap.main(["--checkpoint", str(make_run(tmp_path / "calibrated")), "--data",
+                         str(converted / "data"), "--rfw", str(tmp_path / "RFW"), "--out",
+                         str(tmp_path / "o.txt"), "--device", "cpu"]) == 0
+    assert "of the 8 impostor pairs of RFW/African, RFW/Asian, RFW/Caucasian, RFW/Indian" in (
+        capsys.readouterr().out.splitlines()[0])
+
+    listed = tmp_path / "RFW" / "test" / "txts" / "Indian" / "Indian_pairs.txt"
+    listed.unlink()
+    assert overlap.main(["--checkpoint", str(make_run(tmp_path / "missing")), "--data",
+                         str(converted / "data"), "--rfw", str(tmp_path / "RFW"), "--out",
+                         str(tmp_path / "o.txt"), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {listed}: cannot read RFW pair list (No such file or directory)")
+    with pytest.raises(SystemExit):
+        overlap.main(["--checkpoint", "x", "--data", str(converted / "data"), "--rfw",
+                      str(tmp_path), "--out", str(tmp_path / "o.txt")])
+    assert (f"--rfw {tmp_path}: no African_test.bin, African.bin or "
+            "txts/African/African_pairs.txt") in capsys.readouterr().err
