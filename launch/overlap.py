@@ -15,8 +15,8 @@ MS-Celeb-1M: it overlaps MS1M training sets) as one .bin per group or its releas
 images and pair lists, and TinyFace's Testing_Set.
 
 The threshold comes from the model itself: the cosine that a share ``--fmr`` of the impostor
-pairs of the .bins (RFW's included) reach (printed with how it was chosen); ``--threshold``
-sets it instead (without a .bin it is 0.5). Each listed identity is named (DIR's
+pairs of the .bins and of RFW (either form) reach (printed with how it was chosen);
+``--threshold`` sets it instead (without them it is 0.5). Each listed identity is named (DIR's
 identities.json, written by launch.convert) with the evaluation image it matched and its
 own training image nearest that one (shard key and source path); ``--json`` writes the same
 rows. Train again with ``data.exclude=overlap.txt`` (with ``data.dirs``: run once per folder,
@@ -59,11 +59,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="TinyFace's Testing_Set (or a folder holding it)")
     p.add_argument("--threshold", type=float, default=None,
                    help="cosine between a centre and an image that counts as the same "
-                   "identity (default: calibrated at --fmr on the .bins' impostor pairs; "
-                   f"{DEFAULT_THRESHOLD} without a .bin)")
+                   "identity (default: calibrated at --fmr on the impostor pairs of --bins and "
+                   f"--rfw; {DEFAULT_THRESHOLD} without them)")
     p.add_argument("--fmr", type=float, default=DEFAULT_FMR,
-                   help="false-match rate of the .bins' impostor pairs the threshold is set "
-                   f"at (default {DEFAULT_FMR:g})")
+                   help="false-match rate of --bins' and --rfw's impostor pairs the threshold "
+                   f"is set at (default {DEFAULT_FMR:g})")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
     p.add_argument("--json", type=Path, help="also write every shared identity here: set, "
                    "label, identity, score, image, key, source, sample_score")
@@ -235,8 +235,8 @@ def _threshold(args: argparse.Namespace, impostors: list) -> tuple[float, str]:
         return args.threshold, f"threshold {args.threshold:g} (--threshold)"
     cosines = np.concatenate([c for _, c in impostors]) if impostors else np.zeros(0)
     if not len(cosines):
-        return DEFAULT_THRESHOLD, (f"threshold {DEFAULT_THRESHOLD:g}: the default (no .bin "
-                                   "impostor pairs to calibrate from; --threshold sets it)")
+        return DEFAULT_THRESHOLD, (f"threshold {DEFAULT_THRESHOLD:g}: the default (no .bin or "
+                                   "RFW impostor pairs to calibrate from; --threshold sets it)")
     tau = calibrated_threshold(cosines, args.fmr)
     reached = int((cosines >= tau).sum())
     return tau, (f"threshold {tau:.4f}: the cosine {reached} of the {len(cosines)} impostor "

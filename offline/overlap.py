@@ -38,7 +38,7 @@ from partial_fc.distributed import all_reduce, all_reduce_max, get_rank, get_wor
 from trainer.evaluation import embed_images, eval_mode
 
 DEFAULT_THRESHOLD = 0.5  # cosine, without a .bin to calibrate from
-DEFAULT_FMR = 1e-3  # the false-match rate of the .bins' impostor pairs the threshold is set at
+DEFAULT_FMR = 1e-3  # false-match rate, on the pair sets' impostor pairs, the threshold is set at
 
 
 @dataclass(frozen=True)
