@@ -15,11 +15,12 @@ filtering and re-encoded at quality 95). The decoder stretches any image that is
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from data_pipeline.errors import CorruptImageError
+from data_pipeline.errors import CorruptImageError, DataError
 
 try:
     import simplejpeg
@@ -46,6 +47,15 @@ def _decode_simplejpeg(data: bytes) -> np.ndarray:
 
 
 DECODERS = {"pil": _decode_pil, "simplejpeg": _decode_simplejpeg}
+
+
+def read_image_file(path: Path, what: str) -> bytes:
+    """An evaluation set's image file, undecoded; an unreadable one raises DataError naming
+    it and the set (``what``)."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read {what} image ({exc.strerror})") from exc
 
 
 def resolve_decoder(name: str = "auto") -> str:

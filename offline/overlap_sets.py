@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.codec import resolve_decoder
-from data_pipeline.errors import DataError
+from data_pipeline.codec import read_image_file, resolve_decoder
 from offline.folder_scan import decoded
 
 Loader = Callable[[list[int]], tuple[list[int], np.ndarray]]
@@ -61,13 +60,6 @@ def _encoded_loader(blob: Callable[[int], bytes]) -> Loader:
     return load
 
 
-def _read_image(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read {what} image ({exc.strerror})") from exc
-
-
 def bin_images(name: str, path: str | Path, encoded: list[bytes]) -> EvalImages:
     """A ``.bin``'s distinct images (``encoded``: all 2P of them, as read_bin gives them)."""
     first: dict[bytes, int] = {}
@@ -103,7 +95,7 @@ def rfw_folder_pairs(root: Path, group: str) -> PairSet:
     pairs = read_rfw_pairs(root, group)
     in_order = [path for pair in zip(pairs.first, pairs.second, strict=True) for path in pair]
     distinct = list(dict.fromkeys(in_order))
-    blobs = {path: _read_image(path, "RFW") for path in distinct}
+    blobs = {path: read_image_file(path, "RFW") for path in distinct}
     images = EvalImages(f"RFW/{group}", tuple(p.relative_to(root).as_posix() for p in distinct),
                         _encoded_loader(lambda i: blobs[distinct[i]]))
     return PairSet(images, [blobs[path] for path in in_order], pairs.issame)
@@ -128,4 +120,4 @@ def tinyface_images(root: str | Path) -> EvalImages:
     lists = read_tinyface(root)
     paths = list(dict.fromkeys(lists.probe_paths + lists.gallery_paths))
     return EvalImages("TinyFace", tuple(f"{p.parent.name}/{p.name}" for p in paths),
-                      _encoded_loader(lambda i: _read_image(paths[i], "TinyFace")))
+                      _encoded_loader(lambda i: read_image_file(paths[i], "TinyFace")))

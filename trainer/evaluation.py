@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from data_pipeline.codec import decode_image, resolve_decoder
+from data_pipeline.codec import decode_image, read_image_file, resolve_decoder
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import iter_aligned_faces, read_ijb_1n_meta, read_ijb_meta
 from data_pipeline.megaface import read_megaface
@@ -226,10 +226,9 @@ def _read_images(paths: Sequence[Path], what: str) -> np.ndarray:
     decoder = resolve_decoder("auto")
     images = []
     for path in paths:
+        data = read_image_file(path, what)
         try:
-            images.append(decode_image(path.read_bytes(), 112, decoder).transpose(2, 0, 1))
-        except OSError as exc:
-            raise DataError(f"{path}: cannot read {what} image ({exc.strerror})") from exc
+            images.append(decode_image(data, 112, decoder).transpose(2, 0, 1))
         except DataError as exc:
             raise DataError(f"{path}: {exc}") from exc
     return np.stack(images) if images else np.zeros((0, 3, 112, 112), np.uint8)
