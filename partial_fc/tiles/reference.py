@@ -144,34 +144,44 @@ def _grads(e, w, inv_norm, target_col, s, lse, coef, target_grad, chunk, k, nont
     s = s.float() if isinstance(s, Tensor) else float(s)
     grad_e = torch.zeros(e.shape, dtype=torch.float32, device=e.device)
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    wide = w.dtype == torch.float32
     lse, coef = lse.float()[:, None], coef.float()[:, None]
     ones = torch.ones(e.shape[0], device=e.device)  # column sums as a GEMV, below
     for a in range(0, cols, chunk):
-        b = min(a + chunk, cols)
-        lo, hi = a * k, b * k  # the rows of classes a:b
-        cos, w_f = _cos_chunk(e_f, w, op, inv_norm, lo, hi)
-        best, arg = best_of(cos, k) if k > 1 else (cos, None)
-        if nontarget is None:
-            g = (best * s).sub_(lse).exp_().mul_(coef)
-        else:
-            f, slope, _ = nontarget.apply(best)
-            g = (f * s).sub_(lse).exp_().mul_(coef).mul_(slope)
-        _put_targets(g, target_col, a, target_grad.float())
-        if k > 1:  # each class's gradient to its argmax centre
-            g = spread(g, arg, k)
-        # [hi - lo]: w_hat_k . g_k (cos is not needed any more). A GEMV, not sum(dim=0):
-        # on CUDA that sum held two tiles' worth of temporaries at the head's peak
-        # (bench/cuda_peak.py, H200, 2026-11-27); the GEMV needs none.
-        r = torch.mv(cos.mul_(g).t(), ones)
-        del cos, best
-        inv = inv_norm[lo:hi]
-        # fp32 w: written in place (no [chunk, D] temporary); bf16: an fp32 chunk, rounded once
-        out = grad_w[lo:hi] if wide else torch.empty(hi - lo, w.shape[1], device=w.device)
-        torch.mm(g.t(), e_f, out=out)
-        w_st = w_f if w.dtype == op else w[lo:hi].float()  # the rows as stored (not rounded)
-        out.mul_(inv[:, None]).addcmul_(w_st, (inv * inv * r)[:, None], value=-1.0)
-        if not wide:
-            grad_w[lo:hi] = out
-        grad_e.addmm_(g.mul_(inv), w_f)
+        # One call per chunk: its tiles are freed when it returns. Were the body inline, the
+        # last chunk's G would still be bound while the next one is built, three tiles at the
+        # peak where partial_fc.memory counts two (bench/cuda_peak.py, H200, 2026-11-27).
+        _grad_chunk(e_f, w, op, inv_norm, target_col, s, lse, coef, target_grad, k, nontarget,
+                    ones, a, min(a + chunk, cols), grad_e, grad_w)
     return grad_e, grad_w
+
+
+def _grad_chunk(e_f, w, op, inv_norm, target_col, s, lse, coef, target_grad, k, nontarget,
+                ones, a, b, grad_e, grad_w) -> None:
+    """Classes ``a:b`` of :func:`_grads`: their rows of ``grad_w`` written, ``grad_e`` added to."""
+    lo, hi = a * k, b * k  # the rows of classes a:b
+    cos, w_f = _cos_chunk(e_f, w, op, inv_norm, lo, hi)
+    best, arg = best_of(cos, k) if k > 1 else (cos, None)
+    if nontarget is None:
+        g = (best * s).sub_(lse).exp_().mul_(coef)
+    else:
+        f, slope, _ = nontarget.apply(best)
+        g = (f * s).sub_(lse).exp_().mul_(coef).mul_(slope)
+        del f, slope
+    _put_targets(g, target_col, a, target_grad.float())
+    if k > 1:  # each class's gradient to its argmax centre
+        g = spread(g, arg, k)
+    # [hi - lo]: w_hat_k . g_k (cos is not needed any more). A GEMV, not sum(dim=0): on CUDA
+    # that sum held two tiles' worth of temporaries at the head's peak (bench/cuda_peak.py,
+    # H200, 2026-11-27); the GEMV needs none.
+    r = torch.mv(cos.mul_(g).t(), ones)
+    del cos, best
+    inv = inv_norm[lo:hi]
+    wide = w.dtype == torch.float32
+    # fp32 w: written in place (no [chunk, D] temporary); bf16: an fp32 chunk, rounded once
+    out = grad_w[lo:hi] if wide else torch.empty(hi - lo, w.shape[1], device=w.device)
+    torch.mm(g.t(), e_f, out=out)
+    w_st = w_f if w.dtype == op else w[lo:hi].float()  # the rows as stored (not rounded)
+    out.mul_(inv[:, None]).addcmul_(w_st, (inv * inv * r)[:, None], value=-1.0)
+    if not wide:
+        grad_w[lo:hi] = out
+    grad_e.addmm_(g.mul_(inv), w_f)

@@ -25,9 +25,8 @@ STEPS = {
           "head-1m-r1-bf16-state", "head-4m-r0.1"],
     "2": ["setup", "versions", "train-ddp", "train-deepspeed", "demo", "train-compile",
           "train-bf16-state", "loader"],
-    "3": ["setup", "versions", "cuda-tests", "train-deepspeed", "train-deepspeed-nchw",
-          "train-ddp-nchw", "peak-r1", "peak-r0.1",
-          "recipe", "train-compile", "loader"],
+    "3": ["setup", "versions", "cuda-tests", "cpu-suite", "peak-r0.1", "peak-r1", "recipe",
+          "train-deepspeed", "train-compile", "loader"],
 }
 KEYS = {"stage", "date", "dry_run", "budget_s", "elapsed_s", "ok", "versions", "steps", "tests",
         "recipe", "demo", "head", "train"}

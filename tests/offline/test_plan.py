@@ -95,6 +95,7 @@ def _profiled_peak(fn) -> int:
         (2000, 32, 512, 1.0, None, 32 << 20, "fp32"),  # tiles dominate
         (2000, 32, 512, 0.3, None, 32 << 20, "fp32"),
         (2000, 32, 512, 1.0, None, 64 << 10, "fp32"),  # 32-column chunks
+        (2000, 8, 1024, 1.0, None, 256 << 10, "fp32"),  # 64-column chunks, tiles alone
         (20000, 64, 256, 0.5, None, 256 << 10, "fp32"),
         (20000, 64, 64, 0.1, None, 32 << 20, "fp32"),  # the optimizer's row update dominates
         (3000, 16, 256, 1.0, dict(type="arcface", m=0.5, adacos="dynamic"), 32 << 20, "fp32"),

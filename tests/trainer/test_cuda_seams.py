@@ -129,17 +129,19 @@ def test_checkpoint_puts_the_cuda_generator_back_where_it_was_saved(tmp_path, on
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-@pytest.mark.parametrize("benchmark", [True, False])
+@pytest.mark.parametrize("autotune", [True, False])
 def test_cuda_engine_takes_channels_last_and_cudnn_autotuning_from_the_config(
-        monkeypatch, channels_last, benchmark):
+        monkeypatch, channels_last, autotune):
+    """(The parameter is not called ``benchmark``: pytest-benchmark, installed on the GPU
+    machine, owns that fixture name and aborts the run.)"""
     from trainer.engine import Engine
 
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not benchmark)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not autotune)
     cfg = make_config(f"engine.channels_last={channels_last}",
-                      f"engine.cudnn_benchmark={benchmark}")
+                      f"engine.cudnn_benchmark={autotune}")
     fmt = Engine._cuda_settings(SimpleNamespace(device=CUDA0, cfg=cfg))
     assert fmt == (torch.channels_last if channels_last else torch.contiguous_format)
-    assert torch.backends.cudnn.benchmark is benchmark
+    assert torch.backends.cudnn.benchmark is autotune
 
 
 def test_engine_copies_the_batch_to_its_device_without_waiting(one_rank_group, monkeypatch):
