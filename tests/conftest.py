@@ -45,6 +45,16 @@ def private_caches(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def wandb_disabled(monkeypatch):
+    """``WANDB_MODE=disabled`` for every test and whatever it starts (ranks, torchrun, make),
+    unless the test deletes it: the tests of W&B itself do (``test_logging.py``'s fake module,
+    ``test_user_output.py``'s default offline run). A real offline run costs a rank about
+    1.2 s and leaves W&B's service process and its threads in the process that started it,
+    for the life of a pytest worker when the run was in-process."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(autouse=True)
 def one_torch_thread():
     """One intra-op thread per test process: CI has 2 cores shared by two pytest-xdist workers,
     and torch's default of 2 threads each made a full-width iResNet forward ~10x slower

@@ -229,6 +229,17 @@ def _kill_quietly(pid: int) -> None:
         os.kill(pid, 9)
 
 
+def _end_once_reported(run: Path, pid: int, limit: float = 25) -> None:
+    """Kill ``pid`` once rank 0's timeout report is in ``run/train.log`` (or after ``limit``
+    seconds): the report is what the case checks, and waiting longer only waits."""
+    log, deadline = run / "train.log", time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if log.is_file() and "timeout (dist.timeout_s=" in log.read_text(errors="replace"):
+            break
+        time.sleep(0.2)
+    _kill_quietly(pid)
+
+
 def _state(pid: int) -> str:
     """The one-letter state of ``pid`` (``T``: stopped), from /proc; ``?`` once it is gone."""
     try:
@@ -256,7 +267,8 @@ def stopped_rank(data: Path, work: Path, engine: str = "ddp",
         stopped.append((pids[1], time.monotonic()))
         # Rank 0 reports after the 10 s timeout; then end the stopped rank rather than
         # wait out torchrun's 30 s SIGTERM grace (a stopped process defers SIGTERM).
-        threading.Timer(25, _kill_quietly, args=(pids[1],)).start()
+        threading.Thread(target=_end_once_reported, args=(work / "run", pids[1]),
+                         daemon=True).start()
 
     inject = ["stop-rank1-in-backward-3"] if in_backward else None
     r = train(data, work / "run", f"engine.type={engine}", "train.max_steps=50",
