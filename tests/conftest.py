@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import nullcontext
 
@@ -50,8 +51,13 @@ def wandb_disabled(monkeypatch):
     unless the test deletes it: the tests of W&B itself do (``test_logging.py``'s fake module,
     ``test_user_output.py``'s default offline run). A real offline run costs a rank about
     1.2 s and leaves W&B's service process and its threads in the process that started it,
-    for the life of a pytest worker when the run was in-process."""
+    for the life of a pytest worker when the run was in-process: a test that ran the real
+    W&B here ends its service afterwards (``wandb.teardown``, which a process's exit runs)."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    yield
+    wandb = sys.modules.get("wandb")
+    if "WANDB_MODE" not in os.environ and hasattr(wandb, "teardown"):  # not test_logging's fake
+        wandb.teardown()
 
 
 @pytest.fixture(autouse=True)
