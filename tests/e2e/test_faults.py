@@ -502,11 +502,11 @@ def test_label_out_of_range_names_shard_and_key(tmp_path, capsys):
 def test_a_corrupt_sample_is_counted_once_over_epochs(tmp_path):
     from tools.chaos.harness import write_data
 
-    bad = write_data(tmp_path / "data", corrupt=(7,))
+    bad = write_data(tmp_path / "data", corrupt=(7,), per_class=4)  # 10 batches of 8
     run = tmp_path / "run"
     assert _train_in_process(bad, run, "train.epochs=3", "checkpoint.every=0") == 0
     records = [r for r in _records(run) if "loss" in r]
-    assert records[-1]["step"] == 3 * 20 and records[-1]["skipped_samples"] == 1
+    assert records[-1]["step"] == 3 * 10 and records[-1]["skipped_samples"] == 1
 
 
 def _bn_engine(world: int):
