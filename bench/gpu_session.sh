@@ -110,9 +110,8 @@ cuda_tests() {  # make test-gpu with a JUnit report
         "PYTEST_ARGS=$workers -p no:randomly --junitxml=$logs/cuda-tests.xml"
 }
 cpu_suite() {  # make test's tests with the GPU visible (they must pass there too), a JUnit report
-    # pytest-benchmark is installed there and claims the fixture name `benchmark`; wandb and
-    # moto are not carried, so their tests fail with "No module named" in the report.
-    step cpu-suite 240 "$PY" -m pytest -q -n 14 -p no:randomly -p no:benchmark --timeout 120 \
+    # wandb and moto are not carried, so their tests fail with "No module named" in the report.
+    step cpu-suite 240 "$PY" -m pytest -q -n 14 -p no:randomly --timeout 120 \
         -m "not plan_full and not cuda" "--junitxml=$logs/cpu-suite.xml"
 }
 recipe() {  # the ms1mv3-r50 recipe on one GPU, on the synthetic stream

@@ -42,7 +42,7 @@ def test_make_train_is_refused_before_torchrun(held, synthetic_data):
 
 @pytest.mark.slow
 def test_a_launch_past_the_check_writes_nothing_into_the_holders_log(held, synthetic_data):
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "launch.torchrun", "--standalone",
                           "--nproc_per_node", "2", "-m", "launch.train", "--config",
                           "configs/smoke.yaml", f"data.dir={synthetic_data}", f"output={held}"],

@@ -22,7 +22,7 @@ SMALL = ["train.batch_size=8", "data.num_workers=0", "log.progress=false", "log.
 
 def _torchrun(args: list[str]) -> str:
     """``torchrun --standalone --nproc_per_node 2 -m launch.train ARGS``; its output."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", "-m", "launch.train", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)

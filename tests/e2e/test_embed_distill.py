@@ -59,7 +59,7 @@ def test_embed_verifies_and_ranks_split_the_shards(tmp_path, teacher_and_data, c
 
 
 def _train(data: Path, run: Path, *extra: str) -> list[dict]:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", "-m", "launch.train", "--config", str(ROOT / "configs" / "smoke.yaml"),
            f"data.dir={data}", f"output={run}", f"train.max_steps={STEPS}", "log.every=1",

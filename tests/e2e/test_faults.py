@@ -160,7 +160,6 @@ def _train_in_process(data, run, *overrides: str) -> int:
 
     from launch.train import main
 
-    os.environ["WANDB_MODE"] = "disabled"
     return main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"data.dir={data}",
                  f"output={run}", "engine.type=ddp", "train.batch_size=8", "data.num_workers=0",
                  "log.every=1", "log.progress=false", *overrides])

@@ -14,8 +14,11 @@ import pytest
 
 from tools.chaos import harness as chaos
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT),
-       "WANDB_MODE": "disabled"}
+
+def _env() -> dict[str, str]:
+    """The running test's environment (its cache folders, W&B off: tests/conftest.py), read
+    when a process starts rather than when this module was imported."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT)}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def tiny(tmp_path_factory) -> Path:
 def _make_train(data: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = ["make", "--no-print-directory", "train", f"PY={sys.executable}", "SETUP=",
            f"SMOKE_DATA={data}", "ARGS=" + " ".join(args)]
-    return subprocess.run(cmd, cwd=chaos.ROOT, env=ENV, capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=chaos.ROOT, env=_env(), capture_output=True, text=True,
                           timeout=120)
 
 
@@ -60,7 +63,7 @@ def _launch(data: Path, run: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node", "2",
            "-m", "launch.train", "--config", str(chaos.SMOKE), f"data.dir={data}",
            f"output={run}", *chaos.BASE_ARGS, *args]
-    return subprocess.run(cmd, cwd=chaos.ROOT, env=ENV, capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=chaos.ROOT, env=_env(), capture_output=True, text=True,
                           timeout=240)
 
 
@@ -95,7 +98,7 @@ def test_a_job_refused_for_a_held_folder_writes_nothing_into_it(tiny, tmp_path):
     launch adds its own line saying nothing started, and exits 2; torchrun's report stays on
     this job's stderr, the other job's train.log and lease are left alone."""
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], env=ENV,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], env=_env(),
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
@@ -119,12 +122,11 @@ def test_a_job_refused_for_a_held_folder_writes_nothing_into_it(tiny, tmp_path):
     assert '"host": "node-a"' in (run / ".lock").read_text()
 
 
-def test_a_resume_folder_without_a_checkpoint_is_bad_input(tiny, tmp_path, capsys, monkeypatch):
+def test_a_resume_folder_without_a_checkpoint_is_bad_input(tiny, tmp_path, capsys):
     """``checkpoint.resume=PATH`` naming a folder that holds no checkpoint exits 2, as every
     bad input, in one line."""
     from launch_helpers import train_in_process
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     empty = tmp_path / "elsewhere"
     empty.mkdir()
     rc = train_in_process(tiny, tmp_path / "run", "train.batch_size=4",

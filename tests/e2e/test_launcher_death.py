@@ -28,8 +28,7 @@ def test_ranks_save_and_end_when_the_launcher_is_killed(tmp_path, engine):
            f"output={run}", *chaos.BASE_ARGS, "train.max_steps=null", "train.epochs=100",
            "checkpoint.every=0", "data.num_workers=1", f"dist.timeout_s={TIMEOUT_S}",
            f"engine.type={engine}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT),
-           "WANDB_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT)}
     with open(tmp_path / "out.txt", "w") as out:  # not a pipe: the ranks outlive the reader
         proc = subprocess.Popen(cmd, cwd=chaos.ROOT, env=env, stdout=out, stderr=out,
                                 start_new_session=True)

@@ -12,7 +12,7 @@ from tests.launch_helpers import ROOT
 
 def _make_train(data, *variables: str) -> subprocess.CompletedProcess:
     """``make train`` on this interpreter (no venv set-up), the synthetic folder ``data``."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(["make", "--no-print-directory", "train", f"PY={sys.executable}",
                            "SETUP=", f"SMOKE_DATA={data}", *variables], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 
 def _train(data: Path, run: Path) -> None:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "launch.train", "--config", str(ROOT / "configs" / "orl.yaml"),
            f"data.dir={data}", f"output={run}", "log.progress=false"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)

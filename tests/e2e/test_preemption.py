@@ -35,8 +35,7 @@ def _make_train(data: Path, run: Path, engine: str) -> list[str]:
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT),
-           "WANDB_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(chaos.ROOT)}
     return subprocess.Popen(cmd, cwd=chaos.ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

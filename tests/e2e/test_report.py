@@ -27,21 +27,20 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def runs(synthetic_data, tmp_path_factory):
     """Two smoke runs of STEPS steps: sub-center ArcFace (K = 2) with a verification set,
-    dynamic AdaCos without."""
-    import os
-
-    os.environ["WANDB_MODE"] = "disabled"
+    dynamic AdaCos without (W&B off: a module's fixture starts before tests/conftest.py's
+    per-test setting)."""
     root = tmp_path_factory.mktemp("runs")
     pairs = root / "colours.bin"
     make_color_bin(pairs, num_pairs=20)
     common = (f"train.max_steps={STEPS}", "log.every=2", "log.hist_every=4")
-    arc = root / "arcface"
-    assert train_in_process(synthetic_data, arc, *common, "margin.type=arcface", "margin.s=16",
-                            "margin.m=0.2", "margin.subcenters=2", f"eval.bins=[{pairs}]",
-                            "eval.every=6") == 0
-    ada = root / "adacos"
-    assert train_in_process(synthetic_data, ada, *common, "margin.type=adacos",
-                            "margin.adacos=dynamic") == 0
+    arc, ada = root / "arcface", root / "adacos"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "disabled")
+        assert train_in_process(synthetic_data, arc, *common, "margin.type=arcface",
+                                "margin.s=16", "margin.m=0.2", "margin.subcenters=2",
+                                f"eval.bins=[{pairs}]", "eval.every=6") == 0
+        assert train_in_process(synthetic_data, ada, *common, "margin.type=adacos",
+                                "margin.adacos=dynamic") == 0
     return arc, ada
 
 

@@ -46,8 +46,7 @@ def test_evaluation_json_draws_tar_far_and_rfw(tmp_path):
     assert report.main(["--evaluation", str(path), "--out", str(out)]) == 2
 
 
-def test_log_to_run_then_report(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WANDB_MODE", "disabled")
+def test_log_to_run_then_report(tmp_path, capsys):
     run = make_run(tmp_path)  # its checkpoint is step-00000010
     with (run / "config.yaml").open("a") as config:
         config.write("log: {tensorboard: true}\n")

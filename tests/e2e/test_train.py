@@ -104,7 +104,7 @@ def _write_pairs(path: Path, pairs: int = 10) -> None:
 
 
 def _torchrun(dist_args: list[str], data: Path, run: Path, extra=()) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",

@@ -14,8 +14,7 @@ from trainer.telemetry import run_files
 from trainer.telemetry.evaluation_log import nested_metrics
 
 
-def test_training_logs_rfw_groups(synthetic_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "disabled")
+def test_training_logs_rfw_groups(synthetic_data, tmp_path):
     rfw = tmp_path / "rfw"
     rfw.mkdir()
     for seed, group in enumerate(RFW_GROUPS):

@@ -84,7 +84,7 @@ def test_deepspeed_warns_nothing_about_our_optimizer(synthetic_data, tmp_path):
     a pytest worker that already held another group fails for reasons of its own."""
     from trainer.engine.deepspeed_backend import _TestedHere
 
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "launch.train", "--config", str(ROOT / "configs" / "smoke.yaml"),
          f"data.dir={synthetic_data}", f"output={tmp_path / 'run'}", "engine.type=deepspeed",

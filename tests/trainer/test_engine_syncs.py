@@ -163,7 +163,6 @@ def test_a_training_step_that_logs_nothing_reads_once(synthetic_data, tmp_path, 
     record (there: the numbers, the loader's counters)."""
     import trainer.loop as train
 
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     one_step, per_step = train.one_step, []
 
     def counted(run, micro_batches):

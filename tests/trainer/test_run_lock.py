@@ -108,8 +108,7 @@ def test_the_same_command_twice_refuses_the_second_before_any_step(tmp_path):
     """``launch.train`` started again on a running job's folder: one line naming the first
     job, exit 2, and the first job's metrics and checkpoints untouched."""
     data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "WANDB_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "launch.train", "--config", str(chaos.SMOKE),
            f"data.dir={data}", f"output={run}", *chaos.BASE_ARGS, "train.max_steps=null",
            "train.epochs=100"]
@@ -148,7 +147,6 @@ def test_a_run_whose_lease_is_taken_over_stops_after_the_step_without_a_checkpoi
 
     data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.01)
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     original = Engine.step
 
     def step_while_taken_over(self, index, micro_batches, **kwargs):
@@ -168,8 +166,7 @@ def test_a_run_whose_lease_is_taken_over_stops_after_the_step_without_a_checkpoi
     assert json.loads((run / ".lock").read_text())["host"] == "node-b"  # left to its owner
 
 
-def test_a_run_on_a_dead_jobs_folder_says_it_took_the_lock_over(tmp_path, monkeypatch,
-                                                                 capsys):
+def test_a_run_on_a_dead_jobs_folder_says_it_took_the_lock_over(tmp_path, capsys):
     """The lease of a job that died (kill -9: no clean release) is in RUN/.lock: the next run
     says it takes over, in one line on the console and in train.log, and trains."""
     from launch_helpers import train_in_process
@@ -180,7 +177,6 @@ def test_a_run_on_a_dead_jobs_folder_says_it_took_the_lock_over(tmp_path, monkey
     run.mkdir()
     (run / ".lock").write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead),
                                            "started": 0.0, "heartbeat": 0.0}))
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     assert train_in_process(data, run, "train.max_steps=1") == 0
     line = (f"run lock: took over {run / '.lock'} from pid {dead} on {os.uname().nodename}, "
             "since 1970-01-01 00:00:00 UTC")
