@@ -40,8 +40,10 @@ import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_ranks"]
 
-PRELOAD = ["torch", "torch.distributed", "pytest", "partial_fc", "data_pipeline",
-           "trainer.config", "trainer.engine", "trainer.checkpoint", "spawn", "launch_helpers"]
+# torch._dynamo: every torch.optim optimizer imports it at its first call (1.5 CPU-s a rank).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest", "partial_fc",
+           "data_pipeline", "trainer.config", "trainer.engine", "trainer.checkpoint", "spawn",
+           "launch_helpers"]
 
 
 def free_port() -> int:

@@ -94,15 +94,16 @@ time.sleep(120)
 
 @pytest.mark.slow
 def test_a_job_refused_for_a_held_folder_writes_nothing_into_it(tiny, tmp_path):
-    """The run folder is held by another job (on "node-a"): rank 0 refuses in one line, the
-    launch adds its own line saying nothing started, and exits 2; torchrun's report stays on
-    this job's stderr, the other job's train.log and lease are left alone."""
+    """The run folder is held by another job (on "node-a"), launched past the check ``make
+    train`` runs first (``test_busy_folder.py``): rank 0 refuses in one line, the launch adds
+    its own line saying nothing started, and exits 2; torchrun's report stays on this job's
+    stderr, the other job's train.log and lease are left alone."""
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], env=_env(),
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
-        log_before = (run / "train.log").read_text() if (run / "train.log").exists() else None
+        (run / "train.log").write_text("step 5/124 the running job's line\n")
         done = _launch(tiny, run, "train.batch_size=2")
     finally:
         holder.kill()
@@ -117,8 +118,7 @@ def test_a_job_refused_for_a_held_folder_writes_nothing_into_it(tiny, tmp_path):
     assert ours[0].endswith("ended the job with exit code 2 (its input was refused; nothing "
                             "started)"), err
     assert "Traceback" not in err and "ChildFailedError" not in err
-    log_after = (run / "train.log").read_text() if (run / "train.log").exists() else None
-    assert log_after == log_before
+    assert (run / "train.log").read_text() == "step 5/124 the running job's line\n"
     assert '"host": "node-a"' in (run / ".lock").read_text()
 
 
