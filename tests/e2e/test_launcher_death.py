@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -39,9 +38,7 @@ def test_ranks_save_and_end_when_the_launcher_is_killed(tmp_path, engine):
         assert len(job) >= 4, job  # 2 ranks, a worker each
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        deadline = time.monotonic() + TIMEOUT_S + 30
-        while any(map(chaos.running, job)) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        chaos.wait_until(lambda: not any(map(chaos.running, job)), TIMEOUT_S + 30, every=0.5)
         survivors = [pid for pid in job if chaos.running(pid)]
     finally:  # whatever the outcome, nothing of the job stays
         for pid in [*job, *chaos.job_pids(proc.pid)]:

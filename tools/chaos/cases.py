@@ -28,6 +28,7 @@ from tools.chaos.harness import (
     signal_job,
     train,
     wait_for_step,
+    wait_until,
     while_held,
     worker_pids,
     write_data,
@@ -165,8 +166,8 @@ def run_folder_fills_up(data: Path, work: Path) -> tuple[str, bool]:
 
     def fill_after_first_checkpoint(proc: subprocess.Popen) -> None:
         wait_for_step(disk / "run", 2, proc)
-        while proc.poll() is None and not list((disk / "run" / "checkpoints").glob("step-*")):
-            time.sleep(0.05)
+        wait_until(lambda: any((disk / "run" / "checkpoints").glob("step-*")), proc=proc,
+                   every=0.05)
         with open(disk / "filler", "ab") as filler, contextlib.suppress(OSError):
             while True:
                 filler.write(b"\0" * 2**20)
@@ -232,11 +233,9 @@ def _kill_quietly(pid: int) -> None:
 def _end_once_reported(run: Path, pid: int, limit: float = 25) -> None:
     """Kill ``pid`` once rank 0's timeout report is in ``run/train.log`` (or after ``limit``
     seconds): the report is what the case checks, and waiting longer only waits."""
-    log, deadline = run / "train.log", time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if log.is_file() and "timeout (dist.timeout_s=" in log.read_text(errors="replace"):
-            break
-        time.sleep(0.2)
+    log = run / "train.log"
+    wait_until(lambda: log.is_file()
+               and "timeout (dist.timeout_s=" in log.read_text(errors="replace"), limit)
     _kill_quietly(pid)
 
 
@@ -261,9 +260,7 @@ def stopped_rank(data: Path, work: Path, engine: str = "ddp",
             return
         if not in_backward:
             os.kill(pids[1], 19)  # SIGSTOP: alive, silent, holding its peers in a collective
-        deadline = time.monotonic() + 60
-        while _state(pids[1]) != "T" and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
+        wait_until(lambda: _state(pids[1]) == "T", 60, proc, every=0.05)
         stopped.append((pids[1], time.monotonic()))
         # Rank 0 reports after the 10 s timeout; then end the stopped rank rather than
         # wait out torchrun's 30 s SIGTERM grace (a stopped process defers SIGTERM).

@@ -182,24 +182,32 @@ def while_held(hold: Path, proc: subprocess.Popen, action: Callable[[int], None]
     does has happened before the held rank runs another line of the step: a signal's handler
     runs as the rank wakes, so the step's agreement, later in the same step, sees it, at
     any pace of the machine."""
-    while proc.poll() is None and not (hold / HELD).is_file():
-        time.sleep(0.05)
-    if proc.poll() is not None:
+    wait_until(lambda: (hold / HELD).is_file(), proc=proc, every=0.05)
+    if proc.poll() is not None:  # ended: nobody is held, nobody would read GO
         return
     action(int((hold / HELD).read_text()))
     with open(hold / GO, "w") as go:  # opens once the rank waits on the other end
         go.write("go")
 
 
+def wait_until(done: Callable[[], bool], limit: float = float("inf"),
+               proc: subprocess.Popen | None = None, every: float = 0.2) -> bool:
+    """Poll ``done()`` every ``every`` s until it holds (True), or ``limit`` s pass or ``proc``
+    ends first (False)."""
+    deadline = time.monotonic() + limit
+    while not done():
+        if time.monotonic() >= deadline or (proc is not None and proc.poll() is not None):
+            return False
+        time.sleep(every)
+    return True
+
+
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, limit: float = 180) -> None:
     """Block until metrics.jsonl records ``step`` (or the process ends, or ``limit`` s)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and proc.poll() is None:
-        path = run / "metrics.jsonl"
-        if path.is_file() and any(json.loads(line).get("step", 0) >= step
-                                  for line in path.read_text().splitlines()):
-            return
-        time.sleep(0.2)
+    path = run / "metrics.jsonl"
+    wait_until(lambda: path.is_file() and any(json.loads(line).get("step", 0) >= step
+                                              for line in path.read_text().splitlines()),
+               limit, proc)
 
 
 # ----------------------------------------------------------------------------- injection

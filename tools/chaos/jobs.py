@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from tools.chaos.harness import Result, job_pids, running, train, wait_for_step
+from tools.chaos.harness import Result, job_pids, running, train, wait_for_step, wait_until
 
 TIMEOUT_S = 15  # dist.timeout_s of the runs here
 LONG = ["train.max_steps=null", "train.epochs=100", "checkpoint.every=0"]
@@ -29,8 +29,8 @@ def launcher_killed(data: Path, work: Path) -> tuple[str, bool]:
 
     train(data, run, *LONG, "data.num_workers=1", f"dist.timeout_s={TIMEOUT_S}", ranks=2,
           until=kill_launcher)  # returns when the ranks close the output
-    while any(map(running, job)) and time.monotonic() - killed[0] < TIMEOUT_S + 30:
-        time.sleep(0.5)
+    wait_until(lambda: not any(map(running, job)), killed[0] + TIMEOUT_S + 30 - time.monotonic(),
+               every=0.5)
     survivors = [pid for pid in job if running(pid)]
     for pid in survivors:
         with contextlib.suppress(ProcessLookupError):
