@@ -24,6 +24,7 @@ from trainer.config import (
     ConfigError,
     resume_drift,
 )
+from trainer.config.accumulation import accumulation, images_per_step
 from trainer.dist import DistEnv
 from trainer.errors import (
     Scope,
@@ -97,6 +98,7 @@ class Run:
     log: RunLogger
     total: int  # optimisation steps of the whole run
     steps_per_epoch: int
+    accum: int  # micro-batches per rank per step (trainer.config.accumulation)
     step: int = 0  # steps done
     epoch: int = 0
     saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
@@ -153,7 +155,7 @@ def build(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> Run:
                      build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
                      device=env.device, aux_losses=AuxLosses(**cfg.loss.model_dump()),
                      **cfg.partial_fc_kwargs())
-    k = cfg.train.grad_accum
+    k = accumulation(cfg.train, env.world_size)
     loader = build_loader(cfg, env)
     if loader.num_classes != cfg.data.num_classes:  # the head trusts the loader's labels
         raise ConfigError(f"data.num_classes={cfg.data.num_classes}: the data has "
@@ -168,7 +170,7 @@ def build(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> Run:
         distillation.init_head(head, cfg.data.dir)
     engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup,
                     distillation=distillation)
-    log = RunLogger(cfg, env.rank, total, cfg.train.batch_size * k * env.world_size)
+    log = RunLogger(cfg, env.rank, total, images_per_step(cfg.train, env.world_size))
     overruled = epochs_end_first(cfg, steps_per_epoch)
     if overruled:
         log.info(overruled)
@@ -176,7 +178,7 @@ def build(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> Run:
         log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
                  f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
                  f"lower schedule.warmup_epochs or raise train.max_steps")
-    return Run(cfg, env, engine, loader, log, total, steps_per_epoch,
+    return Run(cfg, env, engine, loader, log, total, steps_per_epoch, k,
                stops=stops if stops is not None else StopRequests())
 
 
@@ -227,7 +229,7 @@ def resume(run: Run) -> None:
         run.skipped_steps = meta.skipped_steps
         run.skipped_samples = meta.skipped_samples
         loader.load_state_dict(meta.loader_for(env.rank))
-        finished = len(loader) - loader.batches_done < cfg.train.grad_accum
+        finished = len(loader) - loader.batches_done < run.accum
         run.epoch = loader.epoch + 1 if finished else loader.epoch
         if run.step >= run.total:
             return  # already_finished says so
@@ -266,7 +268,7 @@ def loop(run: Run) -> str | None:
     run.log.start(run.step)
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
-        for micro_batches in _groups(run.loader, cfg.train.grad_accum):
+        for micro_batches in _groups(run.loader, run.accum):
             watched_stops(run)
             stop = one_step(run, micro_batches)
             if stop.reason and not stop.reason.saves:  # no checkpoint: the last one stays
@@ -372,7 +374,8 @@ def data_counts(run: Run) -> dict[str, int | float]:
                          run.env.device, run.env.group).sum(0).tolist()
     run.skipped_samples = max(run.skipped_samples, counts[0])
     out = {"skipped_samples": run.skipped_samples, "padded_samples": counts[1],
-           "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps}
+           "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps,
+           "world_size": run.env.world_size, "accumulation": run.accum}
     if loader.reads_url:
         (_, waited, streamed), now = run.storage_seen, tuple(counts[2:])
         out["storage_wait_share"] = (now[1] - waited) / max(now[2] - streamed, 1)

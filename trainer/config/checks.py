@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from partial_fc.head_checks import triton_subcenters_rule
 from partial_fc.margins.registry import effective, margin_errors, margin_warnings, read_keys
+from trainer.config.accumulation import micro_batches, world_size_error
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
 
@@ -47,6 +48,7 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     # Accumulation shares one class sample and one head step over the micro-batches
     # (PartialFC.begin_step), so sampling, SphereFace's lambda and the margin warm-up are
     # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes.
+    out += _global_batch_errors(cfg)
     if cfg.train.grad_accum > 1 and m.adacos == "dynamic":
         out.append(("train.grad_accum", f"train.grad_accum={cfg.train.grad_accum}: not exact "
                     "with dynamic AdaCos, which updates s from each micro-batch (use "
@@ -83,6 +85,22 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     out += _backbone_errors(cfg)
     out += _data_set_errors(cfg)
     return out
+
+
+def _global_batch_errors(cfg: Config) -> list[tuple[str, str]]:
+    """``train.global_batch`` is whole micro-batches, and replaces ``train.grad_accum``
+    (trainer.config.accumulation)."""
+    t = cfg.train
+    if t.global_batch is None:
+        return []
+    if t.global_batch % t.batch_size:
+        return [("train.global_batch", f"train.global_batch={t.global_batch}: not a multiple "
+                 f"of the micro-batch train.batch_size={t.batch_size}")]
+    if t.grad_accum != 1:
+        return [("train.grad_accum", f"train.grad_accum={t.grad_accum}: give train.global_batch"
+                 " or train.grad_accum, not both (with global_batch the accumulation is "
+                 "global_batch / (batch_size x ranks))")]
+    return []
 
 
 def _distill_errors(cfg: Config) -> list[tuple[str, str]]:
@@ -271,19 +289,43 @@ def _batch_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
     from data_pipeline.epoch_plan import batches_per_rank
 
     n = cfg.data.num_samples
+    if cfg.train.global_batch is not None:
+        return _global_batch_fit(cfg, machine)
     world = machine.world_size
     batch, k = cfg.train.batch_size, cfg.train.grad_accum
     if n is None or batches_per_rank(n, world, batch) >= k:
         return []
     key = "train.batch_size" if batches_per_rank(n, world, batch) == 0 else "train.grad_accum"
-    where = "the synthetic data" if cfg.data.source == "synthetic" else \
-        ", ".join(cfg.data.folders())
+    where = _data_named(cfg)
     fits = next((b for b in range(batch - 1, 0, -1) if batches_per_rank(n, world, b) >= k), 0)
     fix = (f"train.batch_size={fits} is the largest that fits" if fits else
            f"even train.batch_size=1 needs {world * k} samples")
     return [(key, f"train.batch_size={batch} x grad_accum={k} on {world} rank(s): the "
                   f"{n} samples in {where} cannot fill one step (at most "
                   f"{n // world} samples per rank); {fix}, or add data or launch fewer ranks")]
+
+
+def _global_batch_fit(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
+    """A ``train.global_batch`` step the launch's ranks cannot split, or the data cannot fill
+    (its micro-batch streams are planned as ``n`` ranks of one micro-batch each,
+    data_pipeline.micro_batches, whatever the world size)."""
+    from data_pipeline.epoch_plan import batches_per_rank
+
+    t, n = cfg.train, cfg.data.num_samples
+    if t.global_batch % t.batch_size:
+        return []  # semantic_errors says so
+    if broken := world_size_error(t, machine.world_size):
+        return [("train.global_batch", broken)]
+    if n is None or batches_per_rank(n, micro_batches(t), t.batch_size):
+        return []
+    return [("train.global_batch", f"train.global_batch={t.global_batch}: the {n} samples in "
+             f"{_data_named(cfg)} cannot fill one step; lower it, or add data")]
+
+
+def _data_named(cfg: Config) -> str:
+    """The data as an error names it: its folders, or the synthetic data."""
+    return "the synthetic data" if cfg.data.source == "synthetic" else \
+        ", ".join(cfg.data.folders())
 
 
 def _class_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:

@@ -11,6 +11,7 @@ meant to tell seconds from minutes, not to predict a time.
 
 from __future__ import annotations
 
+from trainer.config.accumulation import accumulation
 from trainer.config.machine import Machine
 from trainer.config.schema import Config
 from trainer.measured_figures import figures
@@ -27,7 +28,7 @@ def cpu_step_seconds(cfg: Config, machine: Machine) -> float | None:
     flops = figures().forward_flops.get(cfg.backbone.name)
     if flops is None or getattr(cfg.backbone, "depth", None) is not None:
         return None
-    images = cfg.train.batch_size * cfg.train.grad_accum
+    images = cfg.train.batch_size * accumulation(cfg.train, machine.world_size)
     return flops * images * machine.local_ranks * figures().cpu_train_seconds_per_flop
 
 
@@ -37,7 +38,8 @@ def cpu_pace_warning(cfg: Config, machine: Machine) -> str | None:
     if seconds is None or seconds < WARN_AFTER_S:
         return None
     took = f"{seconds / 60:.1f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
+    k = accumulation(cfg.train, machine.world_size)
     return (f"no GPU: one step of {cfg.backbone.name} at train.batch_size={cfg.train.batch_size}"
-            f" x grad_accum={cfg.train.grad_accum} on {machine.local_ranks} CPU rank(s) takes "
+            f" x grad_accum={k} on {machine.local_ranks} CPU rank(s) takes "
             f"about {took} here; configs/smoke.yaml (iresnet_tiny) trains on a CPU at seconds a "
             f"step, or run this recipe on a GPU machine")

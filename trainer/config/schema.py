@@ -306,8 +306,13 @@ class TrainConfig(_Section):
         None, description="stop (and end the LR schedule) after this many steps; null = epochs"
     )
     grad_accum: PosInt = Field(
-        1, description="micro-batches per optimisation step (exact only for a full-softmax, "
-        "fixed-scale, non-SphereFace head)"
+        1, description="micro-batches per rank per optimisation step (exact only for a "
+        "full-softmax, fixed-scale, non-SphereFace head); not with train.global_batch"
+    )
+    global_batch: PosInt | None = Field(
+        None, description="images per optimisation step, all ranks together: train.batch_size "
+        "is then the micro-batch and each of P ranks runs global_batch / (batch_size x P) of "
+        "them, derived at every start and resume; null = batch_size x grad_accum x P"
     )
     clip_grad_norm: PosFloat | None = Field(
         5.0, description="clip the backbone's gradient norm to this; null disables"

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer.config import Config
+from trainer.config.accumulation import accumulation
 from trainer.dist import DistEnv
 from trainer.engine.backend import (
     Update,
@@ -37,7 +38,7 @@ from trainer.errors import Stopped
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The DeepSpeed JSON for the backbone. The optimizer is passed as a torch object."""
-    micro, accum = cfg.train.batch_size, cfg.train.grad_accum
+    micro, accum = cfg.train.batch_size, accumulation(cfg.train, world_size)
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
