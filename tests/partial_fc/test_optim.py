@@ -310,3 +310,36 @@ def test_state_follows_the_weight_dtype():
 def test_update_budget_is_checked():
     with pytest.raises(ValueError, match="max_update_bytes=0 must be >= 1"):
         SampledSGD(_head().weight, lr=0.1, max_update_bytes=0)
+
+
+@pytest.mark.parametrize(("rate", "dense", "dtype", "fuses"), [
+    (1.0, False, torch.float32, True),
+    (0.25, True, torch.float32, False),  # every row, but a row-sparse gradient
+    (1.0, False, torch.bfloat16, False),  # bf16 state: the fp32 round trip, chunked
+])
+@pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=5e-4),
+                                dict(momentum=0.0, weight_decay=0.0)])
+def test_fused_whole_weight_sgd_is_bit_identical_to_the_chunked_update(
+        monkeypatch, kw, rate, dense, dtype, fuses):
+    """``SampledSGD(fused=True)`` takes torch's fused SGD over the whole weight exactly where
+    every row has a dense fp32 gradient, and its weights and momentum equal the chunked
+    update's (chunks of 7 rows) bit for bit after four steps."""
+    import partial_fc.optim as optim
+
+    calls, real = [], optim.sgd
+    monkeypatch.setattr(optim, "sgd", lambda *a, **k: calls.append(k["fused"]) or real(*a, **k))
+    runs = []
+    for fused in (True, False):
+        head = PartialFC(8, 40, build_margin(dict(type="cosface", s=16.0, m=0.2)),
+                         sample_rate=rate, seed=3, state_dtype=dtype)
+        opt = SampledSGD(head.weight, lr=0.3, fused=fused, dense=dense,
+                         max_update_bytes=_rows_budget(SampledSGD, 7), **kw)
+        for step in range(4):
+            head(*_batch(step)).backward()
+            opt.step(head.pop_sampled_rows())
+            opt.zero_grad()
+        runs.append((head.weight.detach(), opt.state[head.weight]["momentum_buffer"]))
+    assert calls == [True] * 4 * fuses
+    (w_fused, buf_fused), (w_chunked, buf_chunked) = runs
+    assert torch.equal(w_fused, w_chunked) and torch.equal(buf_fused, buf_chunked)
+    assert not torch.equal(w_fused, _head(rate).weight.to(dtype))  # the steps moved it
