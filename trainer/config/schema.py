@@ -325,6 +325,11 @@ class TrainConfig(_Section):
     )
 
 
+ZeroSetting = Literal["overlap_comm", "contiguous_gradients", "reduce_bucket_size",
+                     "allgather_bucket_size"]
+"""The keys of DeepSpeed's ``zero_optimization`` section ``engine.zero_settings`` may set."""
+
+
 class EngineConfig(_Section):
     type: Literal["ddp", "deepspeed"] = Field(
         "ddp", description="how the backbone is replicated: torch DDP or DeepSpeed ZeRO (the "
@@ -359,6 +364,26 @@ class EngineConfig(_Section):
         False, description="torch.compile (inductor) the backbone that trains, inside DDP or "
         "DeepSpeed; evaluation and checkpoints use the plain module. Costs compile time at the "
         "first steps (again at each new input shape) and needs a C++ compiler on CPU"
+    )
+    one_rank_ddp: bool = Field(
+        False, description="ddp on one rank: wrap the backbone in DistributedDataParallel "
+        "anyway; false trains it unwrapped there (the same gradients and checkpoints, without "
+        "DDP's hooks and buckets); true only to measure them"
+    )
+    prefetch: bool = Field(
+        True, description="CUDA only: each batch's copy to the GPU queued on a side stream, "
+        "from pinned memory, as the loader hands it over, ahead of its step; false copies it "
+        "on the step's own stream"
+    )
+    fused_updates: bool = Field(
+        True, description="the head's SGD step over every row (dense fp32 gradient: r = 1) in "
+        "torch's fused kernel, and on CUDA the backbone's gradient norm in foreach kernels; "
+        "false: the chunked update and per-tensor norms (to measure them)"
+    )
+    zero_settings: dict[ZeroSetting, NonNegInt] = Field(
+        {}, description="deepspeed only: values put into its zero_optimization section "
+        "(overlap_comm, contiguous_gradients: 0/1; reduce_bucket_size, allgather_bucket_size: "
+        "elements); unset ones keep DeepSpeed's defaults"
     )
 
 
