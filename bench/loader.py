@@ -40,16 +40,20 @@ import gc
 import multiprocessing
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
-from data_pipeline.codec import decode_image, resolve_decoder
-from data_pipeline.remote_shards import Streaming
-from data_pipeline.shard_index import index_path
-from data_pipeline.tar_reader import tar_samples
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is not installed
+
+from data_pipeline import make_loader, read_manifest, write_synthetic_dataset  # noqa: E402
+from data_pipeline.codec import decode_image, resolve_decoder  # noqa: E402
+from data_pipeline.remote_shards import Streaming  # noqa: E402
+from data_pipeline.shard_index import index_path  # noqa: E402
+from data_pipeline.tar_reader import tar_samples  # noqa: E402
+from tools.remote_servers import FaultProxy, FileServer, S3Server, upload  # noqa: E402
 
 FLIPS = {"deferred": "deferred", "worker": True, "none": False}  # --flip: make_loader's flip
 
@@ -197,8 +201,6 @@ def main() -> None:
 
 def remote(args, decoder: str, counts: list[int]) -> None:
     """``--source s3|http``: the loader from a URL against the local one, per latency."""
-    from tools.remote_servers import FaultProxy, FileServer, S3Server, upload
-
     flip = FLIPS[args.flip]
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "set"

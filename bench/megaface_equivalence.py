@@ -1,6 +1,6 @@
 """Benchmark: MegaFace rank-1 as FaceX-Zoo's Python devkit twin scores it, next to ours.
 
-    PYTHONPATH=. python bench/megaface_equivalence.py --facex DIR   # DIR: a checkout of FaceX-Zoo
+    python bench/megaface_equivalence.py --facex DIR   # DIR: a checkout of FaceX-Zoo
 
 Fabricates insightface's MegaFace testsuite ``data/`` folder from the AT&T/ORL faces: FaceScrub
 is s1-s10 (10 images each, so 900 ordered mate/probe pairs), the distractors are the 300

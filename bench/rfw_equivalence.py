@@ -1,6 +1,6 @@
 """Benchmark: RFW as TFace's ``recognition/test/verification_rfw.py`` scores it, next to ours.
 
-    PYTHONPATH=. python bench/rfw_equivalence.py --tface DIR     # DIR: a checkout of TFace
+    python bench/rfw_equivalence.py --tface DIR     # DIR: a checkout of TFace
 
 Fabricates an RFW folder of four ``<group>_test.bin`` sets from the AT&T/ORL faces (each
 "group" ten identities: s1-s10, s11-s20, s21-s30, s31-s40; 450 genuine and 450 impostor

@@ -1,6 +1,6 @@
 """Benchmark: TinyFace rank-1/5/20 as AdaFace's ``validation_lq`` scores it, next to ours.
 
-    PYTHONPATH=. python bench/tinyface_equivalence.py --adaface DIR   # DIR: a checkout of AdaFace
+    python bench/tinyface_equivalence.py --adaface DIR   # DIR: a checkout of AdaFace
 
 Fabricates a TinyFace folder from the AT&T/ORL faces, as AdaFace's ``validate_tinyface.py``
 reads it: ``<root>/tinyface/Testing_Set`` (the two ``.mat`` lists, ``Probe/``,
@@ -40,14 +40,16 @@ import numpy as np
 import torch
 from scipy.io import savemat
 
-from data_pipeline.codec import prepare_jpeg
-from data_pipeline.orl import find_orl_root
-from data_pipeline.tinyface import ALIGNED_DIR, read_tinyface
-from partial_fc.backbones import build_backbone
-from partial_fc.eval.gallery_search import top_k_search
-from partial_fc.eval.ranking import TINYFACE_RANKS, cmc
-from tests.eval_helpers import tinyface_cells
-from trainer.evaluation import embed_files, eval_mode, evaluate_tinyface_dir
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not installed
+
+from data_pipeline.codec import prepare_jpeg  # noqa: E402
+from data_pipeline.orl import find_orl_root  # noqa: E402
+from data_pipeline.tinyface import ALIGNED_DIR, read_tinyface  # noqa: E402
+from partial_fc.backbones import build_backbone  # noqa: E402
+from partial_fc.eval.gallery_search import top_k_search  # noqa: E402
+from partial_fc.eval.ranking import TINYFACE_RANKS, cmc  # noqa: E402
+from tests.eval_helpers import tinyface_cells  # noqa: E402
+from trainer.evaluation import embed_files, eval_mode, evaluate_tinyface_dir  # noqa: E402
 
 PROBE_IMAGES, MATCH_IMAGES = range(1, 5), range(5, 7)
 
