@@ -45,7 +45,8 @@ class EpochBatches(Protocol):
     every rank; ``batches_done``: how many of this epoch's were handed out. ``set_epoch(e)``
     starts epoch ``e`` (the same epoch again keeps a resumed position); ``position()`` /
     ``restore(p)``: where it is, a typed value (data_pipeline.position); ``state_dict()`` /
-    ``load_state_dict()``: the same as a checkpoint stores it, a JSON-able dict. ``epoch``;
+    ``load_state_dict()``: the same as a checkpoint stores it, a JSON-able dict;
+    ``load_saved(states, rank)``: from a checkpoint's positions of all its ranks. ``epoch``;
     ``num_skipped`` (corrupt samples) and ``num_padded`` (samples repeated to fill the last
     batch) in the current epoch; ``num_excluded`` (samples an exclusion list leaves out of
     every epoch); ``num_unindexed`` (shards without a member index, read more slowly);
@@ -85,6 +86,13 @@ class EpochBatches(Protocol):
     def state_dict(self) -> dict:
         """The position as the checkpoint stores it: a dict of builtins."""
         return self.position().to_dict()
+
+    def load_saved(self, states: list[dict], rank: int) -> None:
+        """Resume from a checkpoint's positions, every rank's in rank order (``states``):
+        ``rank``'s, or rank 0's when it had fewer ranks (the loader converts it); a
+        ``train.global_batch`` loader's saved position gives its first stream's."""
+        state = states[rank] if rank < len(states) else states[0]
+        self.load_state_dict(state["streams"][0]["position"] if "streams" in state else state)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (identical on every rank)."""

@@ -1,7 +1,8 @@
 """A batch source's place in its epochs as typed values: the plan that fixes an epoch's
 sample order (:class:`ShardPlan`, :class:`SyntheticPlan`, :class:`ImportedPlan`, compared by
 equality) and the position a checkpoint carries (:class:`ShardPosition`,
-:class:`SyntheticPosition`, :class:`MixturePosition`).
+:class:`SyntheticPosition`, :class:`MixturePosition`, and a ``train.global_batch`` loader's
+:class:`StreamsPosition`, one of those per micro-batch stream).
 
 ``to_dict()`` / ``from_dict()`` are the checkpoint boundary: the stored form is a plain
 JSON-able dict, the same keys as the loaders have always written (a shard plan without an
@@ -181,4 +182,34 @@ class MixturePosition:
         return cls(epoch, batches, tuple(ShardPosition.from_dict(s) for s in sets))
 
 
-LoaderPosition = ShardPosition | SyntheticPosition | MixturePosition
+SourcePosition = ShardPosition | SyntheticPosition | MixturePosition
+
+
+def source_position(state: dict) -> SourcePosition:
+    """A single source's stored position as its typed value, its kind read from its keys
+    (a mixture's ``sets``, a shard loader's ``worker_positions``, else synthetic)."""
+    if "sets" in state:
+        return MixturePosition.from_dict(state)
+    if "worker_positions" in state:
+        return ShardPosition.from_dict(state)
+    return SyntheticPosition.from_dict(state)
+
+
+@dataclass(frozen=True)
+class StreamsPosition:
+    """A ``train.global_batch`` loader's position (data_pipeline.micro_batches): each of this
+    rank's micro-batch streams' own, by stream number ``j`` (micro-batch ``j`` of each step)."""
+
+    streams: tuple[tuple[int, SourcePosition], ...]
+
+    def to_dict(self) -> dict:
+        return {"streams": [{"stream": j, "position": p.to_dict()} for j, p in self.streams]}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> StreamsPosition:
+        with _parsing("not a train.global_batch loader's"):
+            streams = [(int(s["stream"]), dict(s["position"])) for s in state["streams"]]
+        return cls(tuple((j, source_position(p)) for j, p in streams))
+
+
+LoaderPosition = SourcePosition | StreamsPosition

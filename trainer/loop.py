@@ -24,7 +24,7 @@ from trainer.config import (
     ConfigError,
     resume_drift,
 )
-from trainer.config.accumulation import accumulation, images_per_step
+from trainer.config.accumulation import accumulation, images_per_step, micro_batches
 from trainer.dist import DistEnv
 from trainer.errors import (
     Scope,
@@ -186,16 +186,30 @@ def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
     """This rank's batches: the shard loader on ``data.dir`` (or mixing ``data.dirs``), or
     (``data.source=synthetic``) batches generated on the rank's device; seeded by ``seed``.
     The shard loaders' flip is deferred to the engine, which mirrors on the run's device
-    (``flip="deferred"``: the same images, one image in two less for a decoding worker)."""
+    (``flip="deferred"``: the same images, one image in two less for a decoding worker).
+    With ``train.global_batch``, this rank's micro-batch streams, each the source rank ``j``
+    of ``n`` would have (data_pipeline.micro_batches: placed by global position)."""
+    from data_pipeline.micro_batches import MicroBatchStreams
+
+    n = micro_batches(cfg.train)
+    if n is None:
+        return _batch_source(cfg, env.rank, env.world_size, env.device)
+    return MicroBatchStreams(lambda j: _batch_source(cfg, j, n, env.device), rank=env.rank,
+                             world_size=env.world_size, streams=n)
+
+
+def _batch_source(cfg: Config, rank: int, world_size: int,
+                  device: torch.device) -> EpochBatches:
+    """The batch source of ``rank`` of ``world_size`` (see :func:`build_loader`)."""
     from data_pipeline import SyntheticStream, make_loader
     from data_pipeline.remote_shards import Streaming
 
-    common = {"batch_size": cfg.train.batch_size, "rank": env.rank,
-              "world_size": env.world_size, "seed": cfg.seed, "flip": cfg.data.flip}
+    common = {"batch_size": cfg.train.batch_size, "rank": rank,
+              "world_size": world_size, "seed": cfg.seed, "flip": cfg.data.flip}
     if cfg.data.source == "synthetic":
         return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
-                               device=env.device, **common)
-    common.update(num_workers=cfg.data.num_workers, pin_memory=env.device.type == "cuda",
+                               device=device, **common)
+    common.update(num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
                   flip="deferred" if cfg.data.flip else False,
                   streaming=Streaming(cache_dir=cfg.data.cache_dir, cache_gib=cfg.data.cache_gib))
     if cfg.data.dirs is not None:
@@ -228,7 +242,7 @@ def resume(run: Run) -> None:
         run.bad_steps = meta.bad_steps
         run.skipped_steps = meta.skipped_steps
         run.skipped_samples = meta.skipped_samples
-        loader.load_state_dict(meta.loader_for(env.rank))
+        loader.load_saved(meta.loaders, env.rank)
         finished = len(loader) - loader.batches_done < run.accum
         run.epoch = loader.epoch + 1 if finished else loader.epoch
         if run.step >= run.total:
@@ -268,9 +282,9 @@ def loop(run: Run) -> str | None:
     run.log.start(run.step)
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
-        for micro_batches in _groups(run.loader, run.accum):
+        for passes in _groups(run.loader, run.accum):
             watched_stops(run)
-            stop = one_step(run, micro_batches)
+            stop = one_step(run, passes)
             if stop.reason and not stop.reason.saves:  # no checkpoint: the last one stays
                 raise stop_error(run, stop)
             if run.step >= run.total:
