@@ -164,10 +164,14 @@ class FaultProxy:
     takes the next fault of ``faults`` (none once they run out): ``("503",)`` answers its
     first request with a 503 and closes; ``("cut", n)`` closes it after ``n`` bytes of
     response; ``("delay", s)`` holds the response ``s`` seconds. ``latency_s`` delays every
-    request (each read from a client) that long: a round trip to a distant store."""
+    request (each read from a client) that long: a round trip to a distant store.
+    ``cut_after``: every connection without a fault of its own is closed after that many
+    bytes of response (headers included), a link that kills long transfers."""
 
-    def __init__(self, upstream: tuple[str, int], faults=(), latency_s: float = 0.0):
+    def __init__(self, upstream: tuple[str, int], faults=(), latency_s: float = 0.0,
+                 cut_after: int | None = None):
         self.upstream, self.faults, self.latency_s = upstream, deque(faults), latency_s
+        self.cut_after, self.cuts = cut_after, 0  # cuts: connections closed mid-transfer
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.closed, self.open = False, set()
@@ -202,9 +206,11 @@ class FaultProxy:
             with upstream:
                 threading.Thread(target=_pump, args=(client, upstream, None, 0,
                                                      self.latency_s), daemon=True).start()
-                limit = fault[1] if fault and fault[0] == "cut" else None
+                limit = fault[1] if fault and fault[0] == "cut" else (
+                    None if fault else self.cut_after)
                 delay = fault[1] if fault and fault[0] == "delay" else 0
-                _pump(upstream, client, limit, delay)
+                if _pump(upstream, client, limit, delay):
+                    self.cuts += 1
         self.open.discard(client)
 
     def close(self):
@@ -213,10 +219,11 @@ class FaultProxy:
 
 
 def _pump(source: socket.socket, sink: socket.socket, limit: int | None, delay: float,
-          every: float = 0.0):
+          every: float = 0.0) -> bool:
     """Copy ``source`` to ``sink`` until either closes, or ``limit`` bytes have passed (then
-    both are shut), holding the first bytes back ``delay`` seconds and every read ``every``."""
-    sent = 0
+    both are shut), holding the first bytes back ``delay`` seconds and every read ``every``.
+    True when it cut the connection at ``limit``."""
+    sent, cut = 0, False
     try:
         while True:
             data = source.recv(65536)
@@ -227,6 +234,7 @@ def _pump(source: socket.socket, sink: socket.socket, limit: int | None, delay: 
                 delay = 0
             if limit is not None and sent + len(data) >= limit:
                 sink.sendall(data[:limit - sent])
+                cut = True
                 break
             sink.sendall(data)
             sent += len(data)
@@ -235,6 +243,7 @@ def _pump(source: socket.socket, sink: socket.socket, limit: int | None, delay: 
     for s in (source, sink):
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
+    return cut
 
 
 def clear_clients():
