@@ -12,12 +12,20 @@ never prints them (:func:`scrub`) and refuses a URL that carries them.
 Writing (``launch.convert`` into a URL, data_pipeline.output) uploads whole files, each
 visible only once complete; a web server is read-only.
 
-A read is one request: a whole small file (the manifest, a member index) or one byte range of
-a shard. Transient failures (a reset connection, a 5xx, a timeout, a body cut short) are
-retried with exponential backoff within :class:`Retry`'s bounds, the retry asking only for the
-bytes not yet received; each is counted (:attr:`RemoteFolder.stats`) and logged as one line on
-stderr. Permanent ones (403, 404, a missing bucket, missing credentials) raise
-:class:`StorageError` at once: one line naming the URL and the fix.
+A read (a whole small file, the manifest or a member index, or one byte range of a shard)
+is made of pieces of at most :attr:`Retry.piece_bytes`, each its own range request, one after
+the other: a connection cut mid-transfer loses the piece in flight, never what arrived before
+it (fsspec's ``cat_file`` keeps nothing of a body aiohttp reports cut short). Pieces rather
+than one streamed body, because a range request is what every fsspec client offers alike; a
+streamed body would be a call per client. Transient failures (a reset or cut connection, a
+5xx, a timeout) are retried from the first byte not yet received. A try that brought a piece
+is retried at once and costs nothing of the budget; a try that brought nothing is one of
+:attr:`Retry.attempts`, halves the piece (down to :data:`MIN_PIECE`: a link that kills every
+transfer after N bytes still passes pieces shorter than that) and is followed by an
+exponential backoff. Every retry is counted (:attr:`RemoteFolder.stats`); a try that brought
+nothing is also logged as one line on stderr (a cut after progress is not: a link that cuts
+every connection would print one a piece). Permanent failures (403, 404, a missing bucket,
+missing credentials) raise :class:`StorageError` at once: one line naming the URL and the fix.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ from typing import BinaryIO, TypeVar
 from data_pipeline.errors import DataError
 
 INSTALL = "pip install 'partial-fc[remote]' (fsspec with s3fs, gcsfs and aiohttp)"
+MIN_PIECE = 16 << 10  # the smallest piece a read halves down to (bytes)
+# the extra that installs each store's client (configuration, not a code path per scheme)
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
+          "abfss": "azure"}
 T = TypeVar("T")
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 # variables whose values a client library may echo in an error (never in ours)
@@ -69,22 +81,33 @@ def is_url(location: str | os.PathLike) -> bool:
     return "://" in os.fspath(location)
 
 
+def install_hint(url: str) -> str:
+    """What installs the client of ``url``'s store: the extra named for its scheme
+    (:data:`EXTRAS`), else the one with every client."""
+    extra = EXTRAS.get(url.split("://", 1)[0].lower())
+    return f"pip install 'partial-fc[{extra}]'" if extra else INSTALL
+
+
 @dataclass(frozen=True)
 class Retry:
-    """Bounds of the retries of one request: ``attempts`` tries in all, waiting
-    ``first_delay_s`` after the first failure and twice as long after each next one (at most
-    ``max_delay_s``); one request may take ``timeout_s``."""
+    """Bounds of the retries of one read: ``attempts`` tries in a row that bring nothing
+    (a try that brings a piece resets the count), waiting ``first_delay_s`` after the first
+    and twice as long after each next one (at most ``max_delay_s``); one request, a piece of
+    at most ``piece_bytes``, may take ``timeout_s``."""
 
     attempts: int = 8
     first_delay_s: float = 0.1
     max_delay_s: float = 5.0
     timeout_s: float = 60.0
+    piece_bytes: int = 1 << 20
 
 
 @dataclass
 class FetchStats:
-    """What one process's reads of a folder cost: requests, bytes, retries and the seconds
-    slept between them, and the seconds its loader stream waited for a read to finish."""
+    """What one process's reads of a folder cost: ``requests`` answered (a piece each) and
+    their ``bytes``; ``retries``, requests made again after a failure (a cut after progress
+    included) and ``retry_s``, the seconds slept before them; ``wait_s``, the seconds its
+    loader stream waited for a read to finish."""
 
     requests: int = 0
     bytes: int = 0
@@ -140,7 +163,7 @@ class RemoteFolder:
 
                 self._fs, self.path = url_to_fs(self.url)
             except ImportError as exc:
-                raise StorageError(f"{self.shown}: {exc} ({INSTALL})") from exc
+                raise StorageError(f"{self.shown}: {exc} ({install_hint(self.url)})") from exc
             except ValueError as exc:  # fsspec: "Protocol not known"
                 raise StorageError(f"{self.shown}: {one_line(scrub(exc))}") from exc
             self._pid = os.getpid()
@@ -150,16 +173,17 @@ class RemoteFolder:
         return f"{self.url}/{name}"
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of file ``name`` (to its end when ``end`` is None), retried
-        as the module docstring says; a body cut short is continued at its first missing
-        byte. StorageError for a permanent failure or when the retries run out."""
-        url, parts, got = self.url_of(name), [], 0
-        want = None if end is None else end - start
-        failures, delay = 0, self.retry.first_delay_s
-        while True:
-            at = start + got
+        """Bytes ``[start, end)`` of file ``name`` (to its end when ``end`` is None), in
+        pieces and retried as the module docstring says. StorageError for a permanent
+        failure, a server that ignores ranges, or :attr:`Retry.attempts` tries in a row that
+        brought nothing."""
+        url, parts, at = self.url_of(name), [], start
+        piece, failures, delay = self.retry.piece_bytes, 0, self.retry.first_delay_s
+        progressed = False  # a piece came since the last failure
+        while end is None or at < end:
+            stop = at + piece if end is None else min(at + piece, end)
             try:
-                data = self._get(url, at, end)
+                data = self._get(url, at, stop)
             except Exception as exc:  # noqa: BLE001 - classified: permanent or retried
                 fix = permanent_failure(exc)
                 if fix is not None:
@@ -168,27 +192,39 @@ class RemoteFolder:
             else:
                 self.stats.requests += 1
                 self.stats.bytes += len(data)
-                if want is not None and got + len(data) > want:
-                    raise StorageError(f"{scrub(url)}: asked for bytes {at}-{end}, got "
+                if len(data) > stop - at:
+                    raise StorageError(f"{scrub(url)}: asked for bytes {at}-{stop}, got "
                                        f"{len(data)} bytes (a server that ignores Range "
                                        "requests cannot serve shards)")
-                parts.append(data)
-                got += len(data)
-                if want is None or got == want:
-                    return b"".join(parts)
-                problem = f"body cut short at byte {start + got}"
+                if data:
+                    parts.append(data)
+                    at += len(data)
+                    progressed, failures, delay = True, 0, self.retry.first_delay_s
+                    if end is None and at < stop:  # short of a whole piece: the file's end
+                        break
+                    if end is None:  # a file longer than a piece: read to its size
+                        end = self._size(name) or at
+                    continue
+                if end is None:  # nothing past ``at``: the file ends there
+                    break
+                problem = "empty body"
+            self.stats.retries += 1
+            if progressed:  # the link works: ask for the rest at once
+                progressed = False
+                continue
             failures += 1
             if failures >= self.retry.attempts:
-                raise StorageError(f"{scrub(url)}: bytes {start}-{end if end else 'end'}: still "
-                                   f"failing after {failures} tries ({problem}); check the "
-                                   "network and the server, then resume the run")
+                raise StorageError(f"{scrub(url)}: bytes {start}-{end if end else 'end'}: "
+                                   f"{failures} tries in a row brought nothing ({problem}); "
+                                   "check the network and the server, then resume the run")
+            piece = max(piece // 2, MIN_PIECE)
             print(f"data: {scrub(url)} bytes {at}-{end if end else 'end'}: {problem}; retry "
-                  f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s", file=sys.stderr,
-                  flush=True)
-            self.stats.retries += 1
+                  f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s, pieces of "
+                  f"{piece >> 10} KiB", file=sys.stderr, flush=True)
             self.stats.retry_s += delay
             time.sleep(delay)
             delay = min(2 * delay, self.retry.max_delay_s)
+        return b"".join(parts)
 
     def _get(self, url: str, start: int, end: int | None) -> bytes:
         """One request: fsspec's cat_file, under the request timeout where the client is
