@@ -26,10 +26,10 @@ import torch
 from torch import Tensor
 
 from partial_fc import distributed as dist_ops
-from partial_fc.tiles import ReferenceTiles, TileBackend, select
+from partial_fc.tiles import ReferenceTiles, TileBackend, select, tuning
 
 __all__ = ["COLS", "ROWS", "CheckedTiles", "Disagreement", "KernelCheckFailed", "compare",
-           "first_use", "tolerance"]
+           "first_use", "normwise", "tolerance"]
 
 ROWS, COLS = 256, 256
 _EXACT, _ROUNDED = 1e-3, 3e-2
@@ -92,7 +92,7 @@ def compare(candidate: TileBackend, reference: TileBackend, e: Tensor, w: Tensor
             return Disagreement(kernel, "launch", float("inf"), tol,
                                 f"{type(err).__name__}: {first}")
         for name, a, b in zip(names, got, ref, strict=True):
-            diff = _normwise(a, b)
+            diff = normwise(a, b)
             if not diff <= tol:
                 return Disagreement(kernel, name, diff, tol)
     return None
@@ -129,7 +129,7 @@ def _stat_outputs(row_max: Tensor, row_sum: Tensor, cos_sum: Tensor) -> tuple[Te
     return row_max + torch.log(row_sum), cos_sum
 
 
-def _normwise(got: Tensor, want: Tensor) -> float:
+def normwise(got: Tensor, want: Tensor) -> float:
     """``max |got - want| / max |want|`` over the finite entries of ``want`` (a row with no
     non-target column has ``-inf`` there, which ``got`` must match); ``inf`` on any mismatch
     of shape or of those infinities, or a non-finite ``got``."""
@@ -230,6 +230,7 @@ class CheckedTiles:
         return self.for_device(device)
 
     def take_notes(self) -> list[str]:
-        """The :attr:`notes` not taken yet, each once."""
+        """The :attr:`notes` not taken yet, each once, then the kernels' configuration
+        choices made since the last call (``partial_fc.tiles.tuning``)."""
         new, self._taken = self.notes[self._taken:], len(self.notes)
-        return new
+        return new + tuning.take_notes()

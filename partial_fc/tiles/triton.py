@@ -240,6 +240,7 @@ class Tiles:
     num_stages: int
     programs: int  # what the class splits (stats) and K splits (grad_e) aim at: a few per SM
     buffer_bytes: int  # budget of the backward's G' chunk [N, width]
+    engine: str = "triton"  # "cublas": torch matmuls per chunk, Triton epilogues (tiles.cublas)
 
     @property
     def launch_options(self) -> dict:
@@ -259,10 +260,18 @@ def cuda_tiles(sms: int) -> Tiles:
                  buffer_bytes=256 << 20)
 
 
-def _tiles(device: torch.device) -> Tiles:
-    if device.type != "cuda":  # interpreter: small tiles; several splits, chunks and K splits
-        return Tiles(16, 16, 16, 16, num_warps=1, num_stages=1, programs=4, buffer_bytes=8 << 10)
-    return cuda_tiles(torch.cuda.get_device_properties(device).multi_processor_count)
+INTERPRETER_TILES = Tiles(16, 16, 16, 16, num_warps=1, num_stages=1, programs=4,
+                          buffer_bytes=8 << 10)
+"""Off a GPU (the interpreter): small tiles, so that tests see several splits, chunks and K
+splits."""
+
+
+def _tiles(e: Tensor, w: Tensor) -> Tiles:
+    """The configuration measured fastest for this device and shape on a GPU (``partial_fc.
+    tiles.autotune``: the committed table, the user's cache, or a tuning at first use)."""
+    from partial_fc.tiles import autotune  # it imports this module
+
+    return autotune.TUNER.tiles(e, w) or INTERPRETER_TILES
 
 
 def _splits(parallel: int, items: int, block: int, programs: int) -> tuple[int, int]:
@@ -349,8 +358,8 @@ def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tens
 
 
 def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
-                     s: Tensor | float, nontarget: NonTarget | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+                     s: Tensor | float, nontarget: NonTarget | None = None,
+                     tiles: Tiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Row statistics of the non-target logits ``s f(cos_ik)`` of this rank's classes.
 
     Args:
@@ -358,6 +367,7 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
             normalised. inv_norm: ``[S]`` fp32 ``1 / ||w_k||``. target_col: ``[N]`` int64,
             column of row ``i``'s target in ``w`` or ``-1``. s: the scale (float or 0-d tensor).
         nontarget: ``f``: None (the identity) or AdaFace's clamp (:func:`clamp_constexpr`).
+        tiles: the launch configuration; None: the one tuned for this device and shape.
 
     Returns:
         ``row_max [N]`` fp32 ``max_k s f(cos_ik)`` (``-inf`` if the row has no non-target
@@ -366,7 +376,11 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     """
     (e, w, inv_norm, target_col), scale, _, consts = _prepare(e, w, inv_norm, target_col, s, {})
     (n, d), s_cols = e.shape, w.shape[0]
-    t = _tiles(e.device)
+    t = tiles or _tiles(e, w)
+    if t.engine == "cublas":
+        from partial_fc.tiles import cublas  # it imports this module
+
+        return cublas.class_tile_stats(e, w, inv_norm, target_col, scale, nontarget, t, consts)
     row_blocks = triton.cdiv(n, t.rows)
     splits, per = _splits(row_blocks, s_cols, t.cols, t.programs)
     max_p, sum_p, cos_p = torch.empty(3, splits, n, dtype=torch.float32, device=e.device)
@@ -382,7 +396,8 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
 
 def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                      s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
-                     nontarget: NonTarget | None = None) -> tuple[Tensor, Tensor]:
+                     nontarget: NonTarget | None = None, tiles: Tiles | None = None
+                     ) -> tuple[Tensor, Tensor]:
     """Gradients of the loss through the cosines, recomputing the ``cos`` tiles.
 
     With ``G_ik = dL/dcos_ik``: ``coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)`` for
@@ -394,7 +409,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     normalisation chain rule: ``r_k = w_hat_k . g_k``).
 
     Args:
-        e, w, inv_norm, target_col, s, nontarget: as in ``class_tile_stats``.
+        e, w, inv_norm, target_col, s, nontarget, tiles: as in ``class_tile_stats``.
         lse: ``[N]`` fp32 global log-sum-exp of the logits. coef: ``[N]`` fp32.
         target_grad: ``[N]`` fp32 (read only where ``target_col_i >= 0``).
 
@@ -409,7 +424,12 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     e, w, inv_norm, target_col, lse, coef, target_grad = tensors
     clamp = clamp_constexpr(nontarget)
     (n, d), s_cols = e.shape, w.shape[0]
-    t = _tiles(e.device)
+    t = tiles or _tiles(e, w)
+    if t.engine == "cublas":
+        from partial_fc.tiles import cublas  # it imports this module
+
+        return cublas.class_tile_grads(e, w, inv_norm, target_col, scale, lse, coef,
+                                       target_grad, nontarget, t, op, consts)
     row_blocks = triton.cdiv(n, t.rows)
     width_max = min(s_cols, t.chunk_width(n, op.itemsize))
     buffer = torch.empty(n, width_max, dtype=op, device=e.device)  # G' of one chunk
