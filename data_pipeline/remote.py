@@ -208,9 +208,9 @@ class RemoteFolder:
                 if end is None:  # nothing past ``at``: the file ends there
                     break
                 problem = "empty body"
-            self.stats.retries += 1
             if progressed:  # the link works: ask for the rest at once
                 progressed = False
+                self.stats.retries += 1
                 continue
             failures += 1
             if failures >= self.retry.attempts:
@@ -218,9 +218,11 @@ class RemoteFolder:
                                    f"{failures} tries in a row brought nothing ({problem}); "
                                    "check the network and the server, then resume the run")
             piece = max(piece // 2, MIN_PIECE)
+            halved = f", pieces of {piece >> 10} KiB" if end is None or piece < end - at else ""
             print(f"data: {scrub(url)} bytes {at}-{end if end else 'end'}: {problem}; retry "
-                  f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s, pieces of "
-                  f"{piece >> 10} KiB", file=sys.stderr, flush=True)
+                  f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s{halved}",
+                  file=sys.stderr, flush=True)
+            self.stats.retries += 1
             self.stats.retry_s += delay
             time.sleep(delay)
             delay = min(2 * delay, self.retry.max_delay_s)
