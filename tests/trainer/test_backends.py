@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from trainer.engine.deepspeed_backend import overflow_unless
 from trainer.stopping import NO_STOP, StopReason, StopRequest
 
 BATCH = 4
+CUDA0 = torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -156,3 +158,65 @@ def test_overflow_unless_keeps_the_gradient_or_makes_every_one_non_finite(apply)
         assert torch.equal(w.grad, x)
     else:
         assert not torch.isfinite(w.grad).any()
+
+
+@pytest.mark.parametrize("clip", ["1.0", "null"])
+def test_ddp_on_one_rank_trains_unwrapped_with_the_wrapped_steps(one_rank_group, tmp_path,
+                                                                 clip):
+    """One rank: no ``DistributedDataParallel`` around the backbone unless
+    ``engine.one_rank_ddp``, and the same steps either way, bit for bit (three steps of two
+    accumulated micro-batches, gradient norms included, clipped and not); each engine's
+    checkpoint state loads into the other and gives the same next step."""
+    from launch_helpers import same_snapshots, snapshot
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer import checkpoint
+
+    def engine(wrapped: bool):
+        return build_engine(make_config(f"engine.one_rank_ddp={wrapped}", "train.batch_size=4",
+                                        "train.grad_accum=2", f"train.clip_grad_norm={clip}"))
+
+    def step(e, i: int) -> float:
+        return e.step(i, local_micro_batches(i, 8, 0, 1, 2)).grad_norm
+
+    plain, wrapped = engine(False), engine(True)
+    assert type(plain.backend.model) is not DistributedDataParallel
+    assert type(wrapped.backend.model) is DistributedDataParallel
+    for i in range(3):
+        assert step(plain, i) == step(wrapped, i)
+    assert same_snapshots(snapshot(plain), snapshot(wrapped))
+    for n, (source, target) in enumerate(((plain, engine(True)), (wrapped, engine(False)))):
+        checkpoint.load(checkpoint.save(tmp_path / str(n), 3, source, checkpoint.RunRecord(),
+                                        keep=1), target)
+        step(source, 3)
+        step(target, 3)
+        assert same_snapshots(snapshot(source), snapshot(target))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("clip", ["1.0", "null"])
+def test_ddp_gradient_norm_takes_foreach_kernels_on_cuda(monkeypatch, fused, clip):
+    """A one-rank DDP backend on a CUDA device (faked: nothing of it touches the GPU
+    unwrapped) asks torch for the foreach norm and clip with ``engine.fused_updates``, not
+    without; on the CPU never (torch has no foreach kernels there). The norm itself is the
+    norm of the per-tensor fp32 norms either way."""
+    from trainer.engine.ddp import DDPBackend
+
+    cfg = make_config(f"engine.fused_updates={fused}", f"train.clip_grad_norm={clip}")
+    backbone = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.PReLU(4))
+    grads = [torch.randn_like(p) for p in backbone.parameters()]
+    want = torch.stack([g.norm() for g in grads]).norm()
+    asked, utils = [], torch.nn.utils
+    real = {name: getattr(utils, name) for name in ("get_total_norm", "clip_grad_norm_")}
+    for name, fn in real.items():
+        monkeypatch.setattr(utils, name, lambda *a, foreach, fn=fn, **k:
+                            asked.append(foreach) or fn(*a, **k, foreach=False))
+    for device, foreach in ((CUDA0, fused), (torch.device("cpu"), False)):
+        env = SimpleNamespace(device=device, world_size=1, group=None)
+        backend = DDPBackend(cfg, backbone, backbone, torch.optim.SGD(backbone.parameters()),
+                             env)
+        assert backend.model is backbone
+        for p, g in zip(backbone.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        torch.testing.assert_close(backend._clip(), want, rtol=1e-6, atol=0)
+        assert asked.pop() is foreach

@@ -49,28 +49,48 @@ def buffer_sync(forward: bool) -> dict[str, bool]:
             else "broadcast_buffers": forward}
 
 
+def wraps(cfg: Config, env: DistEnv) -> bool:
+    """Whether the backbone runs inside ``DistributedDataParallel``: on several ranks, and on
+    one only with ``engine.one_rank_ddp``. On one rank DDP averages each gradient over one
+    rank and broadcasts parameters and buffers to themselves, so the unwrapped module trains
+    the same steps; what it saves is DDP's per-parameter autograd hooks and the copies into
+    and out of its buckets (the H200's one-rank iresnet50 step spent 3.7 + 3.9 ms over the
+    backbone alone's forward and backward, put down to them in docs/benchmarks.md).
+    ``engine.grad_compression=fp16`` has no traffic to halve there: unwrapped, the gradients
+    are not rounded to fp16 on the way."""
+    return env.world_size > 1 or cfg.engine.one_rank_ddp
+
+
 class DDPBackend:
     """:class:`trainer.engine.backend.BackboneBackend` over ``DistributedDataParallel`` on
-    ``env.group``."""
+    ``env.group``, or over the bare module on one rank (:func:`wraps`). Either way
+    ``backbone``'s own parameter names are what a checkpoint holds, so the two read each
+    other's checkpoints."""
 
     channels_last_parameters = True  # DDP's buckets follow each gradient's strides
 
     def __init__(self, cfg: Config, module: nn.Module, backbone: nn.Module,
                  optimizer: torch.optim.Optimizer, env: DistEnv):
-        ids = [env.device.index] if env.device.type == "cuda" else None
-        self.model = DistributedDataParallel(module, device_ids=ids, process_group=env.group,
-                                             **buffer_sync(cfg.engine.broadcast_buffers))
-        if cfg.engine.grad_compression == "fp16":
-            self.model.register_comm_hook(env.group, fp16_compress_hook)
+        self.model, self.wrapped = module, wraps(cfg, env)
+        if self.wrapped:
+            ids = [env.device.index] if env.device.type == "cuda" else None
+            self.model = DistributedDataParallel(module, device_ids=ids, process_group=env.group,
+                                                 **buffer_sync(cfg.engine.broadcast_buffers))
+            if cfg.engine.grad_compression == "fp16":
+                self.model.register_comm_hook(env.group, fp16_compress_hook)
         self.input_dtype = torch.float32
         self.backbone, self.optimizer = backbone, optimizer
         self.device_type = env.device.type
         self.precision, self.clip = cfg.engine.precision, cfg.train.clip_grad_norm
+        self.foreach = cfg.engine.fused_updates and self.device_type == "cuda"
         self._grad_norm: Tensor | None = None  # last_backward's, for update
 
     def micro_batch(self, boundary: bool):
-        """No gradient all-reduce before the last micro-batch (``no_sync``)."""
-        return contextlib.nullcontext() if boundary else self.model.no_sync()
+        """No gradient all-reduce before the last micro-batch (``no_sync``); unwrapped,
+        nothing to hold back."""
+        if boundary or not self.wrapped:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def autocast(self):
         if self.precision == "bf16":
@@ -104,8 +124,12 @@ class DDPBackend:
 
     def _clip(self) -> Tensor:
         """The backbone's gradient norm, a 0-d fp32 tensor (no host read), after clipping the
-        gradients to ``train.clip_grad_norm`` when it is set."""
+        gradients to ``train.clip_grad_norm`` when it is set. ``foreach`` (CUDA with
+        ``engine.fused_updates``): the per-tensor norms and the scaling as multi-tensor
+        kernels, a few launches instead of two per parameter; torch offers them on CUDA only,
+        and computes the same sums of squares (tests/trainer/test_backends.py)."""
         params = [p for p in self.backbone.parameters() if p.grad is not None]
         if self.clip is None:
-            return torch.stack([p.grad.detach().float().norm() for p in params]).norm()
-        return torch.nn.utils.clip_grad_norm_(params, self.clip)
+            return torch.nn.utils.get_total_norm([p.grad for p in params],
+                                                 foreach=self.foreach).float()
+        return torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=self.foreach)

@@ -104,14 +104,17 @@ def make_optimizer(optim: OptimConfig, backbone: nn.Module) -> torch.optim.Optim
     return cls(decay_groups(optim, backbone), lr=optim.lr, **_optimizer_kwargs(optim))
 
 
-def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter,
-                        max_update_bytes: int, dense: bool = False) -> torch.optim.Optimizer:
+def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter, max_update_bytes: int,
+                        dense: bool = False, fused: bool = True) -> torch.optim.Optimizer:
     """The optimizer of the head's ``weight``, row-sampling (unsampled rows get no momentum,
     no decay, unless ``dense``: ``head.update``): it steps from the head's
-    ``pop_sampled_rows()``."""
-    cls = SampledSGD if optim.name == "sgd" else SampledAdamW
-    return cls(weight, optim.lr, **_optimizer_kwargs(optim), max_update_bytes=max_update_bytes,
-               dense=dense)
+    ``pop_sampled_rows()``. ``fused``: SGD's step over every row in one fused kernel
+    (``partial_fc.optim.SampledSGD``; ``engine.fused_updates``)."""
+    if optim.name == "sgd":
+        return SampledSGD(weight, optim.lr, **_optimizer_kwargs(optim),
+                          max_update_bytes=max_update_bytes, dense=dense, fused=fused)
+    return SampledAdamW(weight, optim.lr, **_optimizer_kwargs(optim),
+                        max_update_bytes=max_update_bytes, dense=dense)
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ class Engine:
         self.head = head.to(self.device)
         self.head_optimizer = make_head_optimizer(cfg.optim, self.head.weight,
                                                   cfg.head.max_update_mib << 20,
-                                                  dense=cfg.head.update == "dense")
+                                                  dense=cfg.head.update == "dense",
+                                                  fused=cfg.engine.fused_updates)
         self.optimizer = make_optimizer(cfg.optim, self.backbone)
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
