@@ -5,22 +5,29 @@ Command line (one process, or every rank of torchrun)::
 
     python -m launch.overlap --checkpoint RUN --data DIR_OR_URL --bins lfw.bin,cfp_fp.bin
         [--ijb IJB_release --ijb-target IJBC] [--rfw RFW_DIR] [--tinyface DIR]
-        [--fmr 1e-3 | --threshold T] --out overlap.txt [--json overlap.json]
+        [--fpir 1e-3 [--held-out LIST] | --threshold T] --out overlap.txt
+        [--json overlap.json] [--html overlap.html]
 
 Each training identity's centre (mean unit embedding over its images in DIR's shards; DIR may
-be an s3://, gs://, https:// or file:// URL, read as training reads it) is compared with
-every evaluation image; an identity within the cosine threshold of any image is listed. The
+be an s3://, gs://, https:// or file:// URL, read as training reads it) is searched for each
+evaluation image; the nearest identity is listed when it is within the cosine threshold. The
 sets are read as launch.evaluate reads them: .bin files, an IJB-B/C folder, RFW (drawn from
 MS-Celeb-1M: it overlaps MS1M training sets) as one .bin per group or its released folder of
 images and pair lists, and TinyFace's Testing_Set.
 
-The threshold comes from the model itself: the cosine that a share ``--fmr`` of the impostor
-pairs of the .bins and of RFW (either form) reach (printed with how it was chosen);
-``--threshold`` sets it instead (without them it is 0.5). Each listed identity is named (DIR's
-identities.json, written by launch.convert) with the evaluation image it matched and its
-own training image nearest that one (shard key and source path); ``--json`` writes the same
-rows. Train again with ``data.exclude=overlap.txt`` (with ``data.dirs``: run once per folder,
-one list each). The work is ``offline.overlap``.
+The threshold is calibrated for that search: ``--fpir`` is the share of evaluation images
+whose person is not in training that may be listed all the same. It is read off the same
+search made with probes whose identity is left out of the gallery: about ``--null-images``
+training images, each against the other identities' centres, or, with ``--held-out`` (the
+exclusion list the model was trained with), the images of the identities it never saw, which
+is exact where training images are memorised (docs/data.md). It prints the threshold, the
+searches it was read from and, per set, the identities listed beside the number expected
+falsely; too few searches for the asked FPIR is refused. ``--threshold`` sets it instead.
+Each listed identity is named (DIR's identities.json, written by launch.convert) with the
+evaluation image it matched and its own training image nearest that one (shard key and source
+path); ``--json`` writes the same rows and the histograms of the nearest-centre cosines and
+of the calibration's null, ``--html`` draws them. Train again with ``data.exclude=overlap.txt``
+(with ``data.dirs``: run once per folder, one list each). The work is ``offline.overlap``.
 """
 
 from __future__ import annotations
@@ -33,15 +40,17 @@ from functools import partial
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
+from data_pipeline.exclusion import Exclusions, made_by, read_exclusions, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import checkpoint_program_parser, load_backbone_or_exit
-from offline.overlap import DEFAULT_FMR, DEFAULT_THRESHOLD
-from offline.overlap_sets import PairSet, bin_pairs, rfw_folder_pairs
+from offline.overlap_search import CalibrationError
+from offline.overlap_sets import EvalImages, bin_set, rfw_folder_images
 
 LISTED = 20  # shared identities printed per set; --out and --json hold them all
+DEFAULT_FPIR = 1e-3  # of an evaluation set's images with no mate in training, listed falsely
+DEFAULT_NULL_IMAGES = 100_000  # null searches, about (training images' or held-out ones')
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,14 +68,23 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="TinyFace's Testing_Set (or a folder holding it)")
     p.add_argument("--threshold", type=float, default=None,
                    help="cosine between a centre and an image that counts as the same "
-                   "identity (default: calibrated at --fmr on the impostor pairs of --bins and "
-                   f"--rfw; {DEFAULT_THRESHOLD} without them)")
-    p.add_argument("--fmr", type=float, default=DEFAULT_FMR,
-                   help="false-match rate of --bins' and --rfw's impostor pairs the threshold "
-                   f"is set at (default {DEFAULT_FMR:g})")
+                   "identity (default: calibrated at --fpir)")
+    p.add_argument("--fpir", type=float, default=DEFAULT_FPIR,
+                   help="false-positive identification rate the threshold is set at: the "
+                   "share of evaluation images with no mate in training that may be listed "
+                   f"(default {DEFAULT_FPIR:g})")
+    p.add_argument("--held-out", type=Path, metavar="LIST",
+                   help="the exclusion list the checkpoint was trained with (data.exclude): "
+                   "its classes' images, never trained on, are the calibration's probes")
+    p.add_argument("--null-images", type=int, default=DEFAULT_NULL_IMAGES,
+                   help="about how many images the calibration searches "
+                   f"(default {DEFAULT_NULL_IMAGES:,})")
     p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
     p.add_argument("--json", type=Path, help="also write every shared identity here: set, "
-                   "label, identity, score, image, key, source, sample_score")
+                   "label, identity, score, image, key, source, sample_score; and the "
+                   "calibration and histograms")
+    p.add_argument("--html", type=Path, help="also write a page with the table and the "
+                   "histogram of nearest-centre cosines beside the calibration's null")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
@@ -78,19 +96,35 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--bins {path}: no such file ({MISSING_BIN_FIX})")
     if len({b.stem for b in args.bins}) != len(args.bins):
         p.error(f"--bins {','.join(map(str, args.bins))}: two sets with the same file name")
-    args.pair_sets = [partial(bin_pairs, b.stem, b) for b in args.bins]
+    args.pair_sets = [partial(bin_set, b.stem, b) for b in args.bins]
     if args.rfw is not None:
         args.pair_sets += _rfw_groups(p, args.rfw)
     if args.threshold is not None and not -1 <= args.threshold <= 1:
         p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
-    if not 0 < args.fmr < 1:
-        p.error(f"--fmr {args.fmr}: a rate, in (0, 1)")
+    if not 0 < args.fpir < 1:
+        p.error(f"--fpir {args.fpir}: a rate, in (0, 1)")
+    if args.null_images < 1:
+        p.error(f"--null-images {args.null_images}: at least 1")
+    args.held = None if args.held_out is None else _held_out(p, args.held_out)
     if not is_url(args.data) and not (Path(args.data) / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
 
 
-def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], PairSet]]:
+def _held_out(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
+    """The classes of the exclusion list the model was trained with; a parser error names a
+    missing or unreadable list, or one without classes."""
+    try:
+        classes = read_exclusions(path).classes
+    except (OSError, DataError) as err:
+        p.error(f"--held-out {path}: {str(err).splitlines()[0]}")
+    if not classes:
+        p.error(f"--held-out {path}: no `class` lines (the calibration needs identities the "
+                "model never saw, not single samples)")
+    return classes
+
+
+def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], EvalImages]]:
     """RFW's groups in ``RFW_GROUPS`` order, each its ``.bin`` where there is one, else from
     the released folder (``data_pipeline.rfw``), as ``launch.evaluate --rfw`` reads them; a
     parser error names a group that has neither."""
@@ -101,9 +135,9 @@ def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], P
     for group in RFW_GROUPS:
         found = find_rfw_bin(folder, group)
         if found is not None:
-            groups.append(partial(bin_pairs, f"RFW/{group}", found))
+            groups.append(partial(bin_set, f"RFW/{group}", found))
         elif images is not None:
-            groups.append(partial(rfw_folder_pairs, images, group))
+            groups.append(partial(rfw_folder_images, images, group))
         else:
             p.error(f"--rfw {folder}: no {group}_test.bin, {group}.bin or "
                     f"txts/{group}/{group}_pairs.txt (RFW needs one of them per group: "
@@ -118,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dist.init_distributed(args.device)
     try:
         found = _find(args, env)
-    except DataError as err:  # the same on every rank: a set or the folder is unreadable
+    except (DataError, CalibrationError) as err:  # the same on every rank: a set or the
+        # folder is unreadable, or the null searches do not resolve --fpir
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 2
@@ -130,53 +165,63 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _find(args: argparse.Namespace, env) -> tuple:
-    """Every rank: the centres, the sets' matches and their nearest training images."""
+    """Every rank: the centres, the calibration, the sets' matches and their nearest
+    training images."""
     from data_pipeline.identities import read_identities
     from data_pipeline.manifest import read_manifest
     from offline.overlap import (
         class_centres,
-        impostor_cosines,
         nearest_samples,
+        null_cosines,
         overlap_rows,
         queries,
         set_overlap,
     )
+    from offline.overlap_search import calibrate, null_choice
     from offline.overlap_sets import ijb_images, tinyface_images
 
     manifest = read_manifest(args.data)
     identities = read_identities(args.data, manifest)
+    if args.held is not None and max(args.held) >= manifest.num_classes:
+        raise CalibrationError(f"--held-out {args.held_out}: class {max(args.held)} is not a "
+                               f"label of {args.data} ({manifest.num_classes} classes)")
+    choice = None if args.threshold is not None else null_choice(
+        manifest.num_samples, manifest.num_classes, args.null_images, args.held)
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
-    centres, counts = class_centres(backbone, args.data, args.batch_size, env.device, env.group)
-    sets, impostors = [], []
-    for read_pairs in args.pair_sets:
-        pairs = read_pairs()
-        sets.append(pairs.images)
-        if args.threshold is None:
-            impostors.append((pairs.images.name, impostor_cosines(
-                backbone, pairs.encoded, pairs.issame, args.batch_size, env.device)))
+    trained = class_centres(backbone, args.data, args.batch_size, env.device, env.group,
+                            choice)
+    calibration = None if choice is None else calibrate(
+        null_cosines(trained, env.device, env.group), args.fpir, choice.probes())
+    threshold = args.threshold if calibration is None else calibration.threshold
+    if env.is_main:
+        print(f"threshold {threshold:g} (--threshold)" if calibration is None
+              else calibration.describe())
+    sets = [read() for read in args.pair_sets]
     if args.ijb is not None:
         sets.append(ijb_images(args.ijb, args.ijb_target))
     if args.tinyface is not None:
         sets.append(tinyface_images(args.tinyface))
-    threshold, how = _threshold(args, impostors)
-    if env.is_main:
-        print(how)
-    results = [set_overlap(images, backbone, centres, threshold, args.batch_size, env.device,
-                           env.group) for images in sets]
+    results = [set_overlap(images, backbone, trained.centres, threshold, args.batch_size,
+                           env.device, env.group) for images in sets]
     nearest = nearest_samples(backbone, args.data, queries(sets, results), args.batch_size,
                               env.device, env.group)
     rows = overlap_rows(sets, results, identities and identities.names, nearest)
-    return (threshold, how, identities, manifest.source.get("path"), int((counts > 0).sum()),
-            results, rows)
+    return (threshold, calibration, identities, manifest.source.get("path"),
+            int((trained.counts > 0).sum()), results, rows)
 
 
-def _report(args: argparse.Namespace, threshold: float, how: str, identities,
+def _report(args: argparse.Namespace, threshold: float, calibration, identities,
             source_root: str | None, trained: int, results: list, rows: list[dict]) -> None:
-    """Rank 0: the exclusion list, the JSON, the table and the shared identities."""
+    """Rank 0: the exclusion list, the JSON, the page, the table and the shared
+    identities."""
+    from offline.overlap_figure import calibration_json, set_json, write_page
+
     shared = frozenset().union(*(r.classes for r in results))
-    header = made_by("launch.overlap", {"checkpoint": args.checkpoint, "data": args.data,
-                                         "threshold": f"{threshold:.4g}",
-                                         "sets": ",".join(r.name for r in results)},
+    settings = {"checkpoint": args.checkpoint, "data": args.data,
+                "threshold": f"{threshold:.4g}"}
+    if calibration is not None:
+        settings["fpir"] = f"{args.fpir:g}"
+    header = made_by("launch.overlap", {**settings, "sets": ",".join(r.name for r in results)},
                      f"{len(shared)} of {trained} training identities shared")
     by_label: dict[int, list[dict]] = {}
     for row in rows:
@@ -189,13 +234,15 @@ def _report(args: argparse.Namespace, threshold: float, how: str, identities,
     if args.json:
         args.json.write_text(json.dumps({
             "checkpoint": str(args.checkpoint), "data": str(args.data),
-            "threshold": threshold, "threshold_chosen": how,
+            "threshold": threshold, "calibration": calibration_json(calibration),
             "identity_names": None if identities is None else identities.origin,
             "source_root": source_root,
-            "sets": [{"name": r.name, "images": r.images, "matched_images": r.matched_images,
-                      "shared_identities": len(r.matches)} for r in results],
+            "sets": [set_json(r, calibration) for r in results],
             "shared": rows}, indent=1) + "\n")
-    print(format_table(results))
+    table = format_table(results, calibration)
+    if args.html:
+        write_page(args.html, table, threshold, calibration, results)
+    print(table)
     print(names)
     for result in results:
         mine = [row for row in rows if row["set"] == result.name]
@@ -225,33 +272,16 @@ def format_row(row: dict) -> str:
             f"{row['sample_score']:.3f})")
 
 
-def _threshold(args: argparse.Namespace, impostors: list) -> tuple[float, str]:
-    """The threshold and one line saying how it was chosen."""
-    import numpy as np
-
-    from offline.overlap import calibrated_threshold
-
-    if args.threshold is not None:
-        return args.threshold, f"threshold {args.threshold:g} (--threshold)"
-    cosines = np.concatenate([c for _, c in impostors]) if impostors else np.zeros(0)
-    if not len(cosines):
-        return DEFAULT_THRESHOLD, (f"threshold {DEFAULT_THRESHOLD:g}: the default (no .bin or "
-                                   "RFW impostor pairs to calibrate from; --threshold sets it)")
-    tau = calibrated_threshold(cosines, args.fmr)
-    reached = int((cosines >= tau).sum())
-    return tau, (f"threshold {tau:.4f}: the cosine {reached} of the {len(cosines)} impostor "
-                 f"pairs of {', '.join(name for name, _ in impostors)} reach under this "
-                 f"model (false-match rate {reached / len(cosines):.2g}, --fmr {args.fmr:g}; "
-                 "--threshold sets it instead)")
-
-
-def format_table(results) -> str:
-    """One row per evaluation set: its images, those matched, the identities it shares."""
-    rows = [("set", "images", "matched images", "shared identities")]
-    rows += [(r.name, str(r.images), str(r.matched_images), str(len(r.classes)))
+def format_table(results, calibration) -> str:
+    """One row per evaluation set: its images, those matched, the identities it shares and,
+    with a calibration, how many of those its FPIR expects falsely (at most: each image with
+    no mate lists one identity at most)."""
+    rows = [("set", "images", "matched images", "shared identities", "expected false")]
+    rows += [(r.name, str(r.images), str(r.matched_images), str(len(r.classes)),
+              "-" if calibration is None else f"<= {calibration.expected_fpir * r.images:.2g}")
              for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                      for row in rows)
 
 

@@ -2,16 +2,18 @@
 
 Each training identity ``c`` gets a centre ``mu_c = normalize(mean_i normalize(f(x_i)))`` over
 its images (the embeddings are those of evaluation: flip-summed, unit length,
-``trainer.evaluation.embed_images``). An evaluation image ``y`` matches ``c`` when
-``cos(mu_c, f(y)) >= threshold``; ``c`` is shared with a set when any image of the set matches
-it. A centre is a steadier template than any one image (the same test as the template
-pooling of IJB, arXiv 1710.08092's mean feature), so one threshold serves every set.
+``trainer.evaluation.embed_images``). Each evaluation image ``y`` is searched against every
+centre (open-set identification, ``offline.overlap_search``); its nearest centre's identity
+is listed when ``max_c cos(mu_c, f(y)) >= threshold``. A centre is a steadier template than
+any one image (the same test as the template pooling of IJB, arXiv 1710.08092's mean
+feature), so one threshold serves every set; it is calibrated for that search, on null
+probes chosen in the same pass over the shards (:func:`class_centres`, :func:`null_cosines`).
 
 Work is spread over the ranks of ``process_group`` (None: WORLD, or one process): rank ``r``
 decodes the shards ``r, r + P, ...`` and the evaluation images ``r, r + P, ...``; the class
-sums and counts ``[C, D]``, ``[C]`` are all-reduced, so every rank holds every centre, and
-the matches are all-reduced too. One process and P ranks give the same answer (up to the
-summation order of the centres).
+sums and counts ``[C, D]``, ``[C]`` are all-reduced, so every rank holds every centre (on the
+CPU, where faiss searches them), and each image's nearest centre is all-reduced too. One
+process and P ranks give the same answer (up to the summation order of the centres).
 
 Each shared identity is reported with the evidence a person checks: the set's image nearest
 its centre, and the identity's training image nearest that one (its shard key and the source
@@ -22,7 +24,7 @@ identity names of the folder's map (data_pipeline.identities).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +35,18 @@ from torch import nn
 from data_pipeline.codec import resolve_decoder
 from data_pipeline.manifest import read_manifest
 from offline.folder_scan import batched, decoded, labelled_batches, labelled_samples
+from offline.overlap_search import NullChoice, best_other_centre, centre_search
 from offline.overlap_sets import EvalImages
-from partial_fc.distributed import all_reduce, all_reduce_max, get_rank, get_world_size
+from partial_fc.distributed import (
+    all_gather,
+    all_reduce,
+    all_reduce_max,
+    get_rank,
+    get_world_size,
+)
 from trainer.evaluation import embed_images, eval_mode
 
-DEFAULT_THRESHOLD = 0.5  # cosine, without a .bin to calibrate from
-DEFAULT_FMR = 1e-3  # false-match rate, on the pair sets' impostor pairs, the threshold is set at
+SEARCH_BLOCK = 2048  # evaluation images embedded, then searched, together (per rank)
 
 
 @dataclass(frozen=True)
@@ -53,17 +61,31 @@ class Match:
 
 @dataclass(frozen=True)
 class SetOverlap:
-    """What one evaluation set shares with the training data."""
+    """What one evaluation set shares with the training data; ``best`` ``[images]`` is each
+    image's nearest-centre cosine (NaN: undecodable), the search's histogram."""
 
     name: str
     images: int  # images in the set (distinct)
     matched_images: int  # its images within the threshold of some training centre
     matches: tuple[Match, ...]  # one per shared training identity, by label
+    best: np.ndarray = field(compare=False, repr=False)
 
     @property
     def classes(self) -> frozenset[int]:
-        """The training labels with a centre within the threshold of an image of the set."""
+        """The training labels nearest an image of the set, within the threshold."""
         return frozenset(m.label for m in self.matches)
+
+
+@dataclass(frozen=True)
+class TrainingCentres:
+    """The training folder as the search sees it: unit ``centres`` ``[C, D]`` float32 (a
+    class without a decodable image: a zero row), ``counts`` ``[C]``, and this rank's null
+    probes (embeddings ``[n_r, D]``, labels ``[n_r]``; :class:`NullChoice`)."""
+
+    centres: np.ndarray
+    counts: np.ndarray
+    null_probes: np.ndarray
+    null_labels: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -79,55 +101,70 @@ class Nearest:
 
 @torch.no_grad()
 def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
-                  device: torch.device | str, process_group=None) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
-    """Unit centres ``[C, D]`` (float32, on ``device``) of every class of the shard folder
-    (a path or a URL) and each class's image count ``[C]`` (a class without a decodable
-    image: a zero row). Collective over ``process_group``; shards ``rank::world`` are read
-    here."""
+                  device: torch.device | str, process_group=None,
+                  null: NullChoice | None = None) -> TrainingCentres:
+    """The centres of every class of the shard folder (a path or a URL), and the embeddings
+    of the images ``null`` chooses (None: none), kept in the same pass. Collective over
+    ``process_group``; shards ``rank::world`` are read here, every rank returns every centre."""
     rank, world = get_rank(process_group), get_world_size(process_group)
     num_classes = read_manifest(data_dir).num_classes
     with eval_mode(backbone):
         dim = embed_images(backbone, np.zeros((1, 3, 112, 112), np.uint8), 1, device).shape[1]
         sums = torch.zeros(num_classes, dim, device=device)
         counts = torch.zeros(num_classes, device=device)
-        for _, labels, images in labelled_batches(data_dir, batch_size, rank, world):
+        probes, probe_labels = [np.zeros((0, dim), np.float32)], [np.zeros(0, np.int64)]
+        for keys, labels, images in labelled_batches(data_dir, batch_size, rank, world):
             idx = torch.from_numpy(labels).to(device)
-            sums.index_add_(0, idx, embed_images(backbone, images, batch_size, device))
+            emb = embed_images(backbone, images, batch_size, device)
+            sums.index_add_(0, idx, emb)
             counts.index_add_(0, idx, torch.ones(len(idx), device=device))
+            chosen = [i for i, (k, c) in enumerate(zip(keys, labels, strict=True))
+                      if null is not None and null.takes(k, int(c))]
+            if chosen:
+                probes.append(emb[chosen].cpu().numpy())
+                probe_labels.append(labels[chosen])
     sums, counts = all_reduce(sums, process_group), all_reduce(counts, process_group)
-    return nn.functional.normalize(sums, dim=1), counts
+    return TrainingCentres(nn.functional.normalize(sums, dim=1).cpu().numpy(),
+                           counts.cpu().numpy(), np.concatenate(probes),
+                           np.concatenate(probe_labels))
+
+
+def null_cosines(trained: TrainingCentres, device: torch.device | str,
+                 process_group=None) -> np.ndarray:
+    """Every rank's null probes searched against the other identities' centres
+    (``best_other_centre``), gathered: ``[n]`` float64, sorted, the same on every rank."""
+    mine = best_other_centre(trained.null_probes, trained.null_labels, trained.centres)
+    every = all_gather(torch.from_numpy(mine.astype(np.float64)).to(device), process_group)
+    return np.sort(every.cpu().numpy())
 
 
 @torch.no_grad()
-def set_overlap(images: EvalImages, backbone: nn.Module, centres: torch.Tensor,
+def set_overlap(images: EvalImages, backbone: nn.Module, centres: np.ndarray,
                 threshold: float, batch_size: int, device: torch.device | str,
                 process_group=None) -> SetOverlap:
-    """Match one evaluation set against ``centres``; each rank embeds its share of the set
-    (``images.share``). Each shared identity's match is the image of highest cosine (the
-    lowest index among equal ones, so P ranks and one process agree). Collective over
-    ``process_group``; every rank returns the same value."""
+    """Search one evaluation set against ``centres`` ``[C, D]``: each rank embeds its share
+    (``images.share``) in blocks of :data:`SEARCH_BLOCK` and finds each image's nearest
+    centre. An image within ``threshold`` lists its nearest identity; each listed identity's
+    match is its image of highest cosine (the lowest index among equal ones). Collective
+    over ``process_group``; every rank returns the same value."""
     rank, world = get_rank(process_group), get_world_size(process_group)
-    best = torch.full((len(centres),), -torch.inf, device=device)
-    best_image = torch.full((len(centres),), len(images.names), device=device)
-    matched = torch.zeros(1, device=device)
+    best = torch.full((len(images.names),), -torch.inf, dtype=torch.float64, device=device)
+    nearest = torch.full((len(images.names),), -1, dtype=torch.int64, device=device)
     with eval_mode(backbone):
-        for indices, batch in images.share(rank, world, batch_size):
-            sims = embed_images(backbone, batch, batch_size, device) @ centres.T  # [B, C]
-            matched += (sims >= threshold).any(1).sum()
-            top, row = sims.max(0)  # the first of equal maxima: the lowest index
-            better = top > best
-            best = torch.where(better, top, best)
-            best_image = torch.where(better, torch.tensor(indices, device=device)[row],
-                                     best_image)
-    top = all_reduce_max(best, process_group)
-    mine = torch.where(best == top, best_image, len(images.names))
-    first = -all_reduce_max(-mine, process_group)
-    matched = all_reduce(matched, process_group)
-    top, first = top.cpu(), first.cpu()  # read once, not a device sync per shared class
-    labels = torch.nonzero(top >= threshold).flatten().tolist()
-    return SetOverlap(images.name, len(images.names), int(matched.item()),
-                      tuple(Match(c, float(top[c]), int(first[c])) for c in labels))
+        for indices, batch in images.share(rank, world, max(batch_size, SEARCH_BLOCK)):
+            emb = embed_images(backbone, batch, batch_size, device).cpu().numpy()
+            scores, labels = centre_search(emb, centres)
+            at = torch.tensor(indices, device=device)
+            best[at] = torch.from_numpy(scores[:, 0].astype(np.float64)).to(device)
+            nearest[at] = torch.from_numpy(labels[:, 0]).to(device)
+    best = all_reduce_max(best, process_group).cpu().numpy()  # each image is one rank's
+    nearest = all_reduce_max(nearest, process_group).cpu().numpy()
+    listed = np.flatnonzero(best >= threshold)
+    order = listed[np.lexsort((listed, -best[listed], nearest[listed]))]  # label, best first
+    firsts = order[np.r_[True, nearest[order][1:] != nearest[order][:-1]]] if len(order) else []
+    return SetOverlap(images.name, len(images.names), len(listed),
+                      tuple(Match(int(nearest[i]), float(best[i]), int(i)) for i in firsts),
+                      np.where(np.isfinite(best), best, np.nan))
 
 
 @torch.no_grad()
@@ -190,30 +227,6 @@ def _query_embeddings(backbone: nn.Module, queries: list[tuple[int, EvalImages, 
             emb = embed_images(backbone, batch, batch_size, device)
             rows.update({(images.name, i): e for i, e in zip(found, emb, strict=True)})
     return torch.stack([rows[(images.name, image)] for _, images, image in queries])
-
-
-@torch.no_grad()
-def impostor_cosines(backbone: nn.Module, encoded: list[bytes], issame: list[bool],
-                     batch_size: int, device: torch.device | str) -> np.ndarray:
-    """The cosines of a ``.bin``'s impostor pairs (images ``2i``, ``2i + 1`` where
-    ``issame[i]`` is False) under ``backbone``; a pair with an undecodable image is left out.
-    Every rank computes them all (a .bin is a few thousand pairs)."""
-    wanted = [i for i, same in enumerate(issame) if not same]
-    blobs = ((2 * i + k, encoded[2 * i + k]) for i in wanted for k in (0, 1))
-    emb: dict[int, torch.Tensor] = {}
-    with eval_mode(backbone):
-        for tags, images in batched(decoded(blobs, resolve_decoder("auto")), batch_size):
-            emb.update(zip(tags, embed_images(backbone, images, batch_size, device).cpu(),
-                           strict=True))
-    return np.array([float(emb[2 * i] @ emb[2 * i + 1]) for i in wanted
-                     if 2 * i in emb and 2 * i + 1 in emb])
-
-
-def calibrated_threshold(cosines: np.ndarray, fmr: float) -> float:
-    """The smallest cosine that at most a share ``fmr`` of the impostor ``cosines`` reach
-    (their ``1 - fmr`` quantile, taken upward): at it, an image and a centre of different
-    identities are listed about as often as two impostor images would match."""
-    return float(np.quantile(cosines, 1.0 - fmr, method="higher"))
 
 
 def overlap_rows(sets: list[EvalImages], results: list[SetOverlap],

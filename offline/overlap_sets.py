@@ -4,8 +4,9 @@ verification ``.bin`` files (LFW, CFP-FP, AgeDB, ...), RFW per group as a ``.bin
 released folder of images and pair lists (RFW is drawn from MS-Celeb-1M, so it shares
 identities with MS1M training sets), IJB-B/C's ``IJB_release`` folder (faces aligned from their
 landmarks) and TinyFace's ``Testing_Set`` (probes, matched gallery and distractors, stretched
-to 112x112 as evaluation does). Sets of pairs (:class:`PairSet`) also give their impostor pairs,
-on which the overlap's threshold is calibrated.
+to 112x112 as evaluation does). Of a set of pairs only its distinct images are searched: the
+threshold is calibrated on the training folder (``offline.overlap_search``), not on a set's
+impostor pairs.
 
 An image's name says where to find it: ``lfw.bin[123]`` (its first position among the .bin's
 images), ``data/African/m.0abc/m.0abc_0001.jpg`` (RFW's folder), ``loose_crop/1234.jpg``
@@ -69,36 +70,24 @@ def bin_images(name: str, path: str | Path, encoded: list[bytes]) -> EvalImages:
                       _encoded_loader(list(first).__getitem__))
 
 
-@dataclass(frozen=True)
-class PairSet:
-    """A verification set: its distinct images, and its 2P encoded images in pair order with
-    each pair's label (``issame``), as ``read_bin`` gives them."""
-
-    images: EvalImages
-    encoded: list[bytes]
-    issame: list[bool]
-
-
-def bin_pairs(name: str, path: Path) -> PairSet:
-    """A verification ``.bin`` (LFW, CFP-FP, ..., one RFW group)."""
+def bin_set(name: str, path: Path) -> EvalImages:
+    """A verification ``.bin``'s distinct images (LFW, CFP-FP, ..., one RFW group)."""
     from data_pipeline.verification_bin import read_bin
 
-    encoded, issame = read_bin(path)
-    return PairSet(bin_images(name, path, encoded), encoded, issame)
+    return bin_images(name, path, read_bin(path)[0])
 
 
-def rfw_folder_pairs(root: Path, group: str) -> PairSet:
+def rfw_folder_images(root: Path, group: str) -> EvalImages:
     """One RFW group from the released folder (``data_pipeline.rfw``: ``root`` holds
     ``txts/`` and ``data/``), its images named by their path under ``root``."""
     from data_pipeline.rfw import read_rfw_pairs
 
     pairs = read_rfw_pairs(root, group)
-    in_order = [path for pair in zip(pairs.first, pairs.second, strict=True) for path in pair]
-    distinct = list(dict.fromkeys(in_order))
+    distinct = list(dict.fromkeys(p for pair in zip(pairs.first, pairs.second, strict=True)
+                                  for p in pair))
     blobs = {path: read_image_file(path, "RFW") for path in distinct}
-    images = EvalImages(f"RFW/{group}", tuple(p.relative_to(root).as_posix() for p in distinct),
-                        _encoded_loader(lambda i: blobs[distinct[i]]))
-    return PairSet(images, [blobs[path] for path in in_order], pairs.issame)
+    return EvalImages(f"RFW/{group}", tuple(p.relative_to(root).as_posix() for p in distinct),
+                      _encoded_loader(lambda i: blobs[distinct[i]]))
 
 
 def ijb_images(root: str | Path, target: str) -> EvalImages:

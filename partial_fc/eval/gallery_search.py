@@ -38,27 +38,38 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 
 class FlatTopK:
-    """Exact: each chunk searched in full, merged into the running top ``k``."""
+    """Exact: each chunk searched in full, merged into the running top ``k``; ``ids()`` are
+    the rows' positions in the order added (``-1`` for padding)."""
 
     def __init__(self, probes: np.ndarray, k: int):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.probes, self.k = _rows(probes), k
         self._best = np.full((len(self.probes), k), -np.inf, np.float32)
+        self._ids = np.full((len(self.probes), k), -1, np.int64)
+        self._added = 0
 
     def add(self, chunk: np.ndarray) -> None:
-        """Search ``[n, D]`` rows (n may be 0) and keep the ``k`` best per probe."""
+        """Search ``[n, D]`` rows (n may be 0) and keep the ``k`` best per probe (of equal
+        scores, the row added first)."""
         import faiss  # lazy: the head alone does not need it
 
-        if len(chunk) == 0 or len(self.probes) == 0:
-            return
-        found, _ = faiss.knn(self.probes, _rows(chunk), min(self.k, len(chunk)),
-                             metric=faiss.METRIC_INNER_PRODUCT)
-        both = np.concatenate([self._best, found], axis=1)
-        self._best = -np.sort(-both, axis=1)[:, :self.k]
+        if len(chunk) and len(self.probes):
+            found, ids = faiss.knn(self.probes, _rows(chunk), min(self.k, len(chunk)),
+                                   metric=faiss.METRIC_INNER_PRODUCT)
+            both = np.concatenate([self._best, found], axis=1)
+            order = np.argsort(-both, axis=1, kind="stable")[:, :self.k]
+            self._best = np.take_along_axis(both, order, axis=1)
+            self._ids = np.take_along_axis(np.concatenate([self._ids, ids + self._added], axis=1),
+                                           order, axis=1)
+        self._added += len(chunk)
 
     def scores(self) -> np.ndarray:
         return self._best.copy()
+
+    def ids(self) -> np.ndarray:
+        """``[P, k]`` int64: the position of each of :meth:`scores`' rows."""
+        return self._ids.copy()
 
 
 class IvfTopK:
