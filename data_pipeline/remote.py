@@ -22,10 +22,13 @@ streamed body would be a call per client. Transient failures (a reset or cut con
 is retried at once and costs nothing of the budget; a try that brought nothing is one of
 :attr:`Retry.attempts`, halves the piece (down to :data:`MIN_PIECE`: a link that kills every
 transfer after N bytes still passes pieces shorter than that) and is followed by an
-exponential backoff. Every retry is counted (:attr:`RemoteFolder.stats`); a try that brought
-nothing is also logged as one line on stderr (a cut after progress is not: a link that cuts
-every connection would print one a piece). Permanent failures (403, 404, a missing bucket,
-missing credentials) raise :class:`StorageError` at once: one line naming the URL and the fix.
+exponential backoff. The folder keeps the halved piece for its next reads in this process
+(they start from the piece that passed, not from the one a link cuts) and doubles it back, up
+to :attr:`Retry.piece_bytes`, after each read that passed a whole piece and met no failure.
+Every retry is counted (:attr:`RemoteFolder.stats`); a try that brought nothing is also logged
+as one line on stderr (a cut after progress is not: a link that cuts every connection would
+print one a piece). Permanent failures (403, 404, a missing bucket, missing credentials) raise
+:class:`StorageError` at once: one line naming the URL and the fix.
 """
 
 from __future__ import annotations
@@ -146,6 +149,7 @@ class RemoteFolder:
     def __init__(self, url: str, retry: Retry):
         self.url, self.retry, self.stats = url, retry, FetchStats()
         self.shown = scrub(url)
+        self.piece = retry.piece_bytes  # what the next read asks for at a time (bytes)
         self._fs, self._pid, self.path = None, None, ""
 
     def __getstate__(self) -> dict:
@@ -178,7 +182,8 @@ class RemoteFolder:
         failure, a server that ignores ranges, or :attr:`Retry.attempts` tries in a row that
         brought nothing."""
         url, parts, at = self.url_of(name), [], start
-        piece, failures, delay = self.retry.piece_bytes, 0, self.retry.first_delay_s
+        piece, failures, delay = self.piece, 0, self.retry.first_delay_s
+        clean = True  # no failure in this read
         progressed = False  # a piece came since the last failure
         while end is None or at < end:
             stop = at + piece if end is None else min(at + piece, end)
@@ -208,6 +213,7 @@ class RemoteFolder:
                 if end is None:  # nothing past ``at``: the file ends there
                     break
                 problem = "empty body"
+            clean = False
             if progressed:  # the link works: ask for the rest at once
                 progressed = False
                 self.stats.retries += 1
@@ -217,7 +223,7 @@ class RemoteFolder:
                 raise StorageError(f"{scrub(url)}: bytes {start}-{end if end else 'end'}: "
                                    f"{failures} tries in a row brought nothing ({problem}); "
                                    "check the network and the server, then resume the run")
-            piece = max(piece // 2, MIN_PIECE)
+            piece = self.piece = max(piece // 2, MIN_PIECE)
             halved = f", pieces of {piece >> 10} KiB" if end is None or piece < end - at else ""
             print(f"data: {scrub(url)} bytes {at}-{end if end else 'end'}: {problem}; retry "
                   f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s{halved}",
@@ -226,6 +232,8 @@ class RemoteFolder:
             self.stats.retry_s += delay
             time.sleep(delay)
             delay = min(2 * delay, self.retry.max_delay_s)
+        if clean and at - start >= piece:  # a whole piece passed: try twice as much next
+            self.piece = min(2 * piece, self.retry.piece_bytes)
         return b"".join(parts)
 
     def _get(self, url: str, start: int, end: int | None) -> bytes:

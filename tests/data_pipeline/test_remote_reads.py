@@ -58,8 +58,24 @@ def test_a_range_longer_than_every_connection_arrives_whole_losing_only_pieces(s
         stats = folder.stats
         assert stats.retries == proxy.cuts >= 8 and stats.bytes == SIZE - 2000
         assert stats.requests == len(asked) - stats.retries
+        # the folder keeps the piece that passed: its next read starts from it
+        assert folder.piece == 32 << 10 and folder.read("blob", 0, 100_000) == blob[:100_000]
+        assert _pieces(served)[len(asked)] == (0, 32 << 10)
     finally:
         proxy.close()
+
+
+def test_a_read_that_met_no_failure_doubles_the_piece_back(server):
+    served, blob = server
+    folder = RemoteFolder(served.url, Retry(piece_bytes=128 << 10, **QUICK))
+    folder.piece = 32 << 10  # as a link that cut left it
+    pieces = []
+    for _ in range(3):
+        assert folder.read("blob", 0, 200_000) == blob[:200_000]
+        pieces.append(folder.piece)
+    assert pieces == [64 << 10, 128 << 10, 128 << 10]
+    folder.read("blob", 0, 1000)  # too short to show a whole piece passes: no change
+    assert folder.piece == 128 << 10
 
 
 def test_a_whole_file_longer_than_a_piece_is_read_to_its_size(server):
