@@ -282,7 +282,7 @@ def loop(run: Run) -> str | None:
     run.log.start(run.step)
     while run.step < run.total:
         run.loader.set_epoch(run.epoch)  # the same epoch again keeps a resumed position
-        for passes in _groups(run.loader, run.accum):
+        for passes in run.engine.prefetch(_groups(run.loader, run.accum)):
             watched_stops(run)
             stop = one_step(run, passes)
             if stop.reason and not stop.reason.saves:  # no checkpoint: the last one stays

@@ -348,3 +348,71 @@ def test_stored_teacher_embeddings_reach_the_device_without_waiting(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "to", to)
     out = Distillation.teacher(SimpleNamespace(), torch.zeros(2, 3), torch.ones(2, 4).half())
     assert out.dtype == torch.float32 and seen == [True]
+
+
+def test_prefetch_copies_on_a_side_stream_that_the_step_waits_for(monkeypatch):
+    """``engine.prefetch`` on CUDA (streams, the copy and ``record_stream`` faked, in one
+    log): each group is taken from the loader only once the previous step is handed back
+    (so the loader's position in a checkpoint stays the steps'), its tensors are copied
+    ``non_blocking`` under the side stream, the step's stream then waits for the side stream,
+    and every copy is recorded on the step's stream before the step gets it; a sample key
+    passes as it was. ``tests/trainer/test_device_plumbing.py`` runs the real streams."""
+    import contextlib
+
+    from trainer.engine.prefetch import Prefetch
+
+    log, made = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    step_stream, active = Stream("step"), []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or
+                        Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: active[-1] if active else step_stream)
+
+    @contextlib.contextmanager
+    def stream(s):
+        active.append(s)
+        yield
+        active.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and args[0] == CUDA0:
+            log.append(("copy", active[-1].name if active else "step", kwargs["non_blocking"]))
+            return self.clone()
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record",
+                                                                                 s.name)))
+    groups = [[(torch.full((2, 3), float(i)), torch.tensor([i, i])),
+               (torch.zeros(1), torch.ones(1), "key")] for i in range(2)]
+
+    def loader():
+        for group in groups:
+            log.append(("fetch",))
+            yield group
+
+    for group, want in zip(Prefetch(CUDA0, enabled=True)(loader()), groups, strict=True):
+        log.append(("step",))
+        assert all(torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+                   for got, sent in zip(group, want, strict=True)
+                   for a, b in zip(got, sent, strict=True))
+    copies = [("copy", "side", True)] * 4
+    records = [("record", "step")] * 4
+    assert log == 2 * [("fetch",), *copies, ("wait", "step", "side"), *records, ("step",)]
+    assert made == [CUDA0]
+    log.clear()
+    for enabled, device in ((False, CUDA0), (True, torch.device("cpu"))):  # no stream, no copy
+        passed = list(Prefetch(device, enabled)(iter(groups)))
+        assert all(a is b for a, b in zip(passed, groups, strict=True))
+    assert made == [CUDA0] and log == []

@@ -92,3 +92,34 @@ def test_channels_last_step_equals_nchw_step_on_cuda():
         dist.destroy_process_group()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul
         torch.backends.cudnn.benchmark = benchmark
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefetched_steps_equal_steps_copied_on_their_own_stream_on_cuda():
+    """``engine.prefetch`` on a GPU: three steps on pinned batches copied on the side stream
+    (``trainer.engine.prefetch``) equal three steps copied by the step itself; a copy the
+    step read before it landed, or memory handed back too early, would differ by far more
+    than the convolutions' summation order."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = {}
+        for prefetch in (True, False):
+            engine = build_engine(make_config("train.batch_size=8", "engine.cudnn_benchmark=false",
+                                              f"engine.prefetch={prefetch}"), device="cuda:0")
+            groups = [[tuple(t.pin_memory() for t in local_micro_batches(i, 8, 0, 1, 1)[0])]
+                      for i in range(3)]
+            losses = [engine.step(i, group).loss
+                      for i, group in enumerate(engine.prefetch(iter(groups)))]
+            out[prefetch] = losses, snapshot(engine)
+        (got, snap), (want, ref) = out[True], out[False]
+        assert got == pytest.approx(want, rel=1e-5)
+        assert torch.allclose(snap["rows"], ref["rows"], rtol=1e-4, atol=1e-6)
+        for name, value in ref["backbone"].items():
+            assert torch.allclose(snap["backbone"][name], value, rtol=1e-4, atol=1e-6), name
+    finally:
+        dist.destroy_process_group()

@@ -47,6 +47,7 @@ from trainer.dist import DistEnv
 from trainer.engine.backend import BackboneBackend, Verdict
 from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
+from trainer.engine.prefetch import Prefetch
 from trainer.engine.snapshot import Snapshot
 from trainer.engine.state import EngineState, Rows
 from trainer.stopping import NO_STOP, StopRequest, StopRequests
@@ -153,6 +154,8 @@ class Engine:
     group is up. ``head`` is a ``partial_fc.PartialFC`` on that same group (its
     ``process_group``); ``backbone`` is the bare module (kept as ``self.backbone`` for
     evaluation and checkpoints), run by ``self.backend`` (``engine.type``: :data:`BACKENDS`).
+    ``self.prefetch`` wraps the loop's batches: their copy to the GPU queued as they come
+    (``trainer.engine.prefetch``).
     """
 
     def __init__(
@@ -179,6 +182,9 @@ class Engine:
         self.optimizer = make_optimizer(cfg.optim, self.backbone)
         self.lr_factor = lr_factor(cfg.schedule, warmup_steps, total_steps)
         trained = self._compiled() if cfg.engine.compile else self.backbone
+        # Not with stored teacher embeddings: their lookup reads the flip bits on the host.
+        stored = distillation is not None and distillation.offline is not None
+        self.prefetch = Prefetch(self.device, cfg.engine.prefetch and not stored)
         self.backend = BACKENDS[cfg.engine.type](cfg, trained, self.backbone, self.optimizer, env)
         self.set_lr(0)
 
