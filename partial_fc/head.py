@@ -48,7 +48,6 @@ from partial_fc.sampling import StepSample, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.step_terms import finish, step_terms
 from partial_fc.subcenters import DominantShare, expand_rows
-from partial_fc.tiles import ReferenceTiles
 from partial_fc.tiles.reference import chunk_columns
 from partial_fc.tiles.selfcheck import CheckedTiles
 
@@ -147,10 +146,6 @@ class PartialFC(nn.Module):
         init_rows_(weight.view(self.num_local, k * embedding_size), first, seed)
         self.weight = nn.Parameter(weight)  # bf16: the fp32 draws rounded to nearest
         self.tiles = CheckedTiles(kernel, self.max_tile_bytes, k)  # the back-end per device
-        reason = margin.torch_path_reason()
-        if reason is not None and kernel != "torch":
-            self.tiles.notes.append(f"head: {reason}, which the Triton kernels do not apply: "
-                                    f"the class tiles take the torch path (head.kernel=torch)")
         self._dominant = DominantShare(self.num_local, k, weight.device) if k > 1 else None
         self.margin = margin
         self.aux_losses = aux_losses or AuxLosses()
@@ -171,8 +166,7 @@ class PartialFC(nn.Module):
 
     def take_notes(self) -> list[str]:
         """One line for each choice of the head's a user should see (the torch path for
-        sub-centers or a margin's non-target transform, a failed kernel check), each once;
-        the trainer logs them."""
+        sub-centers, a failed kernel check), each once; the trainer logs them."""
         return self.tiles.take_notes()
 
     def extra_repr(self) -> str:
@@ -340,11 +334,8 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(self.weight.dtype)
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
-            # a margin's non-target transform runs on the torch tiles only (take_notes)
-            tiles = (ReferenceTiles(self.max_tile_bytes, self.subcenters)
-                     if self.margin.torch_path_reason() is not None
-                     else self.tiles.for_device(e.device))
-            return Shard(e_op, w, index, inv, targets, tiles, self.subcenters)
+            return Shard(e_op, w, index, inv, targets, self.tiles.for_device(e.device),
+                         self.subcenters)
 
     def _gather(self, x: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor | None]:
         """The global batch's normalised embeddings ``[N, D]`` and, when the margin reads

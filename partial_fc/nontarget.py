@@ -1,9 +1,9 @@
 """Transforms of the non-target cosines: ``z_ik = s * f_i(cos_ik)`` for ``k != y_i``.
 
 Most margins touch the target logit only; three features change the others too, so the class
-tiles must apply them column by column (``partial_fc.tiles.reference``; the Triton kernels
-apply AdaFace's clamp only, and the head says at start-up when a margin takes the torch path
-for one of the others):
+tiles apply them column by column (``partial_fc.tiles.reference`` with :meth:`NonTarget.apply`;
+the Triton kernels of ``partial_fc.tiles.triton`` with the same operations, each part a
+constexpr):
 
 - CurricularFace's hard-negative modulation (arXiv:2004.00288 Eq. 6-7):
   ``f_i(c) = c (t + c)`` where ``c > cos(theta_{y_i} + m)`` (a *hard* negative of row ``i``),

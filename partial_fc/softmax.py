@@ -54,8 +54,8 @@ class Shard:
     ``index``, or all of them when ``index`` is None), ``inv_norm`` ``[S]``, ``targets``
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
-    back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity; the
-    Triton back-end takes AdaFace's clamp only, ``partial_fc.tiles.reference`` every one).
+    back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity;
+    ``partial_fc.nontarget``, which both back-ends apply).
     With ``subcenters = K > 1`` ``w`` holds ``K`` rows per class (``partial_fc.subcenters``):
     ``cos_t`` is the largest of the target's ``K`` and ``nearest`` ``[N]`` which centre gave
     it. Every row is computed and the

@@ -52,6 +52,7 @@ OPERANDS = {
 DEFAULT_OPERANDS = ("bf16 e, fp32 w", "bf16 e, bf16 w")  # what a bf16 run launches
 TL_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 SIZES = {"N", "S", "D", "M", "NC", "K"}  # the other upper-case arguments are pointers
+FLOATS = {"tau"}  # the lower-case arguments that are fp32 scalars, not integers
 
 
 @dataclass(frozen=True)
@@ -100,30 +101,43 @@ class Launch:
     class_sized: tuple[str, ...]  # integer arguments that count classes
 
 
+def transforms() -> dict[str, dict]:
+    """The non-target transforms a head can hand the kernels (``partial_fc.nontarget``), by
+    the suffix of their launches' names, as ``nontarget_constexprs`` gives their constexprs:
+    none, AdaFace's clamp, the inter-class filter (on any margin, so also with the clamp),
+    CurricularFace's modulation (with or without the filter)."""
+    from partial_fc.margins.adaface import EPS
+    from partial_fc.nontarget import NonTarget
+    from partial_fc.tiles import triton as tm
+
+    hard = dict(hard_above=torch.zeros(1), t=torch.zeros(()))
+    steps = {"": None, ", clamped": NonTarget(clamp=EPS), ", filtered": NonTarget(tau=0.4),
+             ", clamped, filtered": NonTarget(clamp=EPS, tau=0.4),
+             ", curricular": NonTarget(**hard),
+             ", curricular, filtered": NonTarget(tau=0.4, **hard)}
+    return {suffix: tm.nontarget_constexprs(step) for suffix, step in steps.items()}
+
+
 def launches(operands: str) -> dict[str, Launch]:
     """The launches of ``class_tile_stats`` and ``class_tile_grads`` on CUDA for this operand
     combination, with the constexprs they pass: the two GEMMs, and the stats and ``G'``
-    kernels both plain and with AdaFace's non-target clamp (``CLAMP``, its ``eps``)."""
-    from partial_fc.margins.adaface import EPS
-    from partial_fc.nontarget import NonTarget
+    kernels with each non-target transform (:func:`transforms`)."""
     from partial_fc.tiles import triton as tm
 
     e_dtype, w_dtype, exact = OPERANDS[operands]
     op, consts = tm.operand_constexprs(e_dtype, w_dtype, widen=False, fp32_exact=exact)
     t = tm.cuda_tiles(sms=132)
     e, w, g = TL_NAMES[e_dtype], TL_NAMES[w_dtype], TL_NAMES[op]
-    cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, CLAMP=0.0, **consts)
-    clamped = dict(cos, CLAMP=tm.clamp_constexpr(NonTarget(clamp=EPS)))
+    cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **consts)
     gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **consts)
-    return {  # grad_e: part = G' W_chunk; grad_w: G'^T E - inv^2 r w, rounded to w's dtype
-        "stats": Launch(tm._stats_kernel, cos, dict(E=e, W=w, TGT="i64"), ("N",),
-                        ("S", "tiles_per_split")),
-        "stats, clamped": Launch(tm._stats_kernel, clamped, dict(E=e, W=w, TGT="i64"),
-                                 ("N",), ("S", "tiles_per_split")),
-        "dcos": Launch(tm._dcos_kernel, cos, dict(E=e, W=w, TGT="i64", G_OUT=g), ("N",),
-                       ("width",)),
-        "dcos, clamped": Launch(tm._dcos_kernel, clamped, dict(E=e, W=w, TGT="i64", G_OUT=g),
-                                ("N",), ("width",)),
+    out = {}
+    for suffix, transform in transforms().items():
+        out["stats" + suffix] = Launch(tm._stats_kernel, dict(cos, **transform),
+                                       dict(E=e, W=w, TGT="i64"), ("N",),
+                                       ("S", "tiles_per_split"))
+        out["dcos" + suffix] = Launch(tm._dcos_kernel, dict(cos, **transform),
+                                      dict(E=e, W=w, TGT="i64", G_OUT=g), ("N",), ("width",))
+    return out | {  # grad_e: part = G' W_chunk; grad_w: G'^T E - inv^2 r w, rounded to w's dtype
         "gemm grad_e": Launch(tm._gemm_kernel, dict(gemm, PROJECT=False, ROUND_OUT=False,
                                                      stride_ak=1, stride_bn=1),
                               dict(A=g, B=w, W=w), ("M",), ("K", "k_per_split")),
@@ -156,6 +170,9 @@ def compile_one(launch: Launch, arch: int, aligned: bool, num_warps: int,
             signature[name] = "constexpr"
             continue
         pointer = name.isupper() and name not in SIZES
+        if name in FLOATS:
+            signature[name] = "fp32"
+            continue
         signature[name] = "*" + launch.pointers.get(name, "fp32") if pointer else "i32"
         if name not in unhinted:
             attrs[(i,)] = [["tt.divisibility", 16]]

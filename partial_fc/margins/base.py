@@ -111,10 +111,3 @@ class Margin(nn.Module):
             nontarget = NonTarget(tau=self.interclass_filter) if nontarget is None else \
                 dataclasses.replace(nontarget, tau=self.interclass_filter)
         return dataclasses.replace(out, psi=psi, nontarget=nontarget)
-
-    def torch_path_reason(self) -> str | None:
-        """Why this margin needs the class tiles' torch path (a non-target transform the
-        Triton kernels do not apply: anything but AdaFace's clamp), or None."""
-        if self.interclass_filter is not None:
-            return "margin.interclass_filter zeroes non-target cosines above it"
-        return None

@@ -57,9 +57,6 @@ class CurricularFaceMargin(CombinedMargin):
         return MarginStep(psi=lambda cos, _aux: self.psi(cos, batch.step), nontarget=nontarget,
                           stats={names.CURRICULAR_T: self.t.clone()})
 
-    def torch_path_reason(self) -> str | None:
-        return "CurricularFace modulates the hard non-target cosines on every shard"
-
     def extra_repr(self) -> str:
         return f"m={self.m2}, ema={self.ema}, warmup_steps={self.warmup_steps}"
 

@@ -9,10 +9,9 @@ So every statistic a margin computes from them (AdaFace's norm moments, Curricul
 ``t``, ElasticFace+'s ranking, MagFace's regulariser) is one of the *global* batch, equal on
 every rank. The margin answers with a :class:`MarginStep`: its target transform ``psi``
 (applied to the ``N`` target cosines outside the class tiles, so the Triton kernels run it),
-an optional non-target transform (``partial_fc.nontarget``: of these the Triton kernels run
-AdaFace's clamp, the others take the tiles' torch path), an
-optional loss term and its statistics. EMA state lives in the margin's buffers, so the
-head's ``state_dict`` carries it.
+an optional non-target transform (``partial_fc.nontarget``, which every tile back-end
+applies column by column), an optional loss term and its statistics. EMA state lives in the
+margin's buffers, so the head's ``state_dict`` carries it.
 """
 
 from __future__ import annotations

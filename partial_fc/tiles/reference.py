@@ -78,8 +78,9 @@ class ReferenceTiles:
                          ) -> tuple[Tensor, Tensor, Tensor]:
         """Over the non-target columns of each row: ``row_max = max_k s f(cos_ik)`` (``-inf`` if
         none), ``row_sum = sum_k exp(s f(cos_ik) - row_max_i)`` and ``cos_sum = sum_k cos_ik``,
-        ``[N]`` fp32, with ``f`` the identity or ``nontarget`` (``partial_fc.nontarget``; the
-        Triton back-end applies its clamp only). ``s`` is a float or a 0-d tensor."""
+        ``[N]`` fp32, with ``f`` the identity or ``nontarget`` (``partial_fc.nontarget``),
+        whose ``hard_rows``, when given, gets each row's hard negatives added. ``s`` is a
+        float or a 0-d tensor."""
         with torch.no_grad(), torch.autocast(e.device.type, enabled=False):  # fp32 products
             return _stats(e, w, inv_norm, target_col, s, self._chunk(e), self.subcenters,
                           nontarget)

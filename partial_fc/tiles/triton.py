@@ -18,10 +18,12 @@ tiny PyTorch reduction combines (deterministic, no atomics). Backward, per chunk
 ``r_k = sum_i dL/dcos_ik cos_ik``; ``_gemm_kernel`` then adds ``G' W_chunk`` to ``grad_e``
 (split-K, per-split partials summed in PyTorch) and writes ``grad_w = G'^T E - inv^2 r w``, the
 chain rule through ``1 / ||w||`` (``r_k = w_hat_k . g_k``) applied in its epilogue.
-Of the non-target transforms (``partial_fc.nontarget``) the kernels apply AdaFace's clamp
-(``CLAMP``, a constexpr: ``s f(cos)`` with ``f = clamp(cos, -1 + CLAMP, 1 - CLAMP)`` in the
-softmax, ``f' = 0`` outside the band, the cosine sum and ``r_k`` of the raw cosines, as the
-reference); the others need the reference.
+The non-target transforms (``partial_fc.nontarget``) are applied in the tiles as the
+reference applies them (:func:`_nontarget`; one constexpr each, ``nontarget_constexprs``):
+AdaFace's clamp (``CLAMP``), the inter-class filter (``FILTER``, ``tau`` a runtime scalar) and
+CurricularFace's hard-negative modulation (``HARD``: per-row thresholds and ``t`` read from
+the device, the forward also counting each row's hard negatives), ``s f(cos)`` in the softmax
+and ``f'(cos)`` in ``dL/dcos``; the cosine sum and ``r_k`` stay those of the raw cosines.
 
 Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and ``w.dtype``
 (bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots
@@ -57,7 +59,7 @@ except ImportError as err:  # triton ships with CUDA builds of torch, not with C
         "class-tile path of partial_fc.tiles.reference"
     ) from err
 
-__all__ = ["Tiles", "clamp_constexpr", "class_tile_grads", "class_tile_stats", "cuda_tiles",
+__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "nontarget_constexprs",
            "operand_constexprs"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -97,45 +99,75 @@ def _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
 
 
 @triton.jit
-def _clamped(cos, CLAMP: tl.constexpr):
-    """AdaFace's ``clamp(cos, -1 + CLAMP, 1 - CLAMP)`` of the non-target cosines (its authors'
-    ``head.py``; ``partial_fc.nontarget``), or ``cos`` itself when ``CLAMP`` is 0."""
+def _nontarget(cos, hard_above, t, tau, CLAMP: tl.constexpr, FILTER: tl.constexpr,
+               HARD: tl.constexpr):
+    """``(f(cos), f'(cos), hard)`` of the step's non-target transform, in the order of
+    ``partial_fc.nontarget``: AdaFace's clamp to ``[-1 + CLAMP, 1 - CLAMP]`` (``CLAMP > 0``;
+    slope 0 past the band, 1 inside it, bounds included), then the inter-class filter
+    (``FILTER``: ``f = 0``, ``f' = 0`` where the raw ``cos > tau``), then CurricularFace's
+    modulation (``HARD``: ``f = c (t + c)``, ``f' = f'_c (t + 2 c)`` where the transformed
+    ``c > hard_above`` ``[BLOCK_N]``, the row's ``cos(theta_y + m)``; ``t`` and the threshold
+    are constants of the step, as the reference). ``hard``: the bool mask of those hard
+    negatives (all False without ``HARD``). Each constexpr off compiles its part away; the
+    plain slope is the constant 1."""
+    out = cos
+    slope = 1.0
     if CLAMP > 0:
-        return tl.minimum(tl.maximum(cos, -1.0 + CLAMP), 1.0 - CLAMP)
-    else:
-        return cos
+        out = tl.minimum(tl.maximum(cos, -1.0 + CLAMP), 1.0 - CLAMP)
+        slope = tl.where((cos >= -1.0 + CLAMP) & (cos <= 1.0 - CLAMP), 1.0, 0.0)
+    if FILTER:
+        dirty = cos > tau
+        out = tl.where(dirty, 0.0, out)
+        slope = tl.where(dirty, 0.0, slope)
+    hard = cos != cos
+    if HARD:
+        hard = out > hard_above[:, None]
+        slope = tl.where(hard, slope * (t + 2.0 * out), slope)
+        out = tl.where(hard, out * (t + out), out)
+    return out, slope, hard
 
 
 @triton.jit
-def _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, CLAMP: tl.constexpr):
+def _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, hard_above, t, tau,
+               CLAMP: tl.constexpr, FILTER: tl.constexpr, HARD: tl.constexpr):
     """``dL/dcos`` of a tile: ``coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)`` off target (``f``:
-    :func:`_clamped`, whose slope is 0 past the band and 1 inside it, bounds included, where
-    ``f(cos) = cos``), ``tgrad_i`` on it, 0 on masked columns (masked rows carry
+    :func:`_nontarget`), ``tgrad_i`` on it, 0 on masked columns (masked rows carry
     ``coef = tgrad = 0``, ``tgt = -1``)."""
-    p = coef[:, None] * tl.exp(s * cos - lse[:, None])
-    inside = col_ok[None, :]
-    if CLAMP > 0:
-        inside = inside & (cos >= -1.0 + CLAMP) & (cos <= 1.0 - CLAMP)
-    g = tl.where(inside, p, 0.0)
+    f, slope, _ = _nontarget(cos, hard_above, t, tau, CLAMP, FILTER, HARD)
+    g = tl.where(col_ok[None, :], coef[:, None] * tl.exp(s * f - lse[:, None]) * slope, 0.0)
     return tl.where(cols[None, :] == tgt[:, None], tgrad[:, None], g)
 
 
 @triton.jit
-def _stats_kernel(E, W, INV, TGT, SCALE, MAX_OUT, SUM_OUT, COS_OUT,
-                  N, S, D, stride_e, stride_w, tiles_per_split,
+def _step_constants(HARD_ABOVE, T, rows, row_ok, HARD: tl.constexpr):
+    """CurricularFace's per-row thresholds ``[BLOCK_N]`` and ``t`` for :func:`_nontarget`
+    (zeros, unread, without ``HARD``)."""
+    if HARD:
+        return tl.load(HARD_ABOVE + rows, mask=row_ok, other=0.0), tl.load(T)
+    else:
+        return tl.zeros(rows.shape, tl.float32), 0.0
+
+
+@triton.jit
+def _stats_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, MAX_OUT, SUM_OUT, COS_OUT, HARD_OUT,
+                  N, S, D, stride_e, stride_w, tiles_per_split, tau,
                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                   OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                  PRECISION: tl.constexpr, CLAMP: tl.constexpr):
-    """Program (row block, class split): online max / sum-exp of ``s f(cos)`` (:func:`_clamped`)
-    and sum of ``cos`` over the split's non-target columns -> ``[splits, N]`` partials."""
+                  PRECISION: tl.constexpr, CLAMP: tl.constexpr, FILTER: tl.constexpr,
+                  HARD: tl.constexpr):
+    """Program (row block, class split): online max / sum-exp of ``s f(cos)``
+    (:func:`_nontarget`) and sum of the raw ``cos`` over the split's non-target columns, and
+    with ``HARD`` the count of hard negatives -> ``[splits, N]`` partials."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
     tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
     s = tl.load(SCALE)
+    hard_above, t_hard = _step_constants(HARD_ABOVE, T, rows, row_ok, HARD)
     run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     cos_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    hard_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = split * tiles_per_split
     for t in range(first, first + tiles_per_split):
         cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -143,24 +175,30 @@ def _stats_kernel(E, W, INV, TGT, SCALE, MAX_OUT, SUM_OUT, COS_OUT,
         cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
                         BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
         keep = col_ok[None, :] & (cols[None, :] != tgt[:, None])
-        z = tl.where(keep, s * _clamped(cos, CLAMP), float("-inf"))
+        f, _, hard = _nontarget(cos, hard_above, t_hard, tau, CLAMP, FILTER, HARD)
+        z = tl.where(keep, s * f, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no (-inf) - (-inf)
         run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
         run_max = new_max
         cos_sum += tl.sum(tl.where(keep, cos, 0.0), axis=1)
+        if HARD:
+            hard_sum += tl.sum(tl.where(keep & hard, 1.0, 0.0), axis=1)
     out = split * N + rows
     tl.store(MAX_OUT + out, run_max, mask=row_ok)
     tl.store(SUM_OUT + out, run_sum, mask=row_ok)
     tl.store(COS_OUT + out, cos_sum, mask=row_ok)
+    if HARD:
+        tl.store(HARD_OUT + out, hard_sum, mask=row_ok)
 
 
 @triton.jit
-def _dcos_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, G_OUT, R_OUT,
-                 N, D, stride_e, stride_w, stride_g, stride_r, col0, width,
+def _dcos_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, LSE, COEF, TGRAD, G_OUT, R_OUT,
+                 N, D, stride_e, stride_w, stride_g, stride_r, col0, width, tau,
                  BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                  OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PRECISION: tl.constexpr, CLAMP: tl.constexpr):
+                 PRECISION: tl.constexpr, CLAMP: tl.constexpr, FILTER: tl.constexpr,
+                 HARD: tl.constexpr):
     """Program (row block, class tile of the chunk ``[col0, col0 + width)``): recompute
     ``cos``, write ``G'_ik = dL/dcos_ik inv_k`` in the operand dtype to ``G_OUT [N, width]``
     and the row block's ``sum_i dL/dcos_ik cos_ik`` (= ``w_hat_k . g_k`` over these rows) to
@@ -175,9 +213,11 @@ def _dcos_kernel(E, W, INV, TGT, SCALE, LSE, COEF, TGRAD, G_OUT, R_OUT,
     coef = tl.load(COEF + rows, mask=row_ok, other=0.0)
     tgrad = tl.load(TGRAD + rows, mask=row_ok, other=0.0)
     s = tl.load(SCALE)
+    hard_above, t_hard = _step_constants(HARD_ABOVE, T, rows, row_ok, HARD)
     cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
                     BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
-    g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, CLAMP)
+    g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, hard_above, t_hard, tau,
+                   CLAMP, FILTER, HARD)
     inv = tl.load(INV + cols, mask=col_ok, other=0.0)
     g_scaled = _operand(g * inv[None, :], OP, DOT, SOFT_BF16).to(G_OUT.dtype.element_ty)
     tl.store(G_OUT + rows[:, None] * stride_g + local[None, :], g_scaled,
@@ -302,19 +342,41 @@ def operand_constexprs(e_dtype: torch.dtype, w_dtype: torch.dtype, widen: bool,
                     PRECISION="ieee" if op == torch.float32 and fp32_exact else "tf32")
 
 
-def clamp_constexpr(nontarget: NonTarget | None) -> float:
-    """The kernels' ``CLAMP`` for the step's non-target transform: AdaFace's ``eps``, 0.0 for
-    none. The others (CurricularFace's modulation, the inter-class filter) are refused: the
-    head runs them on the reference (``Margin.torch_path_reason``)."""
+def nontarget_constexprs(nontarget: NonTarget | None) -> dict:
+    """The kernels' constexprs for the step's non-target transform (``partial_fc.nontarget``),
+    the one place the launcher chooses them, which ``tools/kernels_aot.py`` compiles ahead of
+    time: ``CLAMP`` AdaFace's ``eps`` (0.0: none), ``FILTER`` the inter-class filter (its
+    ``tau`` a runtime argument: one compile for any threshold), ``HARD`` CurricularFace's
+    modulation (its thresholds and ``t`` read from the device: no host sync)."""
     if nontarget is None:
-        return 0.0
-    other = [k for k in ("hard_above", "t", "tau", "hard_rows")
-             if getattr(nontarget, k) is not None]
-    if other or not 0 < (nontarget.clamp or 0) < 1:
-        raise ValueError(f"tiles.triton: a non-target transform with {other or ['no clamp']} "
-                         f"(clamp={nontarget.clamp}): the kernels apply only a clamp of eps "
-                         "in (0, 1); use partial_fc.tiles.reference for the others")
-    return float(nontarget.clamp)
+        return dict(CLAMP=0.0, FILTER=False, HARD=False)
+    if nontarget.clamp is not None and not 0 < nontarget.clamp < 1:
+        raise ValueError(f"tiles.triton: clamp={nontarget.clamp}: the kernels clamp to "
+                         "[-1 + eps, 1 - eps] with eps in (0, 1)")
+    if (nontarget.hard_above is None) != (nontarget.t is None):
+        raise ValueError("tiles.triton: CurricularFace's modulation needs both hard_above and "
+                         "t (partial_fc.nontarget.NonTarget)")
+    return dict(CLAMP=float(nontarget.clamp or 0.0), FILTER=nontarget.tau is not None,
+                HARD=nontarget.hard_above is not None)
+
+
+def _transform(nontarget: NonTarget | None, e: Tensor, scale: Tensor
+               ) -> tuple[tuple[Tensor, Tensor, float], dict]:
+    """The kernels' runtime arguments of the non-target transform, ``(HARD_ABOVE [N], T [1],
+    tau)`` (the scale's tensor stands for the pointers the constexprs leave unread), and its
+    constexprs (:func:`nontarget_constexprs`); ``e`` is ``_prepare``'s."""
+    consts = nontarget_constexprs(nontarget)
+    tau = float(nontarget.tau) if consts["FILTER"] else 0.0
+    if not consts["HARD"]:
+        return (scale, scale, tau), consts
+    vectors = {"hard_above": nontarget.hard_above, "hard_rows": nontarget.hard_rows}
+    for name, v in vectors.items():
+        if v is not None and (tuple(v.shape) != (e.shape[0],) or v.dtype != torch.float32
+                              or v.device != e.device):
+            raise ValueError(f"tiles.triton: {name} is {v.dtype} {tuple(v.shape)} on "
+                             f"{v.device}, expected float32 ({e.shape[0]},) on {e.device}")
+    t = nontarget.t.detach().to(e.device, torch.float32).reshape(1)
+    return (nontarget.hard_above.contiguous(), t, tau), consts
 
 
 def _prepare(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, s: Tensor | float,
@@ -366,7 +428,9 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         e: ``[N, D]`` normalised embeddings (fp32/bf16/fp16). w: ``[S, D]`` weight rows, not
             normalised. inv_norm: ``[S]`` fp32 ``1 / ||w_k||``. target_col: ``[N]`` int64,
             column of row ``i``'s target in ``w`` or ``-1``. s: the scale (float or 0-d tensor).
-        nontarget: ``f``: None (the identity) or AdaFace's clamp (:func:`clamp_constexpr`).
+        nontarget: ``f``: None (the identity) or the step's non-target transform
+            (``partial_fc.nontarget``, any of its parts: :func:`_nontarget`); its
+            ``hard_rows``, when given, gets each row's count of hard negatives added.
         tiles: the launch configuration; None: the one tuned for this device and shape.
 
     Returns:
@@ -375,6 +439,7 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         fp32 ``sum_k cos_ik``; all over non-target columns ``k != target_col_i``.
     """
     (e, w, inv_norm, target_col), scale, _, consts = _prepare(e, w, inv_norm, target_col, s, {})
+    (hard_above, t_hard, tau), transform = _transform(nontarget, e, scale)
     (n, d), s_cols = e.shape, w.shape[0]
     t = tiles or _tiles(e, w)
     if t.engine == "cublas":
@@ -383,11 +448,14 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         return cublas.class_tile_stats(e, w, inv_norm, target_col, scale, nontarget, t, consts)
     row_blocks = triton.cdiv(n, t.rows)
     splits, per = _splits(row_blocks, s_cols, t.cols, t.programs)
-    max_p, sum_p, cos_p = torch.empty(3, splits, n, dtype=torch.float32, device=e.device)
+    parts = torch.empty(3 + transform["HARD"], splits, n, dtype=torch.float32, device=e.device)
+    max_p, sum_p, cos_p, hard_p = parts[0], parts[1], parts[2], parts[-1]
     _stats_kernel[(row_blocks, splits)](
-        e, w, inv_norm, target_col, scale, max_p, sum_p, cos_p, n, s_cols, d,
-        e.stride(0), w.stride(0), per, BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth,
-        CLAMP=clamp_constexpr(nontarget), **t.launch_options, **consts)
+        e, w, inv_norm, target_col, scale, hard_above, t_hard, max_p, sum_p, cos_p, hard_p,
+        n, s_cols, d, e.stride(0), w.stride(0), per, tau, BLOCK_N=t.rows, BLOCK_S=t.cols,
+        BLOCK_D=t.depth, **transform, **t.launch_options, **consts)
+    if transform["HARD"] and nontarget.hard_rows is not None:
+        nontarget.hard_rows.add_(hard_p.sum(dim=0))
     row_max = max_p.amax(dim=0)
     shift = torch.where(torch.isinf(row_max), 0.0, row_max)  # all splits empty -> sum 0
     row_sum = (sum_p * torch.exp(max_p - shift)).sum(dim=0)
@@ -422,7 +490,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     extra = {"lse": lse, "coef": coef, "target_grad": target_grad}
     tensors, scale, op, consts = _prepare(e, w, inv_norm, target_col, s, extra)
     e, w, inv_norm, target_col, lse, coef, target_grad = tensors
-    clamp = clamp_constexpr(nontarget)
+    (hard_above, t_hard, tau), transform = _transform(nontarget, e, scale)
     (n, d), s_cols = e.shape, w.shape[0]
     t = tiles or _tiles(e, w)
     if t.engine == "cublas":
@@ -442,9 +510,10 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         width = min(width_max, s_cols - col0)
         g, w_c, r = buffer[:, :width], w[col0:col0 + width], radial[:, :width]
         _dcos_kernel[(row_blocks, triton.cdiv(width, t.cols))](
-            e, w, inv_norm, target_col, scale, lse, coef, target_grad, g, r, n, d,
-            e.stride(0), w.stride(0), g.stride(0), r.stride(0), col0, width, BLOCK_N=t.rows,
-            BLOCK_S=t.cols, BLOCK_D=t.depth, CLAMP=clamp, **t.launch_options, **consts)
+            e, w, inv_norm, target_col, scale, hard_above, t_hard, lse, coef, target_grad, g, r,
+            n, d, e.stride(0), w.stride(0), g.stride(0), r.stride(0), col0, width, tau,
+            BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **transform, **t.launch_options,
+            **consts)
         splits, per = _splits(out_tiles, width, t.depth, t.programs)  # split-K over classes
         part = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
         _gemm_kernel[(triton.cdiv(n, t.gemm), triton.cdiv(d, t.gemm), splits)](

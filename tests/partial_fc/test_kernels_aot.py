@@ -26,21 +26,26 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 ARCHS = sorted(kernels_aot.DEVICES)
 TIGHTEST = min(ARCHS, key=lambda arch: kernels_aot.DEVICES[arch]["smem_per_block"])
+# The non-target transforms whose code contains every other's (clamp + filter, modulation +
+# filter): compiled here for an aligned N; make kernels-aot compiles each transform both ways.
+SUPERSETS = (", clamped, filtered", ", curricular, filtered")
 COMPILE = """
 import dataclasses, json, sys
 from tools.kernels_aot import compile_row, launches
-operands, arch, clamped = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "clamped"
-rows = [compile_row(k, operands, aligned, arch) for k in launches(operands)
-        if clamped or not k.endswith("clamped") for aligned in (True, False)]
+operands, arch, supersets = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rows = [compile_row(k, operands, aligned, arch) for k in launches(operands) if ", " not in k
+        for aligned in (True, False)]
+rows += [compile_row(k, operands, True, arch) for k in launches(operands)
+         if k.endswith(tuple(supersets))]
 print(json.dumps([dataclasses.asdict(r) for r in rows]))
 """
 
 
-def _compiled(operands: str, arch: int, clamped: bool = True) -> list[kernels_aot.Row]:
+def _compiled(operands: str, arch: int, transforms: bool = True) -> list[kernels_aot.Row]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", COMPILE, operands, str(arch),
-                          "clamped" if clamped else "plain"], cwd=ROOT,
+                          *(SUPERSETS if transforms else ())], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TRITON_DEFAULT_FP_FUSION" not in out.stderr, "a compile left FP fusion to Triton"
@@ -52,6 +57,8 @@ def _compiled(operands: str, arch: int, clamped: bool = True) -> list[kernels_ao
 def test_default_configurations_compile_without_spills(operands, arch):
     rows = _compiled(operands, arch)
     assert len(rows) == 12 and all(row.default and row.arch == arch for row in rows)
+    assert {row.kernel for row in rows if not row.aligned} == {"stats", "dcos", "gemm grad_e",
+                                                               "gemm grad_w"}
     assert [p for row in rows for p in row.problems()] == []
     assert all(0 < row.registers <= 255 and row.shared_bytes > 0 for row in rows)
 
@@ -64,10 +71,10 @@ def test_every_other_configuration_compiles_within_shared_memory(operands):
     must compile and fit; their spills are reported by ``make kernels-aot`` (docs/kernels.md),
     not refused (fp32 dots are the slow path). Their sm_90 compiles (another minute of the
     suite, 30 s for fp32 IEEE alone) are left to ``make kernels-aot``, which compiles every
-    configuration for every device. So are their launches with AdaFace's clamp: a constexpr
-    branch on values in registers, it changes no tile and no shared memory (the default
-    configurations compile it here, with its registers)."""
-    assert [p for row in _compiled(operands, TIGHTEST, clamped=False)
+    configuration for every device. So are their launches with a non-target transform:
+    constexpr branches on values in registers, they change no tile and no shared memory (the
+    default configurations compile them here, with their registers)."""
+    assert [p for row in _compiled(operands, TIGHTEST, transforms=False)
             for p in row.problems()] == []
 
 

@@ -24,6 +24,7 @@ gradient entry, which each test also asserts (so a bound cannot silently become 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -340,8 +341,73 @@ def test_the_kernels_clamp_nontarget_cosines_as_the_reference():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     plain = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad)  # slope 1 past the band
     assert (plain[0] - got[0]).abs().max() > 0.1 * got[0].abs().max()
-    with pytest.raises(ValueError, match="apply only a clamp"):
-        tm.class_tile_stats(e, w, inv, tgt, s, nontarget=NonTarget(tau=0.3))
+    with pytest.raises(ValueError, match=r"eps in \(0, 1\)"):
+        tm.class_tile_stats(e, w, inv, tgt, s, nontarget=NonTarget(clamp=1.0))
+
+
+def _hard_negatives(n=13, s_cols=37, d=24, seed=5):
+    """fp32 inputs where 3-32 % of each row's cosines lie above 0.2 (10 % of all above 0.3):
+    rows of ``w`` near the first embeddings, 5 of them scaled, among random ones (3 class
+    splits of the interpreter's 16-column tiles); a third of the rows own no target."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    w = torch.randn(s_cols, d, generator=g) * 0.3
+    w[:n] += e * torch.linspace(0.5, 3.0, n)[:, None]
+    w[:5] *= 4.0
+    tgt = torch.randint(0, s_cols, (n,), generator=g)
+    tgt[::3] = -1
+    inv = 1.0 / w.double().norm(dim=1)
+    return [t.to(DEVICE) for t in (e, w, inv.float(), tgt)], g
+
+
+TRANSFORMS = {  # each non-target transform the kernels take (partial_fc.nontarget), alone and
+    # as a head combines them: the filter with any margin, CurricularFace's modulation
+    "filter": dict(tau=0.3),
+    "clamp-filter": dict(clamp=1e-3, tau=0.3),
+    "curricular": dict(curricular=True),
+    "curricular-filter": dict(tau=0.3, curricular=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_the_kernels_filter_and_modulate_nontarget_cosines_as_the_reference(name):
+    """The inter-class filter (``f = 0`` above ``tau``, arcface_torch) and CurricularFace's
+    modulation (``f = c (t + c)`` above each row's ``cos(theta_y + m)``, arXiv:2004.00288
+    Eq. 6-7; ``f' = t + 2c``) in the kernels equal the torch path: the statistics, each row's
+    hard-negative count (added to ``hard_rows``), ``grad_e`` and ``grad_w``. The plain
+    kernels differ by far on the same case, so a dropped transform fails here."""
+    from partial_fc.nontarget import NonTarget
+
+    (e, w, inv, tgt), g = _hard_negatives()
+    n, s, ref = e.shape[0], 32.0, _seven_columns(e.shape[0])
+    spec = dict(TRANSFORMS[name])
+    if spec.pop("curricular", False):  # thresholds spread around the cosines' upper third
+        spec.update(hard_above=(0.1 + 0.2 * torch.rand(n, generator=g)).to(DEVICE),
+                    t=torch.tensor(0.3, device=DEVICE))
+    step = NonTarget(**spec)
+    raw = (e @ w.T) * inv
+    assert (raw > 0.3).sum() >= n and (raw < 0.3).sum() >= n  # the case is exercised
+    counted = {}
+    for key, tiles in (("got", tm), ("want", ref)):
+        rows = torch.zeros(n, device=DEVICE) if step.hard_above is not None else None
+        counted[key] = (tiles.class_tile_stats(e, w, inv, tgt, s, nontarget=dataclasses.replace(
+            step, hard_rows=rows)), rows)
+    (got, got_rows), (want, want_rows) = counted["got"], counted["want"]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    if step.hard_above is not None:
+        assert torch.equal(got_rows, want_rows) and want_rows.sum() >= n
+    plain = tm.class_tile_stats(e, w, inv, tgt, s)
+    assert (plain[0] - got[0]).abs().max() > 0.5 and torch.equal(plain[2], got[2])
+    lse = torch.logaddexp(want[0] + torch.log(want[1]), torch.zeros_like(want[0]))
+    coef = torch.full_like(lse, s / n)
+    tgrad = torch.where(tgt >= 0, -coef, 0.0)
+    got = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad, nontarget=step)
+    want = ref.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad, nontarget=step)
+    plain = tm.class_tile_grads(e, w, inv, tgt, s, lse, coef, tgrad)
+    for a, b, p in zip(got, want, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        assert (p - b).abs().max() > 0.1 * b.abs().max()
 
 
 def test_every_launch_states_fp_fusion(monkeypatch):
