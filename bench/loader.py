@@ -3,6 +3,7 @@
     .venv/bin/python bench/loader.py [--images 6000] [--workers 0,1,2] [--repeats 5] [--no-index]
                                      [--flip deferred|worker|none]
     .venv/bin/python bench/loader.py --source s3|http [--latency-ms 0,20,100] [--workers 1,2]
+                                     [--cut-after 0,150000] [--piece-kib 1024]
 
 On 112x112 JPEG shards generated in a temp dir. For each worker count N, each repeat times
 bare decoding of the shards' own bytes (``decode_image``, the loader's decoder) in N forked
@@ -29,8 +30,10 @@ plain HTTP server, tools/remote_servers.py) behind a proxy that delays every req
 of ``--latency-ms``, and times the loader reading them from the URL against the local loader
 on the same folder in the same repeat (img/s per worker from the first batch on, and their
 ratio), then a cache line: a second epoch read from a node-local cache (``data.cache_dir``)
-filled by the first. The servers run in this process, on the same CPUs as the workers.
-Never run by the tests.
+filled by the first. With ``--cut-after`` the proxy also cuts every connection after each of
+that many bytes (0: never), a link that kills long transfers, and the line says how many it
+cut; ``--piece-kib``: the pieces a read asks for at a time (``Retry.piece_bytes``). The
+servers run in this process, on the same CPUs as the workers. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -50,10 +53,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is not
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset  # noqa: E402
 from data_pipeline.codec import decode_image, resolve_decoder  # noqa: E402
+from data_pipeline.remote import Retry  # noqa: E402
 from data_pipeline.remote_shards import Streaming  # noqa: E402
 from data_pipeline.shard_index import index_path  # noqa: E402
 from data_pipeline.tar_reader import tar_samples  # noqa: E402
-from tools.remote_servers import FaultProxy, FileServer, S3Server, upload  # noqa: E402
+from tools.remote_servers import (  # noqa: E402
+    FaultProxy,
+    FileServer,
+    S3Server,
+    clear_clients,
+    upload,
+)
 
 FLIPS = {"deferred": "deferred", "worker": True, "none": False}  # --flip: make_loader's flip
 
@@ -156,6 +166,11 @@ def main() -> None:
                              "loopback (compared with the local loader)")
     parser.add_argument("--latency-ms", default="0,20,100",
                         help="--source s3|http: comma-separated delays added to each request")
+    parser.add_argument("--cut-after", default="0",
+                        help="--source s3|http: comma-separated bytes after which the proxy "
+                             "cuts every connection (0: never)")
+    parser.add_argument("--piece-kib", type=int, default=Retry().piece_bytes >> 10,
+                        help="--source s3|http: the pieces a read asks for at a time")
     args = parser.parse_args()
     decoder = resolve_decoder(args.decoder)
     counts = [int(w) for w in args.workers.split(",")]
@@ -219,22 +234,29 @@ def remote(args, decoder: str, counts: list[int]) -> None:
               f"vs the local folder, {os.cpu_count()} CPUs, load average before "
               f"{os.getloadavg()[0]:.2f}; decoder={decoder}, batch {args.batch_size}, flip "
               f"{args.flip}; median [range] over {args.repeats} repeats, img/s per worker")
-        print(f"{'latency':>8}  {'workers':>7}  {'local img/s':>18}  {'remote img/s':>18}  "
-              f"{'remote / local':>16}")
+        print(f"pieces of {args.piece_kib} KiB")
+        print(f"{'latency':>8}  {'cut after':>9}  {'workers':>7}  {'local img/s':>18}  "
+              f"{'remote img/s':>18}  {'remote / local':>16}")
+        retry = Retry(piece_bytes=args.piece_kib << 10)
         try:
-            for latency in [float(ms) for ms in args.latency_ms.split(",")]:
-                proxy = FaultProxy((host, int(port)), latency_s=latency / 1000)
+            for latency, cut in [(float(ms), int(cut)) for ms in args.latency_ms.split(",")
+                                 for cut in args.cut_after.split(",")]:
+                proxy = FaultProxy((host, int(port)), latency_s=latency / 1000,
+                                   cut_after=cut or None)
                 url = path if args.source == "s3" else proxy.url + path
                 if args.source == "s3":
                     os.environ["AWS_ENDPOINT_URL"] = proxy.url
+                    clear_clients()  # a cached client keeps the last proxy's address
+                where = f"{latency:g} ms  {f'{cut:,} B' if cut else 'never':>9}"
                 for w in counts:
-                    local, far = [], []
+                    local, far, cuts = [], [], proxy.cuts
                     for _ in range(args.repeats):
                         local.append(loader_rate(data, w, args.batch_size, decoder, flip).wall)
-                        far.append(loader_rate(url, w, args.batch_size, decoder, flip).wall)
-                    _remote_row(f"{latency:g} ms", w, local, far)
+                        far.append(loader_rate(url, w, args.batch_size, decoder, flip,
+                                               Streaming(retry=retry)).wall)
+                    _remote_row(where, w, local, far, _cut(proxy.cuts - cuts, args.repeats))
                 with tempfile.TemporaryDirectory() as cache:
-                    streaming = Streaming(cache_dir=cache)
+                    streaming, cuts = Streaming(retry=retry, cache_dir=cache), proxy.cuts
                     loader_rate(url, counts[-1], args.batch_size, decoder, flip, streaming)
                     local, far = [], []
                     for epoch in range(1, args.repeats + 1):
@@ -242,18 +264,24 @@ def remote(args, decoder: str, counts: list[int]) -> None:
                                                  flip, epoch=epoch).wall)
                         far.append(loader_rate(url, counts[-1], args.batch_size, decoder, flip,
                                                streaming, epoch).wall)
-                    _remote_row(f"{latency:g} ms", counts[-1], local, far, "cached")
+                    _remote_row(where, counts[-1], local, far,
+                                "cached" + _cut(proxy.cuts - cuts, 1, " filling it"))
                 proxy.close()
         finally:
             server.close()
         print(f"load average after {os.getloadavg()[0]:.2f}")
 
 
-def _remote_row(latency: str, workers: int, local: list[float], far: list[float],
+def _remote_row(where: str, workers: int, local: list[float], far: list[float],
                 note: str = "") -> None:
     ratio = [f / n for f, n in zip(far, local, strict=True)]
-    print(f"{latency:>8}  {workers:>7}  {_spread(local, '.0f'):>18}  {_spread(far, '.0f'):>18}  "
+    print(f"{where:>19}  {workers:>7}  {_spread(local, '.0f'):>18}  {_spread(far, '.0f'):>18}  "
           f"{_spread(ratio, '.2f'):>16}  {note}")
+
+
+def _cut(cuts: int, epochs: int, during: str = "") -> str:
+    """The note on the connections the proxy cut (none: nothing)."""
+    return f"; {cuts / epochs:.0f} connections cut an epoch{during}" if cuts else ""
 
 
 if __name__ == "__main__":
