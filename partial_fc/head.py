@@ -44,7 +44,7 @@ from partial_fc.margins.step import MarginBatch
 from partial_fc.metric_names import SUBCENTER_SHARE
 from partial_fc.partition import split_evenly
 from partial_fc.rows import SampledRows
-from partial_fc.sampling import StepSample, local_targets, sample_classes
+from partial_fc.sampling import StepSample, columns_in, local_targets, sample_classes
 from partial_fc.softmax import Shard, margin_softmax_loss
 from partial_fc.step_terms import finish, step_terms
 from partial_fc.subcenters import DominantShare, expand_rows
@@ -185,7 +185,8 @@ class PartialFC(nn.Module):
         self._plan = None
         return self._ledger.pop(self.weight)
 
-    def begin_step(self, labels: Tensor, sizes: Sequence[int] | None = None) -> None:
+    def begin_step(self, labels: Tensor, sizes: Sequence[int] | None = None,
+                   embeddings: Tensor | None = None) -> None:
         """Announce the labels of all micro-batches of the coming optimisation step
         (``[k * n_local]``, this rank's, concatenated; ``sizes`` as in ``forward``), for
         gradient accumulation; collective (one all-gather of the labels).
@@ -196,7 +197,15 @@ class PartialFC(nn.Module):
         lambda, margin warm-up), advanced once for the step: k accumulated micro-batches give
         exactly the loss and gradients of their union in one batch. Without it each forward
         samples for its own labels and advances ``step``. The forwards' labels must be among
-        the announced ones; their count is checked (no device read), their values are not."""
+        the announced ones; their count is checked (no device read), their values are not.
+
+        ``embeddings`` (``[k * n_local, D]``, the same rows as ``labels``, detached: a
+        forward of the backbone without grad) also takes the step's statistics over all its
+        samples before any forward uses them: a dynamic AdaCos scale ``s_t`` from ``B_avg``
+        (at ``s_{t-1}``) and ``theta_med`` of the whole step, the margin's EMAs moved once by
+        the whole step's statistic; the forwards then leave both as they are. The step then
+        equals one forward of its union in every statistic, however it is split into
+        micro-batches and ranks (DESIGN.md invariants 3 and 9)."""
         if self._ledger.forwards:
             raise RuntimeError("PartialFC: begin_step after a forward whose rows were not "
                                "popped; call head.pop_sampled_rows() to end the previous step")
@@ -208,10 +217,34 @@ class PartialFC(nn.Module):
         if self.training and self.sample_rate < 1.0:
             index, _ = sample_classes(y, self.class_start, self.num_local, self.sample_rate,
                                       self.seed, step, self.rank)
-        self._plan = StepSample(index=index, step=step, samples=sum(sizes))
+        frozen = embeddings is not None and self.training
+        if frozen:
+            self._take_step_statistics(embeddings, y, sizes, index, step)
+        self._plan = StepSample(index=index, step=step, samples=sum(sizes), frozen=frozen)
         self._draws = 0
         if self.training:
             self.step += 1
+
+    def _take_step_statistics(self, embeddings: Tensor, y: Tensor, sizes: list[int],
+                              index: Tensor | None, step: int) -> None:
+        """The statistics a training forward moves, over the whole step (``begin_step``):
+        the same calls as :meth:`forward` makes before its loss, on the step's gathered
+        embeddings ``[N_step, D]`` and labels ``y``; collective. Call it under the autocast
+        the forwards run under (their matmul operands' dtype, :meth:`_shard`)."""
+        e, norms = self._gather(embeddings.detach().float(), sizes)
+        targets = local_targets(y, self.class_start, self.num_local)
+        if index is not None:
+            targets = columns_in(index, targets)
+        with torch.no_grad():
+            shard = self._shard(e, expand_rows(index, self.subcenters), targets)
+            scale = self.margin.scale
+            row_max, row_sum, cos_sum = shard.stats(scale.value())
+            glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
+                                True, self.process_group)
+            start = sum(sizes[:self.rank])
+            self.margin.prepare(MarginBatch(glob.target_cos, norms,
+                                            slice(start, start + sizes[self.rank]), step, 0,
+                                            True))
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -292,15 +325,20 @@ class PartialFC(nn.Module):
         shard.tiles = self.tiles.checked(shard.tiles, shard.e, shard.w, shard.inv_norm,
                                          shard.targets, scale.value(), lambda c: c, group)
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
+        moves = self.training and not (plan is not None and plan.frozen)
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
-                            self.training, group)
+                            moves, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
         s = s.clone() if isinstance(s, Tensor) else s  # saved for backward: keep it immutable
         start = sum(sizes[:self.rank])
         batch = MarginBatch(glob.target_cos, norms, slice(start, start + sizes[self.rank]),
-                            step, self._draws if plan is not None else 0, self.training)
+                            step, self._draws if plan is not None else 0, moves)
         terms = step_terms(self.margin, self.aux_losses, batch, glob, shard, e, y,
                            chunk_columns(e.shape[0], self.max_tile_bytes), group)
+        if terms.nontarget is not None:  # other kernel variants, checked on their first use
+            shard.tiles = self.tiles.checked(shard.tiles, shard.e, shard.w, shard.inv_norm,
+                                             shard.targets, s, lambda c: c, group,
+                                             terms.nontarget)
         shard.nontarget = terms.nontarget
         if glob.log_b_avg is not None or terms.nontarget is not None:  # the logits moved:
             row_max, row_sum, _ = shard.stats(s)  # the statistics at s_t, of f(cos)

@@ -84,12 +84,15 @@ class StepSample:
     """One class sample shared by the forwards of an optimisation step (gradient
     accumulation; ``PartialFC.begin_step`` draws it): the sampled rows (``None``: all), the
     ``step`` value the forwards use, and how many gathered samples were announced, of which
-    ``taken`` have been forwarded."""
+    ``taken`` have been forwarded. ``frozen``: the step's statistics (a dynamic AdaCos
+    scale, a margin's EMAs) were taken over all its samples when it began, and its forwards
+    use them as they are."""
 
     index: Tensor | None
     step: int
     samples: int
     taken: int = 0
+    frozen: bool = False
 
     def take(self, y: Tensor, class_start: int, num_local: int) -> Tensor:
         """The columns of the gathered labels ``y`` in the planned sample (``-1``: another
