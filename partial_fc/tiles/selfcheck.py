@@ -7,7 +7,10 @@ of that step, at most ``ROWS`` samples x ``COLS`` classes of its own shard (ever
 those rows included, so the margin's target path is exercised), both ways: the forward's
 statistics and the backward's gradients, the latter from the step's own margin ``psi`` and
 scale (``coef = s / n``, the target gradient ``(p_y - 1) psi'(cos_y) coef``, as
-``partial_fc.softmax`` passes them).
+``partial_fc.softmax`` passes them). A margin's non-target transform (``partial_fc.nontarget``)
+launches other compiled variants of the kernels, so the first step that hands the tiles one
+checks that variant too, on the same slice with the step's transform (and CurricularFace's
+hard-negative counts as one more output).
 
 Tolerance (normwise: ``max |kernel - reference| / max |reference|`` per output): ``1e-3`` when
 the dots are IEEE fp32 (fp32 ``e`` and ``w``, ``torch.get_float32_matmul_precision() ==
@@ -19,6 +22,7 @@ or reduction lands far outside.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor
 
 from partial_fc import distributed as dist_ops
+from partial_fc.nontarget import NonTarget
 from partial_fc.tiles import ReferenceTiles, TileBackend, select, tuning
 
 __all__ = ["COLS", "ROWS", "CheckedTiles", "Disagreement", "KernelCheckFailed", "compare",
@@ -33,7 +38,8 @@ __all__ = ["COLS", "ROWS", "CheckedTiles", "Disagreement", "KernelCheckFailed", 
 
 ROWS, COLS = 256, 256
 _EXACT, _ROUNDED = 1e-3, 3e-2
-_STATS = ("row_lse", "cos_sum")  # row_max + log(row_sum): the one number the loss uses
+_STATS = ("row_lse", "cos_sum", "hard_rows")  # row_lse = row_max + log(row_sum): the one
+# number the loss uses; hard_rows: CurricularFace's hard negatives per row (0 without them)
 _GRADS = ("grad_e", "grad_w")
 
 
@@ -66,24 +72,34 @@ def tolerance(e: Tensor, w: Tensor) -> float:
 
 def compare(candidate: TileBackend, reference: TileBackend, e: Tensor, w: Tensor,
             inv_norm: Tensor, targets: Tensor, s: Tensor | float,
-            psi: Callable[[Tensor], Tensor]) -> Disagreement | None:
+            psi: Callable[[Tensor], Tensor], nontarget: NonTarget | None = None
+            ) -> Disagreement | None:
     """Run both back-ends on a slice of one step (the ``TileBackend`` arguments of the whole
-    shard; ``psi`` the margin's target transform at this step) and return the first output
-    beyond tolerance, or ``None`` when they agree. An exception from ``candidate`` is a
-    disagreement (``output="launch"``); one from ``reference`` is a bug and propagates."""
-    e, w, inv_norm, targets = _slice(e, w, inv_norm, targets)
+    shard; ``psi`` the margin's target transform at this step, ``nontarget`` its non-target
+    transform or None) and return the first output beyond tolerance, or ``None`` when they
+    agree. An exception from ``candidate`` is a disagreement (``output="launch"``); one from
+    ``reference`` is a bug and propagates."""
+    e, w, inv_norm, targets, nontarget = _slice(e, w, inv_norm, targets, nontarget)
     tol = tolerance(e, w)
+
+    def stats(tiles: TileBackend) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        hard = torch.zeros(e.shape[0], device=e.device)  # stays 0 without CurricularFace
+        step = {} if nontarget is None else {"nontarget": dataclasses.replace(
+            nontarget, hard_rows=hard if nontarget.hard_above is not None else None)}
+        return (*tiles.class_tile_stats(e, w, inv_norm, targets, s, **step), hard)
+
+    def grads(tiles: TileBackend) -> tuple[Tensor, Tensor]:
+        step = {} if nontarget is None else {"nontarget": nontarget}
+        return tiles.class_tile_grads(e, w, inv_norm, targets, s, *back, **step)
+
     with torch.no_grad():
-        want = reference.class_tile_stats(e, w, inv_norm, targets, s)
-    back = _backward_inputs(e, w, inv_norm, targets, s, psi, want)
+        want = stats(reference)
+    back = _backward_inputs(e, w, inv_norm, targets, s, psi, want[:3])
     ref_stats = _stat_outputs(*want)
-    ref_grads = reference.class_tile_grads(e, w, inv_norm, targets, s, *back)
+    ref_grads = grads(reference)
     for kernel, names, run, ref in (
-            ("class_tile_stats", _STATS,
-             lambda: _stat_outputs(*candidate.class_tile_stats(e, w, inv_norm, targets, s)),
-             ref_stats),
-            ("class_tile_grads", _GRADS,
-             lambda: candidate.class_tile_grads(e, w, inv_norm, targets, s, *back), ref_grads)):
+            ("class_tile_stats", _STATS, lambda: _stat_outputs(*stats(candidate)), ref_stats),
+            ("class_tile_grads", _GRADS, lambda: grads(candidate), ref_grads)):
         try:
             with torch.no_grad():
                 got = run()
@@ -98,14 +114,18 @@ def compare(candidate: TileBackend, reference: TileBackend, e: Tensor, w: Tensor
     return None
 
 
-def _slice(e, w, inv_norm, targets):
+def _slice(e, w, inv_norm, targets, nontarget):
     """The first ``ROWS`` rows and the first ``COLS`` columns plus those rows' targets,
-    targets remapped to the slice's columns."""
+    targets remapped to the slice's columns; the transform with those rows' thresholds and
+    no ``hard_rows`` (the check counts into its own)."""
     e, targets = e[:ROWS], targets[:ROWS]
     cols = torch.arange(min(COLS, w.shape[0]), device=w.device)
     cols = torch.unique(torch.cat([cols, targets[targets >= 0]]))  # sorted
     col = torch.where(targets >= 0, torch.searchsorted(cols, targets.clamp_min(0)), -1)
-    return e.contiguous(), w[cols].contiguous(), inv_norm[cols].contiguous(), col
+    if nontarget is not None:
+        rows = None if nontarget.hard_above is None else nontarget.hard_above[:ROWS].contiguous()
+        nontarget = dataclasses.replace(nontarget, hard_above=rows, hard_rows=None)
+    return e.contiguous(), w[cols].contiguous(), inv_norm[cols].contiguous(), col, nontarget
 
 
 def _backward_inputs(e, w, inv_norm, targets, s, psi, stats):
@@ -125,8 +145,9 @@ def _backward_inputs(e, w, inv_norm, targets, s, psi, stats):
     return lse.float().contiguous(), coef.float().contiguous(), target_grad.float().contiguous()
 
 
-def _stat_outputs(row_max: Tensor, row_sum: Tensor, cos_sum: Tensor) -> tuple[Tensor, Tensor]:
-    return row_max + torch.log(row_sum), cos_sum
+def _stat_outputs(row_max: Tensor, row_sum: Tensor, cos_sum: Tensor, hard_rows: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    return row_max + torch.log(row_sum), cos_sum, hard_rows
 
 
 def normwise(got: Tensor, want: Tensor) -> float:
@@ -155,13 +176,14 @@ _OUTPUTS = ("launch", *_STATS, *_GRADS)
 
 def first_use(candidate: TileBackend, reference: TileBackend, e: Tensor, w: Tensor,
               inv_norm: Tensor, targets: Tensor, s: Tensor | float,
-              psi: Callable[[Tensor], Tensor], strict: bool, process_group=None) -> str | None:
+              psi: Callable[[Tensor], Tensor], strict: bool, process_group=None,
+              nontarget: NonTarget | None = None) -> str | None:
     """:func:`compare` on every rank of ``process_group`` (collective: one all-gather of five
     numbers), so that all ranks learn of a failure anywhere and act alike. Returns ``None``
     when every rank's kernels agree, else the one line saying which kernel failed where, by
     how much, and that the run goes on with ``head.kernel=torch``; with ``strict``
     (``head.kernel=triton``) raises :class:`KernelCheckFailed` with that line instead."""
-    bad = compare(candidate, reference, e, w, inv_norm, targets, s, psi)
+    bad = compare(candidate, reference, e, w, inv_norm, targets, s, psi, nontarget)
     mine = torch.zeros(1, 5, dtype=torch.float64, device=e.device)
     if bad is not None:
         mine[0] = torch.tensor([1.0, _KERNELS.index(bad.kernel), _OUTPUTS.index(bad.output),
@@ -198,7 +220,7 @@ class CheckedTiles:
         self.kernel, self.max_tile_bytes, self.subcenters = kernel, max_tile_bytes, subcenters
         self.notes: list[str] = []
         self._taken = 0
-        self._checked: set[torch.device] = set()
+        self._checked: set[tuple] = set()  # (device, transform variant)
         self._failed: set[torch.device] = set()
         if subcenters > 1 and kernel == "auto":
             self.notes.append(f"head: margin.subcenters={subcenters} runs the class tiles on "
@@ -212,17 +234,22 @@ class CheckedTiles:
 
     def checked(self, tiles: TileBackend, e: Tensor, w: Tensor, inv_norm: Tensor,
                 targets: Tensor, s: Tensor | float, psi: Callable[[Tensor], Tensor],
-                process_group=None) -> TileBackend:
-        """``tiles`` (:meth:`for_device`'s, for this step's ``TileBackend`` arguments), or the
-        reference when this is the first use of the kernels on ``e``'s device and they fail
-        the check (then a note says so; ``kernel="triton"``: :class:`KernelCheckFailed`).
-        Collective on that first use, on every rank of ``process_group``."""
+                process_group=None, nontarget: NonTarget | None = None) -> TileBackend:
+        """``tiles`` (:meth:`for_device`'s, for this step's ``TileBackend`` arguments and
+        non-target transform), or the reference when this is the first use on ``e``'s device
+        of the kernels for this kind of transform (none, or which of its parts are set) and
+        they fail the check (then a note says so; ``kernel="triton"``:
+        :class:`KernelCheckFailed`). Collective on that first use, on every rank of
+        ``process_group`` (whose margins hand the tiles the same kind of transform)."""
         device = e.device
-        if device in self._checked or isinstance(tiles, ReferenceTiles):
+        key = (device, None if nontarget is None else (
+            nontarget.clamp, nontarget.tau is not None, nontarget.hard_above is not None))
+        if key in self._checked or isinstance(tiles, ReferenceTiles):
             return tiles
-        self._checked.add(device)
+        self._checked.add(key)
         note = first_use(tiles, ReferenceTiles(self.max_tile_bytes), e, w, inv_norm, targets,
-                         s, psi, strict=self.kernel == "triton", process_group=process_group)
+                         s, psi, strict=self.kernel == "triton", process_group=process_group,
+                         nontarget=nontarget)
         if note is None:
             return tiles
         self.notes.append(note)

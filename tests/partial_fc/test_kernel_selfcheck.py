@@ -94,6 +94,38 @@ def test_a_corrupted_kernel_falls_back_to_torch_with_one_line(monkeypatch, auto_
     assert checks == [1] and head.take_notes() == []
 
 
+def test_a_transform_variant_is_checked_at_its_first_use(monkeypatch, auto_picks_triton):
+    """CurricularFace hands the kernels its hard-negative modulation, other compiled variants
+    than the plain launches the first check ran: with those variants alone wrong (here the
+    hard-negative counts), the step that first hands them the transform checks them, goes on
+    with the torch path and says so once; the plain and the transform checks run once each."""
+    real = tm.class_tile_stats
+
+    def miscounts(*args, nontarget=None):
+        out = real(*args, nontarget=nontarget)
+        if nontarget is not None and nontarget.hard_rows is not None:
+            nontarget.hard_rows.add_(1.0)
+        return out
+
+    monkeypatch.setattr(tm, "class_tile_stats", miscounts)
+    checks = []
+    real_compare = selfcheck.compare
+    monkeypatch.setattr(selfcheck, "compare",
+                        lambda *a: checks.append(a[-1] is not None) or real_compare(*a))
+    curricular = dict(type="curricularface", s=16.0)
+    head = _head("auto", curricular)
+    got = _step(head)
+    (note,) = head.take_notes()
+    assert "class_tile_stats disagrees with the torch reference: hard_rows" in note, note
+    assert isinstance(head.tiles.for_device(torch.device("cpu")), ReferenceTiles)
+    want = _step(_head("torch", curricular))
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _step(head)
+    assert checks == [False, True] and head.take_notes() == []
+
+
 def test_a_launch_failure_falls_back_naming_the_kernel(monkeypatch, auto_picks_triton):
     def fails(*args):
         raise RuntimeError("PTX .version 8.7 does not support .target sm_120\nmore")
