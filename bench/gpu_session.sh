@@ -18,6 +18,15 @@
 #      the CPU suite with the GPU visible (it must pass there too; a JUnit report); what is
 #      alive at the head's CUDA memory peak (bench/cuda_peak.py, r=0.1 and r=1); the recipe;
 #      DeepSpeed's bench; torch.compile; the loader
+#   pace  the stage a lent GPU runs first, one call (GPU_SESSION_BUDGET=520): the kernels'
+#      sweep (bench/pace.py tune: $OUT/tuned.json, the committed table with this card's
+#      winners, to copy over partial_fc/tiles/tuned.json); the head at C_local 1M N 1024 bf16,
+#      r=1 and r=0.1, beside its matmuls and the textbook head (bench/head.py); torch.profiler
+#      traces of the head's and the trainer's steps ($OUT/profile/, their per-kernel tables
+#      in the logs); bench/train.py at 1k r=1 and 1M r=0.1 against the backbone's ceiling;
+#      arcface_torch's own train_v2.py on synthetic input (bench/arcface_torch_pace.py, from
+#      .gpu/insightface: docs/gpu.md); the recipe, shorter; the largest C_local that trains
+#      at r=0.1 bf16 state beside launch.plan's; $OUT/gpu-pace.json (gpu_summary.py pace)
 #
 # Each stage first installs .gpu/whl into /tmp/site (as .gpu/device-setup.sh does, wheel by
 # wheel when one fails). Every step runs under `timeout`, its limit clipped so the stage ends
@@ -36,7 +45,8 @@ for a in "$@"; do
     if [[ $a == --dry-run ]]; then dry=1; else args+=("$a"); fi
 done
 stage=${args[0]:-}
-[[ $stage == [123] ]] || { echo "usage: bash bench/gpu_session.sh 1|2|3 [--dry-run]" >&2; exit 2; }
+[[ $stage == [123] || $stage == pace ]] || {
+    echo "usage: bash bench/gpu_session.sh 1|2|3|pace [--dry-run]" >&2; exit 2; }
 out=${OUT:-/tmp/gpu_session/out}
 work=${GPU_SESSION_WORK:-/tmp/gpu_session}
 budget=${GPU_SESSION_BUDGET:-500}
@@ -114,10 +124,11 @@ cpu_suite() {  # make test's tests with the GPU visible (they must pass there to
     step cpu-suite 240 "$PY" -m pytest -q -n 14 -p no:randomly --timeout 120 \
         -m "not plan_full and not cuda" "--junitxml=$logs/cpu-suite.xml"
 }
-recipe() {  # the ms1mv3-r50 recipe on one GPU, on the synthetic stream
-    step recipe 150 make -s ms1mv3-r50 "${make_py[@]}" NPROC_PER_NODE=1 MAX_RESTARTS=0 \
+recipe() {  # recipe [STEPS LIMIT]: the ms1mv3-r50 recipe on one GPU, on the synthetic stream
+    local steps=${1:-150} limit=${2:-150}
+    step recipe "$limit" make -s ms1mv3-r50 "${make_py[@]}" NPROC_PER_NODE=1 MAX_RESTARTS=0 \
         ARGS="data.source=synthetic data.num_samples=null data.synthetic_images_per_class=55 \
-train.max_steps=150 log.every=10 log.progress=false log.wandb=disabled \
+train.max_steps=$steps log.every=10 log.progress=false log.wandb=disabled \
 output=$work/runs/recipe checkpoint.every=100 checkpoint.resume=none"
 }
 
@@ -151,6 +162,19 @@ stage3() {
     step loader 90 "$PY" bench/loader.py --images 16000 --repeats 2 --workers 1,4,8
 }
 
+stagepace() {
+    step tune 150 "$PY" bench/pace.py tune --out "$out/tuned.json" --report "$logs/tune.json"
+    head_bench pace-r1 -C 1000000 -r 1.0
+    head_bench pace-r0.1 -C 1000000 -r 0.1
+    step profile-head 60 "$PY" bench/pace.py profile-head --out "$out/profile"
+    train_bench pace 120 --runs 1000:1.0,1000000:0.1
+    step arcface-torch 100 "$PY" bench/arcface_torch_pace.py --insightface .gpu/insightface \
+        --seconds 60 --json "$logs/arcface-torch.json"
+    recipe 80 100
+    step profile-train 90 "$PY" bench/pace.py profile-train --steps 2 --out "$out/profile"
+    step largest 120 "$PY" bench/pace.py largest --tries 4 --json "$logs/largest.json"
+}
+
 collect() {  # the runs' metrics and the demo's figures join the logs, then the summary
     local m summary=(python3 bench/gpu_summary.py summary --stage "$stage" --logs "$logs"
                      --out "$out/gpu_summary.json" --budget "$budget" --elapsed "$SECONDS")
@@ -161,6 +185,11 @@ collect() {  # the runs' metrics and the demo's figures join the logs, then the 
     [[ -d $work/demo_png ]] && cp -r "$work/demo_png" "$logs/"
     [[ $dry == 1 ]] && summary+=(--dry)
     "${summary[@]}" || echo "gpu_summary.py failed: no $out/gpu_summary.json"
+    if [[ $stage == pace ]]; then
+        [[ -d $out/profile ]] && mv "$out"/profile/*-kernels.txt "$logs/" 2> /dev/null
+        python3 bench/gpu_summary.py pace --logs "$logs" --out "$out/gpu-pace.json" \
+            || echo "gpu_summary.py pace failed: no $out/gpu-pace.json"
+    fi
     tar czf "$out/logs-$stage.tgz" -C "$work" "logs-$stage"
     echo "stage $stage done in ${SECONDS}s:"
     awk -F'\t' '{ printf "  %-22s %-8s exit %-4s %5ss\n", $1, $2, $3, $4 }' "$logs/steps.tsv"

@@ -18,6 +18,16 @@ left in LOGS (standard library only, so it runs whatever broke before it):
 
 Every key is present whatever ran (``null`` or empty when nothing fed it), so a reader can
 tell a stage that did not run from one that lost its figures.
+
+    python3 bench/gpu_summary.py pace --logs LOGS --out $OUT/gpu-pace.json
+
+``pace`` reads the pace stage's logs for the figures its targets name (docs/gpu.md): the head
+at 1M r=1 over its matmuls (``head-pace-r1.log``), ours and the textbook at r=0.1
+(``head-pace-r0.1.log``), the trainer over the backbone's ceiling at 1k r=1 and 1M r=0.1
+(``train-pace.json``), the recipe's img/s (``metrics-recipe.jsonl``), arcface_torch's
+(``arcface-torch.json``), the largest C_local that trained beside the plan's
+(``largest.json``), the card (``versions.json``) and the date; ``null`` where a step left
+nothing.
 """
 
 from __future__ import annotations
@@ -168,6 +178,43 @@ def summary(stage: str, logs: Path, budget: int, elapsed: int, dry: bool) -> dic
     }
 
 
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pace(logs: Path) -> dict:
+    """The pace stage's figures (module docstring)."""
+    head = {h["step"]: h["ms"] for h in _head(logs)}
+    r1, r01 = head.get("head-pace-r1", {}), head.get("head-pace-r0.1", {})
+    runs = {(r.get("classes"), r.get("sample_rate")): r.get("img_per_s")
+            for r in _json(logs / "train-pace.json").get("runs", [])}
+    ceiling = runs.get((0, 1.0))
+
+    def of_ceiling(key: tuple[int, float]) -> float | None:
+        return round(runs[key] / ceiling, 3) if ceiling and runs.get(key) else None
+
+    recipe = logs / "metrics-recipe.jsonl"
+    arcface, largest = _json(logs / "arcface-torch.json"), _json(logs / "largest.json")
+    gpu = (_json(logs / "versions.json").get("gpu") or {}).get("name")
+    return {
+        "head_r1_over_matmuls": round(r1["ours"] / r1["matmuls"], 3)
+        if r1.get("ours") and r1.get("matmuls") else None,
+        "head_r01_ms": r01.get("ours"), "textbook_r01_ms": r01.get("textbook"),
+        "trainer_1k_of_ceiling": of_ceiling((1000, 1.0)),
+        "trainer_1m_r01_of_ceiling": of_ceiling((1_000_000, 0.1)),
+        "recipe_img_s": _run(recipe).get("img_per_s") if recipe.is_file() else None,
+        "arcface_torch_img_s": arcface.get("img_per_s"),
+        "arcface_torch_peak_gib": arcface.get("peak_gib"),
+        "largest_c_local_r01": largest.get("largest_trained"),
+        "planned_c_local_r01": largest.get("planned"),
+        "device": gpu,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -180,9 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--budget", type=int, default=0, help="the stage's time budget, s")
     s.add_argument("--elapsed", type=int, default=0, help="the stage's wall time so far, s")
     s.add_argument("--dry", action="store_true", help="a dry run (nothing was run)")
+    g = sub.add_parser("pace", help="the pace stage's gpu-pace.json from its logs folder")
+    g.add_argument("--logs", type=Path, required=True)
+    g.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if args.what == "versions":
         result = versions()
+    elif args.what == "pace":
+        result = pace(args.logs)
     else:
         result = summary(args.stage, args.logs, args.budget, args.elapsed, args.dry)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

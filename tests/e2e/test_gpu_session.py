@@ -3,8 +3,8 @@ not stop the next, the time budget that skips what cannot finish, and gpu_summar
 
 The script runs as on the GPU machine, with ``PY`` a fake interpreter that answers each step
 as the real tools would (a JUnit report, bench/head.py's table, bench/train.py's JSON, a run's
-metrics.jsonl) and fails bench/head.py at 1M classes r=0.1. What the tools compute is their
-own tests' business.
+metrics.jsonl) and fails bench/head.py at 1M classes r=0.1 (not in the pace stage's test).
+What the tools compute is their own tests' business.
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ STEPS = {
           "train-bf16-state", "loader"],
     "3": ["setup", "versions", "cuda-tests", "cpu-suite", "peak-r0.1", "peak-r1", "recipe",
           "train-deepspeed", "train-compile", "loader"],
+    "pace": ["setup", "versions", "tune", "head-pace-r1", "head-pace-r0.1", "profile-head",
+             "train-pace", "arcface-torch", "recipe", "profile-train", "largest"],
 }
+PACE_KEYS = {"head_r1_over_matmuls", "head_r01_ms", "textbook_r01_ms", "trainer_1k_of_ceiling",
+             "trainer_1m_r01_of_ceiling", "recipe_img_s", "arcface_torch_img_s", "device",
+             "date", "arcface_torch_peak_gib", "largest_c_local_r01", "planned_c_local_r01"}
 KEYS = {"stage", "date", "dry_run", "budget_s", "elapsed_s", "ok", "versions", "steps", "tests",
         "recipe", "demo", "head", "train"}
 
 FAKE = r'''
-import json, sys
+import json, os, sys
 from pathlib import Path
 
 argv = sys.argv[1:]
@@ -59,14 +64,31 @@ if argv[:2] == ["-m", "pytest"]:
 if argv[:1] == ["bench/gpu_summary.py"]:
     Path(after("--out")).write_text(json.dumps({"python": "3", "torch": "2.11.0+cu130"}))
 elif argv[:1] == ["bench/head.py"]:
-    if (after("-C"), after("-r")) == ("1000000", "0.1"):
+    if f"{after('-C')}:{after('-r')}" == os.environ.get("FAKE_HEAD_FAILS"):
         sys.exit("head.py: boom")
     print(f"C={after('-C')} D=512 N/rank=1024 P=1 r={after('-r')} device=cuda")
     print("ours          8.00 [7.50, 9.00]       100.0 [90.0, 100.0]        5000")
     print("textbook     16.00 [15.00, 17.00]     400.0 [390.0, 400.0]        2000")
     print("matmuls       6.00 [5.90, 6.10]")
+elif argv[:1] == ["bench/train.py"] and after("--json").endswith("train-pace.json"):
+    runs = [{"classes": 0, "sample_rate": 1.0, "img_per_s": 2000.0},
+            {"classes": 1000, "sample_rate": 1.0, "img_per_s": 1800.0},
+            {"classes": 1000000, "sample_rate": 0.1, "img_per_s": 1500.0}]
+    Path(after("--json")).write_text(json.dumps({"runs": runs}))
 elif argv[:1] == ["bench/train.py"]:
     Path(after("--json")).write_text(json.dumps({"runs": [{"run": "trainer", "img_per_s": 2e3}]}))
+elif argv[:2] == ["bench/pace.py", "tune"]:
+    Path(after("--out")).write_text(json.dumps({"devices": {"Fake": {"buckets": {}}}}))
+    Path(after("--report")).write_text("{}")
+elif argv[:1] == ["bench/pace.py"] and argv[1].startswith("profile-"):
+    name = argv[1].removeprefix("profile-")
+    Path(after("--out")).mkdir(parents=True, exist_ok=True)
+    (Path(after("--out")) / f"{name}-trace.json.gz").write_bytes(b"trace")
+    (Path(after("--out")) / f"{name}-kernels.txt").write_text("kernels")
+elif argv[:2] == ["bench/pace.py", "largest"]:
+    Path(after("--json")).write_text(json.dumps({"largest_trained": 40, "planned": 50}))
+elif argv[:1] == ["bench/arcface_torch_pace.py"]:
+    Path(after("--json")).write_text(json.dumps({"img_per_s": 1250.0, "peak_gib": 9.5}))
 elif argv[:2] == ["-m", "launch.torchrun"]:
     metrics(Path(value("output=")))
 elif argv[:1] == ["bench/scale_demo.py"]:
@@ -75,24 +97,27 @@ elif argv[:1] == ["bench/scale_demo.py"]:
 '''
 
 
-def _session(tmp_path: Path, stage: str, *flags: str, budget: int = 500):
+def _session(tmp_path: Path, stage: str, *flags: str, budget: int = 500,
+             head_fails: str = "1000000:0.1"):
     fake = tmp_path / "python"
     fake.write_text(f"#!{sys.executable}\n{FAKE}")
     fake.chmod(0o755)
     out, work = tmp_path / f"out{stage}", tmp_path / f"work{stage}"
     env = {**os.environ, "PY": str(fake), "OUT": str(out), "GPU_SESSION_WORK": str(work),
-           "GPU_SESSION_BUDGET": str(budget)}
+           "GPU_SESSION_BUDGET": str(budget), "FAKE_HEAD_FAILS": head_fails}
     env.pop("GPU_SESSION_DRY", None)
     result = subprocess.run(["bash", str(SCRIPT), stage, *flags], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     summary = json.loads((out / "gpu_summary.json").read_text())
     assert set(summary) == KEYS and summary["stage"] == stage
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["gpu_summary.json", f"session-{stage}.log", f"logs-{stage}.tgz"])
+    pace = ["gpu-pace.json"] if stage == "pace" else []  # and what its steps wrote there
+    written = sorted(p.name for p in out.iterdir() if p.name not in ("profile", "tuned.json"))
+    assert written == sorted(["gpu_summary.json", f"session-{stage}.log", f"logs-{stage}.tgz",
+                              *pace])
     return result, summary, {s["name"]: s for s in summary["steps"]}
 
 
-@pytest.mark.parametrize("stage", ["1", "2", "3"])
+@pytest.mark.parametrize("stage", ["1", "2", "3", "pace"])
 def test_dry_run_names_every_step_and_runs_none(tmp_path, stage):
     result, summary, steps = _session(tmp_path, stage, "--dry-run")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -105,7 +130,8 @@ def test_dry_run_names_every_step_and_runs_none(tmp_path, stage):
 
         args = steps["recipe"]["command"].split("'ARGS=", 1)[1].rstrip("'").split()
         cfg = load_config(ROOT / "configs" / "ms1mv3_r50.yaml", args, resolve=False)
-        assert cfg.data.source == "synthetic" and cfg.train.max_steps == 150
+        assert cfg.data.source == "synthetic"
+        assert cfg.train.max_steps == (80 if stage == "pace" else 150)
 
 
 def test_a_failing_step_does_not_stop_the_next(tmp_path):
@@ -155,6 +181,31 @@ def test_benches_and_demo_are_merged_and_the_budget_skips_what_cannot_finish(tmp
             if s["status"] != "ok" and name != "setup"] == ["demo"]
     assert steps["demo"]["status"] == "skipped" and summary["demo"] == {}
     assert all(s["limit_s"] <= 95 for s in steps.values() if s["status"] != "skipped")
+
+
+def test_the_pace_stage_writes_its_figures_and_brings_back_its_files(tmp_path):
+    """The stage's figures in gpu-pace.json from what its steps left (head ms from bench/
+    head.py's table, img/s from bench/train.py's JSON and the recipe's metrics), the tuned
+    table and the traces in $OUT, the per-kernel tables in the logs; no more files come
+    back than the device machine returns (8)."""
+    result, summary, steps = _session(tmp_path, "pace", head_fails="none")
+    status = {name: s["status"] for name, s in steps.items() if name != "setup"}
+    assert set(status.values()) == {"ok"}, status
+    out = tmp_path / "outpace"
+    pace = json.loads((out / "gpu-pace.json").read_text())
+    assert set(pace) == PACE_KEYS
+    assert pace["head_r1_over_matmuls"] == pytest.approx(8.0 / 6.0, abs=1e-3)
+    assert (pace["head_r01_ms"], pace["textbook_r01_ms"]) == (8.0, 16.0)
+    assert (pace["trainer_1k_of_ceiling"], pace["trainer_1m_r01_of_ceiling"]) == (0.9, 0.75)
+    assert (pace["recipe_img_s"], pace["arcface_torch_img_s"]) == (2500.0, 1250.0)
+    assert (pace["largest_c_local_r01"], pace["planned_c_local_r01"]) == (40, 50)
+    assert json.loads((out / "tuned.json").read_text())["devices"] == {"Fake": {"buckets": {}}}
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and {"head-trace.json.gz", "train-trace.json.gz"} <= {
+        p.name for p in files}
+    with tarfile.open(out / "logs-pace.tgz") as tgz:
+        assert {"logs-pace/head-kernels.txt", "logs-pace/train-kernels.txt",
+                "logs-pace/tune.json"} <= set(tgz.getnames())
 
 
 def test_versions_name_what_imports_and_null_what_does_not(monkeypatch):

@@ -1,0 +1,209 @@
+"""The GPU pace stage's own measurements (bench/gpu_session.sh pace), one subcommand each.
+
+    python3 bench/pace.py tune --table partial_fc/tiles/tuned.json --out $OUT/tuned.json \
+        --report LOGS/tune.json          # the sweep: winners per shape bucket for this card
+    python3 bench/pace.py profile-head --out DIR   # torch.profiler of the head's step
+    python3 bench/pace.py profile-train --out DIR  # ... of the trainer's step (bench/train.py)
+    python3 bench/pace.py largest --json LOGS/largest.json   # the largest C_local that trains
+
+- ``tune``: every candidate of ``partial_fc.tiles.tuning`` on the shapes users run (``N`` 512,
+  1024, 2048; ``S = C_local r`` for ``C_local`` 100k, 1M, 4M and ``r`` 1, 0.1; ``D`` 512;
+  bf16 ``e``; fp32 and bf16 state), through the same measurement as a first use
+  (``partial_fc.tiles.autotune.measure``: checked against the reference, then timed on at
+  most ``autotune.COLUMNS`` classes, so the buckets past that share one measurement). The
+  table at ``--table`` with this card's entry replaced goes to ``--out``; every trial
+  (time, difference, error) to ``--report``.
+- ``profile-head``: ``PartialFC`` forward and backward at ``-C``/``-N``/``-r``, bf16 autocast,
+  one process: a Chrome trace (``head-trace.json.gz``) and the per-kernel table
+  (``head-kernels.txt``, CUDA time first).
+- ``profile-train``: bench/train.py's ceiling and trainer steps (iresnet50 bf16 batch 128, 1k
+  classes) under the profiler: ``train-trace.json.gz`` and ``train-kernels.txt``.
+- ``largest``: the largest ``C_local`` that trains one step (iresnet50 bf16 batch 128, r=0.1,
+  bf16 head state) on this card, found by trying ``launch.plan``'s prediction for the card's
+  memory and then bisecting (each try in a fresh process, so an out-of-memory leaves nothing
+  behind), beside that prediction.
+
+Prints figures, asserts nothing; not run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+NS = (512, 1024, 2048)
+SAMPLED = (10_000, 100_000, 400_000, 1_000_000, 4_000_000)  # C_local r
+STATES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tune(args: argparse.Namespace) -> None:
+    from partial_fc.tiles import autotune, tuning
+
+    device = torch.device("cuda")
+    info = tuning.device_info(device)
+    buckets, trials, measured = {}, [], {}
+    for state, dtype in STATES.items():
+        for n in NS:
+            for s in SAMPLED:
+                cols = min(s, autotune.COLUMNS)
+                key = (n, cols, state)
+                if key not in measured:
+                    g = torch.Generator(device=device).manual_seed(0)
+                    e = torch.nn.functional.normalize(
+                        torch.randn(n, 512, device=device, generator=g), dim=1).bfloat16()
+                    w = (torch.randn(cols, 512, device=device, generator=g) * 0.05).to(dtype)
+                    t0 = time.perf_counter()
+                    measured[key] = autotune.measure(e, w, info)
+                    print(f"N={n} S={cols} state={state}: {len(measured[key])} candidates in "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
+                shape = tuning.Shape.of(n, s, 512, torch.bfloat16, dtype)
+                timed = [t for t in measured[key] if t.ms is not None]
+                for t in measured[key]:
+                    trials.append({"bucket": shape.key, "measured_columns": cols,
+                                   **t.choice.to_json(), "ms": t.ms,
+                                   "difference": t.difference, "error": t.error})
+                if timed:
+                    best = min(timed, key=lambda t: t.ms)
+                    buckets[shape.key] = best.choice.to_json()
+                    print(f"  {shape.key}: {autotune.describe(best.choice)}, {best.ms:.3f} ms "
+                          f"(default {timed[0].ms:.3f} ms)", flush=True)
+    table = json.loads(args.table.read_text())
+    table["devices"][info.name] = {
+        "measured": {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                     "triton": _version("triton"), "sms": info.sms,
+                     "capability": list(info.capability),
+                     "command": "bash bench/gpu_session.sh pace (bench/pace.py tune)"},
+        "buckets": buckets}
+    args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    args.report.write_text(json.dumps({"device": info.name, "trials": trials}, indent=1) + "\n")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return __import__(name).__version__
+    except ImportError:
+        return None
+
+
+def _profiled(run, out: Path, name: str) -> None:
+    """``run()`` under torch.profiler: ``out/<name>-trace.json.gz`` and the per-kernel table
+    ``out/<name>-kernels.txt`` (CUDA time first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    trace = out / f"{name}-trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+    (out / f"{name}-kernels.txt").write_text(table + "\n")
+    print(table)
+
+
+def profile_head(args: argparse.Namespace) -> None:
+    from partial_fc import PartialFC, build_margin
+
+    device = torch.device("cuda")
+    head = PartialFC(512, args.classes, build_margin(dict(type="arcface")),
+                     sample_rate=args.sample_rate, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    emb = torch.randn(args.batch, 512, device=device, generator=g)
+    labels = torch.randint(0, args.classes, (args.batch,), device=device, generator=g)
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            x = emb.detach().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = head(x, labels)
+            loss.backward()
+            head.weight.grad = None
+        torch.cuda.synchronize()
+
+    steps(3)  # compile, tune, first-use check
+    print("\n".join(head.take_notes()))
+    _profiled(lambda: steps(args.steps), args.out, "head")
+
+
+def profile_train(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train  # bench/train.py
+
+    _profiled(lambda: train.main(["--runs", "1000:1.0", "--steps", str(args.steps),
+                                  "--warmup", "3"]), args.out, "train")
+
+
+def _fits(classes: int) -> bool:
+    """One trainer step at ``classes`` in a fresh process (bench/train.py, one step)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "train.py"), "--runs", f"{classes}:0.1",
+           "--steps", "1", "--warmup", "1", "--state-dtype", "bf16"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done.returncode == 0
+
+
+def largest(args: argparse.Namespace) -> None:
+    from offline import plan
+    from offline.plan_inputs import resolve_inputs
+
+    memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    given = {"gpus": 1, "batch": 128, "backbone": "iresnet50", "precision": "bf16",
+             "engine": "ddp", "sample_rate": 0.1, "state_dtype": "bf16", "reserve": 0.0,
+             "gpu_memory": memory_gb, "classes": 1_000_000}
+    predicted = plan.plan(resolve_inputs(None, given)).max_classes
+    tries, low, high = [], 0, None
+    candidate = predicted
+    for _ in range(args.tries):
+        ok = _fits(candidate)
+        tries.append({"classes": candidate, "trains": ok})
+        print(f"C_local={candidate:,}: {'trains' if ok else 'does not train'}", flush=True)
+        if ok:
+            low = candidate
+            candidate = candidate * 9 // 8 if high is None else (low + high) // 2
+        else:
+            high = candidate
+            candidate = (low + high) // 2 if low else candidate * 3 // 4
+        if high is not None and high - low <= high // 50:
+            break
+    args.json.write_text(json.dumps({"largest_trained": low or None, "first_failed": high,
+                                     "planned": predicted, "gpu_memory_gib": memory_gb,
+                                     "tries": tries}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("tune", help="the sweep: this card's winners into the table")
+    t.add_argument("--table", type=Path, default=ROOT / "partial_fc" / "tiles" / "tuned.json")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--report", type=Path, required=True)
+    h = sub.add_parser("profile-head", help="torch.profiler of the head's step")
+    h.add_argument("-C", "--classes", type=int, default=1_000_000)
+    h.add_argument("-N", "--batch", type=int, default=1024)
+    h.add_argument("-r", "--sample-rate", type=float, default=1.0)
+    h.add_argument("--steps", type=int, default=5)
+    h.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("profile-train", help="torch.profiler of the trainer's step")
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--out", type=Path, required=True)
+    g = sub.add_parser("largest", help="the largest C_local that trains, beside the plan")
+    g.add_argument("--tries", type=int, default=5)
+    g.add_argument("--json", type=Path, required=True)
+    args = p.parse_args(argv)
+    {"tune": tune, "profile-head": profile_head, "profile-train": profile_train,
+     "largest": largest}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
