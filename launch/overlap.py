@@ -185,6 +185,11 @@ def _find(args: argparse.Namespace, env) -> tuple:
     if args.held is not None and max(args.held) >= manifest.num_classes:
         raise CalibrationError(f"--held-out {args.held_out}: class {max(args.held)} is not a "
                                f"label of {args.data} ({manifest.num_classes} classes)")
+    sets = [read() for read in args.pair_sets]  # read before the pass over the shards
+    if args.ijb is not None:
+        sets.append(ijb_images(args.ijb, args.ijb_target))
+    if args.tinyface is not None:
+        sets.append(tinyface_images(args.tinyface))
     choice = None if args.threshold is not None else null_choice(
         manifest.num_samples, manifest.num_classes, args.null_images, args.held)
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
@@ -196,11 +201,6 @@ def _find(args: argparse.Namespace, env) -> tuple:
     if env.is_main:
         print(f"threshold {threshold:g} (--threshold)" if calibration is None
               else calibration.describe())
-    sets = [read() for read in args.pair_sets]
-    if args.ijb is not None:
-        sets.append(ijb_images(args.ijb, args.ijb_target))
-    if args.tinyface is not None:
-        sets.append(tinyface_images(args.tinyface))
     results = [set_overlap(images, backbone, trained.centres, threshold, args.batch_size,
                            env.device, env.group) for images in sets]
     nearest = nearest_samples(backbone, args.data, queries(sets, results), args.batch_size,

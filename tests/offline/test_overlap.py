@@ -29,15 +29,18 @@ from data_pipeline.exclusion import read_exclusions
 from data_pipeline.synthetic import SyntheticSource
 from data_pipeline.verification_bin import write_bin
 from offline.overlap import (
-    DEFAULT_THRESHOLD,
     class_centres,
     nearest_samples,
+    null_cosines,
     queries,
     set_overlap,
 )
+from offline.overlap_search import NullChoice, calibrate
 from offline.overlap_sets import bin_images, ijb_images
 
 PLANTED = (3, 7, 11, 15, 19)  # of the 20 training identities (conftest's synthetic_data)
+THRESHOLD = 0.5  # a fixed cosine where the calibration is not what is tested
+FPIR = 0.05
 
 
 class ColourFeatures(nn.Module):
@@ -73,40 +76,61 @@ def ijb_crop(blob: bytes) -> np.ndarray:
 
 
 def _overlap(data, images):
+    """The calibrated search of one process or rank: every training image a null probe
+    (160), the threshold at FPIR 0.05, then the planted set (4 unseen images of each planted
+    identity) and the disjoint one (160 images of 40 identities never trained on)."""
     model = ColourFeatures()
-    centres, counts = class_centres(model, data, 32, "cpu")
-    sets = [bin_images("x", "x.bin", images)]
-    found = set_overlap(sets[0], model, centres, DEFAULT_THRESHOLD, 32, "cpu")
-    nearest = nearest_samples(model, data, queries(sets, [found]), 32, "cpu")
-    return centres, counts, found, nearest
+    trained = class_centres(model, data, 32, "cpu", null=NullChoice(1.0))
+    calibration = calibrate(null_cosines(trained, "cpu"), FPIR, "the training images")
+    sets = [bin_images("planted", "p.bin", images[:20]),
+            bin_images("disjoint", "d.bin", images[20:])]
+    found = [set_overlap(s, model, trained.centres, calibration.threshold, 32, "cpu")
+             for s in sets]
+    nearest = nearest_samples(model, data, queries(sets[:1], found[:1]), 32, "cpu")
+    return trained.centres, trained.counts, calibration, found, nearest
 
 
-def test_planted_identities_are_found(synthetic_data):
-    images = evaluation_images()
-    _, counts, found, nearest = _overlap(synthetic_data, images)
+def _check(counts, calibration, found, nearest) -> None:
+    """Planted: every identity found by all its images, matched to its own training image.
+    Disjoint: at most the images the FPIR expects listed, and no more identities than
+    images."""
+    planted, disjoint = found
     assert counts.tolist() == [8.0] * 20
-    hits = len(found.classes & set(PLANTED))
-    assert hits / len(PLANTED) >= 0.9 and hits / max(1, len(found.classes)) >= 0.9, found
-    assert found.images == 180 and 18 <= found.matched_images <= 22
-    for match, near in zip(found.matches, nearest, strict=True):  # its own images, its own
+    assert calibration.searches == 160 and calibration.reached == 8  # floor(0.05 * 161)
+    assert planted.classes == set(PLANTED) and planted.matched_images == 20
+    for match, near in zip(planted.matches, nearest, strict=True):  # its own images, its own
         assert match.image // 4 == PLANTED.index(match.label)  # class's training image
-        assert near.source.split("/")[0] == str(match.label) and near.score > DEFAULT_THRESHOLD
+        assert near.source.split("/")[0] == str(match.label)
+        assert near.score > calibration.threshold
+    expected = calibration.expected_fpir * disjoint.images
+    assert disjoint.images == 160 and expected == pytest.approx(8 * 160 / 161)
+    assert len(disjoint.classes) <= disjoint.matched_images <= expected
+
+
+def test_planted_sets_are_found_and_disjoint_ones_list_at_most_the_expected(synthetic_data):
+    _, counts, calibration, found, nearest = _overlap(synthetic_data, evaluation_images())
+    _check(counts, calibration, found, nearest)
 
 
 def _ranks(rank, world, data, images):
-    centres, counts, found, nearest = _overlap(data, images)
-    return centres.clone(), counts.clone(), found, nearest
+    return _overlap(data, images)
 
 
 def test_two_ranks_agree_with_one_process(synthetic_data):
+    """The same null probes (chosen by key), threshold and lists on 2 ranks as on one."""
     images = evaluation_images()
-    centres, counts, found, nearest = _overlap(synthetic_data, images)
-    for c, n, f, near in run_ranks(_ranks, world_size=2, args=(synthetic_data, images)):
-        torch.testing.assert_close(c, centres)
-        assert torch.equal(n, counts) and f.classes == found.classes
-        assert [(m.label, m.image) for m in f.matches] == [
-            (m.label, m.image) for m in found.matches]
-        assert [m.score for m in f.matches] == pytest.approx([m.score for m in found.matches])
+    centres, counts, calibration, found, nearest = _overlap(synthetic_data, images)
+    for c, n, cal, f, near in run_ranks(_ranks, world_size=2, args=(synthetic_data, images)):
+        _check(n, cal, f, near)
+        np.testing.assert_allclose(c, centres, atol=1e-6)
+        np.testing.assert_allclose(cal.null, calibration.null, atol=1e-5)
+        assert cal.threshold == pytest.approx(calibration.threshold, abs=1e-5)
+        for mine, one in zip(f, found, strict=True):
+            assert [(m.label, m.image) for m in mine.matches] == [
+                (m.label, m.image) for m in one.matches]
+            assert [m.score for m in mine.matches] == pytest.approx(
+                [m.score for m in one.matches])
+            np.testing.assert_allclose(mine.best, one.best, atol=1e-5)
         assert [(x.key, x.source) for x in near] == [(x.key, x.source) for x in nearest]
 
 
@@ -121,9 +145,9 @@ def test_cli_writes_an_exclusion_list(synthetic_data, tmp_path, capsys):
                  str(tmp_path / "lfw.bin"), "--threshold", "-1", "--out", str(out),
                  "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    assert "lfw  40      40              20" in printed  # threshold -1: everything matches
     listed = read_exclusions(out)  # the list, its notes included, read back by data.exclude
-    assert listed.classes == frozenset(range(20)) and not listed.samples
+    assert set(PLANTED) <= listed.classes and not listed.samples  # and the strangers' nearest
+    assert f"lfw  40      40              {len(listed.classes):<17d}  -" in printed
     assert out.read_text().startswith(f"# launch.overlap checkpoint={run} data=")
     assert "\nclass 3  # 3: lfw lfw.bin[" in out.read_text()  # synthetic: named by label
 
@@ -136,43 +160,114 @@ def test_planted_identities_are_found_in_an_ijb_folder(synthetic_data, tmp_path)
     faces = [(f"{i}.png", i, i, ijb_crop(b), 1.0) for i, b in enumerate(blobs)]
     write_ijb(tmp_path / "IJBC", faces, [(0, 1, 1)])
     model = ColourFeatures()
-    centres, _ = class_centres(model, synthetic_data, 32, "cpu")
-    found = set_overlap(ijb_images(tmp_path / "IJBC", "IJBC"), model, centres,
-                        DEFAULT_THRESHOLD, 5, "cpu")
+    centres = class_centres(model, synthetic_data, 32, "cpu").centres
+    found = set_overlap(ijb_images(tmp_path / "IJBC", "IJBC"), model, centres, THRESHOLD, 5,
+                        "cpu")
     assert found.classes == {3, 7} and found.matched_images == 4 and found.images == 12
 
 
-def test_cli_calibrates_the_threshold_on_the_bins_impostor_pairs(synthetic_data, tmp_path,
-                                                                  capsys, monkeypatch):
-    """No --threshold: the one chosen is the cosine a share --fmr of the .bin's impostor pairs
-    reach under the model (the colour embedding here), recomputed pair by pair; the line
-    says so."""
+def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys,
+                                               monkeypatch):
+    """No --threshold: the line names the threshold, the FPIR, the searches and whose; the
+    table and the JSON give each set's expected false count beside its listed one, and the
+    histograms (the null's: one count per search; a set's: one per image); the page draws
+    them. --held-out: the held-out classes' images are the probes. An FPIR the searches
+    cannot resolve, a list without classes or with a label the folder lacks: one line."""
     from launch import overlap
-    from launch.overlap import main
-    from trainer.evaluation import embed_images, eval_mode
 
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
-    run = make_run(tmp_path)
-    other = evaluation_images()[20:]  # 160 images of 40 identities never trained on
-    pairs = [(other[i], other[i + 4 * k]) for k in (1, 2) for i in range(0, 120, 3)]  # 80
-    write_bin(tmp_path / "lfw.bin", [x for p in pairs for x in p], [False] * len(pairs))
-    out = tmp_path / "overlap.txt"
-    assert main(["--checkpoint", str(run), "--data", str(synthetic_data), "--bins",
-                 str(tmp_path / "lfw.bin"), "--fmr", "0.05", "--out", str(out),
-                 "--device", "cpu"]) == 0
-    line = capsys.readouterr().out.splitlines()[0]
-    model = ColourFeatures()
-    with eval_mode(model):
-        emb = [embed_images(model, np.stack([decode_image(b, 112).transpose(2, 0, 1)
-                                             for b in p]), 2, "cpu") for p in pairs]
-    cos = np.array([float(e[0] @ e[1]) for e in emb])
-    tau = float(line.split()[1].rstrip(":"))
-    reached = int((cos >= tau - 1e-4).sum())
-    assert 1 <= reached <= 4 and (cos > tau + 1e-4).sum() < reached  # 5% of 80, from above
-    assert line.startswith(f"threshold {tau:.4f}: the cosine {reached} of the 80 impostor "
-                           "pairs of lfw reach under this model (false-match rate")
-    assert "--fmr 0.05" in line
-    assert f"threshold={tau:.4g}" in out.read_text().splitlines()[0]
+    write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
+    out, js, page = tmp_path / "o.txt", tmp_path / "o.json", tmp_path / "o.html"
+    args = ["--checkpoint", str(make_run(tmp_path)), "--data", str(synthetic_data), "--bins",
+            str(tmp_path / "disjoint.bin"), "--out", str(out), "--device", "cpu"]
+    assert overlap.main([*args, "--fpir", "0.05", "--json", str(js), "--html", str(page)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("threshold ") and (
+        ": the FPIR 0.05 (--fpir) of a search of the training images, each against the other "
+        "identities' centres: reached by 8 of 160 searches (expected FPIR 0.05;") in printed[0]
+    found = json.loads(js.read_text())
+    assert f"{found['threshold']:.4f}" == printed[0].split()[1].rstrip(":")
+    calibration = found["calibration"]
+    assert calibration["searches"] == 160 and sum(calibration["null_histogram"]) == 160
+    assert calibration["reached"] == 8 and calibration["fpir"] == 0.05
+    (disjoint,) = found["sets"]
+    assert disjoint["images"] == sum(disjoint["histogram"]) == 160
+    assert disjoint["expected_false"] == pytest.approx(8 / 161 * 160)
+    assert disjoint["shared_identities"] <= disjoint["matched_images"] <= 8
+    assert printed[2] == (f"disjoint  160     {disjoint['matched_images']:<14d}  "
+                          f"{disjoint['shared_identities']:<17d}  <= 8")
+    assert "<svg" in page.read_text() and "reached by 8 of 160 searches" in page.read_text()
+    assert "fpir=0.05" in out.read_text().splitlines()[0]
+
+    held = tmp_path / "held.txt"
+    held.write_text("".join(f"class {c}\n" for c in range(5)))
+    assert overlap.main([*args, "--fpir", "0.05", "--held-out", str(held)]) == 0
+    assert ("a search of the images of the 5 identities held out of training (--held-out), "
+            "each against the other identities' centres: reached by 2 of 40 searches") in (
+        capsys.readouterr().out.splitlines()[0])
+
+    assert overlap.main([*args, "--fpir", "0.001"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --fpir 0.001: 160 null searches (the training images) resolve rates down to "
+        "1/161 = 0.0062 only; raise --fpir, search more images (--null-images) or set "
+        "--threshold\n")
+    held.write_text("class 20\n")
+    assert overlap.main([*args, "--held-out", str(held)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --held-out {held}: class 20 is not a label of {synthetic_data} (20 classes)\n")
+    held.write_text("sample 000000001\n")
+    with pytest.raises(SystemExit):
+        overlap.main([*args, "--held-out", str(held)])
+    assert f"--held-out {held}: no `class` lines" in capsys.readouterr().err
+
+
+def test_calibration_holds_its_fpir_where_the_per_pair_rate_does_not():
+    """Fabricated embeddings, 2,000 identities (a unit centre each; an image is its centre
+    plus Gaussian noise, normalised): 4,000 training images searched against the other
+    centres calibrate the threshold at FPIR 0.01 (k = 40); 20,000 images of 4,000 identities
+    never trained on are then listed at 0.5 to 1.5 times that rate (the calibration's own
+    spread, Beta(40, 3961), is 16 %). The per-pair rule (the 0.99 quantile of image-to-other-
+    centre cosines) lists nearly all of them: 1 - 0.99^1999."""
+    from offline.overlap_search import best_other_centre, centre_search
+
+    rng = np.random.default_rng(0)
+
+    def unit(x):
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    def images(centres, labels):
+        return unit(centres[labels] + rng.normal(0, 0.12, (len(labels), centres.shape[1])))
+
+    centres = unit(rng.normal(size=(2000, 32)))
+    labels = rng.integers(0, 2000, 4000)
+    train = images(centres, labels)
+    calibration = calibrate(best_other_centre(train, labels, centres), 0.01, "fabricated")
+    assert calibration.reached == 40 and calibration.searches == 4000
+    strangers = images(unit(rng.normal(size=(4000, 32))), rng.integers(0, 4000, 20000))
+    best, _ = centre_search(strangers, centres)
+    listed = float((best[:, 0] >= calibration.threshold).mean())
+    assert 0.5 * calibration.expected_fpir <= listed <= 1.5 * calibration.expected_fpir
+    pairs = (train @ centres.T)[labels[:, None] != np.arange(2000)]
+    assert (best[:, 0] >= np.quantile(pairs, 0.99)).mean() > 0.9
+
+
+def test_centre_search_is_the_brute_force_over_chunks(monkeypatch):
+    """The k nearest centres' cosines and labels, merged over chunks of centres (7 here),
+    equal a full sort; the null's best other centre skips the probe's own."""
+    from offline import overlap_search
+
+    monkeypatch.setattr(overlap_search, "CENTRE_CHUNK", 7)
+    rng = np.random.default_rng(1)
+    centres = rng.normal(size=(30, 8)).astype(np.float32)
+    probes = rng.normal(size=(12, 8)).astype(np.float32)
+    scores, ids = overlap_search.centre_search(probes, centres, 3)
+    full = probes @ centres.T
+    np.testing.assert_array_equal(ids, np.argsort(-full, axis=1)[:, :3])
+    np.testing.assert_allclose(scores, -np.sort(-full, axis=1)[:, :3], rtol=1e-5)
+    own = ids[:, 0].copy()
+    own[::2] = 0  # half the probes' own identity is their nearest, half another
+    expected = np.where(own == ids[:, 0], scores[:, 1], scores[:, 0])
+    np.testing.assert_allclose(overlap_search.best_other_centre(probes, own, centres), expected)
 
 
 # ---------------------------------------------------------------- the user's path, end to end
@@ -238,7 +333,7 @@ def _run_overlap(monkeypatch, tmp_path, data, *sets_args: str) -> tuple[int, dic
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
     out, js = tmp_path / "overlap.txt", tmp_path / "overlap.json"
     rc = overlap.main(["--checkpoint", str(make_run(tmp_path)), "--data", str(data),
-                       *sets_args, "--threshold", str(DEFAULT_THRESHOLD), "--out", str(out),
+                       *sets_args, "--threshold", str(THRESHOLD), "--out", str(out),
                        "--json", str(js), "--device", "cpu"])
     return rc, (json.loads(js.read_text()) if rc == 0 else {}), out
 
@@ -279,7 +374,7 @@ def test_every_evaluation_format_names_its_shared_identity_and_source(
     for row in rows.values():
         name = f"person_{row['label']:02d}"
         assert row["identity"] == name and row["source"].startswith(name + "/")
-        assert stored[row["key"]][0] == row["source"] and row["score"] >= DEFAULT_THRESHOLD
+        assert stored[row["key"]][0] == row["source"] and row["score"] >= THRESHOLD
         assert f"{row['set']} {row['image']} ~ class {row['label']} {name} (cos " in printed
     lfw = rows["lfw"]  # the nearest training image, by brute force
     own = {src: jpg for src, jpg in stored.values() if src.startswith("person_03/")}
@@ -326,8 +421,9 @@ def test_a_data_folder_at_a_url_gives_the_local_answer(converted, sets, tmp_path
     server = FileServer(converted)
     try:
         _, http, _ = _run_overlap(monkeypatch, tmp_path / "http", f"{server.url}/data", *bins)
-        # each shard fetched whole, once per pass (the centres, then the nearest images)
-        assert server.gets("shard-000000.tar") == [None, None]
+        # each shard (under a read's piece) in one request per pass (the centres, then the
+        # nearest images)
+        assert len(server.gets("shard-000000.tar")) == 2
         capsys.readouterr()
         rc, _, _ = _run_overlap(monkeypatch, tmp_path / "gone", f"{server.url}/gone", *bins)
     finally:
@@ -360,8 +456,8 @@ def _write_rfw_folder(root, groups: dict[str, list[bytes]]) -> None:
 def test_rfw_from_its_released_folder_as_from_its_bins(converted, tmp_path, monkeypatch,
                                                        capsys):
     """``--rfw`` on the released folder of images and pair lists (what ``launch.evaluate
-    --rfw`` also reads) finds the identity planted in RFW/African, named by the image's path,
-    and calibrates the threshold on its impostor pairs; a missing list or form is one line."""
+    --rfw`` also reads) finds the identity planted in RFW/African, named by the image's path;
+    a missing list or form is one line."""
     from launch import overlap
 
     groups = {group: (_unseen(7, 2) if group == "African" else _strangers(40 + 4 * k, 2))
@@ -378,12 +474,6 @@ def test_rfw_from_its_released_folder_as_from_its_bins(converted, tmp_path, monk
                                     "data/African/m.African/m.African_0002.jpg"}
 
     capsys.readouterr()
-    assert overlap.main(["--checkpoint", str(make_run(tmp_path / "calibrated")), "--data",
-                         str(converted / "data"), "--rfw", str(tmp_path / "RFW"), "--out",
-                         str(tmp_path / "o.txt"), "--device", "cpu"]) == 0
-    assert "of the 8 impostor pairs of RFW/African, RFW/Asian, RFW/Caucasian, RFW/Indian" in (
-        capsys.readouterr().out.splitlines()[0])
-
     listed = tmp_path / "RFW" / "test" / "txts" / "Indian" / "Indian_pairs.txt"
     listed.unlink()
     assert overlap.main(["--checkpoint", str(make_run(tmp_path / "missing")), "--data",
