@@ -17,10 +17,12 @@ checkpoint's ``meta.json``) is there.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from pathlib import Path
 
-from data_pipeline.remote import RemoteFolder, Retry, StorageError, open_folder, scrub
+from data_pipeline.remote import RemoteFolder, Retry, StorageError, is_url, open_folder, scrub
 
 NO_CONDITIONAL_WRITE = (
     "{url}: this store ignores conditional writes (a second create of {name} replaced the "
@@ -131,4 +133,28 @@ def open_store(location: str, retry: Retry | None = None) -> StoreFolder | Path:
     return store
 
 
-__all__ = ["NO_CONDITIONAL_WRITE", "StorageError", "StoreFolder", "open_store", "scrub"]
+def in_store(location: str) -> bool:
+    """Whether the run folder ``location`` is in a store (a URL, not ``file://``)."""
+    return is_url(location) and not location.startswith("file://")
+
+
+def local_path(location: str) -> Path:
+    """The folder ``location`` names on this machine: a path, a ``file://`` URL's path, or
+    for a store URL its node-local copy (:func:`staging_dir`)."""
+    if in_store(location):
+        return staging_dir(location)
+    return Path(location.removeprefix("file://"))
+
+
+def staging_dir(url: str, purpose: str = "run") -> Path:
+    """This node's copy of the folder at ``url``: the same path on every rank of a node
+    (``TMPDIR``, then the URL's last name and a hash of the whole), one per ``purpose`` (a
+    run writes ``run``; a reader such as ``launch.report`` copies into its own)."""
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    root = os.environ.get("TMPDIR") or tempfile.gettempdir()  # read now: not cached at start
+    return Path(root) / "partial-fc" / purpose / f"{name}-{digest}"
+
+
+__all__ = ["NO_CONDITIONAL_WRITE", "StorageError", "StoreFolder", "in_store", "local_path",
+           "open_store", "scrub", "staging_dir"]

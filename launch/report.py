@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
+from data_pipeline.store import in_store
 from offline.evaluation_figures import EVALUATION_FIGURES, EVALUATION_WHEN_ABSENT
 from offline.report_figures import FIGURES, WHEN_ABSENT, RunData
 from trainer.errors import EXIT_STATUS, Refused
@@ -40,7 +41,16 @@ class ReportError(Refused, ValueError):
 
 
 def load_run(folder: str | Path, label: str | None = None) -> RunData:
-    """Read one run folder (the trainer's ``output``)."""
+    """Read one run folder (the trainer's ``output``: a path, or a URL whose run files are
+    copied here first)."""
+    if in_store(str(folder)):
+        from data_pipeline.store import StorageError
+        from trainer.run_store import fetch_run_files
+
+        try:
+            label, folder = label or str(folder), fetch_run_files(str(folder))
+        except StorageError as err:
+            raise ReportError(str(err)) from None
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"{folder}: no such folder")

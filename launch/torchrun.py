@@ -68,9 +68,10 @@ def forward(signum: int, frame) -> None:
             os.kill(pid, signum)
 
 
-def run_folder(args) -> Path | None:
+def run_folder(args) -> str | None:
     """The run folder of the ``launch.train`` this torchrun starts (``-m launch.train
-    --config FILE key=value ...``), None for another program or an unreadable recipe."""
+    --config FILE key=value ...``; a path or a URL), None for another program or an
+    unreadable recipe."""
     if not args.module or args.training_script != "launch.train":
         return None
     from launch.train import parse_args
@@ -143,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from data_pipeline.store import StorageError, local_path
     from trainer.errors import EXIT_STATUS
-    from trainer.run_lock import RunLock
+    from trainer.run_lock import open_lock
 
     parser = get_args_parser()
     parser.prog = "python -m launch.torchrun"
@@ -166,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         if name.strip() not in {sig.name for sig in FORWARDED})
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    run_dir = run_folder(args)
+    location = run_folder(args)
     # another job's folder: this launch's report stays on stderr, out of that job's train.log
-    theirs = run_dir is not None and RunLock(run_dir).probe() is not None
-    log = None if run_dir is None or theirs else AgentLog(run_dir)
+    try:
+        theirs = location is not None and open_lock(location).probe() is not None
+    except StorageError:  # a store out of reach: the ranks' own checks say so
+        theirs = False
+    log = None if location is None or theirs else AgentLog(local_path(location))
     if log is not None:
         agent = logging.getLogger("torch.distributed.elastic")
         agent.addHandler(log)

@@ -19,6 +19,7 @@ import sys
 import warnings
 
 from trainer.config import (
+    Config,
     ConfigError,
     ConfigWarning,
     Machine,
@@ -27,11 +28,12 @@ from trainer.config import (
     load_config,
     machine_notes,
 )
-from trainer.dist import init_distributed, shutdown
-from trainer.errors import EXIT_STATUS, yield_to_reporter
+from trainer.dist import DistEnv, init_distributed, shutdown
+from trainer.errors import EXIT_STATUS, Refused, yield_to_reporter
 from trainer.loop import report_failure, train
 from trainer.preemption import LAUNCHER_WATCH, Interrupted
-from trainer.run_lock import RunFolderInUse, RunLock, run_folder_lock
+from trainer.run_lock import open_lock, run_folder_lock
+from trainer.run_store import mirrored
 from trainer.stopping import StopRequests
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import print_main
@@ -128,7 +130,8 @@ def _main(args: argparse.Namespace) -> int:
     for w in caught if not args.errors_only else ():
         print_main(f"warning: {w.message}")
     if args.check:  # before torchrun: a folder another job holds is refused now
-        refusal = RunLock(cfg.run_dir).probe() if not args.print_config else None
+        refusal = open_lock(cfg.run_location).probe() \
+            if cfg.output_lock and not args.print_config else None
         if refusal:
             print(f"launch error: {refusal}", file=sys.stderr)
         return 2 if refusal else 0
@@ -146,18 +149,31 @@ def _main(args: argparse.Namespace) -> int:
         _print_once_per_node(f"config error: {err}")
         return err.exit_code
     try:
-        stops = StopRequests()  # the run's one holder: lock, signal handlers, steps
-        with run_folder_lock(cfg.run_dir, env, stops):  # one job per run folder
-            if env.is_main:
-                for w in caught:  # the run's record: train.log keeps what the console said
-                    append_log(cfg.run_dir, f"warning: {w.message}")
-            train(cfg, env, stops)
-    except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
-        # a refused job writes nothing into the folder of the job that holds it
-        logged = None if isinstance(err, RunFolderInUse) else cfg.run_dir
-        return report_failure(err, env.rank, logged)
+        return run(cfg, env, [str(w.message) for w in caught])
     finally:
         shutdown()
+
+
+def run(cfg: Config, env: DistEnv, warned: list[str]) -> int:
+    """Train ``cfg`` on ``env``'s ranks (collective; the process group is up) holding its
+    run folder, mirrored to its store if it has one; ``warned``: the config's warnings, for
+    train.log. Returns the exit status; every failure is reported once, here."""
+    try:
+        stops = StopRequests()  # the run's one holder: lock, signal handlers, steps
+        # one job per run folder; a folder in a store is this node's copy, mirrored there
+        with run_folder_lock(cfg.run_location, cfg.run_dir, env, stops, cfg.output_lock), \
+                mirrored(cfg.run_location, cfg.run_dir, env):
+            try:
+                if env.is_main:
+                    for message in warned:  # train.log keeps what the console said
+                        append_log(cfg.run_dir, f"warning: {message}")
+                train(cfg, env, stops)
+            except Exception as err:  # noqa: BLE001 - reported inside: the mirror uploads it
+                return report_failure(err, env.rank, cfg.run_dir)
+    except Exception as err:  # noqa: BLE001 - every failure ends here, reported once
+        # a refused job writes nothing into the folder of the job that holds it
+        logged = None if isinstance(err, Refused) else cfg.run_dir
+        return report_failure(err, env.rank, logged)
     return 0
 
 

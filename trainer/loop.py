@@ -36,6 +36,7 @@ from trainer.errors import (
 )
 from trainer.overrules import epochs_end_first, margin_words, run_length, schedule_jump
 from trainer.preemption import StopSignals
+from trainer.run_store import store_of
 from trainer.stopping import StopReason, StopRequest, StopRequested, StopRequests
 from trainer.telemetry.console import append_log
 from trainer.telemetry.logger import RunLogger, WriteFailed
@@ -224,7 +225,7 @@ def _batch_source(cfg: Config, rank: int, world_size: int,
 def resume(run: Run) -> None:
     """Restore the newest verified checkpoint (``checkpoint.resume``) or seed a fresh run."""
     cfg, env, loader = run.cfg, run.env, run.loader
-    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume, env)
+    path = checkpoint.find_resume(cfg.run_dir, cfg.checkpoint.resume, env, store_of(cfg))
     if env.is_main:
         checkpoint.remove_stale(cfg.run_dir)
     if path is None:
@@ -247,10 +248,10 @@ def resume(run: Run) -> None:
         run.epoch = loader.epoch + 1 if finished else loader.epoch
         if run.step >= run.total:
             return  # already_finished says so
-        run.log.info(f"resumed from {path} at step {run.step} "
+        run.log.info(f"resumed from {cfg.shown(path)} at step {run.step} "
                      f"(saved on {meta.world_size} ranks)")
     run.log.info(
-        f"{cfg.name} ({cfg.run_dir}): {margin_words(cfg)}; "
+        f"{cfg.name} ({cfg.run_location}): {margin_words(cfg)}; "
         f"{env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
@@ -269,7 +270,7 @@ def already_finished(run: Run) -> dict:
         further = f"train.epochs={2 * cfg.train.epochs}"
     else:
         further = f"train.max_steps={2 * run.total}"
-    run.log.info(f"{cfg.run_dir} already finished at step {run.step}; `{further}` to train "
+    run.log.info(f"{cfg.run_location} already finished at step {run.step}; `{further}` to train "
                  f"further, `checkpoint.resume=none` to start over")
     run.log.close_unused()
     return {}
@@ -405,7 +406,8 @@ def save(run: Run) -> None:
         loader=run.loader.state_dict(), name=cfg.name, config=cfg.model_dump(mode="json"),
         bad_steps=run.bad_steps, skipped_steps=run.skipped_steps,
         skipped_samples=run.skipped_samples)
-    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, record, cfg.checkpoint.keep)
+    run.saved = checkpoint.save(cfg.run_dir, run.step, run.engine, record, cfg.checkpoint.keep,
+                                store_of(cfg))
 
 
 def evaluates(cfg) -> bool:
@@ -434,8 +436,9 @@ def finish(run: Run, stopped_by: str | None) -> dict:
     if run.saved is None or run.saved.name != checkpoint.tag_for(run.step):
         save(run)
     if stopped_by is not None:
-        run.log.info(f"stopped by {stopped_by} after step {run.step}: checkpoint {run.saved}; "
-                     f"run the same command again to resume (checkpoint.resume=auto)")
+        run.log.info(f"stopped by {stopped_by} after step {run.step}: checkpoint "
+                     f"{run.cfg.shown(run.saved)}; run the same command again to resume "
+                     "(checkpoint.resume=auto)")
     elif evaluates(run.cfg):
         evaluate(run)
     return run.log.close(run.step, run.saved)

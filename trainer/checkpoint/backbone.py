@@ -26,13 +26,20 @@ import torch
 import yaml
 from torch import nn
 
+from data_pipeline.store import in_store
 from partial_fc.backbones import build_backbone
 from trainer.checkpoint import CheckpointError, find_verified
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
     """``path`` -> ``(RUN/config.yaml, .../backbone.pt)``, both existing, the checkpoint
-    verified. Raises :class:`CheckpointError` (one line) when there is none, or none intact."""
+    verified. Raises :class:`CheckpointError` (one line) when there is none, or none intact.
+    A URL (``s3://bucket/runs/a``, its ``checkpoints/<tag>`` or that one's ``backbone.pt``)
+    gives the files of a local copy (``trainer.checkpoint.in_store.fetch_checkpoint``)."""
+    if in_store(os.fspath(path)):
+        from trainer.checkpoint.in_store import fetch_checkpoint
+
+        return fetch_checkpoint(os.fspath(path))
     path = Path(path)
     if path.is_file() and path.name != "backbone.pt":
         raise CheckpointError(f"{path}: not a backbone.pt (expected RUN, RUN/checkpoints/<tag> "

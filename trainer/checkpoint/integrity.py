@@ -49,32 +49,38 @@ def read_meta(path: Path) -> CheckpointMeta:
     return CheckpointMeta.from_json(json.loads((Path(path) / META).read_text()))
 
 
-def verify(path: Path, only: Collection[str] | None = None) -> dict:
+def verify(path: Path, only: Collection[str] | None = None,
+           present: Collection[str] | None = None, shown: str | None = None) -> dict:
     """Check folder ``path`` against its meta.json before anything in it is unpickled;
     returns the meta dict. Raises :class:`CheckpointError` naming the first bad file.
 
     Every file must be listed and present; ``only`` limits the hashing to the files a reader
     will open (evaluation reads ``backbone.pt`` alone, and hashing a multi-million-class
-    head's rows and optimizer state would cost it tens of seconds for nothing)."""
+    head's rows and optimizer state would cost it tens of seconds for nothing). ``present``:
+    the names the checkpoint holds where ``path`` is a local copy of the ``only`` files of
+    one in a store (``shown``, its URL, names it in the errors)."""
     path = Path(path)
+    where = shown if shown is not None else str(path)
     try:
         meta = json.loads((path / META).read_text())
         files = meta["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path / META}: unreadable or incomplete ({exc})") from None
-    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {META}
+        raise CheckpointError(f"{where}/{META}: unreadable or incomplete ({exc})") from None
+    if present is None:
+        present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+    present = set(present) - {META}
     extra = sorted(present - set(files))
     if extra:
-        raise CheckpointError(f"{path / extra[0]}: not listed in {META}; refusing the folder")
+        raise CheckpointError(f"{where}/{extra[0]}: not listed in {META}; refusing the folder")
     unlisted = sorted(set(only or ()) - set(files))
     if unlisted:
-        raise CheckpointError(f"{path / unlisted[0]}: not listed in {META}")
+        raise CheckpointError(f"{where}/{unlisted[0]}: not listed in {META}")
     for name, digest in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in {META})")
-        if (only is None or name in only) and sha256(file) != digest:
-            raise CheckpointError(f"{file}: SHA-256 differs from {META}: corrupted or replaced")
+        if name not in present:
+            raise CheckpointError(f"{where}/{name}: missing (listed in {META})")
+        if (only is None or name in only) and sha256(path / name) != digest:
+            raise CheckpointError(f"{where}/{name}: SHA-256 differs from {META}: corrupted or "
+                                  "replaced")
     return meta
 
 

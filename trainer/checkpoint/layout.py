@@ -36,10 +36,13 @@ on a file system every node sees.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import re
 import shutil
 import sys
+import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -50,8 +53,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from data_pipeline.manifest import atomic_write_bytes, fsync_dir
+from data_pipeline.store import StorageError, StoreFolder, open_store, staging_dir
+from data_pipeline.store import in_store as is_store_url
 from trainer import seams
-from trainer.checkpoint import state
+from trainer.checkpoint import in_store, state
 from trainer.checkpoint.integrity import (
     META,
     CheckpointError,
@@ -76,19 +81,26 @@ def tag_for(step: int) -> str:
 # ----------------------------------------------------------------------------- save
 
 
-def save(run_dir: Path, step: int, engine, record: RunRecord, keep: int) -> Path:
+def save(run_dir: Path, step: int, engine, record: RunRecord, keep: int,
+         store: StoreFolder | None = None) -> Path:
     """Write checkpoint ``step`` of ``engine`` (collective); returns its folder.
 
     ``record`` must be JSON-able; its ``loader`` (this rank's loader position) is gathered
     into a per-rank list (:class:`~trainer.checkpoint.meta.CheckpointMeta`). Raises
     :class:`CheckpointError` on every rank when the state is not finite (nothing is written
-    or pruned) or when any rank fails to write. The ranks are ``engine.env``'s.
+    or pruned) or when any rank fails to write. The ranks are ``engine.env``'s. ``store``:
+    the run folder is in that object store and ``run_dir`` is this node's copy; each rank
+    stages its part there and uploads it (``trainer.checkpoint.in_store``), and the folder
+    returned is the store's (as this node's copy would name it).
     """
     env = engine.env
     rank, world = env.rank, env.world_size
     root = Path(run_dir) / "checkpoints"
     tag = tag_for(step)
     tmp, final = root / f".tmp-{tag}", root / tag
+    where = str(root) if store is None else store.url_of(in_store.ROOT)
+    if store is not None:  # each rank's own folder: the nodes share no disk
+        tmp = root / f".upload-{tag}-rank{rank}"
     full = state.collect(engine)
     _refuse_non_finite(full, step, env)
     rows = sorted(k for k, v in full.items() if isinstance(v, state.Rows))
@@ -98,8 +110,19 @@ def save(run_dir: Path, step: int, engine, record: RunRecord, keep: int) -> Path
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if store is not None and rank == 0:
+            in_store.remove_incomplete(store, tag)
 
-    _on_every_rank(prepare if rank == 0 else None, f"saving step {step}", tmp, env)
+    def forget() -> None:  # a failed save: this rank's staged part (and what it uploaded)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if store is not None and rank == 0:
+            with contextlib.suppress(StorageError):
+                in_store.remove_incomplete(store, tag)
+
+    on_every_rank = functools.partial(_on_every_rank, what=f"saving step {step} into {where}",
+                                      forget=forget if store is not None or rank == 0 else None,
+                                      env=env)
+    on_every_rank(prepare if store is not None or rank == 0 else None)
     flat = {}
     for key, value in full.items():
         if isinstance(value, state.Rows):
@@ -122,25 +145,34 @@ def save(run_dir: Path, step: int, engine, record: RunRecord, keep: int) -> Path
             mine += ["backbone.pt", "state/.metadata"]
         hashes.update({name: sha256(tmp / name) for name in mine})
 
-    _on_every_rank(write, f"saving step {step}", tmp, env)
+    on_every_rank(write)
+    if store is not None:
+        on_every_rank(lambda: in_store.upload(store, tmp, tag, hashes))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, hashes, group=env.group)
     info = CheckpointMeta.of(record, step=step, world_size=world, loaders=loaders, rows=rows,
                              files=dict(sorted(kv for part in gathered for kv in part.items())))
 
     def publish() -> None:
+        if store is not None:
+            in_store.publish(store, tag, info.to_json().encode(), keep)
+            return
         atomic_write_bytes(to_write(META), info.to_json().encode())
         _replace(root, tmp, final)
         _prune(root, keep)
 
-    _on_every_rank(publish if rank == 0 else None, f"saving step {step}", tmp, env)
+    on_every_rank(publish if rank == 0 else None)
+    if store is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _on_every_rank(action: Callable[[], None] | None, what: str, tmp: Path,
-                   env: DistEnv) -> None:
+def _on_every_rank(action: Callable[[], None] | None, what: str,
+                   forget: Callable[[], None] | None, env: DistEnv) -> None:
     """Run ``action`` here (None: nothing), then agree: if it failed on any rank, every
-    rank raises the same :class:`CheckpointError` and rank 0 removes ``tmp`` (collective)."""
+    rank calls ``forget`` (the partial save's cleanup, None: nothing) and raises the same
+    :class:`CheckpointError`, which says that the last complete checkpoint stays
+    (collective)."""
     error = None
     if action is not None:
         try:
@@ -151,10 +183,11 @@ def _on_every_rank(action: Callable[[], None] | None, what: str, tmp: Path,
     dist.all_gather_object(errors, error, group=env.group)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        if env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if forget is not None:
+            forget()
         rank, message = failed[0]
-        raise CheckpointError(f"{what} into {tmp.parent} failed on rank {rank}: {message}")
+        raise CheckpointError(f"{what} failed on rank {rank}: {message}; the last complete "
+                              "checkpoint stays")
 
 
 def _describe(exc: BaseException) -> str:
@@ -249,34 +282,54 @@ def _plain_backbone(full: dict, engine) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- find, verify
 
 
-def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None) -> Path | None:
+def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None,
+                store: StoreFolder | None = None) -> Path | None:
     """``checkpoint.resume`` -> the verified folder to resume from; collective over
     ``env``'s ranks (rank 0 reads and hashes, every rank gets its answer), or this process
     alone with ``env=None``.
 
-    ``none``: start fresh; ``auto``: ``run_dir``'s newest checkpoint that verifies, if any;
-    otherwise a checkpoint folder (must verify) or another run's folder (as ``auto``).
+    ``none``: start fresh; ``auto``: ``run_dir``'s newest checkpoint that verifies, if any
+    (``store``: the run folder is there, ``run_dir`` this node's copy); otherwise a
+    checkpoint folder (must verify) or another run's folder (as ``auto``), either may be a
+    URL. A checkpoint in a store is copied into this node's copy of its folder and verified
+    there; the first rank of every other node copies it too.
     Raises :class:`CheckpointError` when checkpoints exist but none verifies.
     """
     if resume == "none":
         return None
+    if resume != "auto" and is_store_url(resume):
+        store, run_dir = open_store(resume), staging_dir(resume, "resume")
+    elif resume != "auto":
+        store = None
     if env is None or env.world_size == 1:
-        return _choose(run_dir, resume)
-    answer: list = [None, None]
+        return _choose(run_dir, resume, store)
+    answer: list = [None, None, None]  # [folder, error, the copy's mark]
     if env.is_main:
         try:
-            answer[0] = _choose(run_dir, resume)
+            answer[0] = _choose(run_dir, resume, store)
         except (CheckpointError, CheckpointNotFound) as err:
             answer[1] = err  # its kind decides the exit code on every rank
+        if answer[0] is not None and store is not None:
+            answer[2] = Path(run_dir) / f".fetched-{uuid.uuid4().hex}"
+            answer[2].touch()
     dist.broadcast_object_list(answer, src=0, group=env.group)
     if answer[1] is not None:
         raise answer[1]
+    if answer[2] is not None:  # no shared disk: the first rank of another node copies it too
+        if env.local_rank == 0 and not answer[2].exists():
+            _choose(run_dir, resume, store)
+        dist.barrier(group=env.group)
+        if env.is_main:
+            answer[2].unlink()
     return answer[0]
 
 
-def _choose(run_dir: Path, resume: str) -> Path | None:
-    found = find_verified(Path(run_dir) if resume == "auto" else Path(resume),
-                          remedy="; start over with checkpoint.resume=none or another name")
+def _choose(run_dir: Path, resume: str, store: StoreFolder | None) -> Path | None:
+    remedy = "; start over with checkpoint.resume=none or another name"
+    if store is not None:
+        found = in_store.fetch_verified(store, Path(run_dir), remedy)
+    else:
+        found = find_verified(Path(run_dir) if resume == "auto" else Path(resume), remedy)
     if found is None and resume != "auto":
         raise CheckpointNotFound(f"checkpoint.resume={resume!r}: no checkpoint there")
     return found

@@ -95,10 +95,11 @@ def machine_notes(cfg: Config, machine: Machine | None = None) -> tuple[Config, 
     return filled, [msg for _, msg in found]
 
 
-def run_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Path | None:
-    """The run folder ``path`` plus ``overrides`` names (``output``, else ``runs/<name>``), read
-    from the merged YAML without validating the rest: a launcher reports a failed rank's log
-    there even when the config was refused. None when the recipe cannot be read."""
+def run_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> str | None:
+    """The run folder ``path`` plus ``overrides`` names (``output``, else ``runs/<name>``: a
+    path or a URL), read from the merged YAML without validating the rest: a launcher reports
+    a failed rank's log there even when the config was refused. None when the recipe cannot
+    be read."""
     try:
         tree = load_tree(Path(path), {})
     except (ConfigError, OSError):
@@ -107,7 +108,7 @@ def run_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     fields = Config.model_fields
     output = tree.get("output", fields["output"].default)
     name = tree.get("name", fields["name"].default)
-    return Path(output if output is not None else f"runs/{name}")
+    return str(output) if output is not None else f"runs/{name}"
 
 
 def load_config(

@@ -10,9 +10,11 @@ Each function returns (dotted key, message) pairs as the checks in
 from __future__ import annotations
 
 import tempfile
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from data_pipeline.store import in_store
 from trainer.config.schema import Config
 
 if TYPE_CHECKING:
@@ -90,7 +92,7 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("backbone.weights", f"backbone.weights={weights!r}: no such file (a local "
                     "state_dict; nothing is downloaded)"))
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not Path(resume).is_dir():
+    if resume not in ("auto", "none") and not in_store(resume) and not Path(resume).is_dir():
         out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
                     "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
     listed = isinstance(cfg.data.exclude, list)
@@ -120,10 +122,23 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
 
 
 def _output_errors(cfg: Config) -> list[tuple[str, str]]:
-    """The run folder must be creatable and writable (checked before any process group)."""
+    """The run folder must be creatable and writable (checked before any process group);
+    in a store, by writing and removing one small object there (its client installed, the
+    bucket there, the credentials allowed to write)."""
+    key = "output" if cfg.output is not None else "name"
+    if in_store(cfg.run_location):
+        from data_pipeline.store import StorageError, open_store
+
+        try:
+            store = open_store(cfg.run_location)
+            probe = f".write-check-{uuid.uuid4().hex}"
+            store.put(probe, b"")
+            store.remove(probe)
+        except StorageError as err:
+            return [(key, f"output={cfg.run_location!r}: cannot write there: {err}")]
+        return []
     folder = cfg.run_dir.absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
-    key = "output" if cfg.output is not None else "name"
     if not existing.is_dir():
         return [(key, f"output={str(cfg.run_dir)!r}: {existing} is not a folder")]
     try:  # a real write: permission bits say nothing for root, read-only mounts or NFS

@@ -470,7 +470,11 @@ class DistillConfig(_Section):
 
 class Config(_Section):
     name: str = Field("run", description="run name (W&B, logs, the default output folder)")
-    output: str | None = Field(None, description="run folder; null = runs/<name>")
+    output: str | None = Field(None, description="run folder; null = runs/<name>; a URL "
+                               "(s3://, gs://, az://) keeps the run in that object store")
+    output_lock: bool = Field(True, description="one job per run folder (a lease object where "
+                              "output is a URL); false only where the store ignores "
+                              "conditional writes (an emulator) and you make sure of it")
     seed: NonNegInt = Field(0, description="seed of initialisation, sampling and data order")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto = cuda when available, else cpu"
@@ -492,8 +496,22 @@ class Config(_Section):
     distill: DistillConfig = _section(DistillConfig, "distillation from a teacher's embeddings")
 
     @property
+    def run_location(self) -> str:
+        """The run folder as given: a path or a URL."""
+        return self.output if self.output is not None else f"runs/{self.name}"
+
+    @property
     def run_dir(self) -> Path:
-        return Path(self.output if self.output is not None else f"runs/{self.name}")
+        """The run folder on this machine: for a store URL, this node's copy of it
+        (``data_pipeline.store.local_path``), which the run mirrors to the store."""
+        from data_pipeline.store import local_path
+
+        return local_path(self.run_location)
+
+    def shown(self, path: Path | str) -> str:
+        """``path`` (in :attr:`run_dir`) as the user named the run folder: under its URL for a
+        folder in a store, as it is otherwise."""
+        return str(path).replace(str(self.run_dir), self.run_location.rstrip("/"), 1)
 
     def partial_fc_kwargs(self) -> dict[str, Any]:
         """``PartialFC``'s keyword arguments: the head section's, and the margin's

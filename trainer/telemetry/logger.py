@@ -278,14 +278,14 @@ class RunLogger:
         losses = [r.loss for r in self.history]
         elapsed = time.perf_counter() - self._t0
         summary = {
-            "run": str(self.run_dir),
+            "run": self.cfg.run_location,
             "steps": step,
             "steps_this_invocation": step - self._start,
             "time_s": round(elapsed, 1),
             "img_per_s": round(self.global_batch * (step - self._start) / max(elapsed, 1e-9), 1),
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,
-            "checkpoint": str(checkpoint) if checkpoint else None,
+            "checkpoint": self.cfg.shown(checkpoint) if checkpoint else None,
         }
         self._metrics.close()
         if self._hist is not None:
