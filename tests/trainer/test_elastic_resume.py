@@ -1,6 +1,7 @@
 """A train.global_batch run keeps its recipe across world sizes: cut on P ranks and resumed on
-P' (forked gloo ranks, the in-process trainer), its losses step by step equal the unbroken
-run's, and every metrics row says the world size and accumulation it ran with."""
+P' (forked gloo ranks, the in-process trainer), its losses, lr and dynamic AdaCos scale (whose
+statistics are taken over the whole step, trainer.engine.step_statistics) step by step equal
+the unbroken run's, and every metrics row says the world size and accumulation it ran with."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ STEPS = 6
 # A small lr: summation-order differences grow over steps, faster at a large one (PReLU's kink
 # turns a rounding difference into a gradient jump): 1e-7 over 6 steps here, 1e-4 at lr 0.1.
 RECIPE = ["engine.type=ddp", "train.batch_size=4", "train.global_batch=16", "data.num_workers=0",
-          "optim.lr=0.001", f"train.max_steps={STEPS}", "checkpoint.every=2", "log.every=1",
+          "optim.lr=0.001", "margin.type=adacos", "margin.adacos=dynamic", "margin.s=null",
+          f"train.max_steps={STEPS}", "checkpoint.every=2", "log.every=1",
           "log.progress=false", "log.hist_every=0", "log.wandb=disabled"]
 
 
@@ -69,3 +71,4 @@ def test_a_run_cut_on_2_ranks_resumes_on_4_then_on_1_with_the_unbroken_losses(
     for a, b in zip(got, expected, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a, b)
         assert a["lr"] == b["lr"]
+        assert abs(a["scale"] - b["scale"]) <= 1e-5 * b["scale"], (a["step"], a, b)

@@ -40,10 +40,19 @@ def test_without_the_key_the_step_follows_the_ranks_as_before(tmp_path):
      "train.global_batch=30: not a multiple of the micro-batch train.batch_size=4"),
     (["train.batch_size=4", "train.global_batch=32", "train.grad_accum=2"],
      "train.grad_accum=2: give train.global_batch or train.grad_accum, not both"),
+    (["train.batch_size=4", "train.global_batch=32", "margin.type=elasticface_arc"],
+     "train.global_batch=32: not with margin.type=elasticface_arc, whose margins are drawn"),
 ])
 def test_a_global_batch_the_recipe_cannot_hold_is_refused(tmp_path, overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         _cfg(tmp_path, overrides)
+
+
+def test_dynamic_adacos_is_refused_with_grad_accum_and_trains_with_global_batch(tmp_path):
+    adacos = ["margin.type=adacos", "margin.adacos=dynamic", "train.batch_size=4"]
+    with pytest.raises(ConfigError, match="train.grad_accum=2: not exact with dynamic AdaCos"):
+        _cfg(tmp_path, [*adacos, "train.grad_accum=2"])
+    assert _cfg(tmp_path, [*adacos, "train.global_batch=32"]).train.global_batch == 32
 
 
 def test_a_world_size_that_cannot_split_the_step_is_refused_naming_those_that_can(tmp_path):

@@ -47,7 +47,9 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     out += _distill_errors(cfg)
     # Accumulation shares one class sample and one head step over the micro-batches
     # (PartialFC.begin_step), so sampling, SphereFace's lambda and the margin warm-up are
-    # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes.
+    # exact; dynamic AdaCos sets s from each micro-batch's statistics, which no sharing fixes
+    # (train.global_batch does: its steps take the statistics over the whole step first,
+    # trainer.engine.step_statistics).
     out += _global_batch_errors(cfg)
     if cfg.train.grad_accum > 1 and m.adacos == "dynamic":
         out.append(("train.grad_accum", f"train.grad_accum={cfg.train.grad_accum}: not exact "
@@ -100,6 +102,12 @@ def _global_batch_errors(cfg: Config) -> list[tuple[str, str]]:
         return [("train.grad_accum", f"train.grad_accum={t.grad_accum}: give train.global_batch"
                  " or train.grad_accum, not both (with global_batch the accumulation is "
                  "global_batch / (batch_size x ranks))")]
+    # ElasticFace draws its margins per forward over that forward's batch (and ElasticFace+
+    # ranks them within it): a step of several passes would depend on the world size.
+    if cfg.margin.type.startswith("elasticface") and t.global_batch > t.batch_size:
+        return [("train.global_batch", f"train.global_batch={t.global_batch}: not with "
+                 f"margin.type={cfg.margin.type}, whose margins are drawn per forward, so a "
+                 "step would change with the world size; use train.grad_accum")]
     return []
 
 

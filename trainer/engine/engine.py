@@ -50,6 +50,7 @@ from trainer.engine.deepspeed_backend import DeepSpeedBackend
 from trainer.engine.prefetch import Prefetch
 from trainer.engine.snapshot import Snapshot
 from trainer.engine.state import EngineState, Rows
+from trainer.engine.step_statistics import moves_statistics, step_embeddings
 from trainer.stopping import NO_STOP, StopRequest, StopRequests
 
 if TYPE_CHECKING:  # trainer.distill reads checkpoints, whose package imports this one's
@@ -186,6 +187,8 @@ class Engine:
         stored = distillation is not None and distillation.offline is not None
         self.prefetch = Prefetch(self.device, cfg.engine.prefetch and not stored)
         self.backend = BACKENDS[cfg.engine.type](cfg, trained, self.backbone, self.optimizer, env)
+        # train.global_batch: a step's statistics do not depend on its split into passes
+        self.step_statistics = cfg.train.global_batch is not None and moves_statistics(head)
         self.set_lr(0)
 
     def _cuda_settings(self) -> torch.memory_format:
@@ -277,8 +280,14 @@ class Engine:
         distilled: dict[str, Tensor] = {}
         if k > 1:  # one class sample and one head step for all k: exact accumulation
             micro_batches = [(x, self._on_device(y), *f) for x, y, *f in micro_batches]
-            self.head.begin_step(torch.cat([y for _, y, *_ in micro_batches]),
-                                 sizes=[k * self.cfg.train.batch_size] * self.env.world_size)
+            embeddings = None
+            if self.step_statistics:  # taken over the whole step (engine.step_statistics)
+                embeddings = step_embeddings(self._embed, micro_batches, self.backbone,
+                                             self.head, self.device)
+            with self._head_operands():
+                self.head.begin_step(torch.cat([y for _, y, *_ in micro_batches]),
+                                     sizes=[k * self.cfg.train.batch_size] * self.env.world_size,
+                                     embeddings=embeddings)
         for i, (images, labels, *flips) in enumerate(micro_batches):
             last = i == k - 1
             with self.backend.micro_batch(boundary=last):
@@ -323,9 +332,7 @@ class Engine:
         student-teacher cosines are summed into ``distilled`` (``distill_*`` metrics).
         Returns ``(e, labels, loss, surrogate)``: ``e`` the head's fp32 input holding
         ``dL_global/de_local`` in ``e.grad``; ``loss`` is the margin loss alone."""
-        x = normalize_images(self._on_device(images),
-                             None if flips is None else self._on_device(flips))
-        x = x.to(dtype=self.backend.input_dtype, memory_format=self.memory_format)
+        x = self._model_input(images, flips)
         y = self._on_device(labels)
         with self.backend.autocast():
             emb = self.backend.model(x)
@@ -340,6 +347,18 @@ class Engine:
             total = loss + self._distill(e, teacher, sizes, distilled)
         (total / k).backward()
         return e, y, loss, (emb.float() * (e.grad * self.env.world_size)).sum()
+
+    def _model_input(self, images: Tensor, flips: Tensor | None = None) -> Tensor:
+        """A loader's uint8 images on the device, mirrored where ``flips`` says, normalised,
+        in the backend's input dtype and the run's memory format."""
+        x = normalize_images(self._on_device(images),
+                             None if flips is None else self._on_device(flips))
+        return x.to(dtype=self.backend.input_dtype, memory_format=self.memory_format)
+
+    def _embed(self, images: Tensor, flips: Tensor | None = None) -> Tensor:
+        """The backbone's embeddings of a micro-batch, as a pass computes them."""
+        with self.backend.autocast():
+            return self.backend.model(self._model_input(images, flips))
 
     def _distill(self, e: Tensor, teacher: Tensor, sizes: list[int],
                  distilled: dict[str, Tensor]) -> Tensor:
