@@ -22,6 +22,7 @@ Prints figures, asserts nothing; not run by the test suite.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -35,6 +36,8 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+
+import torch
 
 SPEED = re.compile(r"Speed ([\d.]+) samples/sec")
 CONFIG = "pace_r50"
@@ -90,12 +93,36 @@ class _Writer:
         return lambda *args, **kwargs: None
 
 
+class _Absent:
+    """What a stand-in module gives for any other name: fails if it is ever used."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name}: a stand-in (bench/arcface_torch_pace.py); the "
+                           "synthetic path was expected not to use it")
+
+    def __getattr__(self, name: str) -> _Absent:
+        return _Absent(f"{self.name}.{name}")
+
+
+def _absent(module: str, attr: str) -> _Absent:
+    """A stand-in module's ``__getattr__``: dunders are missing, as on any module."""
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return _Absent(f"{module}.{attr}")
+
+
 def _stubs() -> dict[str, dict]:
-    """Module name -> the attributes its stand-in has (what arcface_torch's imports name)."""
-    return {"mxnet": {}, "easydict": {"EasyDict": _EasyDict},
-            "torchvision": {}, "torchvision.transforms": {},
-            "torchvision.datasets": {"ImageFolder": object},
-            "torch.utils.tensorboard": {"SummaryWriter": _Writer}}
+    """Module name -> the attributes its stand-in has; any other name is :class:`_Absent`.
+    The modules arcface_torch's train_v2.py imports for what synthetic input never runs
+    (.rec files, image folders, the verification sets), its config's EasyDict, its writer."""
+    return {"easydict": {"EasyDict": _EasyDict},
+            "torch.utils.tensorboard": {"SummaryWriter": _Writer},
+            **dict.fromkeys(("mxnet", "torchvision", "torchvision.transforms",
+                             "torchvision.datasets", "scipy", "sklearn",
+                             "sklearn.decomposition", "sklearn.model_selection"), {})}
 
 
 def stub_missing() -> list[str]:
@@ -107,6 +134,7 @@ def stub_missing() -> list[str]:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - absent, or present and broken: not used here
             module = types.ModuleType(name)
+            module.__getattr__ = functools.partial(_absent, name)
             module.__dict__.update(attrs)
             sys.modules[name] = module
             parent, _, child = name.rpartition(".")
@@ -177,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, required=True)
     args = p.parse_args(argv)
     source = _arcface_torch(args.insightface)
-    import torch
-
     with tempfile.TemporaryDirectory(prefix="arcface-torch-") as tmp:
         work = Path(tmp) / "arcface_torch"
         shutil.copytree(source, work)
