@@ -1,0 +1,189 @@
+"""The kernels' launch configurations by device and shape (partial_fc.tiles.tuning, autotune).
+
+Without CUDA the kernels run in triton's interpreter (``TRITON_INTERPRET=1``, set before triton
+is imported, as test_tiles.py does) on CPU tensors, which the tuner never tunes; so the device
+is faked at the one function that reads it (``tuning.device_info``), and the tuner then runs
+its real candidates end to end at a tiny shape (``MIN_WORK`` lowered to reach it). Timings
+decide nothing a test checks: the clock is replaced where a test needs a known winner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from partial_fc import PartialFC, build_margin
+from partial_fc.tiles import ReferenceTiles, tuning
+from partial_fc.tiles.selfcheck import normwise
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # must precede the first import of triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+tm = pytest.importorskip("partial_fc.tiles.triton",
+                         reason="triton is not installed (pip install triton)")
+from partial_fc.tiles import autotune, cublas  # noqa: E402 - after TRITON_INTERPRET
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+FAKE = tuning.Device("Fake GPU 80GB", sms=2, capability=(9, 0))
+N, S, D = 9, 40, 32
+
+
+def _inputs(e_dtype=torch.float32, w_dtype=torch.float32, n=N, s_cols=S):
+    g = torch.Generator().manual_seed(0)
+    e = torch.nn.functional.normalize(torch.randn(n, D, generator=g), dim=1)
+    w = torch.randn(s_cols, D, generator=g) * 0.05
+    w[:n // 2] = e[:n // 2] * 0.07  # cosines of 1: past AdaFace's band, hard, filtered
+    tgt = torch.randint(-1, s_cols, (n,), generator=g)
+    tgt[:n // 2] = torch.arange(n // 2) + n // 2  # those rows' targets are elsewhere
+    inv = 1.0 / w.norm(dim=1)
+    return [t.to(DEVICE) for t in (e.to(e_dtype), w.to(w_dtype), inv, tgt)]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The tensors' device reads as a GPU the committed table does not know; tiny shapes
+    are tuned, with one timed run per candidate."""
+    monkeypatch.setattr(tuning, "device_info", lambda device: FAKE)
+    monkeypatch.setattr(autotune, "MIN_WORK", 0)
+    monkeypatch.setattr(autotune, "REPEATS", 1)
+    tuning.take_notes()  # none left by another test
+
+
+def _table(path, choice: tuning.Choice, shape: tuning.Shape):
+    path.write_text(json.dumps({"devices": {FAKE.name: {"buckets": {
+        shape.key: choice.to_json()}}}}))
+    return path
+
+
+def test_the_shapes_users_run_fall_in_distinct_buckets():
+    keys = {tuning.Shape.of(n, int(c * r), 512, torch.bfloat16, w).key
+            for n in (512, 1024, 2048) for c in (100_000, 1_000_000, 4_000_000)
+            for r in (1.0, 0.1) for w in (torch.float32, torch.bfloat16)}
+    assert len(keys) == 3 * 5 * 2  # S: 10k, 100k (twice), 400k, 1M, 4M
+    near = tuning.Shape.of(1000, 1_100_000, 512, torch.bfloat16, torch.float32)
+    assert near == tuning.Shape.of(1024, 1_000_000, 512, torch.bfloat16, torch.float32)
+    assert near.key == "N1024-S1048576-D512-bf16-fp32"
+
+
+def test_the_default_is_the_kernels_fixed_choice_and_leads_the_candidates():
+    assert autotune.as_tiles(tuning.DEFAULT, 132) == tm.cuda_tiles(132)
+    for capability in ((8, 0), (9, 0)):
+        found = tuning.candidates(capability)
+        assert found[0] == tuning.DEFAULT and len(set(found)) == len(found) <= 6
+        assert {c.engine for c in found} == set(tuning.ENGINES)
+    assert len(tuning.candidates((9, 0))) == len(tuning.candidates((8, 0))) + 1  # wgmma tile
+
+
+def test_the_committed_table_holds_valid_choices_only():
+    devices = json.loads(tuning.TABLE.read_text())["devices"]
+    for device in devices.values():
+        for entry in device["buckets"].values():
+            tuning.Choice.from_json(entry)
+    with pytest.raises(ValueError, match="powers of two"):
+        tuning.Choice.from_json({**tuning.DEFAULT.to_json(), "rows": 96})
+    with pytest.raises(ValueError, match="expected the fields"):
+        tuning.Choice.from_json({"engine": "triton"})
+
+
+def test_a_device_in_the_table_runs_its_choice_untuned(fake_gpu, monkeypatch, tmp_path):
+    e, w, inv, tgt = _inputs()
+    choice = tuning.candidates(FAKE.capability)[1]
+    shape = tuning.Shape.of(N, S, D, e.dtype, w.dtype)
+    tuner = autotune.Tuner(_table(tmp_path / "tuned.json", choice, shape))
+    monkeypatch.setattr(autotune, "TUNER", tuner)
+    monkeypatch.setattr(autotune, "measure", lambda *a: pytest.fail("tuned a tabled device"))
+    got = tm.class_tile_stats(e, w, inv, tgt, 16.0)  # through the kernels' own lookup
+    want = ReferenceTiles(1 << 20).class_tile_stats(e, w, inv, tgt, 16.0)
+    assert all(normwise(a, b) < 1e-5 for a, b in zip(got, want, strict=True))
+    assert tuner.tiles(e, w) == autotune.as_tiles(choice, FAKE.sms)
+    (line,) = tuning.take_notes()
+    assert line.endswith("(the committed table)") and shape.key in line and FAKE.name in line
+    assert not tuning.cache_path().exists()
+
+
+def test_an_unknown_device_tunes_once_caches_and_says_so(fake_gpu, monkeypatch):
+    """Of the real candidates, the cuBLAS engine is made wrong (its matmul off by 1 %) and one
+    more fails to compile (a tile of 24 rows): neither may win, however fast; among the rest
+    the clock (here: each timing shorter than the last) decides."""
+    broken = tuning.Choice("triton", 24, 64, 64, 128, 4, 1, 1)
+    offered = [*tuning.candidates(FAKE.capability), broken]
+    monkeypatch.setattr(tuning, "candidates", lambda capability: offered)
+    real_mm = cublas._mm
+    monkeypatch.setattr(cublas, "_mm", lambda a, b: real_mm(a, b) * 1.01)
+    clock = iter(range(100, 0, -1))
+    monkeypatch.setattr(autotune, "_timed", lambda run, device: float(next(clock)))
+    e, w, inv, tgt = _inputs()
+    tuner = autotune.Tuner()  # the committed table, which knows no such device
+    trials = []
+    real_measure = autotune.measure
+    monkeypatch.setattr(autotune, "measure", lambda *a: trials.extend(real_measure(*a)) or trials)
+
+    tiles = tuner.tiles(e, w)
+    good = [t.choice for t in trials if t.ms is not None]
+    dropped = {t.choice: t.error for t in trials if t.ms is None}
+    assert set(dropped) == {broken, *(c for c in offered if c.engine == "cublas")}, dropped
+    assert all("differs by" in why for c, why in dropped.items() if c.engine == "cublas")
+    assert dropped[broken]  # the compiler's complaint
+    assert tiles == autotune.as_tiles(good[-1], FAKE.sms)  # the last timed was the fastest
+    (line,) = tuning.take_notes()
+    assert "tuned now" in line and str(tuning.cache_path()) in line
+    shape = tuning.Shape.of(N, S, D, e.dtype, w.dtype)
+    assert tuning.cached(FAKE, shape, tuning.cache_path()) == good[-1]
+
+    assert tuner.tiles(e, w) is tiles and tuning.take_notes() == []  # once per process
+    monkeypatch.setattr(autotune, "measure", lambda *a: pytest.fail("tuned twice"))
+    again = autotune.Tuner()  # the next process: the cache answers
+    assert again.tiles(e, w) == tiles
+    (line,) = tuning.take_notes()
+    assert "tuned before" in line
+
+
+def test_the_head_passes_the_tuners_lines_on():
+    head = PartialFC(8, 10, build_margin(dict(type="arcface")))
+    tuning.note("head: the class tiles on X for Y: Z")
+    assert head.take_notes() == ["head: the class tiles on X for Y: Z"]
+    assert head.take_notes() == []
+
+
+@pytest.mark.parametrize("operands", ["bf16 e, fp32 w", "bf16"])
+def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
+    """Every non-target transform at once (AdaFace's clamp, the inter-class filter,
+    CurricularFace's modulation with its hard-negative count), and none; a buffer that
+    makes several chunks (forward: two tiles of 16 columns, backward: one) and a part one."""
+    from partial_fc.nontarget import NonTarget
+
+    e_dtype, w_dtype = {"bf16": (torch.bfloat16,) * 2,
+                        "bf16 e, fp32 w": (torch.bfloat16, torch.float32)}[operands]
+    e, w, inv, tgt = _inputs(e_dtype, w_dtype, n=13, s_cols=40)
+    engine = tm.Tiles(16, 16, 16, 16, 1, 1, programs=4, buffer_bytes=1664, engine="cublas")
+    for part in (False, True):
+        def transform(part: bool = part) -> NonTarget | None:  # a fresh hard-negative count
+            return NonTarget(hard_above=torch.full((13,), 0.5, device=DEVICE),
+                             t=torch.tensor(0.3), tau=0.9, clamp=1e-3,
+                             hard_rows=torch.zeros(13, device=DEVICE)) if part else None
+        got, want, ref = transform(), transform(), transform()
+        stats = [tm.class_tile_stats(e, w, inv, tgt, 16.0, nontarget=got, tiles=engine),
+                 tm.class_tile_stats(e, w, inv, tgt, 16.0, nontarget=want),
+                 ReferenceTiles(4 * 13 * 7).class_tile_stats(e, w, inv, tgt, 16.0, ref)]
+        for a, b in zip(stats[0], stats[1], strict=True):
+            assert normwise(a, b) < 1e-5
+        assert all(normwise(a, b) < 1e-5 for a, b in zip(stats[0], stats[2], strict=True))
+        if part:
+            assert torch.equal(got.hard_rows, want.hard_rows) and got.hard_rows.sum() > 0
+            assert torch.equal(got.hard_rows, ref.hard_rows)
+        row_max, row_sum, _ = stats[2]
+        lse = torch.logaddexp(row_max + torch.log(row_sum), torch.zeros_like(row_max))
+        coef = torch.full_like(lse, 16.0 / 13)
+        back = (lse, coef, torch.where(tgt >= 0, -coef, 0.0))
+        grads = [tm.class_tile_grads(e, w, inv, tgt, 16.0, *back, transform(), tiles=engine),
+                 tm.class_tile_grads(e, w, inv, tgt, 16.0, *back, transform()),
+                 ReferenceTiles(4 * 13 * 7).class_tile_grads(e, w, inv, tgt, 16.0, *back,
+                                                             transform())]
+        assert grads[0][1].dtype == w.dtype
+        for a, b in zip(grads[0], grads[1], strict=True):  # the same rounded G', summed apart
+            assert normwise(a, b) < 1e-5
+        # G' rounded to bf16 (as the kernels; the reference keeps it fp32): 2**-8 relative
+        assert all(normwise(a, b) < 1e-2 for a, b in zip(grads[0], grads[2], strict=True))
