@@ -96,10 +96,13 @@ def _dcos_epilogue(X, INV, TGT, SCALE, HARD_ABOVE, T, LSE, COEF, TGRAD, G_OUT, R
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` in fp32 from operands already in the operand dtype: cuBLAS with fp32 output
     for 16-bit operands on CUDA (fp32 operands follow torch's TF32 setting, as the kernels);
-    elsewhere fp32 products of the (exactly widened) operands."""
-    if a.device.type == "cuda" and a.dtype != torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+    elsewhere fp32 products of the (exactly widened) operands. Autocast is off here: the
+    head calls the tiles inside the user's autocast, which would round the output to 16 bits
+    (and cast fp32 operands down)."""
+    with torch.autocast(a.device.type, enabled=False):
+        if a.device.type == "cuda" and a.dtype != torch.float32:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a.float(), b.float())
 
 
 def _operand_dtype(e: Tensor, w: Tensor) -> torch.dtype:

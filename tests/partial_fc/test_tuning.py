@@ -170,6 +170,11 @@ def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
                  ReferenceTiles(4 * 13 * 7).class_tile_stats(e, w, inv, tgt, 16.0, ref)]
         for a, b in zip(stats[0], stats[1], strict=True):
             assert normwise(a, b) < 1e-5
+        if not part:  # the head calls the tiles inside autocast: the matmuls must not see it
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                within = tm.class_tile_stats(e, w.float(), inv, tgt, 16.0, tiles=engine)
+            alone = tm.class_tile_stats(e, w.float(), inv, tgt, 16.0, tiles=engine)
+            assert all(torch.equal(a, b) for a, b in zip(within, alone, strict=True))
         assert all(normwise(a, b) < 1e-5 for a, b in zip(stats[0], stats[2], strict=True))
         if part:
             assert torch.equal(got.hard_rows, want.hard_rows) and got.hard_rows.sum() > 0
