@@ -1,7 +1,7 @@
 """Real servers on loopback for the remote-data tests and bench/loader.py: a plain HTTP file
-server with Range support, moto's S3 server, a GCS emulator, and a TCP proxy in front of one
-that adds latency or injects faults. Nothing here mocks a client library: the loader's fsspec
-clients talk to these over sockets. Loopback only (127.0.0.1)."""
+server with Range support, moto's S3 server, a GCS emulator, Azurite (Azure Blob), and a TCP
+proxy in front of one that adds latency or injects faults. Nothing here mocks a client
+library: the loader's fsspec clients talk to these over sockets. Loopback only (127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -145,6 +145,64 @@ class GcsServer:
 
     def close(self):
         self.server.stop()
+
+
+AZURITE = Path(__file__).resolve().parent / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+AZURITE_INSTALL = ("make setup installs Azurite (tools/azurite/package.json) where npm is on the "
+                   "machine: cd tools/azurite && npm ci")
+
+
+class AzureServer:
+    """Azurite's Blob service (the version tools/azurite/package.json pins, installed there
+    by ``make setup``) on 127.0.0.1, in memory, with a container ``container``;
+    :meth:`environment` is the configuration that points adlfs at it: the standard connection
+    string variable, with Azurite's published development account and key. Raises
+    FileNotFoundError (:data:`AZURITE_INSTALL`) when Azurite is not installed."""
+
+    ACCOUNT = "devstoreaccount1"
+    KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+           "KBHBeksoGMGw==")
+
+    def __init__(self, workdir: Path):
+        import subprocess
+
+        if not AZURITE.exists():
+            raise FileNotFoundError(f"{AZURITE}: {AZURITE_INSTALL}")
+        self.process = subprocess.Popen(
+            [str(AZURITE), "--inMemoryPersistence", "--extentMemoryLimit", "256", "--blobHost",
+             "127.0.0.1", "--blobPort", "0", "--skipApiVersionCheck", "--loose", "--silent"],
+            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in self.process.stdout:  # "... successfully listens on http://127.0.0.1:N"
+            found = re.search(r"listens on (http://\S+)", line)
+            if found:
+                self.endpoint = found[1]
+                break
+        else:
+            raise RuntimeError(f"Azurite ended with {self.process.wait()} before listening")
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # drained
+        from azure.storage.blob import BlobServiceClient
+
+        BlobServiceClient.from_connection_string(self.connection_string()).create_container(
+            "container")
+
+    def connection_string(self) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={self.ACCOUNT};AccountKey={self.KEY};"
+                f"BlobEndpoint={self.endpoint}/{self.ACCOUNT};")
+
+    def environment(self) -> dict[str, str]:
+        return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string()}
+
+    def close(self):
+        """Stop it: SIGTERM, then SIGKILL after 5 s (Azurite waits for its clients' idle
+        keep-alive connections to close; it holds nothing on disk)."""
+        import subprocess
+
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def upload(folder: Path, url: str) -> str:
