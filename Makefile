@@ -37,12 +37,21 @@ RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subce
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3`: no venv is built there.
 SETUP ?= $(STAMP)
-setup: $(SETUP)
+# Azurite, the Azure Blob server the run-folder tests start on loopback, at the version
+# tools/azurite/package.json pins, installed there by npm; without npm the Azure test is
+# skipped, saying so.
+AZURITE := tools/azurite/node_modules/.installed
+setup: $(SETUP) $(if $(SETUP),$(AZURITE))
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
 	.venv/bin/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+$(AZURITE): tools/azurite/package.json tools/azurite/package-lock.json
+	@if command -v npm >/dev/null; then cd tools/azurite && npm ci --no-audit --no-fund --silent \
+	  && touch node_modules/.installed; else echo "npm not found: the Azure run-folder test" \
+	  "will be skipped (install Node.js, then make setup)"; fi
 
 test: setup
 	$(PY) -m pytest -n 2 --dist worksteal -q -m "not plan_full"
