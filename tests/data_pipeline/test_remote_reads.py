@@ -101,3 +101,26 @@ def test_a_link_that_passes_nothing_fails_after_the_budget_in_one_line(server, c
         assert len(lines) == folder.stats.retries == 3 and "pieces of" not in lines[-1]
     finally:
         proxy.close()
+
+
+def test_a_server_that_ignores_ranges_is_refused_in_one_line(server):
+    """Python's own ``http.server`` answers a range request with the whole file."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0),
+                                functools.partial(Quiet, directory=str(server[0].root)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        folder = RemoteFolder(f"http://127.0.0.1:{httpd.server_port}", Retry(**QUICK))
+        with pytest.raises(StorageError, match=r"/blob: asked for bytes 0-1000, got 300000 "
+                           r"bytes \(a server that ignores Range requests cannot serve shards"):
+            folder.read("blob", 0, 1000)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
