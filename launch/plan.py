@@ -3,7 +3,9 @@
 Per-GPU memory of the sharded head (weight, optimizer state, gradient, working memory) and
 of the backbone (parameters, gradients, optimizer state after ZeRO sharding, activations),
 the bytes and time of every collective of one step, and the largest class count that fits,
-all from ``partial_fc.memory`` (the formulas, with their derivation). ``--config RECIPE``
+all from ``partial_fc.memory`` (the formulas, with their derivation), and the backbone engine
+to train with: the fastest measured whose memory fits (``offline.plan_engine``, one line
+saying why). ``--config RECIPE``
 supplies the run's values; flags override them. ``--scaling 8,64,512`` adds a modelled step
 time per GPU count (see docs/scaling.md for which inputs are measured and which modelled).
 """
@@ -17,7 +19,16 @@ import sys
 from dataclasses import asdict
 
 from launch.cli import EXIT_STATUS, plain_help
-from offline.plan import GIB, PlanError, PlanResult, StepTime, plan, step_model
+from offline.plan import (
+    GIB,
+    PlanError,
+    PlanResult,
+    StepTime,
+    accumulated_step,
+    plan,
+    step_model,
+)
+from offline.plan_engine import choose_engine
 from offline.plan_inputs import MACHINE, resolve_inputs
 from partial_fc.backbones import list_backbones
 
@@ -39,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-rate", type=float,
                    help="Partial FC sample rate r in [0, 1] (0: the batch's own classes only)")
     p.add_argument("--dim", type=int, help="embedding size D")
-    p.add_argument("--batch", type=int, help="images per GPU")
+    p.add_argument("--batch", type=int, help="images per GPU (per micro-batch with "
+                   "--global-batch)")
+    p.add_argument("--global-batch", type=int, help="images per optimisation step, all GPUs "
+                   "(default: the recipe's train.global_batch)")
+    p.add_argument("--world-sizes", action="store_true", help="the GPU counts a "
+                   "--global-batch step runs on exactly, with the passes, memory and "
+                   "modelled H100 step time at each")
     p.add_argument("--backbone", help=f"one of {', '.join(list_backbones())}")
     p.add_argument("--checkpointing", type=int, help="activation checkpointing of every k-th "
                    "block (ViTs; 0 = off)")
@@ -138,9 +155,49 @@ def format_scaling(rows: list[tuple[PlanResult, StepTime]]) -> str:
     return "\n".join(out)
 
 
+def world_size_rows(config: str | None, given: dict, head_factor: float
+                    ) -> list[tuple[PlanResult, int, StepTime]]:
+    """Per world size the recipe's ``train.global_batch`` step splits into exactly (the
+    divisors of its micro-batches, trainer.config.accumulation): the plan at that many GPUs,
+    the passes per step and the modelled step."""
+    inp = resolve_inputs(config, given, gpus=1)
+    if inp.global_batch is None:
+        raise PlanError("--world-sizes: needs --global-batch or a recipe with "
+                        "train.global_batch")
+    n = inp.global_batch // inp.batch
+    rows = []
+    for gpus in (p for p in range(1, n + 1) if n % p == 0):
+        if gpus > inp.classes:
+            break
+        r = plan(resolve_inputs(config, given, gpus=gpus))
+        step = accumulated_step(step_model(r, head_factor), inp.batch, gpus, n // gpus,
+                                inp.statistics_pass)
+        rows.append((r, n // gpus, step))
+    return rows
+
+
+def format_world_sizes(rows: list[tuple[PlanResult, int, StepTime]]) -> str:
+    i = rows[0][0].inputs
+    out = [f"train.global_batch={i.global_batch}: {i.global_batch // i.batch} micro-batches "
+           f"of {i.batch}" + (" (the head's statistics: one more forward without grad per "
+                              "micro-batch where passes > 1)" if i.statistics_pass else ""),
+           "", "| GPUs | passes | peak GiB | fits | step ms | img/s |",
+           "| ---: | ---: | ---: | --- | ---: | ---: |"]
+    out += [f"| {r.inputs.gpus} | {k} | {r.peak_bytes_per_gpu / GIB:.1f} | "
+            f"{'yes' if r.fits else 'no'} | {m.step_s * 1e3:.1f} | {m.images_per_s:,.0f} |"
+            for r, k, m in rows]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.world_sizes:
+            rows = world_size_rows(args.config, vars(args), args.head_factor)
+            print(json.dumps([{**asdict(r), "passes": k, "step": asdict(m)}
+                              for r, k, m in rows], indent=1)
+                  if args.json else format_world_sizes(rows))
+            return 0
         if args.scaling:
             counts = [int(x) for x in args.scaling.split(",") if x.strip()]
             if not counts or min(counts) < 1:
@@ -153,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                   if args.json else format_scaling(rows))
             return 0
         result = plan(resolve_inputs(args.config, vars(args)))
+        choice = choose_engine(result.inputs)
     except (PlanError, ValueError) as e:
         print(f"launch.plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(asdict(result), indent=1) if args.json else format_table(result))
+    print(json.dumps({**asdict(result), "engine_choice": asdict(choice)}, indent=1) if args.json
+          else f"{format_table(result)}\n\n{choice.line}")
     return 0
 
 

@@ -48,6 +48,8 @@ class Inputs:
     row_sparse_grad: bool
     checkpointing: int = 0
     subcenters: int = 1
+    global_batch: int | None = None  # train.global_batch: images per step (batch: the micro)
+    statistics_pass: bool = False  # the head's statistics move (trainer.engine.step_statistics)
 
 
 def backbone_params(name: str, dim: int) -> tuple[int, int]:
@@ -281,3 +283,20 @@ def step_model(result: PlanResult, head_factor: float) -> StepTime:
     return StepTime(backbone_s=t_bb, head_s=t_head, head_comm_s=t_head_comm,
                     grad_sync_exposed_s=t_sync, step_s=step,
                     images_per_s=inp.batch * inp.gpus / step, efficiency=t_bb / step)
+
+
+def accumulated_step(one: StepTime, batch: int, gpus: int, passes: int,
+                     statistics_pass: bool) -> StepTime:
+    """A step of ``passes`` micro-batch passes of :func:`step_model`'s pass ``one`` (a
+    ``train.global_batch`` step on fewer GPUs): each pass's backbone, head and head
+    collectives, the backbone's gradient sync once (the passes before the last accumulate
+    without it), and with ``statistics_pass`` and more than one pass, one forward without
+    grad per micro-batch first (a third of its backbone step; trainer.engine.step_statistics)."""
+    extra = 1 / 3 if statistics_pass and passes > 1 else 0.0
+    backbone = passes * one.backbone_s * (1 + extra)
+    head, comm = passes * one.head_s, passes * one.head_comm_s
+    step = backbone + head + comm + one.grad_sync_exposed_s
+    return StepTime(backbone_s=backbone, head_s=head, head_comm_s=comm,
+                    grad_sync_exposed_s=one.grad_sync_exposed_s, step_s=step,
+                    images_per_s=batch * gpus * passes / step,
+                    efficiency=passes * one.backbone_s / step)

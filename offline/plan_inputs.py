@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from offline.plan import Inputs, PlanError
+from partial_fc import build_margin
 from partial_fc.backbones import list_backbones
 from partial_fc.head_checks import SAMPLE_RATE, SUBCENTERS
 from trainer.config import Config, ConfigError, load_config
 from trainer.config.checks import fp16_engine_rule
+from trainer.engine.step_statistics import moves_statistics
 
 FROM_RECIPE = {  # input -> the recipe key supplying it (trainer.config's schema: the defaults)
     "classes": "data.num_classes",
@@ -26,6 +28,7 @@ FROM_RECIPE = {  # input -> the recipe key supplying it (trainer.config's schema
     "state_dtype": "head.state_dtype",
     "checkpointing": "backbone.checkpointing",
     "subcenters": "margin.subcenters",
+    "global_batch": "train.global_batch",
 }
 MACHINE = {"gpus_per_node": 8, "gpu_memory": 80.0, "reserve": 2.0, "intra_bw": 450.0,
            "inter_bw": 50.0, "latency_us": 10.0, "row_sparse_grad": True}
@@ -65,7 +68,8 @@ def resolve_inputs(config: str | None, given: Mapping[str, object],
     if asked and nodes and asked != nodes * per_node:
         raise PlanError(f"--gpus={asked}: not --nodes={nodes} x --gpus-per-node={per_node}; "
                         "give one or the other")
-    inp = Inputs(gpus=gpus or asked or (nodes or 1) * per_node, **machine, **values)
+    inp = Inputs(gpus=gpus or asked or (nodes or 1) * per_node, **machine, **values,
+                 statistics_pass=moves_statistics(build_margin(cfg.margin_kwargs())))
     _check(inp)
     return inp
 
@@ -89,6 +93,9 @@ def _check(inp: Inputs) -> None:
         ("--max-tile-mib", inp.max_tile_mib, least(inp.max_tile_mib, 1)),
         ("--max-update-mib", inp.max_update_mib, least(inp.max_update_mib, 1)),
         ("--batch", inp.batch, least(inp.batch, 1)),
+        ("--global-batch", inp.global_batch, None if inp.global_batch is None
+         or (inp.global_batch >= 1 and inp.global_batch % max(inp.batch, 1) == 0) else
+         f"not a positive multiple of the micro-batch --batch={inp.batch}"),
         ("--checkpointing", inp.checkpointing, least(inp.checkpointing, 0)),
         ("--backbone", repr(inp.backbone), None if inp.backbone in list_backbones() else
          f"unknown (valid: {', '.join(list_backbones())})"),

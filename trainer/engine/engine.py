@@ -188,7 +188,7 @@ class Engine:
         self.prefetch = Prefetch(self.device, cfg.engine.prefetch and not stored)
         self.backend = BACKENDS[cfg.engine.type](cfg, trained, self.backbone, self.optimizer, env)
         # train.global_batch: a step's statistics do not depend on its split into passes
-        self.step_statistics = cfg.train.global_batch is not None and moves_statistics(head)
+        self.step_statistics = cfg.train.global_batch is not None and moves_statistics(head.margin)
         self.set_lr(0)
 
     def _cuda_settings(self) -> torch.memory_format:

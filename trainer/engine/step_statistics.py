@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from trainer.engine.snapshot import Snapshot
 
 
-def moves_statistics(head: nn.Module) -> bool:
-    """Whether ``head``'s (a ``PartialFC``) training forwards move its state by their batch's
-    statistics: a dynamic AdaCos scale, or a margin with buffers of its own (EMAs)."""
-    margin = head.margin
+def moves_statistics(margin: nn.Module) -> bool:
+    """Whether a head's training forwards move its state by their batch's statistics, from
+    its ``margin`` (``partial_fc.build_margin``): a dynamic AdaCos scale, or a margin with
+    buffers of its own (EMAs)."""
     return bool(getattr(margin.scale, "dynamic", False)) or any(
         not name.startswith("scale.") for name, _ in margin.named_buffers())
 
