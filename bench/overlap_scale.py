@@ -1,0 +1,118 @@
+"""Benchmark: ``launch.overlap``'s two searches at the scale of real training sets, on
+synthetic embeddings.
+
+    nice -n 10 python bench/overlap_scale.py                              # MS1MV3 x 3 .bins
+    nice -n 10 python bench/overlap_scale.py --centres 2059906 --images 2000 --null 2000
+    nice -n 10 python bench/overlap_scale.py --distractors 1000000        # + MegaFace's 10^6
+
+The two searches ``offline.overlap`` makes once the centres are known, with its own functions:
+
+- ``null``: ``--null`` probes, each against the other identities' centres
+  (``offline.overlap_search.best_other_centre``, what the calibration reads ``tau`` from);
+- ``search``: ``--images`` evaluation images (``--distractors`` more where given) searched for
+  their nearest centre in blocks of ``offline.overlap.SEARCH_BLOCK``, as ``set_overlap``
+  searches each rank's share (``centre_search``).
+
+Defaults: 93,431 centres (MS1MV3) x 40,000 images (LFW, CFP-FP and AgeDB-30 hold 38,000),
+100,000 null probes (``launch.overlap --null-images``' default), 512-d. The centres are
+seeded normal draws, normalised, generated chunk by chunk; half the images and probes are a
+centre plus noise (a mate), half fresh draws, which changes no timing. The embedding pass
+(a backbone over every training image) is not measured: it is training's evaluation cost.
+
+Printed per search: seconds, rows per second with its spread over the blocks (min, median,
+max), and the peak resident set (``ru_maxrss``) after the inputs were made and after the
+search, so the search's own memory is the difference. Each run is one process. Prints
+figures, asserts nothing; not run by the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import numpy as np
+
+from offline.overlap import SEARCH_BLOCK
+from offline.overlap_search import best_other_centre, centre_search
+
+CHUNK = 65_536  # rows generated at a time
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _unit_rows(rows: int, dim: int, seed: int) -> np.ndarray:
+    """``[rows, dim]`` float32 unit rows, generated in chunks (no float64 copy of the whole)."""
+    out = np.empty((rows, dim), np.float32)
+    for start in range(0, rows, CHUNK):
+        part = np.random.default_rng([seed, start]).standard_normal(
+            (min(CHUNK, rows - start), dim), dtype=np.float32)
+        out[start:start + len(part)] = part / np.linalg.norm(part, axis=1, keepdims=True)
+    return out
+
+
+def _probes(centres: np.ndarray, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` probes, the first half a centre plus noise (cosine about 0.7), and their
+    labels (a fresh draw's: a random one, as a training image's own label would be)."""
+    probes = _unit_rows(rows, centres.shape[1], seed)
+    labels = np.random.default_rng([seed, 1]).integers(0, len(centres), rows)
+    half = rows // 2
+    for start in range(0, half, CHUNK):
+        stop = min(start + CHUNK, half)
+        mixed = centres[labels[start:stop]] + probes[start:stop]
+        probes[start:stop] = mixed / np.linalg.norm(mixed, axis=1, keepdims=True)
+    return probes, labels
+
+
+def _blocks(name: str, rows: int, search) -> None:
+    """Run ``search(start, stop)`` over blocks of SEARCH_BLOCK rows; print one line (none
+    for no rows)."""
+    if not rows:
+        return
+    before, rates, began = _peak_mib(), [], time.perf_counter()
+    for start in range(0, rows, SEARCH_BLOCK):
+        stop = min(start + SEARCH_BLOCK, rows)
+        t = time.perf_counter()
+        search(start, stop)
+        rates.append((stop - start) / (time.perf_counter() - t))
+    took = time.perf_counter() - began
+    low, mid, high = np.percentile(rates, [0, 50, 100])
+    print(f"{name:7s} {rows:>9,} rows  {took:8.1f} s  {rows / took:8.1f} rows/s (blocks: "
+          f"{low:.1f} / {mid:.1f} / {high:.1f})  peak {before:,.0f} -> {_peak_mib():,.0f} MiB")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--centres", type=int, default=93_431)
+    p.add_argument("--images", type=int, default=40_000)
+    p.add_argument("--distractors", type=int, default=0,
+                   help="MegaFace-like distractor images searched after --images")
+    p.add_argument("--null", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    began = time.perf_counter()
+    centres = _unit_rows(args.centres, args.dim, args.seed)
+    null, null_labels = _probes(centres, args.null, args.seed + 1)
+    images, _ = _probes(centres, args.images + args.distractors, args.seed + 2)
+    print(f"{args.centres:,} centres x {args.dim}-d ({centres.nbytes / 2 ** 20:,.0f} MiB), "
+          f"{args.null:,} null probes, {args.images:,} images + {args.distractors:,} "
+          f"distractors; made in {time.perf_counter() - began:.1f} s, peak "
+          f"{_peak_mib():,.0f} MiB")
+    best = np.empty(args.null, np.float32)
+
+    def null_block(start: int, stop: int) -> None:
+        best[start:stop] = best_other_centre(null[start:stop], null_labels[start:stop],
+                                             centres)
+
+    _blocks("null", args.null, null_block)
+    _blocks("search", len(images), lambda start, stop: centre_search(images[start:stop],
+                                                                     centres))
+    if args.null:
+        print(f"null's 0.999 quantile {np.quantile(best, 0.999):.4f}")
+
+
+if __name__ == "__main__":
+    main()
