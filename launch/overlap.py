@@ -19,8 +19,9 @@ The threshold is calibrated for that search: ``--fpir`` is the share of evaluati
 whose person is not in training that may be listed all the same. It is read off the same
 search made with probes whose identity is left out of the gallery: about ``--null-images``
 training images, each against the other identities' centres, or, with ``--held-out`` (the
-exclusion list the model was trained with), the images of the identities it never saw, which
-is exact where training images are memorised (docs/data.md). It prints the threshold, the
+exclusion list the model was trained with), the images of the identities it never saw: with
+those the FPIR holds as asked, while training images, which a model pulls away from the
+other identities, let more through (docs/data.md). It prints the threshold, the
 searches it was read from and, per set, the identities listed beside the number expected
 falsely; too few searches for the asked FPIR is refused. ``--threshold`` sets it instead.
 Each listed identity is named (DIR's identities.json, written by launch.convert) with the

@@ -58,6 +58,9 @@ def histogram_figure(threshold: float, calibration: Calibration | None,
         ax.step(centres, counts / max(counts.sum(), 1), where="mid", label=name,
                 color="black" if null else f"C{i % 10}", ls="--" if null else "-")
     ax.axvline(threshold, color="grey", lw=1)
+    seen = np.concatenate([np.asarray(v, dtype=np.float64) for _, v in curves] + [[threshold]])
+    seen = seen[np.isfinite(seen)]
+    ax.set_xlim(max(-1.0, seen.min() - 0.05), min(1.0, seen.max() + 0.05))
     ax.set_xlabel("cosine to the nearest training centre")
     ax.set_ylabel("share of images")
     ax.set_title(f"nearest-centre cosines; threshold {threshold:.3f}")
