@@ -149,6 +149,27 @@ def throughput_figure(runs: list[RunData]) -> Figure | None:
     return fig
 
 
+def ranks_figure(runs: list[RunData]) -> Figure | None:
+    """The world size each step ran on (left) and the micro-batches each rank accumulated for
+    it (right): a ``train.global_batch`` run resumed on other ranks keeps its step with more
+    or fewer passes."""
+    if not _has(runs, "world_size"):
+        return None
+    fig = Figure(figsize=(10, 3.6))
+    for j, (key, ylabel, title) in enumerate((("world_size", "ranks", "world size"),
+                                              ("accumulation", "passes",
+                                               "micro-batches per rank per step"))):
+        ax = fig.add_subplot(1, 2, j + 1)
+        for i, run in enumerate(runs):
+            steps, values = run.series(key)
+            if np.isfinite(values).any():
+                ax.step(steps, values, where="post", color=_colour(i), label=run.label)
+        _finish(fig, ax, ylabel, title)
+        ax.set_ylim(bottom=0)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+    return fig
+
+
 def _sample_columns(steps: np.ndarray, x_max: float) -> tuple[np.ndarray, float]:
     """Column edges for the sampled ``steps`` (sorted): a column of width ``w`` centred on
     each step, with a gap column between two samples. ``w`` is the smallest spacing between
@@ -401,6 +422,9 @@ FIGURES: dict[str, tuple[Callable[[list[RunData]], Figure | None], str]] = {
                "sample), cf. AdaCos Fig. 1. Red: θ_med."),
     "throughput": (throughput_figure,
                    "Images per second over all ranks (between metric lines) and peak memory."),
+    "ranks": (ranks_figure, "The world size of each step and the micro-batches each rank "
+                            "accumulated for it: with train.global_batch a run resumed on "
+                            "other ranks keeps its step (more ranks, fewer passes)."),
     "verification": (verification_figure, "Verification accuracy (10-fold) per eval set."),
     **MARGIN_FIGURES,
     **DISTILL_FIGURES,
@@ -418,6 +442,7 @@ WHEN_ABSENT: dict[str, str] = {
     "cos": "the target and non-target cosines (no step lines logged yet)",
     "angles": "the angle heatmaps (log.hist_every)",
     "throughput": "images per second and memory (no step lines logged yet)",
+    "ranks": "the world size and accumulation per step (runs that log them)",
     "verification": "verification accuracy (eval.bins)",
     "norms": "feature norms (AdaFace and MagFace runs)",
     "adaface": "AdaFace's norm EMAs (margin.type=adaface)",
