@@ -25,7 +25,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from data_pipeline.epoch_batches import EpochBatches, StorageWait
-from data_pipeline.position import StreamsPosition, source_position
+from data_pipeline.position import StreamsPosition
 
 
 def rank_streams(rank: int, world_size: int, streams: int) -> list[int]:
@@ -107,4 +107,4 @@ class MicroBatchStreams(EpochBatches):
                 saved.update((s["stream"], s["position"]) for s in state["streams"])
         fallback = next(iter(saved.values())) if saved else states[0]
         for j, stream in zip(self.ids, self.streams, strict=True):
-            stream.restore(source_position(saved.get(j, fallback)))
+            stream.load_state_dict(saved.get(j, fallback))

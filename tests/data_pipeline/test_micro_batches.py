@@ -79,3 +79,12 @@ def test_a_position_saved_on_p_ranks_resumes_exactly_on_another_world_size(
         loader.load_saved(states, r)
         assert loader.batches_done == 2 * len(loader.streams)
     assert done + _steps(resumed) == whole
+
+
+def test_the_position_round_trips_through_its_stored_form(shard_folder):
+    loader = _shards(shard_folder)(1, 2)
+    _steps([_shards(shard_folder)(0, 2), loader], 1)
+    again = _shards(shard_folder)(1, 2)
+    again.load_state_dict(loader.state_dict())
+    assert again.position() == loader.position() and again.batches_done == 2
+    assert [j for j, _ in again.position().streams] == [1, 3]
