@@ -12,23 +12,24 @@ never prints them (:func:`scrub`) and refuses a URL that carries them.
 Writing (``launch.convert`` into a URL, data_pipeline.output) uploads whole files, each
 visible only once complete; a web server is read-only.
 
-A read (a whole small file, the manifest or a member index, or one byte range of a shard)
-is made of pieces of at most :attr:`Retry.piece_bytes`, each its own range request, one after
-the other: a connection cut mid-transfer loses the piece in flight, never what arrived before
-it (fsspec's ``cat_file`` keeps nothing of a body aiohttp reports cut short). Pieces rather
-than one streamed body, because a range request is what every fsspec client offers alike; a
+A read (a whole small file, the manifest or a member index, or one byte range of a shard) is
+made of pieces of at most :attr:`Retry.piece_bytes`, each its own range request, one after the
+other: a connection cut mid-transfer loses the piece in flight, never what arrived before it
+(fsspec's ``cat_file`` keeps nothing of a body aiohttp reports cut short). Pieces rather than
+one streamed body, because a range request is what every fsspec client offers alike; a
 streamed body would be a call per client. Transient failures (a reset or cut connection, a
 5xx, a timeout) are retried from the first byte not yet received. A try that brought a piece
 is retried at once and costs nothing of the budget; a try that brought nothing is one of
-:attr:`Retry.attempts`, halves the piece (down to :data:`MIN_PIECE`: a link that kills every
-transfer after N bytes still passes pieces shorter than that) and is followed by an
-exponential backoff. The folder keeps the halved piece for its next reads in this process
-(they start from the piece that passed, not from the one a link cuts) and doubles it back, up
-to :attr:`Retry.piece_bytes`, after each read that passed a whole piece and met no failure.
-Every retry is counted (:attr:`RemoteFolder.stats`); a try that brought nothing is also logged
-as one line on stderr (a cut after progress is not: a link that cuts every connection would
-print one a piece). Permanent failures (403, 404, a missing bucket, missing credentials) raise
-:class:`StorageError` at once: one line naming the URL and the fix.
+:attr:`Retry.attempts`, halves the piece (of what the read still wants, down to
+:data:`MIN_PIECE`: a link that kills every transfer after N bytes still passes pieces shorter
+than that) and is followed by an exponential backoff. The folder keeps the halved piece for
+its next reads in this process (they start from the piece that passed, not from the one a link
+cuts) and doubles it back, up to :attr:`Retry.piece_bytes`, after each read that passed a
+whole piece and met no failure. Every retry is counted (:attr:`RemoteFolder.stats`); a try
+that brought nothing is also logged as one line on stderr (a cut after progress is not: a link
+that cuts every connection would print one a piece). Permanent failures (403, 404, a missing
+bucket, missing credentials) raise :class:`StorageError` at once: one line naming the URL and
+the fix.
 """
 
 from __future__ import annotations
@@ -96,13 +97,15 @@ class Retry:
     """Bounds of the retries of one read: ``attempts`` tries in a row that bring nothing
     (a try that brings a piece resets the count), waiting ``first_delay_s`` after the first
     and twice as long after each next one (at most ``max_delay_s``); one request, a piece of
-    at most ``piece_bytes``, may take ``timeout_s``."""
+    at most ``piece_bytes``, may take ``timeout_s``. 4 MiB, half the loader's 8 MiB requests:
+    a request costs the S3 client about 5 ms of CPU (docs/data.md), which 1 MiB pieces would
+    add to a worker's decoding 8 times a block; a link that cuts halves them as it needs."""
 
     attempts: int = 8
     first_delay_s: float = 0.1
     max_delay_s: float = 5.0
     timeout_s: float = 60.0
-    piece_bytes: int = 1 << 20
+    piece_bytes: int = 4 << 20
 
 
 @dataclass
@@ -223,7 +226,7 @@ class RemoteFolder:
                 raise StorageError(f"{scrub(url)}: bytes {start}-{end if end else 'end'}: "
                                    f"{failures} tries in a row brought nothing ({problem}); "
                                    "check the network and the server, then resume the run")
-            piece = self.piece = max(piece // 2, MIN_PIECE)
+            piece = self.piece = max(min(piece, end - at if end else piece) // 2, MIN_PIECE)
             halved = f", pieces of {piece >> 10} KiB" if end is None or piece < end - at else ""
             print(f"data: {scrub(url)} bytes {at}-{end if end else 'end'}: {problem}; retry "
                   f"{failures}/{self.retry.attempts - 1} in {delay:.2f} s{halved}",
