@@ -252,7 +252,10 @@ def resume(run: Run) -> None:
                      f"(saved on {meta.world_size} ranks)")
     run.log.info(
         f"{cfg.name} ({cfg.run_location}): {margin_words(cfg)}; "
-        f"{env.world_size} rank(s) on {env.device.type}, {run.total} steps, "
+        f"{env.world_size} rank(s) on {env.device.type}"
+        + (f" x {run.accum} micro-batch(es) of {cfg.train.batch_size} per step "
+           f"(train.global_batch={cfg.train.global_batch})" if cfg.train.global_batch else "")
+        + f", {run.total} steps, "
         f"{run.steps_per_epoch} steps/epoch, C={cfg.data.num_classes}, "
         f"engine={cfg.engine.type}, dropped {loader.dropped_fraction:.2%} of each epoch"
         + (f", excluded {loader.num_excluded} samples (data.exclude)" if loader.num_excluded
