@@ -52,9 +52,11 @@ class Inputs:
     statistics_pass: bool = False  # the head's statistics move (trainer.engine.step_statistics)
 
 
+@functools.cache
 def backbone_params(name: str, dim: int) -> tuple[int, int]:
     """``(parameters, trainable parameters)``, from building the model on the meta device
-    (no weights allocated)."""
+    (no weights allocated; still seconds for the largest: kept, as a plan per engine asks
+    again)."""
     with torch.device("meta"):
         model = build_backbone(name, embedding_size=dim)
     params = list(model.parameters())

@@ -147,12 +147,16 @@ def head_memory(
 
 
 def head_update_bytes(num_local: int, rows: int, dim: int, *, max_update_bytes: int,
-                      state_dtype: str = "fp32", optimizer: str = "sgd") -> int:
+                      state_dtype: str = "fp32", optimizer: str = "sgd",
+                      fused: bool = True) -> int:
     """Peak temporaries of one ``partial_fc.optim`` step updating ``rows`` of ``num_local``
     rows (one forward per step), a chunk of rows at a time: fp32 copies of the weight and its
     state (none for an fp32 weight when all rows are updated: slices, in place) and of a bf16
-    gradient, plus the update formula's scratch tensors."""
+    gradient, plus the update formula's scratch tensors. None at all where ``SampledSGD``'s
+    ``fused`` step takes every row of an fp32 weight in torch's fused kernel."""
     head_opt, narrow = _HEAD_OPTIMIZERS[optimizer], state_dtype != "fp32"
+    if fused and optimizer == "sgd" and rows == num_local and not narrow:
+        return 0
     copies = (1 + head_opt.ROW_STATE + narrow) if rows < num_local or narrow else 0
     per_chunk = rows_per_chunk(max_update_bytes, dim, head_opt.temporaries())
     return min(rows, per_chunk) * dim * 4 * (head_opt.SCRATCH + copies)
