@@ -104,6 +104,26 @@ class EpochBatches(Protocol):
         return self._batches
 
 
+class ComposedBatches(EpochBatches):
+    """A batch source made of others, its ``parts`` (the mixture's folders, a
+    ``train.global_batch`` rank's micro-batch streams): its corrupt and padded samples and its
+    storage costs are theirs, summed."""
+
+    parts: list[EpochBatches]
+
+    @property
+    def storage(self) -> StorageWait:
+        return sum((s.storage for s in self.parts), StorageWait())
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(s.num_skipped for s in self.parts)
+
+    @property
+    def num_padded(self) -> int:
+        return sum(s.num_padded for s in self.parts)
+
+
 def concat(parts: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
     """One batch from slices of chunks (or of several loaders' batches), in page-locked
     memory with ``pin_memory`` (a slice of one pinned chunk already is) so the trainer's

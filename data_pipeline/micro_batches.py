@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from data_pipeline.epoch_batches import EpochBatches, StorageWait
+from data_pipeline.epoch_batches import ComposedBatches, EpochBatches
 from data_pipeline.position import StreamsPosition
 
 
@@ -35,7 +35,7 @@ def rank_streams(rank: int, world_size: int, streams: int) -> list[int]:
     return list(range(rank, streams, world_size))
 
 
-class MicroBatchStreams(EpochBatches):
+class MicroBatchStreams(ComposedBatches):
     """This rank's micro-batch streams as one :class:`EpochBatches` (see the module
     docstring): one batch of each stream in turn, ``k`` per step. ``make(j)`` builds stream
     ``j`` as rank ``j`` of ``streams`` ranks would have its batch source."""
@@ -59,16 +59,8 @@ class MicroBatchStreams(EpochBatches):
         return sum(s.batches_done for s in self.streams)
 
     @property
-    def num_skipped(self) -> int:
-        return sum(s.num_skipped for s in self.streams)
-
-    @property
-    def num_padded(self) -> int:
-        return sum(s.num_padded for s in self.streams)
-
-    @property
-    def storage(self) -> StorageWait:
-        return sum((s.storage for s in self.streams), StorageWait())
+    def parts(self) -> list[EpochBatches]:
+        return self.streams
 
     def set_epoch(self, epoch: int) -> None:
         for stream in self.streams:

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from data_pipeline.epoch_batches import EpochBatches, StorageWait, concat
+from data_pipeline.epoch_batches import ComposedBatches, EpochBatches, concat
 from data_pipeline.errors import DataError
 from data_pipeline.loader import make_loader
 from data_pipeline.position import MixturePosition
@@ -44,7 +44,7 @@ def batch_shares(batch_size: int, weights: Sequence[float]) -> list[int]:
     return [int(s) + 1 for s in shares]
 
 
-class MixedLoader(EpochBatches):
+class MixedLoader(ComposedBatches):
     """Batches (images uint8 [B,3,112,112], labels int64 [B][, flips][, keys]) mixing the folders
     ``data_dirs``; see the module docstring. ``weights`` (default: the sets' sample counts),
     ``excludes`` (one exclusion list or None per folder, in that folder's own labels) and the
@@ -84,16 +84,8 @@ class MixedLoader(EpochBatches):
         self.reads_url = any(s.reads_url for s in self.sets)
 
     @property
-    def storage(self) -> StorageWait:
-        return sum((s.storage for s in self.sets), StorageWait())
-
-    @property
-    def num_skipped(self) -> int:
-        return sum(s.num_skipped for s in self.sets)
-
-    @property
-    def num_padded(self) -> int:
-        return sum(s.num_padded for s in self.sets)
+    def parts(self) -> list[EpochBatches]:
+        return self.sets
 
     def set_epoch(self, epoch: int) -> None:
         """Select the mixture's epoch; a new one restarts the mixture's batch count, while
