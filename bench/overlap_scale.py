@@ -19,17 +19,19 @@ seeded normal draws, normalised, generated chunk by chunk; half the images and p
 centre plus noise (a mate), half fresh draws, which changes no timing. The embedding pass
 (a backbone over every training image) is not measured: it is training's evaluation cost.
 
-Printed per search: seconds, rows per second with its spread over the blocks (min, median,
-max), and the peak resident set (``ru_maxrss``) after the inputs were made and after the
-search, so the search's own memory is the difference. Each run is one process. Prints
+Printed per search: wall seconds and CPU-seconds (all threads: on a shared machine the wall
+time is the load's, the CPU time the search's), rows per CPU-second with its spread over the
+blocks (min, median, max), the resident set before the search (the process, the centres,
+the probes) and the peak above it during the search (``VmHWM`` reset through
+``/proc/self/clear_refs``): the search's own memory. Each run is one process. Prints
 figures, asserts nothing; not run by the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -39,8 +41,16 @@ from offline.overlap_search import best_other_centre, centre_search
 CHUNK = 65_536  # rows generated at a time
 
 
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _memory_mib() -> tuple[float, float]:
+    """(resident now, peak resident since the last :func:`_reset_peak`), MiB (Linux)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text()
+                  .splitlines() if ":" in line)
+    return (int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024)
+
+
+def _reset_peak() -> None:
+    """Start a new peak at the resident size now (``clear_refs`` 5, Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _unit_rows(rows: int, dim: int, seed: int) -> np.ndarray:
@@ -71,16 +81,19 @@ def _blocks(name: str, rows: int, search) -> None:
     for no rows)."""
     if not rows:
         return
-    before, rates, began = _peak_mib(), [], time.perf_counter()
+    _reset_peak()
+    before, rates = _memory_mib()[0], []
+    began, cpu_began = time.perf_counter(), time.process_time()
     for start in range(0, rows, SEARCH_BLOCK):
         stop = min(start + SEARCH_BLOCK, rows)
-        t = time.perf_counter()
+        t = time.process_time()
         search(start, stop)
-        rates.append((stop - start) / (time.perf_counter() - t))
-    took = time.perf_counter() - began
+        rates.append((stop - start) / (time.process_time() - t))
+    took, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     low, mid, high = np.percentile(rates, [0, 50, 100])
-    print(f"{name:7s} {rows:>9,} rows  {took:8.1f} s  {rows / took:8.1f} rows/s (blocks: "
-          f"{low:.1f} / {mid:.1f} / {high:.1f})  peak {before:,.0f} -> {_peak_mib():,.0f} MiB")
+    print(f"{name:7s} {rows:>9,} rows  {took:8.1f} s ({cpu:.1f} CPU-s)  {rows / cpu:8.1f} rows "
+          f"per CPU-s (blocks: {low:.1f} / {mid:.1f} / {high:.1f})  resident {before:,.0f} "
+          f"MiB, peak +{_memory_mib()[1] - before:,.0f} MiB")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.centres:,} centres x {args.dim}-d ({centres.nbytes / 2 ** 20:,.0f} MiB), "
           f"{args.null:,} null probes, {args.images:,} images + {args.distractors:,} "
           f"distractors; made in {time.perf_counter() - began:.1f} s, peak "
-          f"{_peak_mib():,.0f} MiB")
+          f"{_memory_mib()[1]:,.0f} MiB")
     best = np.empty(args.null, np.float32)
 
     def null_block(start: int, stop: int) -> None:
