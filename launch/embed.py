@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data_pipeline.errors import DataError
+from data_pipeline.remote import is_url
 from launch.cli import EXIT_STATUS, plain_help
 from offline.embedding_sets import embed_shards, verify
 from trainer.dist import init_distributed, shutdown
@@ -53,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = init_distributed(args.device)
         try:
             teacher = load_teacher(args.checkpoint)
-            name = str(Path(args.checkpoint).resolve())  # a resume from elsewhere matches
+            # a resume from elsewhere matches (a URL names itself)
+            name = args.checkpoint if is_url(args.checkpoint) else \
+                str(Path(args.checkpoint).resolve())
             written = embed_shards(teacher, name, args.data, args.out, flip=not args.no_flip,
                                    rank=env.rank, world_size=env.world_size,
                                    batch_size=args.batch_size, device=env.device)

@@ -35,15 +35,15 @@ TeacherError = CheckpointError  # a teacher that cannot be read is a checkpoint 
 def load_teacher(path: str | os.PathLike) -> nn.Module:
     """A teacher backbone, frozen, in eval mode: an ``.onnx`` file, or a partial-fc run (a
     converted arcface_torch run is one) as ``trainer.checkpoint.backbone`` resolves it."""
-    path = Path(path)
-    if path.suffix == ".onnx":
+    if Path(path).suffix == ".onnx":
+        path = Path(path)
         if not path.is_file():
             raise TeacherError(f"{path}: no such ONNX file")
         try:
             model = OnnxBackbone(path)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
             raise TeacherError(f"{path}: not a loadable ONNX model ({exc})") from None
-    else:
+    else:  # a path or a URL
         model = load_backbone(path)[0]
     return model.eval().requires_grad_(False)
 
