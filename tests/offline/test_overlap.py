@@ -221,55 +221,6 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     assert f"--held-out {held}: no `class` lines" in capsys.readouterr().err
 
 
-def test_calibration_holds_its_fpir_where_the_per_pair_rate_does_not():
-    """Fabricated embeddings, 2,000 identities (a unit centre each; an image is its centre
-    plus Gaussian noise, normalised): 4,000 training images searched against the other
-    centres calibrate the threshold at FPIR 0.01 (k = 40); 20,000 images of 4,000 identities
-    never trained on are then listed at 0.5 to 1.5 times that rate (the calibration's own
-    spread, Beta(40, 3961), is 16 %). The per-pair rule (the 0.99 quantile of image-to-other-
-    centre cosines) lists nearly all of them: 1 - 0.99^1999."""
-    from offline.overlap_search import best_other_centre, centre_search
-
-    rng = np.random.default_rng(0)
-
-    def unit(x):
-        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-    def images(centres, labels):
-        return unit(centres[labels] + rng.normal(0, 0.12, (len(labels), centres.shape[1])))
-
-    centres = unit(rng.normal(size=(2000, 32)))
-    labels = rng.integers(0, 2000, 4000)
-    train = images(centres, labels)
-    calibration = calibrate(best_other_centre(train, labels, centres), 0.01, "fabricated")
-    assert calibration.reached == 40 and calibration.searches == 4000
-    strangers = images(unit(rng.normal(size=(4000, 32))), rng.integers(0, 4000, 20000))
-    best, _ = centre_search(strangers, centres)
-    listed = float((best[:, 0] >= calibration.threshold).mean())
-    assert 0.5 * calibration.expected_fpir <= listed <= 1.5 * calibration.expected_fpir
-    pairs = (train @ centres.T)[labels[:, None] != np.arange(2000)]
-    assert (best[:, 0] >= np.quantile(pairs, 0.99)).mean() > 0.9
-
-
-def test_centre_search_is_the_brute_force_over_chunks(monkeypatch):
-    """The k nearest centres' cosines and labels, merged over chunks of centres (7 here),
-    equal a full sort; the null's best other centre skips the probe's own."""
-    from offline import overlap_search
-
-    monkeypatch.setattr(overlap_search, "CENTRE_CHUNK", 7)
-    rng = np.random.default_rng(1)
-    centres = rng.normal(size=(30, 8)).astype(np.float32)
-    probes = rng.normal(size=(12, 8)).astype(np.float32)
-    scores, ids = overlap_search.centre_search(probes, centres, 3)
-    full = probes @ centres.T
-    np.testing.assert_array_equal(ids, np.argsort(-full, axis=1)[:, :3])
-    np.testing.assert_allclose(scores, -np.sort(-full, axis=1)[:, :3], rtol=1e-5)
-    own = ids[:, 0].copy()
-    own[::2] = 0  # half the probes' own identity is their nearest, half another
-    expected = np.where(own == ids[:, 0], scores[:, 1], scores[:, 0])
-    np.testing.assert_allclose(overlap_search.best_other_centre(probes, own, centres), expected)
-
-
 # ---------------------------------------------------------------- the user's path, end to end
 
 NAMED = {3: "lfw", 7: "RFW/African", 11: "TinyFace", 15: "IJBC"}  # planted: label -> set
