@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tune(args: argparse.Namespace) -> None:
     from partial_fc.tiles import autotune, tuning
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     info = tuning.device_info(device)
     buckets, trials, measured = {}, [], {}
     for state, dtype in STATES.items():
@@ -100,14 +100,16 @@ def _profiled(run, out: Path, name: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     out.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
         run()
     trace = out / f"{name}-trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     trace.unlink()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                      row_limit=60)
     (out / f"{name}-kernels.txt").write_text(table + "\n")
     print(table)
 
@@ -115,7 +117,7 @@ def _profiled(run, out: Path, name: str) -> None:
 def profile_head(args: argparse.Namespace) -> None:
     from partial_fc import PartialFC, build_margin
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     head = PartialFC(512, args.classes, build_margin(dict(type="arcface")),
                      sample_rate=args.sample_rate, device=device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -125,11 +127,12 @@ def profile_head(args: argparse.Namespace) -> None:
     def steps(count: int) -> None:
         for _ in range(count):
             x = emb.detach().requires_grad_()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = head(x, labels)
             loss.backward()
             head.weight.grad = None
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     steps(3)  # compile, tune, first-use check
     print("\n".join(head.take_notes()))
@@ -173,11 +176,12 @@ def largest(args: argparse.Namespace) -> None:
         else:
             high = candidate
             candidate = (low + high) // 2 if low else candidate * 3 // 4
+        # after every try: a step stopped at its time limit keeps what was found
+        args.json.write_text(json.dumps({"largest_trained": low or None, "first_failed": high,
+                                         "planned": predicted, "gpu_memory_gib": memory_gb,
+                                         "tries": tries}, indent=1) + "\n")
         if high is not None and high - low <= high // 50:
             break
-    args.json.write_text(json.dumps({"largest_trained": low or None, "first_failed": high,
-                                     "planned": predicted, "gpu_memory_gib": memory_gb,
-                                     "tries": tries}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,11 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--table", type=Path, default=ROOT / "partial_fc" / "tiles" / "tuned.json")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--report", type=Path, required=True)
+    t.add_argument("--device", default="cuda", help="cuda; cpu with TRITON_INTERPRET=1 to try "
+                   "the sweep's plumbing (timings meaningless)")
     h = sub.add_parser("profile-head", help="torch.profiler of the head's step")
     h.add_argument("-C", "--classes", type=int, default=1_000_000)
     h.add_argument("-N", "--batch", type=int, default=1024)
     h.add_argument("-r", "--sample-rate", type=float, default=1.0)
     h.add_argument("--steps", type=int, default=5)
+    h.add_argument("--device", default="cuda")
     h.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("profile-train", help="torch.profiler of the trainer's step")
     r.add_argument("--steps", type=int, default=5)
