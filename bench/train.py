@@ -7,6 +7,10 @@
     python bench/train.py --data DIR --compile              # a converted folder; torch.compile
     python bench/train.py --json figures.json               # the table's figures as JSON too
     python bench/train.py --backbone vit_b --checkpointing 1 --batch 256   # a ViT, checkpointed
+    python bench/train.py --runs 1000:1.0 --variant wrapped=one_rank_ddp=true \
+        --variant no-prefetch=prefetch=false --variant no-fused=fused_updates=false
+    python bench/train.py --engine deepspeed --runs 1000:1.0 \
+        --variant overlap=zero_settings.overlap_comm=1,zero_settings.contiguous_gradients=1
 
 One process, a 1-rank process group (``trainer.dist.init_distributed``, no torchrun).
 
@@ -14,7 +18,12 @@ One process, a 1-rank process group (``trainer.dist.init_distributed``, no torch
   format: channels_last on CUDA), on random input: forward, ``mean(emb^2)`` backward, the
   backbone's optimizer (``trainer.engine.make_optimizer``);
 - each ``classes:rate`` of ``--runs``: the full step, ``trainer.engine.Engine.step`` with a
-  ``partial_fc.PartialFC`` head of that many classes and sample rate.
+  ``partial_fc.PartialFC`` head of that many classes and sample rate, the batches handed over
+  through ``Engine.prefetch`` as ``trainer.loop`` hands them; once with the engine's defaults
+  and once more per ``--variant NAME=KEY=VALUE,...`` with those ``engine.*`` keys set (the
+  step's overheads each switched back on: ``one_rank_ddp=true`` wraps the one rank in DDP,
+  ``prefetch=false`` copies on the step's stream, ``fused_updates=false`` takes the chunked
+  head update and per-tensor norms; ``zero_settings.KEY=N`` tries a DeepSpeed setting).
 
 Batches: with ``--data DIR`` (or ``--synthetic-data K``, which first writes a K-class
 synthetic webdataset folder to a temp dir with ``data_pipeline.write_synthetic_dataset``) they
@@ -27,9 +36,11 @@ pure-compute view, where ``data`` is ~0 by construction. ``--compile`` sets
 ``engine.compile`` and compiles the ceiling's backbone too (the first ``--warmup`` steps
 absorb the compile time; give enough of them).
 
-Per step: ``data`` (host time to fetch the next batch), then the engine's step cut by hooks
-on the replicated module (DDP/DeepSpeed, which run eagerly even with ``--compile``) and the
-head into ``input`` (host-to-device copy and normalisation), ``bb fwd``, ``head fwd`` (its
+Per step: ``data`` (host time to fetch the next batch, and on CUDA with ``engine.prefetch``
+to queue its copy to the GPU), then the engine's step cut by hooks on the module the backend
+runs (DDP's wrapper, DeepSpeed's engine, or on one rank the bare module: their hooks run
+eagerly even with ``--compile``) and the head into ``input`` (host-to-device copy and
+normalisation), ``bb fwd``, ``head fwd`` (its
 collectives included), ``head bwd``, ``bb bwd`` (DDP's gradient all-reduce and clipping
 included), ``optim`` (both optimizers) and ``other``. Times come from CUDA events on CUDA and
 ``time.perf_counter`` on CPU (synchronous there). One rank has no communication to speak of;
@@ -52,6 +63,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from offline import plan
@@ -92,7 +104,9 @@ class Marks:
         return out
 
 
-def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.device) -> Config:
+def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.device,
+            engine: dict | None = None) -> Config:
+    """The run's config; ``engine``: a ``--variant``'s ``engine.*`` keys over the flags'."""
     data = {"num_classes": classes}
     if args.workers is not None:
         data["num_workers"] = args.workers
@@ -104,7 +118,7 @@ def _config(args: argparse.Namespace, classes: int, rate: float, device: torch.d
         "head": {"sample_rate": rate, "kernel": args.kernel, "state_dtype": args.state_dtype},
         "train": {"batch_size": args.batch},
         "engine": {"type": args.engine, "precision": args.precision, "compile": args.compile,
-                   "channels_last": not args.nchw},
+                   "channels_last": not args.nchw, **(engine or {})},
     })
 
 
@@ -172,9 +186,10 @@ def run_ceiling(args: argparse.Namespace, device: torch.device) -> dict:
                       device)
 
 
-def run_step(args: argparse.Namespace, env: DistEnv, classes: int, rate: float) -> dict:
+def run_step(args: argparse.Namespace, env: DistEnv, classes: int, rate: float,
+             engine_keys: dict | None = None) -> dict:
     device = env.device
-    cfg = _config(args, classes, rate, device)
+    cfg = _config(args, classes, rate, device, engine_keys)
     torch.manual_seed(0)
     head = PartialFC(cfg.backbone.embedding_size, classes, build_margin(cfg.margin_kwargs()),
                      process_group=env.group, seed=cfg.seed, device=device,
@@ -192,15 +207,16 @@ def run_step(args: argparse.Namespace, env: DistEnv, classes: int, rate: float) 
     engine.optimizer.register_step_pre_hook(lambda *_: marks("bb bwd"))
     engine.head_optimizer.register_step_post_hook(lambda *_: marks("optim"))
     batches, rows = _batches(args, cfg, device), []
+    groups = engine.prefetch([batch] for batch in batches)  # as trainer.loop hands them over
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
         for step in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            batch = next(batches)
+            group = next(groups)
             data_ms = (time.perf_counter() - t0) * 1e3
             marks("start")
-            engine.step(step, [batch])
+            engine.step(step, group)
             marks("other")
             seg = marks.segments()
             rows.append({"data": data_ms, **seg, "step": data_ms + sum(seg.values())})
@@ -248,7 +264,8 @@ def write_json(args: argparse.Namespace, results: list[tuple[str, int, float, di
     rows = [{"run": name, "classes": classes, "sample_rate": rate,
              **_figures(args, classes, rate, r)} for name, classes, rate, r in results]
     Path(args.json).write_text(json.dumps({"device": str(device), "torch": torch.__version__,
-                                           **setup, "runs": rows}, indent=1) + "\n")
+                                           **setup, "variants": dict(args.variant),
+                                           "runs": rows}, indent=1) + "\n")
 
 
 def print_table(args: argparse.Namespace, results: list[tuple[str, int, float, dict]]) -> None:
@@ -274,6 +291,25 @@ def _runs(text: str) -> list[tuple[int, float]]:
         return [(int(c), float(r)) for c, r in (item.split(":") for item in text.split(","))]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--runs={text!r}: expected classes:rate,...") from None
+
+
+def _variant(text: str) -> tuple[str, dict]:
+    """``NAME=KEY=VALUE,...`` -> ``(NAME, engine keys)``; ``zero_settings.KEY`` nests, values
+    are YAML scalars (``true``, ``1``, ``5e7`` as written)."""
+    name, _, keys = text.partition("=")
+    engine: dict = {}
+    try:
+        for item in keys.split(","):
+            key, value = item.split("=")
+            section, _, sub = key.partition(".")
+            target = engine.setdefault(section, {}) if sub else engine
+            target[sub or key] = yaml.safe_load(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--variant={text!r}: expected NAME=KEY=VALUE,... "
+                                         "(engine keys)") from None
+    if not name:
+        raise argparse.ArgumentTypeError(f"--variant={text!r}: the variant needs a name")
+    return name, engine
 
 
 def _data_dir(args: argparse.Namespace, tmp: str) -> Path | None:
@@ -345,6 +381,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="the head's weight, gradient and optimizer state (head.state_dtype)")
     p.add_argument("--model-gpus", type=int, default=8, help="GPU count of the modelled "
                    "communication line (default 8)")
+    p.add_argument("--variant", type=_variant, action="append", default=[],
+                   metavar="NAME=KEY=VALUE,...", help="each trainer run again with these "
+                   "engine.* keys (one_rank_ddp, prefetch, fused_updates, "
+                   "zero_settings.overlap_comm, ...), its rows named [NAME]; repeatable")
     p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     cuda = resolve_device(args.device, 0).type == "cuda"
@@ -355,6 +395,11 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for name, keys in args.variant:  # a bad key fails here, before any run
+        try:
+            _config(args, 2, 1.0, torch.device("cpu"), keys)
+        except ValueError as e:
+            p.error(f"--variant {name}: {e}")
     env = init_distributed(args.device)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
@@ -366,8 +411,10 @@ def main(argv: list[str] | None = None) -> None:
             _describe_batches(args, p, env.device)
             results = [("ceiling (backbone only)", 0, 1.0, run_ceiling(args, env.device))]
             for classes, rate in args.runs:
-                results.append((f"trainer {classes:,} r={rate}", classes, rate,
-                                run_step(args, env, classes, rate)))
+                for name, keys in [("", {}), *args.variant]:
+                    label = f"trainer {classes:,} r={rate}" + (f" [{name}]" if name else "")
+                    results.append((label, classes, rate,
+                                    run_step(args, env, classes, rate, keys)))
             print_table(args, results)
             if args.json:
                 write_json(args, results, env.device)

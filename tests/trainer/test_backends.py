@@ -220,3 +220,22 @@ def test_ddp_gradient_norm_takes_foreach_kernels_on_cuda(monkeypatch, fused, cli
             p.grad = g.clone()
         torch.testing.assert_close(backend._clip(), want, rtol=1e-6, atol=0)
         assert asked.pop() is foreach
+
+
+def test_zero_settings_reach_deepspeeds_zero_section():
+    """``engine.zero_settings`` in DeepSpeed's ``zero_optimization`` as its ZeRO config model
+    reads them (0/1 as booleans), beside the stage; unset, DeepSpeed's defaults stay."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from trainer.engine.deepspeed_backend import deepspeed_config
+
+    cfg = make_config("engine.type=deepspeed", "engine.zero_stage=2",
+                      "engine.zero_settings={overlap_comm: 0, contiguous_gradients: 1, "
+                      "reduce_bucket_size: 50000000, allgather_bucket_size: 200000000}")
+    zero = deepspeed_config(cfg, 2)["zero_optimization"]
+    parsed = DeepSpeedZeroConfig(**zero)
+    assert (parsed.stage, parsed.overlap_comm, parsed.contiguous_gradients) == (2, False, True)
+    assert (parsed.reduce_bucket_size, parsed.allgather_bucket_size) == (5 * 10**7, 2 * 10**8)
+    plain = DeepSpeedZeroConfig(**deepspeed_config(make_config("engine.type=deepspeed"), 2)[
+        "zero_optimization"])
+    assert plain == DeepSpeedZeroConfig(stage=1)

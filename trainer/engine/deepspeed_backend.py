@@ -37,13 +37,18 @@ from trainer.errors import Stopped
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
-    """The DeepSpeed JSON for the backbone. The optimizer is passed as a torch object."""
+    """The DeepSpeed JSON for the backbone. The optimizer is passed as a torch object;
+    ``engine.zero_settings`` go into ``zero_optimization`` as DeepSpeed reads them
+    (``overlap_comm`` and ``contiguous_gradients`` as booleans)."""
     micro, accum = cfg.train.batch_size, accumulation(cfg.train, world_size)
+    flags = ("overlap_comm", "contiguous_gradients")
+    zero = {key: bool(value) if key in flags else value
+            for key, value in cfg.engine.zero_settings.items()}
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * world_size,
-        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        "zero_optimization": {"stage": cfg.engine.zero_stage, **zero},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": cfg.train.clip_grad_norm or 0.0,
         # check_grad_overflow: drop a step with non-finite gradients (Engine.step's guard).
