@@ -192,7 +192,7 @@ def _find(args: argparse.Namespace, env) -> tuple:
     if args.tinyface is not None:
         sets.append(tinyface_images(args.tinyface))
     choice = None if args.threshold is not None else null_choice(
-        manifest.num_samples, manifest.num_classes, args.null_images, args.held)
+        manifest.num_samples, manifest.num_classes, args.null_images, args.fpir, args.held)
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
     trained = class_centres(backbone, args.data, args.batch_size, env.device, env.group,
                             choice)

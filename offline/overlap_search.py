@@ -82,12 +82,7 @@ def calibrate(null: np.ndarray, fpir: float, probes: str) -> Calibration:
     """``tau = v_k``, ``k = floor(fpir * (n + 1))``, of the ``n`` null cosines (module
     docstring); CalibrationError where ``k = 0``."""
     n = len(null)
-    k = int(np.floor(fpir * (n + 1) + 1e-9))  # 1e-9: fpir = 1/(n+1) given as a decimal
-    if k < 1:
-        raise CalibrationError(
-            f"--fpir {fpir:g}: {n} null searches ({probes}) resolve rates down to 1/{n + 1} "
-            f"= {1 / (n + 1):.2g} only; raise --fpir, search more images (--null-images) or "
-            "set --threshold")
+    k = resolvable(fpir, n, probes)
     ordered = np.sort(np.asarray(null, dtype=np.float64))[::-1]
     reached = np.searchsorted(-ordered, -ordered, side="right")  # how many reach each value
     fits = np.flatnonzero(reached <= k)  # tied values count together: at most k reach tau
@@ -96,6 +91,18 @@ def calibrate(null: np.ndarray, fpir: float, probes: str) -> Calibration:
                                f"reached {reached[0]} times; raise --fpir or set --threshold")
     return Calibration(float(ordered[fits[-1]]), fpir, n, int(reached[fits[-1]]), probes,
                        ordered)
+
+
+def resolvable(fpir: float, n: int, probes: str, at_most: bool = False) -> int:
+    """``k = floor(fpir * (n + 1))`` of ``n`` null searches (``at_most``: an upper bound on
+    ``n``, checked before the searches are made); CalibrationError where it is 0."""
+    k = int(np.floor(fpir * (n + 1) + 1e-9))  # 1e-9: fpir = 1/(n+1) given as a decimal
+    if k < 1:
+        raise CalibrationError(
+            f"--fpir {fpir:g}: {'at most ' if at_most else ''}{n} null searches ({probes}) "
+            f"resolve rates down to 1/{n + 1} = {1 / (n + 1):.2g} only; raise --fpir, search "
+            "more images (--null-images) or set --threshold")
+    return k
 
 
 def centre_search(probes: np.ndarray, centres: np.ndarray, k: int = 1
@@ -142,13 +149,17 @@ class NullChoice:
                 "training (--held-out)")
 
 
-def null_choice(images: int, classes: int, wanted: int,
+def null_choice(images: int, classes: int, wanted: int, fpir: float,
                 held_out: frozenset[int] | None = None) -> NullChoice:
     """About ``wanted`` probes of a folder of ``images`` images and ``classes`` classes: of
     the ``held_out`` classes' images (``images * |held_out| / classes`` of them, as if
-    classes were of equal size) where given, else of every image."""
+    classes were of equal size) where given, else of every image. CalibrationError, before
+    any pass over the shards, where even ``images`` or ``1.2 * wanted`` searches (the hash
+    sample's count is within a few per cent of ``wanted``) could not resolve ``fpir``."""
     pool = images if held_out is None else images * len(held_out) / max(classes, 1)
-    return NullChoice(min(1.0, wanted / max(pool, 1)), held_out)
+    choice = NullChoice(min(1.0, wanted / max(pool, 1)), held_out)
+    resolvable(fpir, min(images, int(1.2 * wanted)), choice.probes(), at_most=True)
+    return choice
 
 
 def histogram(cosines: np.ndarray) -> list[int]:

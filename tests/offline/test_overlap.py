@@ -172,7 +172,8 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     table and the JSON give each set's expected false count beside its listed one, and the
     histograms (the null's: one count per search; a set's: one per image); the page draws
     them. --held-out: the held-out classes' images are the probes. An FPIR the searches
-    cannot resolve, a list without classes or with a label the folder lacks: one line."""
+    cannot resolve (known from the folder's size, before its pass), a list without classes
+    or with a label the folder lacks: one line."""
     from launch import overlap
 
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
@@ -208,9 +209,9 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
 
     assert overlap.main([*args, "--fpir", "0.001"]) == 2
     assert capsys.readouterr().err == (
-        "error: --fpir 0.001: 160 null searches (the training images) resolve rates down to "
-        "1/161 = 0.0062 only; raise --fpir, search more images (--null-images) or set "
-        "--threshold\n")
+        "error: --fpir 0.001: at most 160 null searches (the training images) resolve rates "
+        "down to 1/161 = 0.0062 only; raise --fpir, search more images (--null-images) or set "
+        "--threshold\n")  # refused before the pass over the shards: the folder has 160
     held.write_text("class 20\n")
     assert overlap.main([*args, "--held-out", str(held)]) == 2
     assert capsys.readouterr().err == (
