@@ -31,7 +31,9 @@ Head rows: each rank saves its block ``[start, stop)`` as a plain tensor named
 ``<key>/rows.<start>.<stop>``; a run on any number of ranks loads the blocks that overlap
 its own rows and slices them (the head's remainder-balanced partition is not DTensor's
 ``torch.chunk`` split, and no private ShardedTensor API is needed). Multi-node runs need RUN
-on a file system every node sees.
+on a file system every node sees, or at an object store's URL: then each rank stages its part
+on its own node and uploads it, and a resume copies the checkpoint to each node
+(``trainer.checkpoint.in_store``).
 """
 
 from __future__ import annotations
