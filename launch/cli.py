@@ -38,7 +38,8 @@ def checkpoint_program_parser(program: str, doc: str | None) -> argparse.Argumen
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=EXIT_STATUS)
     parser.add_argument("--checkpoint", required=True,
-                        help="RUN folder, RUN/checkpoints/<tag>, or .../backbone.pt")
+                        help="RUN folder (a path or a URL), RUN/checkpoints/<tag>, or "
+                        ".../backbone.pt")
     return parser
 
 

@@ -36,6 +36,7 @@ import torch
 
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
+from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
 from launch.cli import (
     checkpoint_program_parser,
@@ -148,6 +149,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for path in args.bin:
         if not Path(path).is_file():
             p.error(f"--bin {path}: no such file ({MISSING_BIN_FIX})")
+    if args.log_to_run and is_url(str(args.checkpoint)):
+        p.error(f"--log-to-run {args.checkpoint}: a run at a URL is written by its job alone; "
+                "keep the results with --json instead")
     return args
 
 
