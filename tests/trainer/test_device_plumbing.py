@@ -9,6 +9,7 @@ loss and update as an NCHW one (fp32, IEEE matmuls: only the convolution algorit
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -18,6 +19,28 @@ from launch_helpers import build_engine, local_micro_batches, make_config, snaps
 
 def _conv_weight(engine) -> torch.Tensor:
     return next(m.weight for m in engine.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+
+
+@contextlib.contextmanager
+def _one_gpu_rank():
+    """GPU 0 as a 1-rank NCCL group for the block."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_close_updates(got: dict, want: dict) -> None:
+    """Two steps' :func:`snapshot` s apart by no more than fp32 convolutions summing in other
+    orders (~1e-6 relative)."""
+    assert torch.allclose(got["rows"], want["rows"], rtol=1e-4, atol=1e-6)
+    for name, value in want["backbone"].items():
+        assert torch.allclose(got["backbone"][name], value, rtol=1e-4, atol=1e-6), name
 
 
 def test_cpu_engine_keeps_nchw_and_leaves_cudnn_alone(one_rank_group):
@@ -64,34 +87,27 @@ def test_loader_pins_batches_on_cuda(tmp_path, workers):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_channels_last_step_equals_nchw_step_on_cuda():
-    import torch.distributed as dist
-
-    os.environ.setdefault("LOCAL_RANK", "0")
-    torch.cuda.set_device(0)
     matmul = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     benchmark = torch.backends.cudnn.benchmark
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    out = {}
     try:
-        out = {}
-        for channels_last in (True, False):
-            cfg = make_config("train.batch_size=8", f"engine.channels_last={channels_last}")
-            engine = build_engine(cfg, device="cuda:0")
-            fmt = torch.channels_last if channels_last else torch.contiguous_format
-            assert _conv_weight(engine).is_contiguous(memory_format=fmt), channels_last
-            loss = engine.step(0, local_micro_batches(0, 8, 0, 1, 1)).loss
-            out[channels_last] = loss, snapshot(engine)
+        with _one_gpu_rank():
+            for channels_last in (True, False):
+                cfg = make_config("train.batch_size=8", f"engine.channels_last={channels_last}")
+                engine = build_engine(cfg, device="cuda:0")
+                fmt = torch.channels_last if channels_last else torch.contiguous_format
+                assert _conv_weight(engine).is_contiguous(memory_format=fmt), channels_last
+                loss = engine.step(0, local_micro_batches(0, 8, 0, 1, 1)).loss
+                out[channels_last] = loss, snapshot(engine)
         assert torch.backends.cudnn.benchmark
-        (loss_cl, snap_cl), (loss_nchw, snap_nchw) = out[True], out[False]
-        # fp32 with TF32 off: different conv algorithms sum in other orders (~1e-6 relative).
-        assert loss_cl == pytest.approx(loss_nchw, rel=1e-5)
-        assert torch.allclose(snap_cl["rows"], snap_nchw["rows"], rtol=1e-4, atol=1e-6)
-        for name, value in snap_nchw["backbone"].items():
-            assert torch.allclose(snap_cl["backbone"][name], value, rtol=1e-4, atol=1e-6), name
     finally:
-        dist.destroy_process_group()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul
         torch.backends.cudnn.benchmark = benchmark
+    (loss_cl, snap_cl), (loss_nchw, snap_nchw) = out[True], out[False]
+    # fp32 with TF32 off: different conv algorithms sum in other orders (~1e-6 relative).
+    assert loss_cl == pytest.approx(loss_nchw, rel=1e-5)
+    _assert_close_updates(snap_cl, snap_nchw)
 
 
 @pytest.mark.cuda
@@ -101,13 +117,8 @@ def test_prefetched_steps_equal_steps_copied_on_their_own_stream_on_cuda():
     (``trainer.engine.prefetch``) equal three steps copied by the step itself; a copy the
     step read before it landed, or memory handed back too early, would differ by far more
     than the convolutions' summation order."""
-    import torch.distributed as dist
-
-    os.environ.setdefault("LOCAL_RANK", "0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        out = {}
+    out = {}
+    with _one_gpu_rank():
         for prefetch in (True, False):
             engine = build_engine(make_config("train.batch_size=8", "engine.cudnn_benchmark=false",
                                               f"engine.prefetch={prefetch}"), device="cuda:0")
@@ -116,10 +127,6 @@ def test_prefetched_steps_equal_steps_copied_on_their_own_stream_on_cuda():
             losses = [engine.step(i, group).loss
                       for i, group in enumerate(engine.prefetch(iter(groups)))]
             out[prefetch] = losses, snapshot(engine)
-        (got, snap), (want, ref) = out[True], out[False]
-        assert got == pytest.approx(want, rel=1e-5)
-        assert torch.allclose(snap["rows"], ref["rows"], rtol=1e-4, atol=1e-6)
-        for name, value in ref["backbone"].items():
-            assert torch.allclose(snap["backbone"][name], value, rtol=1e-4, atol=1e-6), name
-    finally:
-        dist.destroy_process_group()
+    (got, snap), (want, ref) = out[True], out[False]
+    assert got == pytest.approx(want, rel=1e-5)
+    _assert_close_updates(snap, ref)
