@@ -24,7 +24,7 @@ tell a stage that did not run from one that lost its figures.
 ``pace`` reads the pace stage's logs for the figures its targets name (docs/gpu.md): the head
 at 1M r=1 over its matmuls (``head-pace-r1.log``), ours and the textbook at r=0.1
 (``head-pace-r0.1.log``), the trainer over the backbone's ceiling at 1k r=1 and 1M r=0.1
-(``train-pace.json``), the recipe's img/s (``metrics-recipe.jsonl``), arcface_torch's
+(``train-pace.json``), the recipe's img/s and peak (``metrics-recipe.jsonl``), arcface_torch's
 (``arcface-torch.json``), the largest C_local that trained beside the plan's
 (``largest.json``), the card (``versions.json``) and the date; ``null`` where a step left
 nothing.
@@ -197,6 +197,7 @@ def pace(logs: Path) -> dict:
         return round(runs[key] / ceiling, 3) if ceiling and runs.get(key) else None
 
     recipe = logs / "metrics-recipe.jsonl"
+    ours = _run(recipe) if recipe.is_file() else {}
     arcface, largest = _json(logs / "arcface-torch.json"), _json(logs / "largest.json")
     gpu = (_json(logs / "versions.json").get("gpu") or {}).get("name")
     return {
@@ -205,7 +206,7 @@ def pace(logs: Path) -> dict:
         "head_r01_ms": r01.get("ours"), "textbook_r01_ms": r01.get("textbook"),
         "trainer_1k_of_ceiling": of_ceiling((1000, 1.0)),
         "trainer_1m_r01_of_ceiling": of_ceiling((1_000_000, 0.1)),
-        "recipe_img_s": _run(recipe).get("img_per_s") if recipe.is_file() else None,
+        "recipe_img_s": ours.get("img_per_s"), "recipe_peak_gb": ours.get("peak_gb"),
         "arcface_torch_img_s": arcface.get("img_per_s"),
         "arcface_torch_peak_gib": arcface.get("peak_gib"),
         "largest_c_local_r01": largest.get("largest_trained"),

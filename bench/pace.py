@@ -144,7 +144,7 @@ def profile_train(args: argparse.Namespace) -> None:
     import train  # bench/train.py
 
     _profiled(lambda: train.main(["--runs", "1000:1.0", "--steps", str(args.steps),
-                                  "--warmup", "3"]), args.out, "train")
+                                  "--warmup", "1"]), args.out, "train")
 
 
 def _fits(classes: int) -> bool:

@@ -32,7 +32,8 @@ STEPS = {
 }
 PACE_KEYS = {"head_r1_over_matmuls", "head_r01_ms", "textbook_r01_ms", "trainer_1k_of_ceiling",
              "trainer_1m_r01_of_ceiling", "recipe_img_s", "arcface_torch_img_s", "device",
-             "date", "arcface_torch_peak_gib", "largest_c_local_r01", "planned_c_local_r01"}
+             "date", "arcface_torch_peak_gib", "recipe_peak_gb", "largest_c_local_r01",
+             "planned_c_local_r01"}
 KEYS = {"stage", "date", "dry_run", "budget_s", "elapsed_s", "ok", "versions", "steps", "tests",
         "recipe", "demo", "head", "train"}
 
@@ -198,6 +199,7 @@ def test_the_pace_stage_writes_its_figures_and_brings_back_its_files(tmp_path):
     assert (pace["head_r01_ms"], pace["textbook_r01_ms"]) == (8.0, 16.0)
     assert (pace["trainer_1k_of_ceiling"], pace["trainer_1m_r01_of_ceiling"]) == (0.9, 0.75)
     assert (pace["recipe_img_s"], pace["arcface_torch_img_s"]) == (2500.0, 1250.0)
+    assert (pace["recipe_peak_gb"], pace["arcface_torch_peak_gib"]) == (6.29, 9.5)
     assert (pace["largest_c_local_r01"], pace["planned_c_local_r01"]) == (40, 50)
     assert json.loads((out / "tuned.json").read_text())["devices"] == {"Fake": {"buckets": {}}}
     files = [p for p in out.rglob("*") if p.is_file()]
