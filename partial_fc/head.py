@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from partial_fc import distributed as dist_ops
 from partial_fc.aux_losses import AuxLosses
-from partial_fc.batch_stats import global_stats, stats_readout
+from partial_fc.batch_stats import GlobalStats, global_stats, stats_readout
 from partial_fc.head_checks import check_head_args, check_inputs
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
@@ -217,19 +217,21 @@ class PartialFC(nn.Module):
         if self.training and self.sample_rate < 1.0:
             index, _ = sample_classes(y, self.class_start, self.num_local, self.sample_rate,
                                       self.seed, step, self.rank)
-        frozen = embeddings is not None and self.training
-        if frozen:
-            self._take_step_statistics(embeddings, y, sizes, index, step)
-        self._plan = StepSample(index=index, step=step, samples=sum(sizes), frozen=frozen)
+        statistics = None
+        if embeddings is not None and self.training:
+            statistics = self._take_step_statistics(embeddings, y, sizes, index, step)
+        self._plan = StepSample(index=index, step=step, samples=sum(sizes),
+                                statistics=statistics)
         self._draws = 0
         if self.training:
             self.step += 1
 
     def _take_step_statistics(self, embeddings: Tensor, y: Tensor, sizes: list[int],
-                              index: Tensor | None, step: int) -> None:
+                              index: Tensor | None, step: int) -> GlobalStats:
         """The statistics a training forward moves, over the whole step (``begin_step``):
         the same calls as :meth:`forward` makes before its loss, on the step's gathered
-        embeddings ``[N_step, D]`` and labels ``y``; collective. Call it under the autocast
+        embeddings ``[N_step, D]`` and labels ``y``; collective. Returns them: the forwards'
+        ``stats`` report the step's ``theta_med`` and ``B_avg``. Call it under the autocast
         the forwards run under (their matmul operands' dtype, :meth:`_shard`)."""
         e, norms = self._gather(embeddings.detach().float(), sizes)
         targets = local_targets(y, self.class_start, self.num_local)
@@ -245,6 +247,7 @@ class PartialFC(nn.Module):
             self.margin.prepare(MarginBatch(glob.target_cos, norms,
                                             slice(start, start + sizes[self.rank]), step, 0,
                                             True))
+        return glob
 
     @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
@@ -325,7 +328,8 @@ class PartialFC(nn.Module):
         shard.tiles = self.tiles.checked(shard.tiles, shard.e, shard.w, shard.inv_norm,
                                          shard.targets, scale.value(), lambda c: c, group)
         row_max, row_sum, cos_sum = shard.stats(scale.value())  # s_{t-1} for dynamic AdaCos
-        moves = self.training and not (plan is not None and plan.frozen)
+        taken = plan.statistics if plan is not None else None  # begin_step's, of the step
+        moves = self.training and taken is None
         glob = global_stats(shard, row_max, row_sum, cos_sum, scale, self.num_classes,
                             moves, group)
         s = scale.value()  # s_t, after a dynamic AdaCos update
@@ -352,7 +356,8 @@ class PartialFC(nn.Module):
             self._draws += 1
         extra = dict(terms.stats) if self._dominant is None else {**terms.stats,
             SUBCENTER_SHARE: self._dominant.update(targets, shard.nearest, index, group)}
-        self.stats = stats_readout(loss, glob, sum_exp * glob.neg_ratio, shift, s, extra)
+        self.stats = stats_readout(loss, glob if taken is None else taken,
+                                   sum_exp * glob.neg_ratio, shift, s, extra)
         return loss
 
     # ------------------------------------------------------------------ helpers

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from partial_fc.init import derive_seed
+
+if TYPE_CHECKING:
+    from partial_fc.batch_stats import GlobalStats
 
 __all__ = ["StepSample", "local_targets", "sample_classes", "sample_size"]
 
@@ -84,15 +88,15 @@ class StepSample:
     """One class sample shared by the forwards of an optimisation step (gradient
     accumulation; ``PartialFC.begin_step`` draws it): the sampled rows (``None``: all), the
     ``step`` value the forwards use, and how many gathered samples were announced, of which
-    ``taken`` have been forwarded. ``frozen``: the step's statistics (a dynamic AdaCos
-    scale, a margin's EMAs) were taken over all its samples when it began, and its forwards
-    use them as they are."""
+    ``taken`` have been forwarded. ``statistics``: the step's statistics
+    (``partial_fc.batch_stats.GlobalStats``), taken over all its samples when it began; its
+    forwards then leave the scale and the margin's EMAs as they are, and report these."""
 
     index: Tensor | None
     step: int
     samples: int
     taken: int = 0
-    frozen: bool = False
+    statistics: GlobalStats | None = None
 
     def take(self, y: Tensor, class_start: int, num_local: int) -> Tensor:
         """The columns of the gathered labels ``y`` in the planned sample (``-1``: another

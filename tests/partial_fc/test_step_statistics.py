@@ -1,7 +1,8 @@
 """``PartialFC.begin_step(labels, embeddings=...)``: a step's statistics taken over all its
 micro-batches, so a step split into micro-batches over 1, 2 or 4 ranks equals one forward of
 its union: the loss, the embedding gradients, the dynamic AdaCos scale (whose ``s_t`` depends
-on ``s_{t-1}``'s statistics), CurricularFace's ``t`` and AdaFace's norm EMAs, step after step."""
+on ``s_{t-1}``'s statistics), CurricularFace's ``t`` and AdaFace's norm EMAs, step after step,
+and the statistics the step reports (``theta_med``, AdaCos's ``B_avg``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from spawn import run_ranks
 
 from partial_fc import PartialFC, build_margin
+from partial_fc import metric_names as names
 
 CLASSES, DIM, MICRO, STREAMS, STEPS = 53, 8, 6, 4, 3
 MARGINS = {
@@ -57,8 +59,11 @@ def _steps(margin: dict, rank: int = 0, world: int = 1, statistics: bool = True,
                 loss += micro.item() / k
         head.pop_sampled_rows()
         state = head.state_dict()
+        shown = [names.THETA_MED, names.COS_TARGET_MEAN] + \
+            ([names.B_AVG] if margin["type"] == "adacos" else [])  # else the last pass's B
         out.append({"loss": loss, "e_grad": e.grad.clone(),
-                    **{key: state[key].clone() for key in STATE if key in state}})
+                    **{key: state[key].clone() for key in STATE if key in state},
+                    "stats": {key: head.stats[key] for key in shown}})
         head.weight.grad = None
         with torch.no_grad():  # move the rows, so that later steps see other cosines
             move = torch.randn(CLASSES, DIM, generator=torch.Generator().manual_seed(step))
@@ -75,6 +80,7 @@ def _check(got: list[dict], expected: list[dict], rows: torch.Tensor | None = No
         for key in STATE:
             if key in b:
                 torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+        assert a["stats"] == pytest.approx(b["stats"], rel=1e-5)  # what the step logs
 
 
 def _ranks(rank: int, world: int) -> dict[str, list[dict]]:

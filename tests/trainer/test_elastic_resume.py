@@ -71,4 +71,7 @@ def test_a_run_cut_on_2_ranks_resumes_on_4_then_on_1_with_the_unbroken_losses(
     for a, b in zip(got, expected, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a, b)
         assert a["lr"] == b["lr"]
-        assert abs(a["scale"] - b["scale"]) <= 1e-5 * b["scale"], (a["step"], a, b)
+        # the step's statistics, whatever its passes; a median is one sample's angle, so it
+        # carries the rounding of that one sample (1.5e-5 at step 6 here)
+        for key, tolerance in (("scale", 1e-5), ("b_avg", 1e-5), ("theta_med", 1e-4)):
+            assert abs(a[key] - b[key]) <= tolerance * abs(b[key]), (key, a["step"], a, b)
