@@ -3,10 +3,12 @@
 ``TUNER.tiles(e, w)`` is what ``partial_fc.tiles.triton`` launches with: for a CUDA device the
 choice (``partial_fc.tiles.tuning.Choice``: the engine, Triton GEMMs or cuBLAS matmuls with
 Triton epilogues, and the tiles) for its name and the step's shape bucket, looked up once per
-process in the committed table, then in the user's cache; a bucket in neither is tuned at its
-first use (:func:`measure`), cached, and said in one line (:func:`tuning.take_notes`, which the
-head's ``take_notes`` passes on). Shapes under :data:`MIN_WORK` are not worth a tuning and run
-``tuning.DEFAULT``; other devices (the interpreter's CPU tensors) get None.
+process in the committed table, then in the user's cache (a choice found there is checked
+against the reference on this device before it runs: it was measured maybe with another
+triton or torch); a bucket in neither is tuned at its first use (:func:`measure`), cached,
+and said in one line (:func:`tuning.take_notes`, which the head's ``take_notes`` passes on).
+Shapes under :data:`MIN_WORK` are not worth a tuning and run ``tuning.DEFAULT``; other devices
+(the interpreter's CPU tensors) get None.
 
 A tuning runs each candidate (``tuning.candidates``) on the step's own ``e`` and its first
 :data:`COLUMNS` rows of ``w`` (the per-class cost is steady well before that: a few ms a
@@ -61,9 +63,11 @@ class Trial:
     error: str = ""
 
 
-def measure(e: Tensor, w: Tensor, device: tuning.Device) -> list[Trial]:
-    """Every candidate for ``device`` on ``e [N, D]`` and the first :data:`COLUMNS` rows of
-    ``w`` (see the module docstring); nothing is cached or chosen here."""
+def measure(e: Tensor, w: Tensor, device: tuning.Device,
+            choices: list[tuning.Choice] | None = None, timed: bool = True) -> list[Trial]:
+    """``choices`` (default: every candidate for ``device``) on ``e [N, D]`` and the first
+    :data:`COLUMNS` rows of ``w`` (see the module docstring), each checked, then timed unless
+    ``timed`` is False (its ``ms`` then 0 when it agreed); nothing is cached or chosen here."""
     with torch.no_grad():
         w = w[:COLUMNS].contiguous()
         n, cols = e.shape[0], w.shape[0]
@@ -78,7 +82,7 @@ def measure(e: Tensor, w: Tensor, device: tuning.Device) -> list[Trial]:
         back = (lse, coef, torch.where(targets >= 0, -coef, 0.0))
         want = (row_lse, cos_sum, *reference.class_tile_grads(e, w, inv, targets, SCALE, *back))
         tol, trials = tolerance(e, w), []
-        for choice in tuning.candidates(device.capability):
+        for choice in choices or tuning.candidates(device.capability):
             tiles = as_tiles(choice, device.sms)
 
             def run(tiles: tm.Tiles = tiles) -> tuple[Tensor, ...]:
@@ -97,7 +101,7 @@ def measure(e: Tensor, w: Tensor, device: tuning.Device) -> list[Trial]:
                 trials.append(Trial(choice, None, diff, f"differs by {diff:.3g} (tolerance "
                                                         f"{tol:g})"))
                 continue
-            trials.append(Trial(choice, _timed(run, e.device), diff))
+            trials.append(Trial(choice, _timed(run, e.device) if timed else 0.0, diff))
     return trials
 
 
@@ -152,14 +156,18 @@ class Tuner:
     def _choose(self, e: Tensor, w: Tensor, device: tuning.Device,
                 shape: tuning.Shape) -> tuning.Choice:
         where = f"head: the class tiles on {device.name} for {shape.key}:"
-        choice = tuning.tabled(device, shape, self.table)
-        if choice is not None:
-            tuning.note(f"{where} {describe(choice)} (the committed table)")
-            return choice
         cache = tuning.cache_path()
-        choice = tuning.cached(device, shape, cache)
-        if choice is not None:
-            tuning.note(f"{where} {describe(choice)} (tuned before, {cache})")
+        for choice, source in ((tuning.tabled(device, shape, self.table), "the committed table"),
+                               (tuning.cached(device, shape, cache), f"tuned before, {cache}")):
+            if choice is None:
+                continue
+            # measured on this device, maybe with another triton or torch: checked here first
+            (trial,) = measure(e, w, device, [choice], timed=False)
+            if trial.ms is None:
+                tuning.note(f"{where} {describe(choice)} ({source}) fails here: {trial.error}; "
+                            "the default tiles run")
+                return tuning.DEFAULT
+            tuning.note(f"{where} {describe(choice)} ({source})")
             return choice
         if e.shape[0] * w.shape[0] * e.shape[1] < MIN_WORK:
             return tuning.DEFAULT
@@ -168,7 +176,7 @@ class Tuner:
         timed = [t for t in trials if t.ms is not None]
         if not timed:
             tuning.note(f"{where} no candidate agreed with the reference ({trials[0].error}); "
-                        "the default tiles run, and the first-use check follows")
+                        "the default tiles run")
             return tuning.DEFAULT
         best = min(timed, key=lambda t: t.ms)
         tuning.remember(device, shape, best.choice, cache)

@@ -52,6 +52,19 @@ def fake_gpu(monkeypatch):
     tuning.take_notes()  # none left by another test
 
 
+@pytest.fixture
+def measured(monkeypatch):
+    """Each call of ``autotune.measure`` as ``(choices, timed)``, passed through."""
+    calls, real = [], autotune.measure
+
+    def spy(e, w, device, choices=None, timed=True):
+        calls.append((choices, timed))
+        return real(e, w, device, choices, timed)
+
+    monkeypatch.setattr(autotune, "measure", spy)
+    return calls
+
+
 def _table(path, choice: tuning.Choice, shape: tuning.Shape):
     path.write_text(json.dumps({"devices": {FAKE.name: {"buckets": {
         shape.key: choice.to_json()}}}}))
@@ -88,14 +101,15 @@ def test_the_committed_table_holds_valid_choices_only():
         tuning.Choice.from_json({"engine": "triton"})
 
 
-def test_a_device_in_the_table_runs_its_choice_untuned(fake_gpu, monkeypatch, tmp_path):
+def test_a_device_in_the_table_runs_its_choice_untuned(fake_gpu, measured, monkeypatch,
+                                                       tmp_path):
     e, w, inv, tgt = _inputs()
     choice = tuning.candidates(FAKE.capability)[1]
     shape = tuning.Shape.of(N, S, D, e.dtype, w.dtype)
     tuner = autotune.Tuner(_table(tmp_path / "tuned.json", choice, shape))
     monkeypatch.setattr(autotune, "TUNER", tuner)
-    monkeypatch.setattr(autotune, "measure", lambda *a: pytest.fail("tuned a tabled device"))
     got = tm.class_tile_stats(e, w, inv, tgt, 16.0)  # through the kernels' own lookup
+    assert measured == [([choice], False)]  # checked here, not tuned
     want = ReferenceTiles(1 << 20).class_tile_stats(e, w, inv, tgt, 16.0)
     assert all(normwise(a, b) < 1e-5 for a, b in zip(got, want, strict=True))
     assert tuner.tiles(e, w) == autotune.as_tiles(choice, FAKE.sms)
@@ -134,11 +148,29 @@ def test_an_unknown_device_tunes_once_caches_and_says_so(fake_gpu, monkeypatch):
     assert tuning.cached(FAKE, shape, tuning.cache_path()) == good[-1]
 
     assert tuner.tiles(e, w) is tiles and tuning.take_notes() == []  # once per process
-    monkeypatch.setattr(autotune, "measure", lambda *a: pytest.fail("tuned twice"))
+    checks = []
+    monkeypatch.setattr(autotune, "measure", lambda e, w, device, choices=None, timed=True:
+                        checks.append((choices, timed)) or real_measure(e, w, device, choices,
+                                                                        timed))
     again = autotune.Tuner()  # the next process: the cache answers
-    assert again.tiles(e, w) == tiles
+    assert again.tiles(e, w) == tiles and checks == [([good[-1]], False)]  # checked, not tuned
     (line,) = tuning.take_notes()
     assert "tuned before" in line
+
+
+def test_a_tabled_choice_that_fails_here_gives_way_to_the_default(fake_gpu, monkeypatch,
+                                                                  tmp_path):
+    """A table measured elsewhere (another triton, another torch) whose choice computes a
+    wrong answer on this machine: the default runs, and the line says why."""
+    e, w, inv, tgt = _inputs()
+    engine = next(c for c in tuning.candidates(FAKE.capability) if c.engine == "cublas")
+    shape = tuning.Shape.of(N, S, D, e.dtype, w.dtype)
+    real_mm = cublas._mm
+    monkeypatch.setattr(cublas, "_mm", lambda a, b: real_mm(a, b) * 1.01)
+    tuner = autotune.Tuner(_table(tmp_path / "tuned.json", engine, shape))
+    assert tuner.tiles(e, w) == autotune.as_tiles(tuning.DEFAULT, FAKE.sms)
+    (line,) = tuning.take_notes()
+    assert "(the committed table) fails here: differs by" in line and "default" in line
 
 
 def test_the_head_passes_the_tuners_lines_on():
