@@ -275,6 +275,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     for name in heads:
         prepare(name, 0)
         _step(heads[name], *batches[0], amp)  # warm up
+        for note in ours.take_notes() if name == "ours" and rank == 0 else []:
+            print(note, flush=True)  # e.g. the kernels' configuration and where it came from
         peaks = []
         for i in range(args.mem_steps):
             prepare(name, i)

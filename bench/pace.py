@@ -12,7 +12,8 @@
   (``partial_fc.tiles.autotune.measure``: checked against the reference, then timed on at
   most ``autotune.COLUMNS`` classes, so the buckets past that share one measurement). The
   table at ``--table`` with this card's entry replaced goes to ``--out``; every trial
-  (time, difference, error) to ``--report``.
+  (time, difference, error) to ``--report``; the winners to this user's cache too, so that
+  the stage's later steps run them (``partial_fc.tiles.tuning.cache_path``).
 - ``profile-head``: ``PartialFC`` forward and backward at ``-C``/``-N``/``-r``, bf16 autocast,
   one process: a Chrome trace (``head-trace.json.gz``) and the per-kernel table
   (``head-kernels.txt``, CUDA time first).
@@ -74,6 +75,7 @@ def tune(args: argparse.Namespace) -> None:
                 if timed:
                     best = min(timed, key=lambda t: t.ms)
                     buckets[shape.key] = best.choice.to_json()
+                    tuning.remember(info, shape, best.choice, tuning.cache_path())
                     print(f"  {shape.key}: {autotune.describe(best.choice)}, {best.ms:.3f} ms "
                           f"(default {timed[0].ms:.3f} ms)", flush=True)
     table = json.loads(args.table.read_text())
