@@ -243,9 +243,11 @@ class Engine:
         stops: StopRequests | None = None,
         teachers: Sequence[Tensor | None] | None = None,
     ) -> StepResult:
-        """One optimisation step over ``grad_accum`` micro-batches of uint8 images + labels
-        (+ the flip bits of a loader that defers its flip to the device: ``(images, labels,
-        flips)``).
+        """One optimisation step over its micro-batches (``train.grad_accum``, or with
+        ``train.global_batch`` this rank's share of them) of uint8 images + labels (+ the flip
+        bits of a loader that defers its flip to the device: ``(images, labels, flips)``).
+        With ``train.global_batch`` and more than one, a head whose statistics move first
+        takes them over the whole step (:mod:`trainer.engine.step_statistics`).
 
         ``stops`` (this rank's requests, ``trainer.stopping``) is read when the step's one
         all-reduce (``trainer.engine.backend.Verdict``) agrees on it with the step's flags,
