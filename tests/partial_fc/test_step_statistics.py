@@ -32,12 +32,12 @@ def _step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _steps(margin: dict, rank: int = 0, world: int = 1, statistics: bool = True,
-           whole: bool = False) -> list[dict]:
+           whole: bool = False, rate: float = 1.0) -> list[dict]:
     """``STEPS`` steps; rank ``rank`` of ``world`` runs micro-batches ``p * world + rank``
     (pass ``p``) after ``begin_step`` (with the embeddings when ``statistics``), or, with
     ``whole``, one forward of the step's union. Each step's loss, embedding gradients by
     global row, and the head's replicated state after it."""
-    head = PartialFC(DIM, CLASSES, build_margin(margin), seed=7)
+    head = PartialFC(DIM, CLASSES, build_margin(margin), sample_rate=rate, seed=7)
     k = STREAMS // world
     out = []
     for step in range(STEPS):
@@ -92,9 +92,11 @@ def _own_rows(rank: int, world: int) -> torch.Tensor:
                       for j in range(rank, STREAMS, world)])
 
 
+@pytest.mark.parametrize("rate", [1.0, 0.3])
 @pytest.mark.parametrize("name", sorted(MARGINS))
-def test_one_rank_accumulating_the_step_equals_one_forward_of_it(name):
-    _check(_steps(MARGINS[name]), _steps(MARGINS[name], whole=True))
+def test_one_rank_accumulating_the_step_equals_one_forward_of_it(name, rate):
+    """At r = 0.3 too: the statistics are over the step's one class sample."""
+    _check(_steps(MARGINS[name], rate=rate), _steps(MARGINS[name], whole=True, rate=rate))
 
 
 def test_without_the_step_statistics_the_micro_batches_move_them_on_their_own():
