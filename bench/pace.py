@@ -10,7 +10,8 @@
   1024, 2048; ``S = C_local r`` for ``C_local`` 100k, 1M, 4M and ``r`` 1, 0.1; ``D`` 512;
   bf16 ``e``; fp32 and bf16 state), through the same measurement as a first use
   (``partial_fc.tiles.autotune.measure``: checked against the reference, then timed on at
-  most ``autotune.COLUMNS`` classes, so the buckets past that share one measurement). The
+  most ``--columns`` classes, 262,144 by default, four times what a first use takes: the
+  buckets past that share one measurement). The
   table at ``--table`` with this card's entry replaced goes to ``--out``; every trial
   (time, difference, error) to ``--report``; the winners to this user's cache too, so that
   the stage's later steps run them (``partial_fc.tiles.tuning.cache_path``).
@@ -55,7 +56,7 @@ def tune(args: argparse.Namespace) -> None:
     for state, dtype in STATES.items():
         for n in NS:
             for s in SAMPLED:
-                cols = min(s, autotune.COLUMNS)
+                cols = min(s, args.columns)
                 key = (n, cols, state)
                 if key not in measured:
                     g = torch.Generator(device=device).manual_seed(0)
@@ -63,7 +64,7 @@ def tune(args: argparse.Namespace) -> None:
                         torch.randn(n, 512, device=device, generator=g), dim=1).bfloat16()
                     w = (torch.randn(cols, 512, device=device, generator=g) * 0.05).to(dtype)
                     t0 = time.perf_counter()
-                    measured[key] = autotune.measure(e, w, info)
+                    measured[key] = autotune.measure(e, w, info, columns=cols)
                     print(f"N={n} S={cols} state={state}: {len(measured[key])} candidates in "
                           f"{time.perf_counter() - t0:.1f} s", flush=True)
                 shape = tuning.Shape.of(n, s, 512, torch.bfloat16, dtype)
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--table", type=Path, default=ROOT / "partial_fc" / "tiles" / "tuned.json")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--report", type=Path, required=True)
+    t.add_argument("--columns", type=int, default=1 << 18, help="classes a shape is timed on")
     t.add_argument("--device", default="cuda", help="cuda; cpu with TRITON_INTERPRET=1 to try "
                    "the sweep's plumbing (timings meaningless)")
     h = sub.add_parser("profile-head", help="torch.profiler of the head's step")

@@ -11,8 +11,8 @@ Shapes under :data:`MIN_WORK` are not worth a tuning and run ``tuning.DEFAULT``;
 (the interpreter's CPU tensors) get None.
 
 A tuning runs each candidate (``tuning.candidates``) on the step's own ``e`` and its first
-:data:`COLUMNS` rows of ``w`` (the per-class cost is steady well before that: a few ms a
-candidate at N = 1024), forward statistics and backward gradients, and compares the outputs
+:data:`COLUMNS` rows of ``w`` (each program already loops over many class tiles there; a
+few ms a candidate at N = 1024), forward statistics and backward gradients, and compares the outputs
 with the torch reference (normwise, ``partial_fc.tiles.selfcheck``'s tolerance). A candidate
 that disagrees, or fails to compile or launch, is never chosen; the others are timed (median
 of :data:`REPEATS` runs after the checked one) and the fastest wins.
@@ -33,9 +33,13 @@ from partial_fc.tiles import ReferenceTiles, tuning
 from partial_fc.tiles import triton as tm
 from partial_fc.tiles.selfcheck import normwise, tolerance
 
-__all__ = ["COLUMNS", "MIN_WORK", "REPEATS", "TUNER", "Trial", "Tuner", "as_tiles", "measure"]
+__all__ = ["COLUMNS", "MIN_WORK", "REPEATS", "TUNER", "Trial", "Tuner", "as_tiles", "describe",
+           "measure"]
 
-COLUMNS = 1 << 18
+COLUMNS = 1 << 16
+"""Classes a tuning runs on: a few ms a candidate at N = 1024, and its transient memory (the
+reference's and a candidate's ``grad_w``, a ``G'`` chunk: ~400 MiB at N = 1024, D = 512)
+under what the step's own backward holds at any S past it."""
 REPEATS = 3
 MIN_WORK = 1 << 31
 """``N S D`` below which a shape runs the default untuned: its matmuls take microseconds, and
@@ -64,12 +68,13 @@ class Trial:
 
 
 def measure(e: Tensor, w: Tensor, device: tuning.Device,
-            choices: list[tuning.Choice] | None = None, timed: bool = True) -> list[Trial]:
+            choices: list[tuning.Choice] | None = None, timed: bool = True,
+            columns: int = COLUMNS) -> list[Trial]:
     """``choices`` (default: every candidate for ``device``) on ``e [N, D]`` and the first
-    :data:`COLUMNS` rows of ``w`` (see the module docstring), each checked, then timed unless
+    ``columns`` rows of ``w`` (see the module docstring), each checked, then timed unless
     ``timed`` is False (its ``ms`` then 0 when it agreed); nothing is cached or chosen here."""
     with torch.no_grad():
-        w = w[:COLUMNS].contiguous()
+        w = w[:columns].contiguous()
         n, cols = e.shape[0], w.shape[0]
         inv = 1.0 / w.float().norm(dim=1).clamp_min(1e-12)
         rows = torch.arange(n, device=e.device)
