@@ -31,6 +31,7 @@ from offline.plan import (
 from offline.plan_engine import choose_engine
 from offline.plan_inputs import MACHINE, resolve_inputs
 from partial_fc.backbones import list_backbones
+from trainer.config.accumulation import splits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +135,13 @@ def format_table(r: PlanResult) -> str:
         lines.append(f"  {c.name:<38}{c.kind:<15}{c.bytes / 2**20:10.2f} MiB"
                      f"{c.seconds * 1e3:9.3f} ms")
     lines.append(f"  {'total':<53}{r.comm_seconds * 1e3:19.3f} ms")
+    if i.global_batch:
+        n = i.global_batch // i.batch
+        sizes = ", ".join(map(str, splits(n)))
+        split = (f"{n // i.gpus} pass(es) of this batch per step on {i.gpus} GPUs" if
+                 n % i.gpus == 0 else f"{i.gpus} GPUs cannot split it")
+        lines += ["", f"train.global_batch={i.global_batch}: {n} micro-batches of {i.batch}, "
+                  f"{split}; exact on {sizes} GPUs (--world-sizes)"]
     lines += ["", f"loader: {r.loader_images_per_s_per_gpu:,.0f} img/s per GPU (H100 step) "
               f"needs {r.loader_workers_per_gpu:.2f} decoding cores per GPU, "
               f"{r.loader_workers_per_node} per node of {i.gpus_per_node} (data.num_workers"
@@ -166,7 +174,7 @@ def world_size_rows(config: str | None, given: dict, head_factor: float
                         "train.global_batch")
     n = inp.global_batch // inp.batch
     rows = []
-    for gpus in (p for p in range(1, n + 1) if n % p == 0):
+    for gpus in splits(n):
         if gpus > inp.classes:
             break
         r = plan(resolve_inputs(config, given, gpus=gpus))

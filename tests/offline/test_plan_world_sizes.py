@@ -53,3 +53,12 @@ def test_without_a_global_batch_it_says_which_flag_is_missing(capsys):
     assert plan_cli.main([*RECIPE, "--batch", "100"]) == 2
     assert "--global-batch=1536: not a positive multiple of the micro-batch --batch=100" in \
         capsys.readouterr().err
+
+
+def test_the_plan_of_one_gpu_count_says_whether_it_splits_the_step(capsys):
+    argv = ["--config", "configs/ms1mv3_r50.yaml", "--global-batch", "1536"]
+    assert plan_cli.main([*argv, "--gpus", "8"]) == 0
+    assert ("train.global_batch=1536: 12 micro-batches of 128, 8 GPUs cannot split it; exact "
+            "on 1, 2, 3, 4, 6, 12 GPUs (--world-sizes)") in capsys.readouterr().out
+    assert plan_cli.main([*argv, "--gpus", "4"]) == 0
+    assert "3 pass(es) of this batch per step on 4 GPUs" in capsys.readouterr().out

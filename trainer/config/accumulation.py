@@ -40,7 +40,12 @@ def world_sizes(train: TrainConfig) -> list[int]:
     """The world sizes a ``train.global_batch`` recipe runs on exactly: the divisors of its
     micro-batches ``n``, ascending ([] without the key)."""
     n = micro_batches(train)
-    return [] if n is None else [p for p in range(1, n + 1) if n % p == 0]
+    return [] if n is None else splits(n)
+
+
+def splits(micro_batches: int) -> list[int]:
+    """The rank counts that split ``micro_batches`` evenly, ascending (its divisors)."""
+    return [p for p in range(1, micro_batches + 1) if micro_batches % p == 0]
 
 
 def world_size_error(train: TrainConfig, world_size: int) -> str | None:
