@@ -173,6 +173,31 @@ def test_a_tabled_choice_that_fails_here_gives_way_to_the_default(fake_gpu, monk
     assert "(the committed table) fails here: differs by" in line and "default" in line
 
 
+def test_a_head_on_an_unknown_gpu_tunes_at_its_first_step_and_equals_the_torch_head(
+        fake_gpu, monkeypatch):
+    """Through the head: its first forward (inside autograd, under autocast's off switch
+    and the first-use check) tunes, its lines say so once, and loss and gradients are the
+    torch path's. Two candidates (one per engine) keep the interpreter's time down."""
+    two = [c for c in tuning.candidates(FAKE.capability) if c.num_warps == 4][-2:]
+    assert {c.engine for c in two} == set(tuning.ENGINES)
+    monkeypatch.setattr(tuning, "candidates", lambda capability: two)
+    monkeypatch.setattr(autotune, "TUNER", autotune.Tuner())
+    g = torch.Generator().manual_seed(0)
+    emb, labels = torch.randn(N, D, generator=g), torch.randint(0, S, (N,), generator=g)
+    out = {}
+    for kernel in ("torch", "triton"):
+        torch.manual_seed(0)
+        head = PartialFC(D, S, build_margin(dict(type="arcface", s=16.0)), kernel=kernel)
+        x = emb.clone().requires_grad_()
+        loss = head(x, labels)
+        loss.backward()
+        out[kernel] = (loss.detach(), x.grad, head.weight.grad, head.take_notes())
+    (line,) = [n for n in out["triton"][3] if "class tiles" in n]
+    assert "tuned now" in line and out["torch"][3] == []
+    for a, b in zip(out["triton"][:3], out["torch"][:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
 def test_the_head_passes_the_tuners_lines_on():
     head = PartialFC(8, 10, build_margin(dict(type="arcface")))
     tuning.note("head: the class tiles on X for Y: Z")
