@@ -52,6 +52,10 @@ from offline.overlap_sets import EvalImages, bin_set, rfw_folder_images
 LISTED = 20  # shared identities printed per set; --out and --json hold them all
 DEFAULT_FPIR = 1e-3  # of an evaluation set's images with no mate in training, listed falsely
 DEFAULT_NULL_IMAGES = 100_000  # null searches, about (training images' or held-out ones')
+TRAINED_PROBES = ("note: the model was trained on these probes, so they search the other "
+                  "centres at lower cosines than an unseen person and more than the FPIR may be "
+                  "listed; --held-out LIST (identities it never saw) reads it as asked "
+                  "(docs/data.md)")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -202,6 +206,8 @@ def _find(args: argparse.Namespace, env) -> tuple:
     if env.is_main:
         print(f"threshold {threshold:g} (--threshold)" if calibration is None
               else calibration.describe())
+        if calibration is not None and args.held is None:
+            print(TRAINED_PROBES)
     results = [set_overlap(images, backbone, trained.centres, threshold, args.batch_size,
                            env.device, env.group) for images in sets]
     nearest = nearest_samples(backbone, args.data, queries(sets, results), args.batch_size,

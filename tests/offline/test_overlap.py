@@ -195,7 +195,8 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     assert disjoint["images"] == sum(disjoint["histogram"]) == 160
     assert disjoint["expected_false"] == pytest.approx(8 / 161 * 160)
     assert disjoint["shared_identities"] <= disjoint["matched_images"] <= 8
-    assert printed[2] == (f"disjoint  160     {disjoint['matched_images']:<14d}  "
+    assert printed[1] == overlap.TRAINED_PROBES
+    assert printed[3] == (f"disjoint  160     {disjoint['matched_images']:<14d}  "
                           f"{disjoint['shared_identities']:<17d}  <= 8")
     assert "<svg" in page.read_text() and "reached by 8 of 160 searches" in page.read_text()
     assert "fpir=0.05" in out.read_text().splitlines()[0]
@@ -203,9 +204,10 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     held = tmp_path / "held.txt"
     held.write_text("".join(f"class {c}\n" for c in range(5)))
     assert overlap.main([*args, "--fpir", "0.05", "--held-out", str(held)]) == 0
+    first, second = capsys.readouterr().out.splitlines()[:2]
     assert ("a search of the images of the 5 identities held out of training (--held-out), "
-            "each against the other identities' centres: reached by 2 of 40 searches") in (
-        capsys.readouterr().out.splitlines()[0])
+            "each against the other identities' centres: reached by 2 of 40 searches") in first
+    assert second.startswith("set ")  # no note: these probes were never trained on
 
     assert overlap.main([*args, "--fpir", "0.001"]) == 2
     assert capsys.readouterr().err == (
