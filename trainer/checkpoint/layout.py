@@ -18,14 +18,14 @@ and rewrites ``latest`` (temp file + fsync + ``os.replace``). When ``<tag>`` alr
 checkpoint. A failed save (disk full: reported as ENOSPC) removes its ``.tmp-*`` on every
 rank's word; the newest ``checkpoint.keep`` folders and ``latest``'s target are kept.
 
-Reading (:func:`find_verified`; in training :func:`find_resume`, rank 0, then broadcast;
-``launch.evaluate`` and ``launch.export`` through ``trainer.checkpoint.backbone``): ``latest``'s
-target, or when it is missing, empty, dangling or fails verification, the newest ``step-*`` that
-verifies, with a warning. Verification (``trainer.checkpoint.integrity``) hashes every file
-against ``meta.json`` *before* anything is unpickled (``trainer.checkpoint.backbone`` hashes
-only the ``backbone.pt`` it reads); DCP's ``.metadata`` (a pickle) is then read with an allow-
-list unpickler and the tensors with ``weights_only=True``, so a planted file can neither run
-code nor load silently.
+Reading (``trainer.checkpoint.find``: ``find_verified``; in training ``find_resume``, rank 0,
+then broadcast; ``launch.evaluate`` and ``launch.export`` through
+``trainer.checkpoint.backbone``): ``latest``'s target, or when it is missing, empty, dangling
+or fails verification, the newest ``step-*`` that verifies, with a warning. Verification
+(``trainer.checkpoint.integrity``) hashes every file against ``meta.json`` *before* anything is
+unpickled (``trainer.checkpoint.backbone`` hashes only the ``backbone.pt`` it reads); DCP's
+``.metadata`` (a pickle) is then read with an allow-list unpickler and the tensors with
+``weights_only=True``, so a planted file can neither run code nor load silently.
 
 Head rows: each rank saves its block ``[start, stop)`` as a plain tensor named
 ``<key>/rows.<start>.<stop>``; a run on any number of ranks loads the blocks that overlap
@@ -43,9 +43,7 @@ import errno
 import functools
 import re
 import shutil
-import sys
-import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,24 +53,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from data_pipeline.manifest import atomic_write_bytes, fsync_dir
-from data_pipeline.store import StorageError, StoreFolder, open_store, staging_dir
-from data_pipeline.store import in_store as is_store_url
+from data_pipeline.store import StorageError, StoreFolder
 from trainer import seams
 from trainer.checkpoint import in_store, state
+from trainer.checkpoint.find import LATEST, latest_name
 from trainer.checkpoint.integrity import (
     META,
     CheckpointError,
-    CheckpointNotFound,
     SafeReader,
     read_meta,
     sha256,
-    verify,
 )
 from trainer.checkpoint.meta import CheckpointMeta, RunRecord
 from trainer.dist import DistEnv
 from trainer.engine.state import EngineState
 
-LATEST = "latest"
 _BLOCK = re.compile(r"^(?P<key>.+)/rows\.(?P<start>\d+)\.(?P<stop>\d+)$")
 
 
@@ -247,7 +242,7 @@ def _point_latest(root: Path, name: str) -> None:
 def _prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints and ``latest``'s target; drop the rest
     and every ``.tmp-*`` (rank 0, after a save completed: no other save is writing)."""
-    current = _latest_name(root)
+    current = latest_name(root)
     tags = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in [*tags[:-keep], *root.glob(".tmp-*")]:
         if old.name != current:
@@ -258,7 +253,7 @@ def remove_stale(run_dir: Path) -> None:
     """Remove ``.tmp-*`` folders that interrupted saves left (rank 0, before training);
     ``latest``'s target is kept even when it is one (a kill inside :func:`_replace`)."""
     root = Path(run_dir) / "checkpoints"
-    current = _latest_name(root)
+    current = latest_name(root)
     for tmp in root.glob(".tmp-*"):
         if tmp.name != current:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -279,116 +274,6 @@ def _plain_backbone(full: dict, engine) -> dict[str, torch.Tensor]:
     master = engine.backend.master_weights(sections.backbone_optimizer)
     return {name: master.get(name, value).detach().cpu().clone()
             for name, value in sections.backbone.items()}
-
-
-# ----------------------------------------------------------------------------- find, verify
-
-
-def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None,
-                store: StoreFolder | None = None) -> Path | None:
-    """``checkpoint.resume`` -> the verified folder to resume from; collective over
-    ``env``'s ranks (rank 0 reads and hashes, every rank gets its answer), or this process
-    alone with ``env=None``.
-
-    ``none``: start fresh; ``auto``: ``run_dir``'s newest checkpoint that verifies, if any
-    (``store``: the run folder is there, ``run_dir`` this node's copy); otherwise a
-    checkpoint folder (must verify) or another run's folder (as ``auto``), either may be a
-    URL. A checkpoint in a store is copied into this node's copy of its folder and verified
-    there; the first rank of every other node copies it too.
-    Raises :class:`CheckpointError` when checkpoints exist but none verifies.
-    """
-    if resume == "none":
-        return None
-    if resume != "auto" and is_store_url(resume):
-        store, run_dir = open_store(resume), staging_dir(resume, "resume")
-    elif resume != "auto":
-        store = None
-    if env is None or env.world_size == 1:
-        return _choose(run_dir, resume, store)
-    answer: list = [None, None, None]  # [folder, error, the copy's mark]
-    if env.is_main:
-        try:
-            answer[0] = _choose(run_dir, resume, store)
-        except (CheckpointError, CheckpointNotFound) as err:
-            answer[1] = err  # its kind decides the exit code on every rank
-        if answer[0] is not None and store is not None:
-            answer[2] = Path(run_dir) / f".fetched-{uuid.uuid4().hex}"
-            answer[2].touch()
-    dist.broadcast_object_list(answer, src=0, group=env.group)
-    if answer[1] is not None:
-        raise answer[1]
-    if answer[2] is not None:  # no shared disk: the first rank of another node copies it too
-        if env.local_rank == 0 and not answer[2].exists():
-            _choose(run_dir, resume, store)
-        dist.barrier(group=env.group)
-        if env.is_main:
-            answer[2].unlink()
-    return answer[0]
-
-
-def _choose(run_dir: Path, resume: str, store: StoreFolder | None) -> Path | None:
-    remedy = "; start over with checkpoint.resume=none or another name"
-    if store is not None:
-        found = in_store.fetch_verified(store, Path(run_dir), remedy)
-    else:
-        found = find_verified(Path(run_dir) if resume == "auto" else Path(resume), remedy)
-    if found is None and resume != "auto":
-        raise CheckpointNotFound(f"checkpoint.resume={resume!r}: no checkpoint there")
-    return found
-
-
-def find_verified(folder: Path, remedy: str = "", only: Collection[str] | None = None
-                  ) -> Path | None:
-    """The checkpoint ``folder`` names, verified (this process alone; not collective: its
-    warnings go to stderr from here, rank 0 in training); ``only``: hash just these files
-    (``trainer.checkpoint.integrity.verify``), for a reader of a part.
-
-    A checkpoint folder (it holds meta.json) must verify itself: no fallback. A run folder
-    gives ``latest``'s target or, when that one is missing or fails verification, the
-    newest ``step-*`` that verifies, with a warning line for each refused one; None when it
-    holds no checkpoint. Used by training's resume and by ``trainer.checkpoint.backbone``. Raises
-    :class:`CheckpointError` (its message ends with ``remedy``) when checkpoints exist but
-    none verifies.
-    """
-    folder = Path(folder)
-    if (folder / META).is_file():
-        verify(folder, only)
-        return folder
-    root = folder / "checkpoints"
-    candidates = _candidates(root)
-    for i, path in enumerate(candidates):
-        try:
-            verify(path, only)
-        except CheckpointError as err:
-            _warn(f"warning: {err}; trying an older checkpoint")
-            continue
-        if i > 0 or path.name != _latest_name(root):
-            _warn(f"warning: {root / LATEST} does not name a usable checkpoint; "
-                       f"using {path.name}, the newest complete one")
-        return path
-    if candidates:
-        raise CheckpointError(f"{root}: no checkpoint verifies (see the warnings above){remedy}")
-    return None
-
-
-def _warn(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
-def _latest_name(root: Path) -> str | None:
-    try:
-        name = (root / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return name if name and "/" not in name and name not in (".", "..") else None
-
-
-def _candidates(root: Path) -> list[Path]:
-    """``latest``'s target, then every ``step-*`` newest first, each holding a meta.json."""
-    named = _latest_name(root)
-    ordered = [root / named] if named else []
-    ordered += sorted((p for p in root.glob("step-*") if p.name != named), reverse=True)
-    return [p for p in ordered if (p / META).is_file()]
 
 
 # ----------------------------------------------------------------------------- load
