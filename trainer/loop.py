@@ -99,7 +99,7 @@ class Run:
     log: RunLogger
     total: int  # optimisation steps of the whole run
     steps_per_epoch: int
-    accum: int  # micro-batches per rank per step (trainer.config.accumulation)
+    accum: int = 1  # micro-batches per rank per step (trainer.config.accumulation)
     step: int = 0  # steps done
     epoch: int = 0
     saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
