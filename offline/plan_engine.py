@@ -41,12 +41,18 @@ class EngineChoice:
 
 
 @functools.cache
-def measured_speeds() -> dict[str, dict[str, int]]:
-    """``{backbone: {engine: the best median images/s of its runs}}`` from :data:`SPEEDS`."""
-    out: dict[str, dict[str, int]] = {}
-    for run in json.loads(SPEEDS.read_text())["runs"]:
+def _table() -> dict:
+    return json.loads(SPEEDS.read_text())
+
+
+def measured_speeds() -> dict[str, dict[tuple[str, int], int]]:
+    """``{backbone: {(engine, ZeRO stage; 0 for ddp): the best median images/s of its runs}}``
+    from :data:`SPEEDS`."""
+    out: dict[str, dict[tuple[str, int], int]] = {}
+    for run in _table()["runs"]:
         best = out.setdefault(run["backbone"], {})
-        best[run["engine"]] = max(best.get(run["engine"], 0), run["images_per_s"])
+        key = (run["engine"], run.get("zero_stage", 0))
+        best[key] = max(best.get(key, 0), run["images_per_s"])
     return out
 
 
@@ -62,7 +68,7 @@ def choose_engine(inp: Inputs) -> EngineChoice:
     basis = inp.backbone if inp.backbone in speeds else REFERENCE
     rate = speeds[basis]
     ranked = sorted((c for c in CANDIDATES if c[0] != "ddp" or inp.precision != "fp16"),
-                    key=lambda c: (-rate.get(c[0], 0), c[1]))
+                    key=lambda c: (-rate.get(c, 0), c[1]))  # unmeasured ones last
     peaks = {c: plan(replace(inp, engine=c[0], zero_stage=c[1])).peak_bytes_per_gpu
              for c in ranked}
     limit = inp.gpu_memory * GIB
@@ -79,16 +85,16 @@ def choose_engine(inp: Inputs) -> EngineChoice:
         why = f"fits in {gib:.1f} of {inp.gpu_memory:g} GiB per GPU"
     if inp.precision == "fp16":
         why += " (fp16 needs DeepSpeed's loss scaler)"
-    measured = ", ".join(f"{_name(e, 1) if e == 'deepspeed' else 'DDP'} {v:,}"
-                         for e, v in sorted(rate.items(), key=lambda kv: -kv[1]))
-    source = json.loads(SPEEDS.read_text())["measured"]
+    measured = ", ".join(f"{_name(*c)} {v:,}" for c, v in sorted(rate.items(),
+                                                                  key=lambda kv: -kv[1]))
+    table = _table()
     basis_words = (f"{basis}" if basis == inp.backbone else
                    f"{basis} ({inp.backbone} not measured: python bench/train.py --backbone "
                    f"{inp.backbone} [--engine deepspeed] on the GPU)")
     keys = ("engine.type=ddp" if chosen[0] == "ddp" else
             f"engine.type=deepspeed engine.zero_stage={chosen[1]}")
-    line = (f"engine: {name} ({keys}): {why}; measured img/s on {basis_words}, H200 {source}: "
-            f"{measured}")
+    line = (f"engine: {name} ({keys}): {why}; measured img/s on {basis_words}, "
+            f"{table['device']} {table['measured']}: {measured}")
     asked = (inp.engine, 0 if inp.engine == "ddp" else inp.zero_stage)
     if asked != chosen:
         line += f"; the recipe asks for {_name(*asked)}"

@@ -75,7 +75,7 @@ def test_the_measured_table_is_the_one_the_benchmarks_show():
         rows = [row for row in gpu.splitlines() if f"| {run['images_per_s']:,} |" in row]
         word = "DDP" if run["engine"] == "ddp" else "DeepSpeed ZeRO-1"
         assert any(row.startswith(f"| {word}") for row in rows), run
-    assert measured_speeds()["iresnet50"] == {"ddp": 2504, "deepspeed": 1249}
+    assert measured_speeds()["iresnet50"] == {("ddp", 0): 2504, ("deepspeed", 1): 1249}
 
 
 def test_launch_plan_prints_the_choice(capsys):
