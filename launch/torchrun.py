@@ -21,6 +21,10 @@ the job at once (``trainer.preemption``). SIGHUP and SIGQUIT stay torchrun's.
 
 Signals that arrive while no rank runs (rendezvous, a restart) reach no rank.
 
+A c10d rendezvous (``--rdzv-backend c10d``, as an elastic ``--nnodes MIN:MAX`` launch uses)
+gets the settings torchrun leaves to the user and that a node leaving or joining needs: the
+store's host, this node's address, a store per incarnation (``launch.rendezvous``).
+
 A failed rank (the launch's restarts spent) ends the launch with one line instead of
 torchrun's ``ChildFailedError`` block, which repeated, below the rank's own one-line error,
 a traceback of the launcher: which rank failed first, its exit code and where the record is
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     from data_pipeline.store import StorageError, local_path
+    from launch.rendezvous import complete as complete_rendezvous
     from trainer.errors import EXIT_STATUS
     from trainer.run_lock import open_lock
 
@@ -166,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     args.signals_to_handle = ",".join(
         name for name in args.signals_to_handle.split(",")
         if name.strip() not in {sig.name for sig in FORWARDED})
+    note = complete_rendezvous(args)  # a c10d rendezvous: what elastic launches need
+    if note:
+        print(note, file=sys.stderr, flush=True)
     for sig in FORWARDED:
         signal.signal(sig, forward)
     location = run_folder(args)

@@ -78,10 +78,18 @@ def restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     addresses) would be read by the new one, which then connects to dead processes
     ("Connection refused/reset") or waits forever. A prefix per ``TORCHELASTIC_RESTART_COUNT``
     gives each incarnation its own keys on the same server.
+
+    That count is each node's own, so it tells incarnations apart on one node only: after a
+    node left and one joined, the survivor counts 1 and the newcomer 0. A c10d rendezvous
+    (launch.rendezvous) therefore turns the shared store off: rank 0 then starts a store of
+    this incarnation, on a port its agent picked for it, and no prefix is needed (one would
+    part the nodes' ranks).
     """
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent, timeout=timeout)
+    if not agent:
+        return store
     return dist.PrefixStore(f"partial_fc/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}",
                             store)
 

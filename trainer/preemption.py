@@ -54,6 +54,9 @@ WAIT_FOR_STEP_S = 30.0  # a stop signal waits this long at most for the step to 
 # from the scheduler (or the terminal's Ctrl-C) and forwarded by launch.torchrun.
 SAME_SIGNAL_S = 2.0
 LAUNCHER_POLL_S = 1.0
+# Set by launch.torchrun (to MIN:MAX) for an elastic launch: a rank whose launcher dies ends
+# at once, its node leaving as a lost machine does, and the other nodes go on without it.
+ELASTIC_ENV = "PARTIAL_FC_ELASTIC"
 
 class Interrupted(Stopped):
     """A stop signal the step's end could not wait for (a second one, or a long step)."""
@@ -128,12 +131,18 @@ class LauncherWatch:
     (a checkpoint at the next step boundary, or at once by the rules of any signal) and which
     ends the process outside the step loop. Should the rank still run ``grace_s`` after the
     death (its group broken, a collective stuck until ``dist.timeout_s``), the thread ends
-    the process."""
+    the process.
+
+    In an elastic launch (:data:`ELASTIC_ENV`) the signal is SIGKILL instead: a stop at the
+    next step would stop every node, where the launchers that live should restart the group
+    without this node; its end fails their next collective and they do, from the last
+    checkpoint (launch.rendezvous)."""
 
     def __init__(self):
         self.parent = 0  # the launcher's pid, 0 while not watching
         self.grace_s = 0.0
         self.reported = False  # the death is in a run's stop requests (no second signal)
+        self.signal = LAUNCHER_SIGNAL  # what the death sends this process
 
     def start(self, grace_s: float) -> bool:
         """Watch this process's parent when a launcher started it (torchrun exports
@@ -143,7 +152,9 @@ class LauncherWatch:
         if self.parent or "TORCHELASTIC_RUN_ID" not in os.environ:
             return bool(self.parent)
         self.parent = os.getppid()
-        die_with_parent(LAUNCHER_SIGNAL)  # not Linux: the thread alone
+        if os.environ.get(ELASTIC_ENV):
+            self.signal = signal.SIGKILL
+        die_with_parent(self.signal)  # not Linux: the thread alone
         threading.Thread(target=self._watch, name="launcher-watch", daemon=True).start()
         return True
 
@@ -161,7 +172,7 @@ class LauncherWatch:
         while not self.gone():
             time.sleep(LAUNCHER_POLL_S)
         if not self.reported:  # else the run has it: no signal in a save
-            os.kill(os.getpid(), LAUNCHER_SIGNAL)
+            os.kill(os.getpid(), self.signal)
         time.sleep(self.grace_s)
         with contextlib.suppress(OSError, ValueError):
             print(f"error: the launcher (pid {self.parent}) died {self.grace_s:.0f} s ago and "
