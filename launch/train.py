@@ -65,13 +65,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--nproc-per-node", default="1", metavar="N|gpu",
                         help="--check: ranks per node, as torchrun's --nproc_per_node")
-    parser.add_argument("--nnodes", type=int, default=1, help="--check: nodes")
+    parser.add_argument("--nnodes", dest="node_counts", type=node_counts, default=range(1, 2),
+                        metavar="N|MIN:MAX", help="--check: nodes, as torchrun's --nnodes; an "
+                        "elastic MIN:MAX is checked for every node count in it")
     parser.add_argument("--errors-only", action="store_true",
                         help="--check: print no warnings (the run that follows prints them)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     # Options and overrides in any order (`make train ARGS="--config X output=Y"` follows
     # the Makefile's own overrides; the last --config wins).
     return parser.parse_intermixed_args(argv)
+
+
+def node_counts(text: str) -> range:
+    """torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) as the node counts the launch may have."""
+    low, _, high = text.partition(":")
+    try:
+        counts = range(int(low), int(high or low) + 1)
+    except ValueError:
+        counts = range(0)
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX nodes (0 < MIN <= MAX)")
+    return counts
 
 
 def launch_machine(nproc_per_node: str, nnodes: int, here: Machine) -> Machine | str:
@@ -99,7 +113,14 @@ def _print_once_per_node(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        return _main(args)
+        if not args.check:
+            return _main(args)
+        for nnodes in args.node_counts:  # an elastic launch runs on any count in its range
+            code = _main(argparse.Namespace(**vars(args), nnodes=nnodes,
+                                            elastic=len(args.node_counts) > 1))
+            if code:
+                return code
+        return 0
     except KeyboardInterrupt:  # Ctrl-C outside the step loop (start-up, the last save)
         print("error: interrupted by SIGINT outside the step loop; the last checkpoint stays: "
               "run the same command again to resume from it", file=sys.stderr)
@@ -129,9 +150,11 @@ def _main(args: argparse.Namespace) -> int:
         return err.exit_code
     for w in caught if not args.errors_only else ():
         print_main(f"warning: {w.message}")
-    if args.check:  # before torchrun: a folder another job holds is refused now
+    # before torchrun: a folder another job holds is refused now; an elastic launch's node
+    # may join its own job, which holds it (a second job is refused by its rank 0)
+    if args.check:
         refusal = open_lock(cfg.run_location).probe() \
-            if cfg.output_lock and not args.print_config else None
+            if cfg.output_lock and not (args.print_config or args.elastic) else None
         if refusal:
             print(f"launch error: {refusal}", file=sys.stderr)
         return 2 if refusal else 0

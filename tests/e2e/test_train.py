@@ -205,10 +205,16 @@ def test_make_recipes_pass_their_variables_to_torchrun(tmp_path):
                             "MASTER_PORT=1234", "NPROC_PER_NODE=8", "MAX_RESTARTS=5",
                             "ARGS=optim.lr=0.2")
         assert (
-            "torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr 10.0.0.9 "
-            "--master_port 1234 --max-restarts 5 -m launch.train --config "
+            "torchrun --nnodes 2 --node_rank 1 --master_addr 10.0.0.9 --master_port 1234 "
+            "--nproc_per_node 8 --max-restarts 5 -m launch.train --config "
             f"configs/{recipe.replace('-', '_')}.yaml data.dir=/d optim.lr=0.2"
         ) in cmd, cmd
+    # NNODES=MIN:MAX: elastic, a c10d rendezvous at MASTER_ADDR:MASTER_PORT, checked per count
+    elastic = _make_dry_run(recipes[0], "NNODES=1:2", "MASTER_ADDR=10.0.0.9",
+                            "MASTER_PORT=1234", "NPROC_PER_NODE=8")
+    assert "--check --errors-only --nproc-per-node 8 --nnodes 1:2 " in elastic, elastic
+    assert ("torchrun --nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.9:1234 "
+            "--nproc_per_node 8 --max-restarts 3 -m launch.train") in elastic, elastic
     data = tmp_path / "synthetic"  # no manifest.json yet: make writes the data set first
     train = _make_dry_run("train", f"SMOKE_DATA={data}", "ARGS=train.epochs=1")
     assert "write_synthetic_dataset" in train

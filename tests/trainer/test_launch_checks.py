@@ -59,6 +59,10 @@ def test_check_mode_answers_for_the_launch_it_is_told(capsys):
     assert "data.num_classes" in capsys.readouterr().err
     assert main([*base, "--nproc-per-node", "two"]) == 2
     assert "NPROC_PER_NODE" in capsys.readouterr().err
+    # an elastic range (torchrun's --nnodes MIN:MAX) is checked for every count in it
+    assert main([*base, "--nproc-per-node", "1", "--nnodes", "1:3"]) == 0
+    assert main([*base, "--nproc-per-node", "2", "--nnodes", "1:2"]) == 2  # 4 ranks
+    assert "data.num_classes" in capsys.readouterr().err
     assert dict(os.environ) == before  # the launch checked is a Machine, not WORLD_SIZE
 
 
