@@ -146,13 +146,15 @@ def local_path(location: str) -> Path:
     return Path(location.removeprefix("file://"))
 
 
-def staging_dir(url: str, purpose: str = "run") -> Path:
+def staging_dir(url: str, purpose: str = "run", tmpdir: str | os.PathLike | None = None
+                ) -> Path:
     """This node's copy of the folder at ``url``: the same path on every rank of a node
-    (``TMPDIR``, then the URL's last name and a hash of the whole), one per ``purpose`` (a
-    run writes ``run``; a reader such as ``launch.report`` copies into its own)."""
+    (``tmpdir``, by default ``TMPDIR``, then the URL's last name and a hash of the whole), one
+    per ``purpose`` (a run writes ``run``; a reader such as ``launch.report`` copies into its
+    own)."""
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
     name = url.rstrip("/").rsplit("/", 1)[-1]
-    root = os.environ.get("TMPDIR") or tempfile.gettempdir()  # read now: not cached at start
+    root = tmpdir or os.environ.get("TMPDIR") or tempfile.gettempdir()  # read now, not cached
     return Path(root) / "partial-fc" / purpose / f"{name}-{digest}"
 
 
