@@ -127,17 +127,24 @@ def store_of(cfg: Config) -> StoreFolder | None:
 @contextlib.contextmanager
 def mirrored(location: str, run_dir: Path, env: DistEnv) -> Iterator[None]:
     """Rank 0 mirrors ``run_dir`` to the store ``location`` for the block (nothing for a local
-    folder)."""
+    folder); collective: a store rank 0 cannot read at the start ends every rank with the
+    same :class:`StorageError`, and no rank meets a copy being emptied."""
     if not in_store(location):
         yield
         return
-    store = open_store(location)
-    assert isinstance(store, StoreFolder), location
-    mirror = RunMirror(store, run_dir) if env.is_main else None
-    if mirror is not None:
-        mirror.start()
+    mirror, failed = None, [None]
+    if env.is_main:
+        try:
+            store = open_store(location)
+            assert isinstance(store, StoreFolder), location
+            mirror = RunMirror(store, run_dir)
+            mirror.start()
+        except StorageError as err:
+            failed[0] = str(err)
     if env.world_size > 1:
-        dist.barrier(group=env.group)  # no rank meets a copy being emptied
+        dist.broadcast_object_list(failed, src=0, group=env.group)
+    if failed[0] is not None:
+        raise StorageError(failed[0])
     try:
         yield
     finally:
