@@ -79,19 +79,22 @@ whose ptxas figures docs/kernels.md lists): used for shapes too small to tune.""
 
 
 def candidates(capability: tuple[int, int]) -> list[Choice]:
-    """The few configurations a tuning times, :data:`DEFAULT` first: wider cosine tiles, 4
-    warps with deeper pipelines, more or fewer programs per SM, the cuBLAS engine; on sm_90
-    (Hopper) also the 128 x 256 tile a warpgroup MMA (wgmma) covers in one instruction
-    sequence with 8 warps."""
-    out = [DEFAULT,
-           Choice("triton", 128, 128, 64, 128, num_warps=8, num_stages=3, programs_per_sm=2),
-           Choice("triton", 64, 128, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4),
-           Choice("triton", 128, 64, 32, 128, num_warps=4, num_stages=5, programs_per_sm=8),
-           Choice("cublas", 64, 128, 64, 128, num_warps=4, num_stages=1, programs_per_sm=4)]
-    if capability >= (9, 0):
-        out.append(Choice("triton", 128, 256, 64, 128, num_warps=8, num_stages=3,
-                          programs_per_sm=2))
-    return out
+    """The few configurations a tuning times, :data:`DEFAULT` first: 4 warps on small tiles
+    (64 x 64 with a 32-deep loop and 4 stages, 128 x 64 with 5) at 8 programs per SM, with
+    64 x 64 GEMM tiles; the cuBLAS engine; on sm_90 (Hopper) also the 128 x 128 cosine tile,
+    a warpgroup MMA's natural shape, at 2 programs per SM with 3 and 4 stages (4 stages take
+    176 KiB of shared memory, which only Hopper has per block). Each compiles without spills
+    for the devices it is offered on (ptxas through ``tools/kernels_aot.py``'s compile, bf16
+    operands with fp32 or bf16 state, 2026-11-28); 4 warps on 128 x 128 GEMM tiles and any
+    256-wide cosine tile spilled on sm_90, the 128 x 128 cosine tile on sm_80."""
+    small = [Choice("triton", 64, 64, 32, 64, num_warps=4, num_stages=4, programs_per_sm=8),
+             Choice("triton", 128, 64, 32, 64, num_warps=4, num_stages=5, programs_per_sm=8),
+             Choice("cublas", 64, 128, 64, 128, num_warps=4, num_stages=1, programs_per_sm=4)]
+    if capability < (9, 0):
+        return [DEFAULT, *small]
+    return [DEFAULT, *small, *(Choice("triton", 128, 128, 64, 128, num_warps=8,
+                                      num_stages=stages, programs_per_sm=2)
+                               for stages in (3, 4))]
 
 
 @dataclass(frozen=True)
