@@ -5,7 +5,7 @@ Command line (one process, or every rank of torchrun)::
 
     python -m launch.overlap --checkpoint RUN --data DIR_OR_URL --bins lfw.bin,cfp_fp.bin
         [--ijb IJB_release --ijb-target IJBC] [--rfw RFW_DIR] [--tinyface DIR]
-        [--fpir 1e-3 [--held-out LIST] | --threshold T] --out overlap.txt
+        [--fpir 1e-3 [--held-out LIST | --training-null] | --threshold T] --out overlap.txt
         [--json overlap.json] [--html overlap.html]
 
 Each training identity's centre (mean unit embedding over its images in DIR's shards; DIR may
@@ -17,13 +17,16 @@ images and pair lists, and TinyFace's Testing_Set.
 
 The threshold is calibrated for that search: ``--fpir`` is the share of evaluation images
 whose person is not in training that may be listed all the same. It is read off the same
-search made with probes whose identity is left out of the gallery: about ``--null-images``
-training images, each against the other identities' centres, or, with ``--held-out`` (the
-exclusion list the model was trained with), the images of the identities it never saw: with
-those the FPIR holds as asked, while training images, which a model pulls away from the
-other identities, let more through (docs/data.md). It prints the threshold, the
-searches it was read from and, per set, the identities listed beside the number expected
-falsely; too few searches for the asked FPIR is refused. ``--threshold`` sets it instead.
+search made by about ``--null-images`` images of the identities the model never saw, each
+against the other identities' centres: those the run held out of training (the ``class``
+lines of its ``data.exclude``, read from RUN/config.yaml; one line names them), or those of
+``--held-out LIST``. A run that held none out is refused, naming the fixes; with
+``--training-null`` the training images are searched instead, which a model pulls away from
+the other identities, so more than the FPIR is listed (a second line says so;
+docs/data.md). It prints the threshold, the searches and identities it was read from, the
+rate's band (the identities resampled: an identity's images are one draw) and, per set, the
+identities listed beside the number expected falsely; too few searches or identities for the
+asked FPIR is refused. ``--threshold`` sets it instead.
 Each listed identity is named (DIR's identities.json, written by launch.convert) with the
 evaluation image it matched and its own training image nearest that one (shard key and source
 path); ``--json`` writes the same rows and the histograms of the nearest-centre cosines and
@@ -45,7 +48,11 @@ from data_pipeline.exclusion import Exclusions, made_by, read_exclusions, write_
 from data_pipeline.ijb import TARGETS
 from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch.cli import checkpoint_program_parser, load_backbone_or_exit
+from launch.cli import (
+    checkpoint_program_parser,
+    load_backbone_or_exit,
+    resolve_checkpoint_or_exit,
+)
 from offline.overlap_search import CalibrationError
 from offline.overlap_sets import EvalImages, bin_set, rfw_folder_images
 
@@ -54,8 +61,8 @@ DEFAULT_FPIR = 1e-3  # of an evaluation set's images with no mate in training, l
 DEFAULT_NULL_IMAGES = 100_000  # null searches, about (training images' or held-out ones')
 TRAINED_PROBES = ("note: the model was trained on these probes, so they search the other "
                   "centres at lower cosines than an unseen person and more than the FPIR may be "
-                  "listed; --held-out LIST (identities it never saw) reads it as asked "
-                  "(docs/data.md)")
+                  "listed; identities held out of training (data.exclude, or --held-out LIST) "
+                  "read it as asked (docs/data.md)")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -78,9 +85,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="false-positive identification rate the threshold is set at: the "
                    "share of evaluation images with no mate in training that may be listed "
                    f"(default {DEFAULT_FPIR:g})")
-    p.add_argument("--held-out", type=Path, metavar="LIST",
-                   help="the exclusion list the checkpoint was trained with (data.exclude): "
-                   "its classes' images, never trained on, are the calibration's probes")
+    null = p.add_mutually_exclusive_group()
+    null.add_argument("--held-out", type=Path, metavar="LIST",
+                      help="an exclusion list the checkpoint was trained with: its classes' "
+                      "images, never trained on, are the calibration's probes (default: the "
+                      "run's own data.exclude, from RUN/config.yaml)")
+    null.add_argument("--training-null", action="store_true",
+                      help="calibrate on the training images where the run held no identity "
+                      "out: optimistic, more than the FPIR is listed (docs/data.md)")
     p.add_argument("--null-images", type=int, default=DEFAULT_NULL_IMAGES,
                    help="about how many images the calibration searches "
                    f"(default {DEFAULT_NULL_IMAGES:,})")
@@ -127,6 +139,25 @@ def _held_out(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
         p.error(f"--held-out {path}: no `class` lines (the calibration needs identities the "
                 "model never saw, not single samples)")
     return classes
+
+
+def _null_identities(args: argparse.Namespace, is_main: bool
+                     ) -> tuple[frozenset[int] | None, str]:
+    """The identities whose images calibrate the threshold, and where they came from:
+    ``--held-out``'s, else (no ``--training-null``, no ``--threshold``) those the run held
+    out of training, named in one line; None: the training images. CalibrationError where
+    the run held none out (``offline.overlap_held_out``)."""
+    if args.held is not None:
+        return args.held, f"--held-out {args.held_out}"
+    if args.training_null or args.threshold is not None:
+        return None, ""
+    from offline.overlap_held_out import run_held_out
+
+    config, _ = resolve_checkpoint_or_exit(args.checkpoint)
+    held = run_held_out(config, args.data)
+    if is_main:
+        print(held.line())
+    return held.classes, held.source
 
 
 def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], EvalImages]]:
@@ -187,26 +218,27 @@ def _find(args: argparse.Namespace, env) -> tuple:
 
     manifest = read_manifest(args.data)
     identities = read_identities(args.data, manifest)
-    if args.held is not None and max(args.held) >= manifest.num_classes:
-        raise CalibrationError(f"--held-out {args.held_out}: class {max(args.held)} is not a "
-                               f"label of {args.data} ({manifest.num_classes} classes)")
     sets = [read() for read in args.pair_sets]  # read before the pass over the shards
     if args.ijb is not None:
         sets.append(ijb_images(args.ijb, args.ijb_target))
     if args.tinyface is not None:
         sets.append(tinyface_images(args.tinyface))
+    held, origin = _null_identities(args, env.is_main)
+    if held is not None and max(held) >= manifest.num_classes:
+        raise CalibrationError(f"{origin}: class {max(held)} is not a label of {args.data} "
+                               f"({manifest.num_classes} classes)")
     choice = None if args.threshold is not None else null_choice(
-        manifest.num_samples, manifest.num_classes, args.null_images, args.fpir, args.held)
+        manifest.num_samples, manifest.num_classes, args.null_images, args.fpir, held, origin)
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
     trained = class_centres(backbone, args.data, args.batch_size, env.device, env.group,
                             choice)
     calibration = None if choice is None else calibrate(
-        null_cosines(trained, env.device, env.group), args.fpir, choice.probes())
+        *null_cosines(trained, env.device, env.group), args.fpir, choice.probes())
     threshold = args.threshold if calibration is None else calibration.threshold
     if env.is_main:
         print(f"threshold {threshold:g} (--threshold)" if calibration is None
               else calibration.describe())
-        if calibration is not None and args.held is None:
+        if calibration is not None and held is None:
             print(TRAINED_PROBES)
     results = [set_overlap(images, backbone, trained.centres, threshold, args.batch_size,
                            env.device, env.group) for images in sets]

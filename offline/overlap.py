@@ -130,12 +130,16 @@ def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
 
 
 def null_cosines(trained: TrainingCentres, device: torch.device | str,
-                 process_group=None) -> np.ndarray:
+                 process_group=None) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's null probes searched against the other identities' centres
-    (``best_other_centre``), gathered: ``[n]`` float64, sorted, the same on every rank."""
+    (``best_other_centre``), gathered: the cosines ``[n]`` float64, sorted, and their probes'
+    labels ``[n]`` (``calibrate`` counts the identities), the same on every rank."""
     mine = best_other_centre(trained.null_probes, trained.null_labels, trained.centres)
     every = all_gather(torch.from_numpy(mine.astype(np.float64)).to(device), process_group)
-    return np.sort(every.cpu().numpy())
+    labels = all_gather(torch.from_numpy(trained.null_labels).to(device), process_group)
+    every, labels = every.cpu().numpy(), labels.cpu().numpy()
+    order = np.lexsort((labels, every))
+    return every[order], labels[order]
 
 
 @torch.no_grad()

@@ -27,8 +27,9 @@ def calibration_json(calibration: Calibration | None) -> dict | None:
     if calibration is None:
         return None
     return {"fpir": calibration.fpir, "expected_fpir": calibration.expected_fpir,
-            "fpir_band": list(calibration.band()), "searches": calibration.searches,
-            "reached": calibration.reached, "probes": calibration.probes,
+            "fpir_band": list(calibration.band), "searches": calibration.searches,
+            "identities": calibration.identities, "reached": calibration.reached,
+            "probes": calibration.probes,
             "edges": EDGES.round(6).tolist(), "null_histogram": histogram(calibration.null)}
 
 

@@ -14,13 +14,22 @@ gallery's size up to one; :func:`best_other_centre`), giving ``n`` null cosines
 ``v_1 >= ... >= v_n``. ``tau = v_k`` with ``k = floor(FPIR * (n + 1))``: for a new probe
 exchangeable with the ``n``, ``P(max >= tau) = k / (n + 1) <= FPIR`` exactly, whatever the
 distribution (the rank argument of conformal prediction; Vovk et al. 2005, and Angelopoulos
-& Bates, arXiv 2107.07511, Sec. 1.1). The realised rate of one calibration is
-``Beta(k, n + 1 - k)``, whose 5 % and 95 % quantiles are printed. With ``n + 1 < 1 / FPIR``
-(``k = 0``) no sample value resolves the rate: :func:`calibrate` refuses.
+& Bates, arXiv 2107.07511, Sec. 1.1), and the realised rate of one calibration is
+``Beta(k, n + 1 - k)``.
 
-The probes are the images of identities the model never trained on when the user names
-them (the classes of the exclusion list the model was trained with): those are exchangeable
-with an unseen person's image. Without them, the training images themselves: a model pulls
+That holds for independent probes. The probes are the images of ``h`` identities, and an
+identity's images search alike (one face, one set of near neighbours): the exchangeable
+units are the identities, as in conformal prediction for grouped data (Dunn, Wasserman &
+Ramdas, arXiv 1809.07441, whose one-draw-per-group rule is exact at ``h``). So the rate is
+resolved only where ``h + 1 >= 1 / FPIR`` (:func:`resolvable` refuses below, however many
+images), and the printed 90 % band is the wider of the Beta's and the cluster bootstrap's
+(:func:`identity_band`: the share of probes reaching ``tau`` with the identities resampled,
+which widens as an identity's images agree). ``k / (n + 1)`` is then the expected rate of
+the images searched, the band its spread.
+
+The probes are the images of identities the model never trained on (the classes of the
+exclusion list it was trained with, ``offline.overlap_held_out``): those are exchangeable
+with an unseen person's image. Training images, asked for explicitly, are not: a model pulls
 its training images away from the other identities, so their null cosines run lower than an
 unseen person's and the listed rate exceeds the target (docs/data.md measures it on ORL).
 """
@@ -31,11 +40,14 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import beta
 
 from partial_fc.eval.gallery_search import FlatTopK
 from trainer.errors import Refused
 
 CENTRE_CHUNK = 65_536  # centres per faiss call: the chunk's scores are [probes, k] only
+RESAMPLES = 1000  # the cluster bootstrap's draws of the identities (identity_band)
+RESAMPLE_CELLS = 1 << 22  # identity indices drawn per block of resamples (32 MiB)
 EDGES = np.linspace(-1.0, 1.0, 201)  # the histograms' bins: cosine, width 0.01
 
 
@@ -45,14 +57,17 @@ class CalibrationError(Refused):
 
 @dataclass(frozen=True)
 class Calibration:
-    """``threshold`` read off ``searches`` null searches (``reached`` of them reach it) for a
-    target ``fpir``; ``probes`` says whose images were searched; ``null`` holds their
-    best-other-centre cosines (for the histogram)."""
+    """``threshold`` read off ``searches`` null searches by the images of ``identities``
+    identities (``reached`` of them reach it) for a target ``fpir``; ``band``: the realised
+    rate's 5 % and 95 % quantiles; ``probes`` says whose images were searched; ``null``
+    holds their best-other-centre cosines (for the histogram)."""
 
     threshold: float
     fpir: float
     searches: int
+    identities: int
     reached: int
+    band: tuple[float, float]
     probes: str
     null: np.ndarray
 
@@ -61,47 +76,74 @@ class Calibration:
         """``k / (n + 1)``: the FPIR expected at the threshold (at most ``fpir``)."""
         return self.reached / (self.searches + 1)
 
-    def band(self) -> tuple[float, float]:
-        """The 5 % and 95 % quantiles of the realised FPIR, ``Beta(k, n + 1 - k)``."""
-        from scipy.stats import beta
-
-        k, n = self.reached, self.searches
-        return float(beta.ppf(0.05, k, n + 1 - k)), float(beta.ppf(0.95, k, n + 1 - k))
-
     def describe(self) -> str:
         """One line: the threshold, its target, the searches and the realised rate's band."""
-        low, high = self.band()
+        low, high = self.band
         return (f"threshold {self.threshold:.4f}: the FPIR {self.fpir:g} (--fpir) of a search "
                 f"of {self.probes}, each against the other identities' centres: reached by "
-                f"{self.reached} of {self.searches} searches (expected FPIR "
-                f"{self.expected_fpir:.2g}; 90 % of calibrations give {low:.2g} to "
-                f"{high:.2g}); --threshold sets it instead")
+                f"{self.reached} of {self.searches} searches of {self.identities} identities "
+                f"(expected FPIR {self.expected_fpir:.2g}; 90 % band {low:.2g} to {high:.2g}, "
+                "the identities resampled); --threshold sets it instead")
 
 
-def calibrate(null: np.ndarray, fpir: float, probes: str) -> Calibration:
-    """``tau = v_k``, ``k = floor(fpir * (n + 1))``, of the ``n`` null cosines (module
-    docstring); CalibrationError where ``k = 0``."""
-    n = len(null)
-    k = resolvable(fpir, n, probes)
-    ordered = np.sort(np.asarray(null, dtype=np.float64))[::-1]
+def calibrate(null: np.ndarray, labels: np.ndarray, fpir: float, probes: str) -> Calibration:
+    """``tau = v_k``, ``k = floor(fpir * (n + 1))``, of the ``n`` null cosines, ``labels``
+    their probes' identities (module docstring); CalibrationError where ``k = 0`` or the
+    identities are too few to resolve ``fpir``."""
+    null, labels = np.asarray(null, dtype=np.float64), np.asarray(labels)
+    n, identities = len(null), len(np.unique(labels))
+    k = resolvable(fpir, n, identities, probes)
+    ordered = np.sort(null)[::-1]
     reached = np.searchsorted(-ordered, -ordered, side="right")  # how many reach each value
     fits = np.flatnonzero(reached <= k)  # tied values count together: at most k reach tau
     if not len(fits):
         raise CalibrationError(f"--fpir {fpir:g}: the {n} null searches' highest cosine is "
                                f"reached {reached[0]} times; raise --fpir or set --threshold")
-    return Calibration(float(ordered[fits[-1]]), fpir, n, int(reached[fits[-1]]), probes,
-                       ordered)
+    threshold, count = float(ordered[fits[-1]]), int(reached[fits[-1]])
+    exact = beta.ppf([0.05, 0.95], count, n + 1 - count)
+    clustered = identity_band(null >= threshold, labels)
+    band = (float(min(exact[0], clustered[0])), float(max(exact[1], clustered[1])))
+    return Calibration(threshold, fpir, n, identities, count, band, probes, ordered)
 
 
-def resolvable(fpir: float, n: int, probes: str, at_most: bool = False) -> int:
-    """``k = floor(fpir * (n + 1))`` of ``n`` null searches (``at_most``: an upper bound on
-    ``n``, checked before the searches are made); CalibrationError where it is 0."""
+def identity_band(reach: np.ndarray, labels: np.ndarray, draws: int = RESAMPLES,
+                  seed: int = 0) -> tuple[float, float]:
+    """The 5 % and 95 % quantiles of the share of searches that reach the threshold
+    (``reach`` ``[n]`` bool) when the ``h`` identities of ``labels`` are drawn ``h`` times
+    with replacement, each bringing all its searches: the cluster bootstrap (Davison &
+    Hinkley 1997, Sec. 3.8), the rate's spread when an identity's images are one draw.
+    Seeded: the same band on every run and rank."""
+    _, group = np.unique(labels, return_inverse=True)
+    hits = np.bincount(group, weights=reach.astype(np.float64))
+    sizes = np.bincount(group).astype(np.float64)
+    rng, rates = np.random.default_rng(seed), []
+    block = max(1, RESAMPLE_CELLS // len(sizes))
+    for start in range(0, draws, block):
+        drawn = rng.integers(0, len(sizes), (min(block, draws - start), len(sizes)))
+        rates.append(hits[drawn].sum(1) / sizes[drawn].sum(1))
+    low, high = np.quantile(np.concatenate(rates), [0.05, 0.95])
+    return float(low), float(high)
+
+
+def resolvable(fpir: float, n: int, identities: int, probes: str,
+               at_most: bool = False) -> int:
+    """``k = floor(fpir * (n + 1))`` of ``n`` null searches by the images of ``identities``
+    identities (``at_most``: upper bounds, checked before the searches are made);
+    CalibrationError where ``n`` or, an identity's images being one draw, ``identities``
+    cannot resolve ``fpir``."""
     k = int(np.floor(fpir * (n + 1) + 1e-9))  # 1e-9: fpir = 1/(n+1) given as a decimal
+    bound = f"{'at most ' if at_most else ''}{n} null searches ({probes})"
     if k < 1:
         raise CalibrationError(
-            f"--fpir {fpir:g}: {'at most ' if at_most else ''}{n} null searches ({probes}) "
-            f"resolve rates down to 1/{n + 1} = {1 / (n + 1):.2g} only; raise --fpir, search "
-            "more images (--null-images) or set --threshold")
+            f"--fpir {fpir:g}: {bound} resolve rates down to 1/{n + 1} = {1 / (n + 1):.2g} "
+            "only; raise --fpir, search more images (--null-images) or set --threshold")
+    if np.floor(fpir * (identities + 1) + 1e-9) < 1:
+        raise CalibrationError(
+            f"--fpir {fpir:g}: the null searches ({probes}) are of {'at most ' * at_most}"
+            f"{identities} identities, and an identity's images are one draw, not independent "
+            f"ones: they resolve rates down to 1/{identities + 1} = "
+            f"{1 / (identities + 1):.2g} only; raise --fpir, hold out more identities or set "
+            "--threshold")
     return k
 
 
@@ -129,10 +171,11 @@ class NullChoice:
     """Which images of the training folder are null probes: those of ``classes`` (None:
     of every class) whose shard key hashes below ``fraction`` of its range, so one process
     and P ranks choose the same images, about ``fraction`` of them (memory: that many
-    ``[D]`` rows)."""
+    ``[D]`` rows). ``origin`` names where ``classes`` came from."""
 
     fraction: float
     classes: frozenset[int] | None = None
+    origin: str = "--held-out"
 
     def takes(self, key: str, label: int) -> bool:
         if self.classes is not None and label not in self.classes:
@@ -146,19 +189,22 @@ class NullChoice:
         if self.classes is None:
             return f"{share}the training images"
         return (f"{share}the images of the {len(self.classes)} identities held out of "
-                "training (--held-out)")
+                f"training ({self.origin})")
 
 
 def null_choice(images: int, classes: int, wanted: int, fpir: float,
-                held_out: frozenset[int] | None = None) -> NullChoice:
+                held_out: frozenset[int] | None = None,
+                origin: str = "--held-out") -> NullChoice:
     """About ``wanted`` probes of a folder of ``images`` images and ``classes`` classes: of
     the ``held_out`` classes' images (``images * |held_out| / classes`` of them, as if
     classes were of equal size) where given, else of every image. CalibrationError, before
     any pass over the shards, where even ``images`` or ``1.2 * wanted`` searches (the hash
-    sample's count is within a few per cent of ``wanted``) could not resolve ``fpir``."""
+    sample's count is within a few per cent of ``wanted``), or the identities they are of,
+    could not resolve ``fpir``."""
     pool = images if held_out is None else images * len(held_out) / max(classes, 1)
-    choice = NullChoice(min(1.0, wanted / max(pool, 1)), held_out)
-    resolvable(fpir, min(images, int(1.2 * wanted)), choice.probes(), at_most=True)
+    choice = NullChoice(min(1.0, wanted / max(pool, 1)), held_out, origin)
+    resolvable(fpir, min(images, int(1.2 * wanted)),
+               classes if held_out is None else len(held_out), choice.probes(), at_most=True)
     return choice
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from eval_helpers import make_run, write_ijb, write_tinyface_lists
 from PIL import Image
 from spawn import run_ranks
@@ -81,7 +82,7 @@ def _overlap(data, images):
     identity) and the disjoint one (160 images of 40 identities never trained on)."""
     model = ColourFeatures()
     trained = class_centres(model, data, 32, "cpu", null=NullChoice(1.0))
-    calibration = calibrate(null_cosines(trained, "cpu"), FPIR, "the training images")
+    calibration = calibrate(*null_cosines(trained, "cpu"), FPIR, "the training images")
     sets = [bin_images("planted", "p.bin", images[:20]),
             bin_images("disjoint", "d.bin", images[20:])]
     found = [set_overlap(s, model, trained.centres, calibration.threshold, 32, "cpu")
@@ -171,9 +172,10 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     """No --threshold: the line names the threshold, the FPIR, the searches and whose; the
     table and the JSON give each set's expected false count beside its listed one, and the
     histograms (the null's: one count per search; a set's: one per image); the page draws
-    them. --held-out: the held-out classes' images are the probes. An FPIR the searches
-    cannot resolve (known from the folder's size, before its pass), a list without classes
-    or with a label the folder lacks: one line."""
+    them. --training-null: the training images are the probes, with the note that they run
+    optimistic; --held-out: the held-out classes' images are. An FPIR the searches or their
+    identities cannot resolve (known from the folder's size, before its pass), a list
+    without classes or with a label the folder lacks: one line."""
     from launch import overlap
 
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
@@ -181,11 +183,13 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     out, js, page = tmp_path / "o.txt", tmp_path / "o.json", tmp_path / "o.html"
     args = ["--checkpoint", str(make_run(tmp_path)), "--data", str(synthetic_data), "--bins",
             str(tmp_path / "disjoint.bin"), "--out", str(out), "--device", "cpu"]
-    assert overlap.main([*args, "--fpir", "0.05", "--json", str(js), "--html", str(page)]) == 0
+    assert overlap.main([*args, "--fpir", "0.05", "--training-null", "--json", str(js),
+                         "--html", str(page)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("threshold ") and (
         ": the FPIR 0.05 (--fpir) of a search of the training images, each against the other "
-        "identities' centres: reached by 8 of 160 searches (expected FPIR 0.05;") in printed[0]
+        "identities' centres: reached by 8 of 160 searches of 20 identities (expected FPIR "
+        "0.05;") in printed[0]
     found = json.loads(js.read_text())
     assert f"{found['threshold']:.4f}" == printed[0].split()[1].rstrip(":")
     calibration = found["calibration"]
@@ -202,14 +206,17 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     assert "fpir=0.05" in out.read_text().splitlines()[0]
 
     held = tmp_path / "held.txt"
-    held.write_text("".join(f"class {c}\n" for c in range(5)))
-    assert overlap.main([*args, "--fpir", "0.05", "--held-out", str(held)]) == 0
+    held.write_text("".join(f"class {c}\n" for c in range(10)))
+    assert overlap.main([*args, "--fpir", "0.1", "--held-out", str(held)]) == 0
     first, second = capsys.readouterr().out.splitlines()[:2]
-    assert ("a search of the images of the 5 identities held out of training (--held-out), "
-            "each against the other identities' centres: reached by 2 of 40 searches") in first
+    assert (f"a search of the images of the 10 identities held out of training (--held-out "
+            f"{held}), each against the other identities' centres: reached by 8 of 80 "
+            "searches of 10 identities") in first
     assert second.startswith("set ")  # no note: these probes were never trained on
+    assert overlap.main([*args, "--fpir", "0.05", "--held-out", str(held)]) == 2
+    assert "are of at most 10 identities" in capsys.readouterr().err  # 1/11 at best
 
-    assert overlap.main([*args, "--fpir", "0.001"]) == 2
+    assert overlap.main([*args, "--fpir", "0.001", "--training-null"]) == 2
     assert capsys.readouterr().err == (
         "error: --fpir 0.001: at most 160 null searches (the training images) resolve rates "
         "down to 1/161 = 0.0062 only; raise --fpir, search more images (--null-images) or set "
@@ -222,6 +229,71 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     with pytest.raises(SystemExit):
         overlap.main([*args, "--held-out", str(held)])
     assert f"--held-out {held}: no `class` lines" in capsys.readouterr().err
+
+
+def test_cli_calibrates_on_the_identities_the_run_held_out(synthetic_data, tmp_path, capsys,
+                                                         monkeypatch):
+    """No --held-out: the run's own data.exclude (RUN/config.yaml) names the null probes, in
+    one line, and gives the threshold --held-out with the same list gives. A run that held
+    no identity out is refused in one line naming the fixes."""
+    from launch import overlap
+    from offline.overlap_held_out import FIX
+
+    monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
+    write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
+    run, held = make_run(tmp_path), tmp_path / "held.txt"
+    held.write_text("".join(f"class {c}\n" for c in range(10)) + "sample 000000170\n")
+    args = ["--checkpoint", str(run), "--data", str(synthetic_data), "--bins",
+            str(tmp_path / "disjoint.bin"), "--out", str(tmp_path / "o.txt"), "--device", "cpu",
+            "--fpir", "0.1", "--json", str(tmp_path / "o.json")]
+    config = run / "config.yaml"
+    config.write_text(config.read_text() + yaml.safe_dump(
+        {"data": {"dir": str(synthetic_data), "exclude": str(held)}}))
+    assert overlap.main(args) == 0
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    source = f"{run}'s data.exclude={held}"
+    assert first == ("null probes: the images of the 10 identities held out of training "
+                     f"({source}), which the model never saw")
+    assert f"held out of training ({source}), each against" in second
+    automatic = json.loads((tmp_path / "o.json").read_text())["threshold"]
+    assert overlap.main([*args, "--held-out", str(held)]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["threshold"] == automatic
+
+    config.write_text(config.read_text().replace(f"exclude: {held}", "exclude: null"))
+    capsys.readouterr()
+    assert overlap.main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run} trained on every identity of {synthetic_data} (no data.exclude), so no "
+        f"image of it is an unseen person's: {FIX}\n")
+
+
+def test_the_run_s_held_out_list_is_its_folder_s(tmp_path):
+    """data.dirs: the list parallel to the folder searched; a folder the run did not train
+    on, a list of single samples, and one that cannot be read where the tool runs: refused,
+    each in one line naming the way on."""
+    from offline.overlap_held_out import run_held_out
+    from offline.overlap_search import CalibrationError
+
+    (tmp_path / "a.txt").write_text("class 4\nclass 2\n")
+    (tmp_path / "b.txt").write_text("sample 000000001\n")
+    config = tmp_path / "run" / "config.yaml"
+    config.parent.mkdir()
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+
+    def held(data, exclude):
+        config.write_text(yaml.safe_dump({"data": {"dirs": [a, b], "exclude": exclude}}))
+        return run_held_out(config, data)
+
+    found = held(str(tmp_path / "x" / ".." / "a"), [str(tmp_path / "a.txt"), None])
+    assert found.classes == {2, 4} and found.source.endswith(f"data.exclude={tmp_path}/a.txt")
+    with pytest.raises(CalibrationError, match=rf"^{config.parent} trained on {a}, {b}, not "
+                       r"--data /elsewhere: pass --held-out LIST"):
+        held("/elsewhere", [str(tmp_path / "a.txt"), None])
+    with pytest.raises(CalibrationError, match=r"has no `class` lines\), so no image"):
+        held(b, [None, str(tmp_path / "b.txt")])
+    with pytest.raises(CalibrationError, match=r"data.exclude=gone.txt, the identities it "
+                       r"held out, cannot be read here .* or pass --held-out LIST$"):
+        held(a, "gone.txt")
 
 
 # ---------------------------------------------------------------- the user's path, end to end
