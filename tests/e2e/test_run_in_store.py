@@ -25,9 +25,9 @@ from spawn import run_ranks
 
 from tools.remote_servers import AzureServer, GcsServer, S3Server, clear_clients
 
-STEPS, CUT = 6, 3
+STEPS, CUT = 4, 2
 RECIPE = ["engine.type=ddp", "train.batch_size=4", "train.global_batch=8", "data.num_workers=0",
-          "optim.lr=0.001", f"train.max_steps={STEPS}", "checkpoint.every=2", "log.every=1",
+          "optim.lr=0.001", f"train.max_steps={STEPS}", "checkpoint.every=0", "log.every=1",
           "log.progress=false", "log.hist_every=0", "log.wandb=disabled"]
 
 
