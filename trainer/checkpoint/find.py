@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from data_pipeline.store import StoreFolder, open_store, staging_dir
+from data_pipeline.store import StorageError, StoreFolder, open_store, staging_dir
 from data_pipeline.store import in_store as is_store_url
 from trainer.checkpoint import in_store
 from trainer.checkpoint.integrity import META, CheckpointError, CheckpointNotFound, verify
@@ -67,7 +67,10 @@ def find_resume(run_dir: Path, resume: str, env: DistEnv | None = None,
 def _choose(run_dir: Path, resume: str, store: StoreFolder | None) -> Path | None:
     remedy = "; start over with checkpoint.resume=none or another name"
     if store is not None:
-        found = in_store.fetch_verified(store, Path(run_dir), remedy)
+        try:
+            found = in_store.fetch_verified(store, Path(run_dir), remedy)
+        except StorageError as err:  # the store out of reach: every rank learns it
+            raise CheckpointError(f"{err}; resume once it answers again") from None
     else:
         found = find_verified(Path(run_dir) if resume == "auto" else Path(resume), remedy)
     if found is None and resume != "auto":
