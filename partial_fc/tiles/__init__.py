@@ -6,7 +6,9 @@ statistics (``class_tile_stats``) and the backward's gradients recomputed tile b
 them). Two implement it: ``reference`` (PyTorch, chunked over classes within a memory budget;
 the CPU path and the kernels' reference) and ``triton`` (CUDA kernels, an optional dependency:
 nothing here imports triton, and ``partial_fc.tiles.triton`` without it raises an
-``ImportError`` naming the fix). ``KERNELS`` names the choices for the head and the config
+``ImportError`` naming the fix; their launch configuration, Triton GEMMs or the cuBLAS engine
+of ``cublas`` and its tiles, is chosen by measurement per device and shape: ``tuning``,
+``autotune``). ``KERNELS`` names the choices for the head and the config
 schema; ``select`` turns a choice and a device into a back-end.
 """
 
