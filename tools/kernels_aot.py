@@ -118,15 +118,16 @@ def transforms() -> dict[str, dict]:
     return {suffix: tm.nontarget_constexprs(step) for suffix, step in steps.items()}
 
 
-def launches(operands: str) -> dict[str, Launch]:
+def launches(operands: str, tiles=None) -> dict[str, Launch]:
     """The launches of ``class_tile_stats`` and ``class_tile_grads`` on CUDA for this operand
     combination, with the constexprs they pass: the two GEMMs, and the stats and ``G'``
-    kernels with each non-target transform (:func:`transforms`)."""
+    kernels with each non-target transform (:func:`transforms`); ``tiles`` (a
+    ``partial_fc.tiles.triton.Tiles``) default to ``cuda_tiles``."""
     from partial_fc.tiles import triton as tm
 
     e_dtype, w_dtype, exact = OPERANDS[operands]
     op, consts = tm.operand_constexprs(e_dtype, w_dtype, widen=False, fp32_exact=exact)
-    t = tm.cuda_tiles(sms=132)
+    t = tiles or tm.cuda_tiles(sms=132)
     e, w, g = TL_NAMES[e_dtype], TL_NAMES[w_dtype], TL_NAMES[op]
     cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **consts)
     gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **consts)
@@ -219,6 +220,30 @@ def all_rows() -> list[Row]:
             for kernel in launches(operands) for aligned in (True, False)]
 
 
+def candidate_rows() -> list[tuple[str, Row]]:
+    """The tuner's other Triton candidates (``partial_fc.tiles.tuning.candidates``) where each
+    is offered (sm_80: capability 8.0, sm_90: 9.0), compiled as the default configurations
+    are checked: bf16 operands, N aligned, no non-target transform; each row with its tiles
+    in words (``rows x cols x depth, GEMM gemm``)."""
+    from partial_fc.tiles import autotune, tuning
+
+    out = []
+    for arch in DEVICES:
+        for choice in tuning.candidates(divmod(arch, 10)):
+            if choice.engine != "triton" or choice == tuning.DEFAULT:
+                continue
+            t = autotune.as_tiles(choice, 132)
+            name = f"{t.rows}x{t.cols}x{t.depth}, GEMM {t.gemm}"
+            for operands in DEFAULT_OPERANDS:
+                for kernel, launch in launches(operands, t).items():
+                    if ", " not in kernel:
+                        regs, spill, shared = compile_one(launch, arch, True, t.num_warps,
+                                                          t.num_stages)
+                        out.append((name, Row(kernel, operands, True, arch, regs, spill,
+                                              shared, t.num_warps, t.num_stages)))
+    return out
+
+
 def write_doc(doc: Path, rows: list[Row]) -> None:
     """Replace the generated section of ``doc`` (between its two marker lines)."""
     import triton
@@ -238,7 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=Path("docs/kernels.md"),
                         help="markdown file whose generated section receives the table")
     parser.add_argument("--no-doc", action="store_true", help="print only")
+    parser.add_argument("--candidates", action="store_true", help="the tuner's other "
+                        "candidates instead (printed only): they must not spill either")
     args = parser.parse_args(argv)
+    if args.candidates:
+        found = candidate_rows()
+        for name, r in found:
+            print(f"{name:24} {r.kernel:12} {r.operands:15} sm_{r.arch} {r.registers:4} regs "
+                  f"{r.spill_bytes:5} B spilled {r.shared_bytes / 1024:4.0f} KiB "
+                  f"{r.num_warps} x {r.num_stages}")
+        bad = [f"{name} {r.kernel} [{r.operands}, sm_{r.arch}]: {p}" for name, r in found
+               for p in r.problems()]
+        for line in bad:
+            print(f"error: {line}", file=sys.stderr)
+        return 1 if bad else 0
     rows = all_rows()
     print(table(rows))
     if not args.no_doc:

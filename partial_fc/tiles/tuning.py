@@ -84,8 +84,8 @@ def candidates(capability: tuple[int, int]) -> list[Choice]:
     64 x 64 GEMM tiles; the cuBLAS engine; on sm_90 (Hopper) also the 128 x 128 cosine tile,
     a warpgroup MMA's natural shape, at 2 programs per SM with 3 and 4 stages (4 stages take
     176 KiB of shared memory, which only Hopper has per block). Each compiles without spills
-    for the devices it is offered on (ptxas through ``tools/kernels_aot.py``'s compile, bf16
-    operands with fp32 or bf16 state, 2026-11-28); 4 warps on 128 x 128 GEMM tiles and any
+    for the devices it is offered on (``python -m tools.kernels_aot --candidates``: ptxas,
+    bf16 operands with fp32 or bf16 state); 4 warps on 128 x 128 GEMM tiles and any
     256-wide cosine tile spilled on sm_90, the 128 x 128 cosine tile on sm_80."""
     small = [Choice("triton", 64, 64, 32, 64, num_warps=4, num_stages=4, programs_per_sm=8),
              Choice("triton", 128, 64, 32, 64, num_warps=4, num_stages=5, programs_per_sm=8),
