@@ -109,6 +109,7 @@ def _cut_resume_report(url: str, data: Path, unbroken, tmp_path: Path,
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
     assert {"config.yaml", "train.log", "summary.json"} <= back["names"]
     assert ".lock" not in back["names"]  # the lease ended with the run
+    assert not Path(url.split("//")[0]).exists()  # no local folder named after the URL
     assert back["read"] == f"step-{STEPS:08d}" and back["config"]  # not the cut-off one
     assert "does not name a usable checkpoint" in back["warned"]
     assert back["reported"] == 0 and out.stat().st_size > 0
