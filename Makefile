@@ -88,7 +88,8 @@ lint: setup
 kernels-aot: setup
 	$(PY) -m tools.kernels_aot
 
-# Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold (~2-3 min).
+# Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold
+# (~2-3 min, and ~3 min more for the elastic row: two nodes on network namespaces, as root).
 chaos: setup
 	OMP_NUM_THREADS=1 $(PY) -m tools.chaos
 

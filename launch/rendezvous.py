@@ -15,15 +15,17 @@ on two network namespaces) needs all of them:
 - **a store per incarnation** (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): by default the
   workers share the agent's store and tell incarnations apart by
   ``TORCHELASTIC_RESTART_COUNT``, which each node counts for itself: after a node left and
-  one joined, the survivor's count is 1 and the newcomer's 0, so their workers never meet
-  (pytorch/pytorch#135712); and a node that joins after the first round waits 60 s for the
-  store address the rank-0 node published only in the first round, then fails. With the
-  setting each round's rank-0 worker starts a fresh store.
+  one joined, the survivor's count was 1 and the newcomer's 0, and their workers waited for
+  each other under different keys until the process group's timeout (measured; torch's issue
+  135712). Also, as torch 2.13's ``DynamicRendezvousHandler.next_rendezvous`` reads, the
+  rank-0 node publishes the shared store's address in its first round only, which a node
+  joining later waits for. With the setting each round's rank-0 worker starts a fresh store.
 - **ranks without the agents' exchange** (``TORCH_ELASTIC_WORKER_IDENTICAL=1``): otherwise
   the rank-0 agent reads every node's role from the store; a round that still counts a node
   that has just died (its heartbeat not yet expired) then waits 60 s for that node and ends
-  the surviving agent itself (rc 1), restarts left or not. With the setting the ranks are
-  ``node rank x nproc_per_node + local rank`` (every node runs the same number), and a
+  the surviving agent itself (rc 1), restarts left or not (seen in an earlier try on two
+  namespaces; an exception in the agent's rendezvous is not retried). With the setting the
+  ranks are ``node rank x nproc_per_node + local rank`` (every node runs the same number), and a
   dead member only fails the workers' first collective, which the agent restarts.
 
 With ``MIN < MAX`` the ranks are also told the launch is elastic (:data:`ELASTIC_ENV`): a

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.chaos.elastic import elastic_case
 from tools.chaos.harness import (
     ROOT,
     SMOKE,
@@ -35,6 +36,7 @@ from tools.chaos.harness import (
 )
 from tools.chaos.jobs import launcher_killed, second_job
 from tools.chaos.nodes import two_node_case
+from tools.chaos.store_nodes import store_two_node_case
 
 
 @dataclass(frozen=True)
@@ -403,6 +405,13 @@ CASES = [
            "cut ends both nodes with one line each; the rerun resumes",
            lambda data, work, engine=engine: two_node_case(data, work, engine))
       for engine in ("ddp", "deepspeed")],
+    Case("2 nodes x 1 rank on 2 netns sharing no file system: data and run folder on S3, "
+         "SIGTERM after step 3", "both nodes save to the store, rc 0; the rerun resumes from "
+         "the store, its loss at step 6 equals 1 node's", store_two_node_case),
+    Case("elastic 1:2 nodes on 2 netns (make train NNODES=1:2): node 1's launcher killed, "
+         "then back", "the survivor resumes alone at accumulation 2, then both at 1; losses "
+         "equal an unbroken run's at the same global batch, loader positions equal, one "
+         "folder, W&B run and report", elastic_case),
     Case("kill -9 of the launcher (2 ranks, loader workers)", "the ranks save at the next "
          "step and say so; no process of the job left after dist.timeout_s + 30 s",
          launcher_killed),

@@ -6,11 +6,20 @@ set-up where a node's name resolves to 127.0.0.1: gloo would advertise its loopb
 the other node, so the run starts only if ``trainer.dist`` picks the veth interface (the one
 that routes to ``MASTER_ADDR``). Creating namespaces needs root (CAP_SYS_ADMIN/CAP_NET_ADMIN);
 :func:`two_nodes` raises :class:`NoNamespaces` with the reason where that is not permitted.
+
+The host's name server is out of reach from a namespace, so each one gets its own resolver
+file (``/etc/netns/<name>/resolv.conf``, which ``ip netns exec`` mounts over
+``/etc/resolv.conf``) naming a server on the namespace's loopback, where nothing listens: a
+look-up fails at once, as on a cluster whose nodes have no DNS, instead of after the host
+resolver's time-outs. torch's store looks up the name of every peer that connects, in its
+one server thread, which at 10-50 s a look-up made a node that joined a running job time
+out before the store answered it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +32,8 @@ from tools.chaos.harness import BASE_ARGS, ROOT, SMOKE, Result
 
 SUBNET = "10.213.7"  # node i has SUBNET.(i+1); node 0 hosts torchrun's store
 PORT = 29411
+NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc
+RESOLVER = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 class NoNamespaces(RuntimeError):
@@ -59,6 +70,8 @@ def two_nodes() -> Iterator[Nodes]:
         for ns in nodes.namespaces:
             _ip("netns", "add", ns)
             made.append(ns)
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "resolv.conf").write_text(RESOLVER)
         _ip("link", "add", nodes.links[0], "type", "veth", "peer", "name", nodes.links[1])
         for i, (ns, link) in enumerate(zip(nodes.namespaces, nodes.links, strict=True)):
             _ip("link", "set", link, "netns", ns)
@@ -73,30 +86,38 @@ def two_nodes() -> Iterator[Nodes]:
     finally:
         for ns in made:  # deleting a namespace deletes the veth end inside it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
 
-def train_on_nodes(nodes: Nodes, data: Path, run: Path, *args: str, timeout: float = 180,
-                   during: Callable[[list[subprocess.Popen]], None] | None = None
-                   ) -> list[Result]:
-    """``launch.train`` on the smoke config as a 2-node job (one rank per node); one
-    :class:`Result` per node (both write to ``run``: a file system the nodes share).
-    ``during(procs)`` runs while they train (e.g. to cut the link)."""
+def start_on_node(nodes: Nodes, i: int, cmd: list[str], stdout=subprocess.PIPE,
+                  **env: str) -> subprocess.Popen:
+    """``cmd`` on node ``i`` (its namespace, host name ``localhost``), in its own session,
+    output to ``stdout``; W&B off unless ``env`` says otherwise, one thread per rank, no
+    interface named for gloo or NCCL (the run must find it itself)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT), **env}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        env.pop(name, None)  # the run must find the interface itself
-    procs = []
-    for rank, ns in enumerate(nodes.namespaces):
-        cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-               'hostname localhost && exec "$@"', "node",
-               sys.executable, "-m", "launch.torchrun", "--nnodes", "2",
-               "--node_rank", str(rank), "--nproc_per_node", "1", "--max_restarts", "0",
-               "--master_addr", nodes.master, "--master_port", str(PORT),
-               "-m", "launch.train", "--config", str(SMOKE), f"data.dir={data}",
-               f"output={run}", *BASE_ARGS, *args]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        env.pop(name, None)
+    return subprocess.Popen(["ip", "netns", "exec", nodes.namespaces[i], "unshare", "--uts",
+                             "sh", "-c", 'hostname localhost && exec "$@"', "node", *cmd],
+                            cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def train_on_nodes(nodes: Nodes, data: Path | str, run: Path, *args: str, timeout: float = 180,
+                   during: Callable[[list[subprocess.Popen]], None] | None = None,
+                   output: str | None = None,
+                   env: Callable[[int], dict[str, str]] = lambda rank: {}) -> list[Result]:
+    """``launch.train`` on the smoke config as a 2-node job (one rank per node); one
+    :class:`Result` per node (both write to ``run``: a file system the nodes share; or to
+    ``output``, a store's URL, ``run`` then being node 0's copy of it). ``during(procs)`` runs
+    while they train (e.g. to cut the link); ``env(rank)``: node ``rank``'s own variables."""
+    procs = [start_on_node(nodes, rank, [
+        sys.executable, "-m", "launch.torchrun", "--nnodes", "2", "--node_rank", str(rank),
+        "--nproc_per_node", "1", "--max_restarts", "0", "--master_addr", nodes.master,
+        "--master_port", str(PORT), "-m", "launch.train", "--config", str(SMOKE),
+        f"data.dir={data}", f"output={output or run}", *BASE_ARGS, *args], **env(rank))
+        for rank in range(2)]
     if during is not None:
         during(procs)
     results, deadline = [], time.monotonic() + timeout
