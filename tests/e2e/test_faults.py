@@ -696,6 +696,9 @@ CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
               # tests/e2e (slow, skips without ip netns): `make chaos` only for now.
               "2 nodes x 1 rank on 2 netns, link cut, ddp",
               "2 nodes x 1 rank on 2 netns, link cut, deepspeed",
+              # minutes (an elastic job losing and regaining a node): `make chaos` only
+              "elastic 1:2 nodes on 2 netns (make train NNODES=1:2): node 1's launcher "
+              "killed, then back",
               # pytest twins: tests/e2e/test_launcher_death.py, tests/trainer/test_run_lock.py,
               # tests/e2e/test_preemption.py (a job-wide SIGTERM with a loader worker, ddp and
               # deepspeed, saved and resumed)
