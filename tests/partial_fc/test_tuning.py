@@ -250,3 +250,65 @@ def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
             assert normwise(a, b) < 1e-5
         # G' rounded to bf16 (as the kernels; the reference keeps it fp32): 2**-8 relative
         assert all(normwise(a, b) < 1e-2 for a, b in zip(grads[0], grads[2], strict=True))
+
+
+def test_the_device_is_read_from_cuda_and_only_there(monkeypatch):
+    """``tuning.device_info``, the tuner's one look at the hardware: for a CUDA device the
+    name, multiprocessors and capability CUDA reports (``torch.cuda.get_device_properties``
+    faked); for any other device None, without asking CUDA."""
+    from types import SimpleNamespace
+
+    asked = []
+    props = SimpleNamespace(name=FAKE.name, multi_processor_count=FAKE.sms, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: asked.append(device) or props)
+    assert tuning.device_info(torch.device("cuda", 1)) == FAKE
+    assert tuning.device_info(torch.device("cpu")) is None
+    assert asked == [torch.device("cuda", 1)]
+
+
+def test_a_gpu_timing_is_the_median_of_cuda_events_around_each_run(monkeypatch):
+    """``autotune._timed`` on CUDA (``torch.cuda.Event`` faked, in one log with the runs):
+    each run between its own two recorded events, the end event waited for before the time
+    between them is read, and the median of those times returned."""
+    log, events, times = [], [], iter([5.0, 1.0, 3.0])
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+            self.id = len(events)
+            events.append(self)
+
+        def record(self):
+            log.append(("record", self.id))
+
+        def synchronize(self):
+            log.append(("wait", self.id))
+
+        def elapsed_time(self, end):
+            log.append(("read", self.id, end.id))
+            return next(times)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(autotune, "REPEATS", 3)
+    assert autotune._timed(lambda: log.append(("run",)), torch.device("cuda", 0)) == 3.0
+    assert log == [entry for i in (0, 2, 4) for entry in (
+        ("record", i), ("run",), ("record", i + 1), ("wait", i + 1), ("read", i, i + 1))]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_tuners_device_calls_on_cuda():
+    """Unfaked on a GPU: the device as CUDA describes it; the cuBLAS engine's matmul of bf16
+    operands in fp32 under the head's autocast (equal to their fp64 product up to fp32
+    accumulation); CUDA events around a kernel that spins a million cycles read a time."""
+    props = torch.cuda.get_device_properties(DEVICE)
+    assert tuning.device_info(DEVICE) == tuning.Device(
+        props.name, props.multi_processor_count, (props.major, props.minor))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    a, b = (torch.randn(*shape, generator=g, device=DEVICE).bfloat16()
+            for shape in ((64, 512), (512, 96)))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = cublas._mm(a, b)
+    assert got.dtype == torch.float32 and normwise(got, a.double() @ b.double()) < 1e-5
+    assert autotune._timed(lambda: torch.cuda._sleep(1_000_000), DEVICE) > 0

@@ -416,3 +416,28 @@ def test_prefetch_copies_on_a_side_stream_that_the_step_waits_for(monkeypatch):
         passed = list(Prefetch(device, enabled)(iter(groups)))
         assert all(a is b for a, b in zip(passed, groups, strict=True))
     assert made == [CUDA0] and log == []
+
+
+@pytest.mark.parametrize("device", [CUDA0, torch.device("cpu")])
+def test_step_statistics_forward_puts_the_device_random_stream_back(monkeypatch, device):
+    """``train.global_batch``'s forward without grad (``step_embeddings``) forks the random
+    stream of a CUDA device as well as the CPU's, so the passes' dropout draws as it would
+    without it (``fork_rng`` recorded, then run on the CPU stream alone); on CPU it forks no
+    device. Its BatchNorm statistics and the CPU stream are put back either way."""
+    from trainer.engine.step_statistics import step_embeddings
+
+    forked, real = [], torch.random.fork_rng
+
+    def fork_rng(devices, **kwargs):
+        forked.append(list(devices))
+        return real(devices=[], **kwargs)
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    backbone = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4)).train()
+    batches = [(torch.randn(3, 4), torch.zeros(3)) for _ in range(2)]
+    rng, stats = torch.get_rng_state(), backbone[1].running_mean.clone()
+    out = step_embeddings(backbone, batches, backbone, SimpleNamespace(step=7), device)
+    assert out.shape == (6, 4) and out.dtype == torch.float32
+    assert forked == [[CUDA0] if device.type == "cuda" else []]
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(backbone[1].running_mean, stats)

@@ -130,3 +130,24 @@ def test_prefetched_steps_equal_steps_copied_on_their_own_stream_on_cuda():
     (got, snap), (want, ref) = out[True], out[False]
     assert got == pytest.approx(want, rel=1e-5)
     _assert_close_updates(snap, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_statistics_forward_puts_the_cuda_random_stream_back_on_cuda():
+    """``train.global_batch``'s forward without grad (``step_embeddings``) on the GPU: its
+    dropout draws from the CUDA stream, which is as it was afterwards, and so are the
+    BatchNorm statistics; its embeddings are fp32 in the micro-batches' order."""
+    from types import SimpleNamespace
+
+    from trainer.engine.step_statistics import step_embeddings
+
+    device = torch.device("cuda", 0)
+    backbone = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4)).to(device)
+    batches = [(torch.randn(3, 4, device=device), torch.zeros(3, device=device))
+               for _ in range(2)]
+    rng, stats = torch.cuda.get_rng_state(device), backbone[1].running_mean.clone()
+    out = step_embeddings(backbone, batches, backbone.train(), SimpleNamespace(step=7), device)
+    assert out.shape == (6, 4) and out.dtype == torch.float32 and out.device == device
+    assert torch.equal(torch.cuda.get_rng_state(device), rng)
+    assert torch.equal(backbone[1].running_mean, stats)
