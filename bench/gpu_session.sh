@@ -10,7 +10,11 @@
 #   1  make test-gpu (the cuda-marked tests, tests/e2e/test_gpu_runs.py's short runs included;
 #      4 workers, a JUnit report); the ms1mv3-r50 recipe on one GPU (NPROC_PER_NODE=1) on the
 #      synthetic stream; bench/head.py at C_local 1M r=1 (fp32 and bf16 state), r=0.1, 4M r=0.1
-#   2  bench/train.py, iresnet50 bf16 batch 128 (1k and 1M classes): DDP, DeepSpeed ZeRO-1;
+#   2  bench/train.py, iresnet50 bf16 batch 128: the step's overheads each switched back on
+#      (--variant: one_rank_ddp, prefetch, fused_updates; 1k and 1M r=1), DeepSpeed ZeRO-1's
+#      settings (overlap_comm, contiguous_gradients, bucket sizes) and a torch.profiler trace
+#      of its step (bench/pace.py profile-train --engine deepspeed: $OUT/profile/), iresnet100
+#      on DDP and on DeepSpeed; then (1k and 1M classes) DDP, DeepSpeed ZeRO-1;
 #      the short scale demo (make demo-scale, 300 steps, the four runs two at a time);
 #      torch.compile; the bf16 head state; bench/loader.py on the node's cores (1, 4, 8 workers:
 #      the planner's loader rate, trainer/plan_figures.json, was measured on a 2-core VM)
@@ -142,6 +146,21 @@ stage1() {
 }
 
 stage2() {
+    # first what no session has measured: the step's overheads, each switched back on, at 1k
+    # and 1M (docs/benchmarks.md); DeepSpeed's own settings and a trace of its backward;
+    # iresnet100 on both engines (the engine defaults take iresnet50's order for it)
+    train_bench overheads 180 --runs 1000:1.0,1000000:1.0 --variant wrapped=one_rank_ddp=true \
+        --variant no-prefetch=prefetch=false --variant no-fused=fused_updates=false \
+        --variant before=one_rank_ddp=true,prefetch=false,fused_updates=false
+    train_bench deepspeed-settings 150 --engine deepspeed --runs 1000:1.0 \
+        --variant no-overlap=zero_settings.overlap_comm=0,zero_settings.contiguous_gradients=0 \
+        --variant overlap=zero_settings.overlap_comm=1,zero_settings.contiguous_gradients=1 \
+        --variant buckets=zero_settings.reduce_bucket_size=50000000,zero_settings.allgather_bucket_size=50000000
+    step profile-train-deepspeed 90 "$PY" bench/pace.py profile-train --engine deepspeed \
+        --steps 2 --out "$out/profile"
+    train_bench r100-ddp 90 --backbone iresnet100 --runs 1000:1.0 --steps 30 --warmup 5
+    train_bench r100-deepspeed 120 --backbone iresnet100 --runs 1000:1.0 --steps 30 --warmup 5 \
+        --engine deepspeed
     train_bench ddp 120 --runs 1000:1.0,1000000:1.0,1000000:0.1
     train_bench deepspeed 100 --engine deepspeed --runs 1000:1.0,1000000:0.1
     step demo 200 make -s demo-scale "${make_py[@]}" DEVICE=cuda STEPS=300 JOBS=2 \
@@ -185,8 +204,8 @@ collect() {  # the runs' metrics and the demo's figures join the logs, then the 
     [[ -d $work/demo_png ]] && cp -r "$work/demo_png" "$logs/"
     [[ $dry == 1 ]] && summary+=(--dry)
     "${summary[@]}" || echo "gpu_summary.py failed: no $out/gpu_summary.json"
+    [[ -d $out/profile ]] && mv "$out"/profile/*-kernels.txt "$logs/" 2> /dev/null
     if [[ $stage == pace ]]; then
-        [[ -d $out/profile ]] && mv "$out"/profile/*-kernels.txt "$logs/" 2> /dev/null
         python3 bench/gpu_summary.py pace --logs "$logs" --out "$out/gpu-pace.json" \
             || echo "gpu_summary.py pace failed: no $out/gpu-pace.json"
     fi

@@ -4,6 +4,7 @@
         --report LOGS/tune.json          # the sweep: winners per shape bucket for this card
     python3 bench/pace.py profile-head --out DIR   # torch.profiler of the head's step
     python3 bench/pace.py profile-train --out DIR  # ... of the trainer's step (bench/train.py)
+    python3 bench/pace.py profile-train --engine deepspeed --out DIR   # ... DeepSpeed's step
     python3 bench/pace.py largest --json LOGS/largest.json   # the largest C_local that trains
 
 - ``tune``: every candidate of ``partial_fc.tiles.tuning`` on the shapes users run (``N`` 512,
@@ -19,7 +20,9 @@
   one process: a Chrome trace (``head-trace.json.gz``) and the per-kernel table
   (``head-kernels.txt``, CUDA time first).
 - ``profile-train``: bench/train.py's ceiling and trainer steps (iresnet50 bf16 batch 128, 1k
-  classes) under the profiler: ``train-trace.json.gz`` and ``train-kernels.txt``.
+  classes) under the profiler: ``train-trace.json.gz`` and ``train-kernels.txt``; with
+  ``--engine deepspeed`` (and ``--variant``s, passed on) ``train-deepspeed-trace.json.gz``...,
+  where ZeRO-1's extra backward shows.
 - ``largest``: the largest ``C_local`` that trains one step (iresnet50 bf16 batch 128, r=0.1,
   bf16 head state) on this card, found by trying ``launch.plan``'s prediction for the card's
   memory and then bisecting (each try in a fresh process, so an out-of-memory leaves nothing
@@ -143,11 +146,17 @@ def profile_head(args: argparse.Namespace) -> None:
 
 
 def profile_train(args: argparse.Namespace) -> None:
+    """bench/train.py under the profiler with ``--engine`` and each ``--variant`` passed on;
+    the files are named after them (``train``, ``train-deepspeed``, ``train-deepspeed-NAME``)
+    so that traces of several engines or settings sit side by side in ``--out``."""
     sys.path.insert(0, str(ROOT / "bench"))
     import train  # bench/train.py
 
-    _profiled(lambda: train.main(["--runs", "1000:1.0", "--steps", str(args.steps),
-                                  "--warmup", "1"]), args.out, "train")
+    flags = ["--runs", "1000:1.0", "--steps", str(args.steps), "--warmup", "1",
+             "--engine", args.engine, *(f"--variant={v}" for v in args.variant)]
+    name = "-".join(["train", *([args.engine] if args.engine != "ddp" else []),
+                     *(v.split("=", 1)[0] for v in args.variant)])
+    _profiled(lambda: train.main(flags), args.out, name)
 
 
 def _fits(classes: int) -> bool:
@@ -206,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("profile-train", help="torch.profiler of the trainer's step")
     r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp",
+                   help="bench/train.py's --engine (deepspeed: trace ZeRO-1's backward)")
+    r.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                   help="bench/train.py's --variant (engine.* keys), repeatable")
     r.add_argument("--out", type=Path, required=True)
     g = sub.add_parser("largest", help="the largest C_local that trains, beside the plan")
     g.add_argument("--tries", type=int, default=5)

@@ -23,8 +23,9 @@ SCRIPT = ROOT / "bench" / "gpu_session.sh"
 STEPS = {
     "1": ["setup", "versions", "cuda-tests", "recipe", "head-1m-r1", "head-1m-r0.1",
           "head-1m-r1-bf16-state", "head-4m-r0.1"],
-    "2": ["setup", "versions", "train-ddp", "train-deepspeed", "demo", "train-compile",
-          "train-bf16-state", "loader"],
+    "2": ["setup", "versions", "train-overheads", "train-deepspeed-settings",
+          "profile-train-deepspeed", "train-r100-ddp", "train-r100-deepspeed", "train-ddp",
+          "train-deepspeed", "demo", "train-compile", "train-bf16-state", "loader"],
     "3": ["setup", "versions", "cuda-tests", "cpu-suite", "peak-r0.1", "peak-r1", "recipe",
           "train-deepspeed", "train-compile", "loader"],
     "pace": ["setup", "versions", "tune", "head-pace-r1", "head-pace-r0.1", "profile-head",
@@ -126,6 +127,13 @@ def test_dry_run_names_every_step_and_runs_none(tmp_path, stage):
     assert all(s["status"] == "dry" and s["command"] for s in steps.values())
     assert summary["tests"]["cases"] == [] and summary["versions"] is None
     assert "would run:" in result.stdout
+    if stage == "2":  # the overheads' and DeepSpeed's variants, and the traced DeepSpeed step
+        command = {name: s["command"].split(" --json ", 1)[0] for name, s in steps.items()}
+        assert command["profile-train-deepspeed"].split()[1:4] == [
+            "bench/pace.py", "profile-train", "--engine"]
+        for name, count in (("train-overheads", 4), ("train-deepspeed-settings", 3)):
+            assert steps[name]["command"].count("--variant ") == count
+        assert "--engine deepspeed" in steps["train-r100-deepspeed"]["command"]
     if stage != "2":  # the recipe's overrides are keys and values the schema takes
         from trainer.config import load_config
 
@@ -168,11 +176,16 @@ def test_a_failing_step_does_not_stop_the_next(tmp_path):
 def test_benches_and_demo_are_merged_and_the_budget_skips_what_cannot_finish(tmp_path):
     result, summary, steps = _session(tmp_path, "2")
     assert all(steps[name]["status"] == "ok" for name in STEPS["2"][2:]), steps
-    assert [t["step"] for t in summary["train"]] == [
-        "train-bf16-state", "train-compile", "train-ddp", "train-deepspeed"]
+    assert [t["step"] for t in summary["train"]] == [  # the files' order
+        "train-bf16-state", "train-compile", "train-ddp", "train-deepspeed-settings",
+        "train-deepspeed", "train-overheads", "train-r100-ddp", "train-r100-deepspeed"]
     assert summary["train"][0]["runs"] == [{"run": "trainer", "img_per_s": 2000.0}]
     assert set(summary["demo"]) == {"arcface_r0.1", "adacos_dynamic_r1"}
     assert summary["demo"]["arcface_r0.1"]["loss_last"] == 17.0
+    # DeepSpeed's trace comes back in $OUT, its per-kernel table in the logs (as pace's)
+    assert (tmp_path / "out2" / "profile" / "train-trace.json.gz").is_file()
+    with tarfile.open(tmp_path / "out2" / "logs-2.tgz") as tgz:
+        assert "logs-2/train-kernels.txt" in tgz.getnames()
     # 120 s: 95 s left after the reserve; the demo (200 s) would get less than half its
     # limit, the others run with theirs clipped to what is left (compile: 150 s to 95).
     (tmp_path / "budget").mkdir()
@@ -240,3 +253,27 @@ def test_train_bench_writes_the_json_the_summary_merges(tmp_path, monkeypatch):
     assert run["planned_gib"] > 0 and ceiling["planned_gib"] is None
     assert run["img_per_s"] == pytest.approx(4 / run["step_ms"] * 1e3)
     assert {"bb fwd", "head fwd", "head bwd", "bb bwd", "optim"} <= set(run["phases_ms"])
+
+
+def test_profile_train_passes_the_engine_and_variants_to_the_train_bench(tmp_path, monkeypatch):
+    """bench/pace.py profile-train (bench/train.py's ``main`` and the profiler faked): its
+    ``--engine`` and each ``--variant`` reach bench/train.py, and the trace is named after
+    them, so DeepSpeed's trace sits beside DDP's."""
+    from types import SimpleNamespace
+
+    from launch_helpers import bench_module
+
+    pace = bench_module("pace")
+    calls = []
+    monkeypatch.setattr(sys, "path", list(sys.path))  # profile-train puts bench/ first
+    monkeypatch.setitem(sys.modules, "train", SimpleNamespace(main=calls.append))
+    monkeypatch.setattr(pace, "_profiled",
+                        lambda run, out, name: calls.append((out, name)) or run())
+    pace.main(["profile-train", "--steps", "2", "--out", str(tmp_path)])
+    pace.main(["profile-train", "--engine", "deepspeed", "--variant", "a=prefetch=false",
+               "--variant", "b=zero_settings.overlap_comm=1", "--out", str(tmp_path)])
+    common = ["--runs", "1000:1.0", "--steps", "2", "--warmup", "1", "--engine"]
+    assert calls == [(tmp_path, "train"), [*common, "ddp"],
+                     (tmp_path, "train-deepspeed-a-b"),
+                     [*common[:3], "5", *common[4:], "deepspeed", "--variant=a=prefetch=false",
+                      "--variant=b=zero_settings.overlap_comm=1"]]
