@@ -696,6 +696,10 @@ CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
               # tests/e2e (slow, skips without ip netns): `make chaos` only for now.
               "2 nodes x 1 rank on 2 netns, link cut, ddp",
               "2 nodes x 1 rank on 2 netns, link cut, deepspeed",
+              # two namespaces and a moto server (~2 min): the one-node store runs are
+              # tests/e2e/test_run_in_store.py's
+              "2 nodes x 1 rank on 2 netns sharing no file system: data and run folder on S3, "
+              "SIGTERM after step 3",
               # minutes (an elastic job losing and regaining a node): `make chaos` only
               "elastic 1:2 nodes on 2 netns (make train NNODES=1:2): node 1's launcher "
               "killed, then back",
