@@ -3,11 +3,12 @@
 For each shard of its plan a worker fetches the shard's member index (one request), turns the
 positions it wants into byte spans (consecutive samples merged while the gap between them is
 under ``gap``: one span per piece in steady state, and after a resume a span that starts at
-the byte offset of the first sample still wanted) and cuts the spans into requests of
-``block_bytes``. Up to ``prefetch_blocks`` requests (and the next shards' indexes) are in
-flight on threads while the worker decodes, so a request's latency is hidden behind the
-decoding of the blocks before it; what is held is bounded by those blocks plus the samples the
-shuffle buffer holds. A shard without an index is fetched whole and parsed.
+the byte offset of the first sample still wanted) and cuts the spans into reads of
+``block_bytes`` (each in pieces, retried keeping what arrived: data_pipeline.remote). Up to
+``prefetch_blocks`` reads (and the next shards' indexes) are in flight on threads while the
+worker decodes, so a request's latency is hidden behind the decoding of the blocks before it;
+what is held is bounded by those blocks plus the samples the shuffle buffer holds. A shard
+without an index is fetched whole and parsed.
 
 With a node-local cache (data_pipeline.shard_cache) each shard is fetched whole into it once,
 ahead of its turn, and then read from there like a local shard.
@@ -50,7 +51,7 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class Streaming:
-    """How a loader reads a folder at a URL: requests of ``block_mib``, up to
+    """How a loader reads a folder at a URL: reads of ``block_mib``, up to
     ``prefetch_blocks`` of them in flight per worker (the bounded buffer), samples more than
     ``gap_mib`` apart read by separate requests, :class:`Retry`'s bounds; with ``cache_dir``,
     whole shards kept there (at most ``cache_gib``, least recently used evicted) and shared
