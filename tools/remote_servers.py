@@ -273,6 +273,8 @@ class FaultProxy:
 
     def close(self):
         self.closed = True
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept (close does not)
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
 
 
