@@ -298,7 +298,8 @@ class PartialFC(nn.Module):
         they get here, as the trainer's loaders do (``data_pipeline.EpochBatches.num_classes``,
         held equal to ``num_classes`` by ``trainer.loop.build``).
         With both, a training-mode forward at ``sample_rate == 1`` reads nothing from the
-        device; at ``r < 1`` the sampler reads its number of positives (the sample's size)."""
+        device, and so does one at ``r < 1`` whose ``ceil(r * num_local)`` is at least the
+        global batch; a smaller sample reads its number of positives (the sample's size)."""
         group = self.process_group
         self._ledger.before_forward(self.weight)
         sizes = check_inputs(embeddings, labels, sizes, self.embedding_size, self.world_size,

@@ -1,14 +1,16 @@
 """Partial FC class sampling (arXiv:2203.15565 Sec. 3): per step and per rank, keep every
 positive class of the global batch and fill up with random negatives.
 
-The negatives are a uniformly random subset of the non-positive local classes, the same
-distribution as insightface's ``partial_fc_v2`` (a uniform score per class, positives forced
-to the top, ``top-k``), so the AdaCos ``B`` correction by ``(C - 1) / (S - 1)`` stays valid.
-It is drawn without touching all ``num_local`` classes: sequential rejection sampling (iid
-uniform rows, each row's first draw kept, positives skipped), vectorised in a few rounds, so
-a step costs ``O(S log S)`` for ``S`` sampled classes, not a ``randperm``/``topk`` over the
-shard. The generator is seeded from ``(seed, step, rank)`` only, so a run is reproducible and
-never depends on time or pid.
+The negatives are a uniformly random subset of the non-positive local classes, drawn as
+insightface's ``partial_fc_v2`` draws them: a uniform score per class (fp64, so ties are
+rare even at millions of classes), the positives' scores set above every other, and the
+``top-k`` rows kept, so the AdaCos ``B`` correction by ``(C - 1) / (S - 1)`` stays valid.
+The sample's size is known on the host whenever ``ceil(r * num_local)`` is at least the
+batch size (it then bounds the number of positives): the draw then reads nothing from the
+device, a fixed sequence of kernels. Otherwise it reads the number of positives once. It
+costs ``O(num_local)`` per step (a score per class: 8 bytes per row beside the row's ``D``
+weights). The generator is seeded from ``(seed, step, rank)`` only, so a run is
+reproducible and never depends on time or pid.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def sample_classes(
         labels: ``[N_global]`` int64 global labels of the whole (gathered) batch.
         class_start, num_local: this rank's contiguous class range.
         sample_rate: ``r in [0, 1]``; the sample holds ``max(ceil(r * num_local), P)``
-            classes, ``P`` the number of distinct positives this rank owns.
+            classes, ``P`` the number of distinct positives this rank owns (read from the
+            device only when ``ceil(r * num_local) < min(N_global, num_local)``: else
+            ``P <= N_global`` cannot exceed it).
         seed, step, rank: seed the negatives' generator (``derive_seed(seed, step, rank)``).
 
     Returns:
@@ -60,20 +64,15 @@ def sample_classes(
         ``-1`` where another rank owns the label.
     """
     targets = local_targets(labels, class_start, num_local)
-    positives = torch.unique(targets[targets >= 0])
-    size = max(sample_size(sample_rate, num_local), positives.numel())
+    size = sample_size(sample_rate, num_local)
+    if size < min(labels.numel(), num_local):  # the positives may outnumber it: one read
+        size = max(size, _count_positives(targets, num_local))
     if size >= num_local:
         return None, targets
     gen = torch.Generator(device=labels.device).manual_seed(derive_seed(seed, step, rank))
-    count, free = size - positives.numel(), num_local - positives.numel()
-    if 2 * count <= free:
-        negatives = _distinct_rows(count, num_local, positives, gen)
-    else:  # most rows are kept: draw the (fewer) dropped ones; the complement is as uniform
-        keep = torch.ones(num_local, dtype=torch.bool, device=labels.device)
-        keep[_distinct_rows(free - count, num_local, positives, gen)] = False
-        keep[positives] = False
-        negatives = keep.nonzero().squeeze(1)
-    index = torch.sort(torch.cat([positives, negatives])).values
+    scores = torch.rand(num_local + 1, generator=gen, device=labels.device, dtype=torch.float64)
+    scores.index_fill_(0, _owned_rows(targets, num_local), 2.0)  # above every uniform score
+    index = scores[:num_local].topk(size, sorted=False).indices.sort().values
     return index, columns_in(index, targets)
 
 
@@ -109,24 +108,13 @@ class StepSample:
         return targets if self.index is None else columns_in(self.index, targets)
 
 
-def _distinct_rows(count: int, num_local: int, excluded: Tensor, gen: torch.Generator) -> Tensor:
-    """``count`` distinct rows of ``range(num_local)`` outside the sorted ``excluded``, every
-    such subset equally likely: the distinct values of iid uniform draws in first-draw order
-    (exclusions skipped) are a uniform random permutation's prefix. Each round draws the
-    expected number of draws still needed (coupon collector over all ``num_local`` rows) plus
-    slack; O(draws log draws)."""
-    device = excluded.device
-    free = num_local - excluded.numel()
-    chosen = torch.zeros(0, dtype=torch.int64, device=device)
-    while chosen.numel() < count:
-        unseen = free - chosen.numel()
-        expected = num_local * math.log(unseen / max(unseen - (count - chosen.numel()), 0.5))
-        draws = torch.randint(num_local, (int(1.1 * expected) + 16,), generator=gen,
-                              device=device)
-        draws = draws[~torch.isin(draws, excluded)]
-        cand = torch.cat([chosen, draws])
-        uniq, inverse = torch.unique(cand, return_inverse=True)
-        first = torch.full((uniq.numel(),), cand.numel(), dtype=torch.int64, device=device)
-        first.scatter_reduce_(0, inverse, torch.arange(cand.numel(), device=device), "amin")
-        chosen = cand[first.sort().values]
-    return chosen[:count]
+def _owned_rows(targets: Tensor, num_local: int) -> Tensor:
+    """``targets`` with another rank's ``-1`` sent to the spare slot ``num_local``: an index
+    into ``num_local + 1`` entries, no data-sized selection."""
+    return torch.where(targets >= 0, targets, num_local)
+
+
+def _count_positives(targets: Tensor, num_local: int) -> int:
+    """The number of distinct local classes among ``targets`` (reads the host once)."""
+    seen = torch.zeros(num_local + 1, dtype=torch.bool, device=targets.device)
+    return int(seen.index_fill_(0, _owned_rows(targets, num_local), True)[:num_local].sum())
