@@ -8,7 +8,8 @@ Both heads run in the same freshly spawned process group (gloo on CPU, NCCL on C
 per rank), on the same weight shard (``C/P`` rows per rank, the same sampled rows at ``r<1``)
 and the same batches:
 
-- ``ours``: ``partial_fc.PartialFC``;
+- ``ours``: ``partial_fc.PartialFC``, called as the trainer calls it (every rank's batch size
+  and ``trusted_labels`` given: no metadata all-gather, no label range check);
 - ``textbook``: the sharded head as a careful user writes it with autograd (insightface's
   ``PartialFC_V2`` structure): all-gather the normalised embeddings, full ``[N, C/P]`` cosines
   per rank, the margin on the target entries, and a sharded cross entropy (all-reduce MAX of
@@ -36,6 +37,9 @@ forward + backward, the two heads interleaved step by step so machine load hits 
 per step the slowest rank counts. Printed: median and [min, max] over ``--steps`` steps, the
 median of the per-step ratio ours / textbook (robust to load that drifts between steps), the
 spread of the per-rank extra peaks, and classes per GB = ``C/P`` over (weight + extra peak).
+Host reads: the reads of device values by the host in one step of each head (after its
+warm-up), counted as ``tests/host_reads.py`` counts them (``TorchFunctionMode``; on CPU too):
+on a GPU each one stalls the launch queue until the device drains.
 Prints figures, asserts nothing; not run by the test suite.
 """
 
@@ -46,7 +50,9 @@ import ctypes
 import gc
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,6 +67,7 @@ from partial_fc.tiles import KERNELS
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TESTS = Path(__file__).resolve().parent.parent / "tests"  # host_reads.py: the tests' counter
 
 
 def _free_port() -> int:
@@ -219,10 +226,10 @@ class _Memory:
         raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def _step(head, emb, labels, amp) -> None:
+def _step(head, emb, labels, amp, **known) -> None:
     x = emb.detach().requires_grad_()
     with torch.autocast(**amp):
-        loss = head(x, labels.clone())  # insightface's head writes into its labels
+        loss = head(x, labels.clone(), **known)  # insightface's head writes into its labels
     loss.backward()
 
 
@@ -248,6 +255,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
         backend = "gloo"
     memory, clock = _Memory(device), _Clock(device)
+    sys.path.insert(0, str(TESTS))
+    from host_reads import HostReads
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.ranks)
     margin = build_margin(dict(type=args.margin, s=args.scale))
@@ -263,34 +272,44 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                 torch.randint(0, args.classes, (args.batch,), device=device, generator=gen))
                for _ in range(2)]
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
-    result = {"mem": {}, "ms": {name: [] for name in heads}}
+    result = {"mem": {}, "ms": {name: [] for name in heads}, "reads": {}}
+    known = {"ours": dict(sizes=[args.batch] * args.ranks, trusted_labels=True)}
+
+    def step(name, i):
+        _step(heads[name], *batches[i % 2], amp, **known.get(name, {}))
 
     def prepare(name, i):
-        """The textbook reuses the rows ours samples (ours runs first); no gradient alive."""
+        """The textbook reuses the rows ours samples (ours runs first); no gradient alive;
+        ours's rows popped, as a training loop pops them for its optimizer every step."""
+        ours.pop_sampled_rows()
         if name == "textbook":
-            _step(ours, *batches[i % 2], amp)
+            step("ours", i)
         for head in heads.values():
             head.weight.grad = None
 
     for name in heads:
         prepare(name, 0)
-        _step(heads[name], *batches[0], amp)  # warm up
+        step(name, 0)  # warm up
         for note in ours.take_notes() if name == "ours" and rank == 0 else []:
             print(note, flush=True)  # e.g. the kernels' configuration and where it came from
         peaks = []
         for i in range(args.mem_steps):
             prepare(name, i)
             memory.start()
-            _step(heads[name], *batches[i % 2], amp)
+            step(name, i)
             peaks.append(memory.stop_bytes())
         result["mem"][name] = peaks
+        prepare(name, 1)
+        with HostReads() as reads:
+            step(name, 1)
+        result["reads"][name] = len(reads)
     memory.caching_heap()
     for i in range(args.warmup + args.steps):
         for name in heads:
             prepare(name, i)
             dist.barrier()
             clock.start()
-            _step(heads[name], *batches[i % 2], amp)
+            step(name, i)
             if i >= args.warmup:
                 result["ms"][name].append(clock.stop_ms())
     sampled = sample_size(args.sample_rate, ours.num_local)
@@ -348,7 +367,7 @@ def main() -> None:
           f"max_tile_mib={args.max_tile_mib or 'default'} "
           f"steps={args.steps} (slowest rank per step; extra peak over ranks and steps)")
     print(f"{'':<9} {'fwd+bwd ms, median [min, max]':>30} {'extra peak MiB [min, max]':>28} "
-          f"{'classes/GB':>11}")
+          f"{'classes/GB':>11} {'host reads':>10}")
     for name, times in slowest.items():
         if name == "matmuls":
             print(f"{name:<9} {_fmt(times):>30}")
@@ -357,7 +376,8 @@ def main() -> None:
         per_gb = min(r["num_local"] / ((r["weight_bytes"] + max(r["mem"][name])) / 1e9)
                      for r in results)
         print(f"{name:<9} {_fmt(times):>30} {max(peaks) / 2**20:>11.1f} "
-              f"[{min(peaks) / 2**20:.1f}, {max(peaks) / 2**20:.1f}] {per_gb:>11.0f}")
+              f"[{min(peaks) / 2**20:.1f}, {max(peaks) / 2**20:.1f}] {per_gb:>11.0f} "
+              f"{max(r['reads'][name] for r in results):>10}")
     med = {name: statistics.median(times) for name, times in slowest.items()}
     peak = {name: max(p for r in results for p in r["mem"][name]) for name in results[0]["mem"]}
     for peer in peak.keys() - {"ours"}:
