@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from host_reads import HostReads
 
 from partial_fc.init import derive_seed
 from partial_fc.sampling import local_targets, sample_classes, sample_size
@@ -56,6 +57,17 @@ def test_more_positives_than_the_rate_keeps_them_all():
     labels = list(range(100, 130))  # 30 positives > ceil(0.1 * 200) = 20
     index, _ = _sample(labels)
     assert index.tolist() == list(range(30))
+
+
+@pytest.mark.parametrize(("rate", "reads"), [(0.05, 0), (0.045, 1)])  # 10 or 9 of 200 rows
+def test_a_sample_the_batch_cannot_outnumber_is_drawn_without_a_host_read(rate, reads):
+    """10 labels, all distinct positives: a sample of 10 rows holds them all without counting
+    them; a sample of 9 must count them (one read) and grows to 10."""
+    labels = [100 + 20 * k for k in range(10)]
+    with HostReads() as counted:
+        index, targets = _sample(labels, rate=rate)
+    assert len(counted) == reads, counted.table()
+    assert index.tolist() == [y - 100 for y in labels] and targets.tolist() == list(range(10))
 
 
 def test_full_sample_returns_none():
