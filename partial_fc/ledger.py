@@ -29,6 +29,7 @@ class RowLedger:
         self.rows: Tensor | None = None  # sorted unique int64; None: no forward, or all rows
         self.all_rows = False
         self.forwards = 0  # forwards since the last pop
+        self.shared = True  # every forward since the last pop recorded the same index object
         self.pops = 0
         self._backward_seen = False  # a backward reached weight.grad since the last pop
         self._hooked = None  # a weakref to the hooked weight (a strong one would keep it)
@@ -58,13 +59,14 @@ class RowLedger:
         elif self.rows is None:
             self.rows = index
         elif index is not self.rows:
-            self.rows = torch.unique(torch.cat([self.rows, index]))
+            self.rows, self.shared = torch.unique(torch.cat([self.rows, index])), False
 
     def pop(self, weight: nn.Parameter) -> SampledRows:
         """The rows since the last pop, for ``head_opt.step(rows)``; the ledger
         starts empty again. After one forward ``rows.index`` is the sampler's own index."""
-        rows, every, forwards = self.rows, self.all_rows, self.forwards
+        rows, every, forwards, shared = self.rows, self.all_rows, self.forwards, self.shared
         self.rows, self.all_rows, self.forwards, self._backward_seen = None, False, 0, False
+        self.shared = True
         if self.sample_rate == 1.0 or every or (rows is not None and len(rows) == self.num_local):
             index = None
         elif rows is None:
@@ -72,7 +74,7 @@ class RowLedger:
         else:
             index = rows
         self.pops += 1
-        return SampledRows(weight, index, forwards, self.pops)
+        return SampledRows(weight, index, forwards, self.pops, shared and rows is index)
 
     def _watch(self, weight: nn.Parameter) -> None:
         """Hook ``weight`` once (a deep copy or a swapped weight gets its own hook), so that a

@@ -67,14 +67,21 @@ class _GradRows:
     accumulation drops the coalesced flag). The head's sparse gradient holds a subset of
     ``rows``, the rows its forwards used: several forwards before a step leave duplicates,
     summed here in fp32 (in their order), and a forward without backward adds rows with no
-    stored gradient, which read as 0."""
+    stored gradient, which read as 0. Finding them reads the host twice (the order check and
+    the chunks' bounds), except where ``rows`` say the forwards shared one sample
+    (``SampledRows.shared``): the gradient is then that sample's rows ``copies`` times in
+    turn, summed without a read."""
 
-    def __init__(self, grad: Tensor, rows: Tensor | None, per: int, one_forward: bool) -> None:
-        self.grad, self.where, self.order = grad, None, None
+    def __init__(self, grad: Tensor, rows: Tensor | None, per: int, one_forward: bool,
+                 shared: bool = False) -> None:
+        self.grad, self.where, self.order, self.copies = grad, None, None, 1
         if not grad.is_sparse:
             return
         index, total = grad._indices()[0], grad.shape[0] if rows is None else len(rows)
         if one_forward and len(index) == total:  # exactly ``rows``: no host read to check
+            return
+        if shared and rows is not None and total and len(index) % total == 0:
+            self.copies = len(index) // total  # ``rows`` in turn, that often: no host read
             return
         if not bool((index[1:] > index[:-1]).all()):  # duplicates: the forwards' rows in turn
             self.order = torch.argsort(index, stable=True)
@@ -90,6 +97,12 @@ class _GradRows:
         if not self.grad.is_sparse:
             return self.grad[sel]
         values = self.grad._values()
+        if self.copies > 1:  # the forwards' gradients of the same rows, summed in their order
+            copies = values.view(self.copies, -1, *values.shape[1:])[:, a:b]
+            out = copies[0].to(torch.float32, copy=True)
+            for part in copies[1:]:
+                out += part
+            return out
         if self.where is None:  # the same rows (one forward per step): no copy
             return values[a:b]
         lo, hi = self.bounds[a // per], self.bounds[a // per + 1]
@@ -171,7 +184,7 @@ class _SampledOptimizer(torch.optim.Optimizer):
                     continue
                 per = rows_per_chunk(self.max_update_bytes, p[0].numel(), self.temporaries())
                 total = p.shape[0] if index is None else len(index)
-                grad = _GradRows(p.grad, index, per, rows.forwards == 1)
+                grad = _GradRows(p.grad, index, per, rows.forwards == 1, rows.shared)
                 for a in range(0, total, per):
                     b = min(a + per, total)
                     sel = slice(a, b) if index is None else index[a:b]

@@ -23,13 +23,18 @@ class SampledRows:
     (always so at ``sample_rate == 1``); empty = no forward. ``forwards``: how many forwards
     they came from; with one, a row-sparse gradient holding ``len(index)`` rows holds exactly
     these, in this order, which the optimizer then need not check on the host. ``pop``: the
-    head's pop counter (1, 2, ...).
+    head's pop counter (1, 2, ...). ``shared``: every forward used this very ``index`` (a
+    ``begin_step`` sample shared by the step's micro-batches), so the head's row-sparse
+    gradient holds ``m <= forwards`` copies of it in turn (autograd's accumulation
+    concatenates them; the CPU's merges them into one), which the optimizer need not check
+    on the host either.
     """
 
     weight: Tensor
     index: Tensor | None
     forwards: int
     pop: int
+    shared: bool = False
 
     @property
     def empty(self) -> bool:

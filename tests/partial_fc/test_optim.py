@@ -1,8 +1,11 @@
 """partial_fc.optim: equal to torch's SGD/AdamW when all rows are sampled; unsampled rows
 and their state untouched; per-row Adam step counts; LR schedulers; state_dict."""
 
+import dataclasses
+
 import pytest
 import torch
+from host_reads import HostReads
 
 from partial_fc import PartialFC, SampledAdamW, SampledSGD, build_margin
 
@@ -343,3 +346,40 @@ def test_fused_whole_weight_sgd_is_bit_identical_to_the_chunked_update(
     (w_fused, buf_fused), (w_chunked, buf_chunked) = runs
     assert torch.equal(w_fused, w_chunked) and torch.equal(buf_fused, buf_chunked)
     assert not torch.equal(w_fused, _head(rate).weight.to(dtype))  # the steps moved it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make", [_sgd, _adamw])
+def test_micro_batches_sharing_a_sample_step_without_a_host_read(make, dtype):
+    """Three forwards of one ``begin_step`` sample, two backpropagated: their gradients,
+    concatenated as CUDA's accumulation leaves them, update the rows with no host read and
+    bit for bit as the checked path (sort, sum in fp32 in turn) does."""
+    heads = [PartialFC(8, 40, build_margin(dict(type="cosface", s=16.0, m=0.2)),
+                       sample_rate=0.25, seed=3, state_dtype=dtype) for _ in range(2)]
+    batches = [_batch(step) for step in range(3)]
+    head = heads[0]
+    head.begin_step(torch.cat([y for _, y in batches]), sizes=[18])
+    grads = []
+    for i, (emb, labels) in enumerate(batches):
+        loss = head(emb, labels, sizes=[6])
+        if i < 2:
+            head.weight.grad = None
+            loss.backward()
+            grads.append(head.weight.grad)
+    rows = head.pop_sampled_rows()
+    assert rows.shared and rows.forwards == 3 and grads[0]._indices().equal(rows.index[None])
+    concatenated = torch.sparse_coo_tensor(
+        torch.cat([g._indices() for g in grads], dim=1),
+        torch.cat([g._values() for g in grads]), head.weight.shape, check_invariants=False)
+    before = heads[1].weight.detach().clone()
+    opts, reads = [make(h) for h in heads], []
+    for h, opt, shared in zip(heads, opts, (True, False), strict=True):
+        h.weight.grad = concatenated
+        with HostReads() as counted:
+            opt.step(dataclasses.replace(rows, weight=h.weight, shared=shared))
+        reads.append(len(counted))
+    assert reads[0] == 0 < reads[1]
+    assert torch.equal(heads[0].weight, heads[1].weight)
+    assert not torch.equal(heads[0].weight[rows.index], before[rows.index])
+    for key, value in opts[0].state[heads[0].weight].items():
+        assert torch.equal(value, opts[1].state[heads[1].weight][key]), key
