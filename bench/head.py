@@ -22,7 +22,9 @@ and the same batches:
   ``.cuda()`` calls are made no-ops in this process; its embedding gradient carries the world
   size factor its ``AllGatherFunc`` adds, which costs nothing;
 - ``matmuls``: only the three matmuls of a step at this rank's shapes (``E W^T``, ``G W``,
-  ``G^T E``; ``N`` global rows, ``S`` sampled classes), the floor any head pays.
+  ``G^T E``; ``N`` global rows, ``S`` sampled classes), the floor any head pays;
+- ``sampler`` (``r<1``): only ours's class sampling of a step (``sample_classes`` on the
+  global batch's labels), a part of ours's time.
 
 Memory (measured first, one step at a time): the extra peak of a forward + backward over what
 was alive before it (weights, batch), weight gradient included. CUDA: ``max_memory_allocated``
@@ -62,7 +64,7 @@ import torch.nn.functional as F
 from partial_fc import PartialFC, build_margin
 from partial_fc import distributed as dist_ops
 from partial_fc.margins.registry import MARGIN_TYPES
-from partial_fc.sampling import local_targets, sample_size
+from partial_fc.sampling import local_targets, sample_classes, sample_size
 from partial_fc.tiles import KERNELS
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
@@ -245,6 +247,16 @@ def _matmuls(n: int, s: int, d: int, device, dtype, clock: _Clock, steps: int) -
     return out[1:]
 
 
+def _sampler(ours: PartialFC, labels: torch.Tensor, clock: _Clock, steps: int) -> list[float]:
+    out = []
+    for step in range(steps + 1):
+        clock.start()
+        sample_classes(labels, ours.class_start, ours.num_local, ours.sample_rate, ours.seed,
+                       step, ours.rank)
+        out.append(clock.stop_ms())
+    return out[1:]
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -316,6 +328,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     dtype = torch.bfloat16 if args.amp == "bf16" else torch.float32
     result["ms"]["matmuls"] = _matmuls(args.batch * args.ranks, sampled, args.dim, device,
                                        dtype, clock, args.steps)
+    if args.sample_rate < 1:
+        labels = dist_ops.all_gather(batches[0][1], ours.process_group)
+        result["ms"]["sampler"] = _sampler(ours, labels, clock, args.steps)
     result["weight_bytes"] = ours.weight.numel() * ours.weight.element_size()
     result["num_local"] = ours.num_local
     queue.put((rank, result))
@@ -369,7 +384,7 @@ def main() -> None:
     print(f"{'':<9} {'fwd+bwd ms, median [min, max]':>30} {'extra peak MiB [min, max]':>28} "
           f"{'classes/GB':>11} {'host reads':>10}")
     for name, times in slowest.items():
-        if name == "matmuls":
+        if name in ("matmuls", "sampler"):
             print(f"{name:<9} {_fmt(times):>30}")
             continue
         peaks = [p for r in results for p in r["mem"][name]]
