@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline.store import StorageError, local_path
     from launch.rendezvous import complete as complete_rendezvous
     from trainer.errors import EXIT_STATUS
-    from trainer.run_lock import open_lock
+    from trainer.folder_lock import open_lock
 
     parser = get_args_parser()
     parser.prog = "python -m launch.torchrun"

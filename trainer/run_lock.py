@@ -31,16 +31,11 @@ import fcntl
 import json
 import os
 import socket
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
-from trainer.dist import DistEnv
 from trainer.errors import Refused
 from trainer.stopping import StopReason, StopRequests
 
@@ -211,51 +206,6 @@ class RunLock:
                 os.ftruncate(self._fd, 0)
         os.close(self._fd)
         self._fd = None
-
-
-def open_lock(location: str, stops: StopRequests | None = None):
-    """The lock of the run folder ``location``: a :class:`RunLock` on a local (or shared)
-    folder, a lease in the store for a URL (``trainer.store_lock.StoreLock``)."""
-    from data_pipeline.store import in_store, local_path, open_store
-
-    if not in_store(location):
-        return RunLock(local_path(location), stops=stops)
-    from trainer.store_lock import StoreLock
-
-    return StoreLock(open_store(location), stops=stops)
-
-
-@contextlib.contextmanager
-def run_folder_lock(location: str, run_dir: Path, env: DistEnv, stops: StopRequests,
-                    held: bool = True) -> Iterator[None]:
-    """Collective: rank 0 holds the lock of the run folder ``location`` (``run_dir`` on this
-    machine) for the block (a takeover asks ``stops``, the run's, to stop; ``held=False``:
-    no lock, ``output_lock=false``). Every rank learns the outcome, so a refusal ends every
-    rank with the same :class:`~trainer.errors.Refused` (rank 0 prints it) before anything in
-    the folder is read; a takeover is said by rank 0."""
-    from trainer.store_lock import LeaseRefused
-    from trainer.telemetry.console import append_log
-
-    lock = None
-    answer: list = [None, None]  # [refusal, takeover line]
-    if env.is_main and held:
-        try:
-            lock = open_lock(location, stops)
-            answer[1] = lock.acquire()
-        except (RunFolderInUse, LeaseRefused) as err:
-            answer[0] = err
-    if env.world_size > 1:
-        dist.broadcast_object_list(answer, src=0, group=env.group)
-    if answer[0] is not None:
-        raise answer[0]
-    if lock is not None and answer[1] is not None:
-        print(answer[1], file=sys.stderr, flush=True)
-        append_log(run_dir, answer[1])
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _read(fd: int) -> Lease | None:
