@@ -56,6 +56,6 @@ def select(kernel: str, device: torch.device, max_tile_bytes: int) -> TileBacken
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
     if kernel == "triton" or (kernel == "auto" and device.type == "cuda" and triton_available()):
-        from partial_fc.tiles import triton  # optional dependency, CUDA only
-        return triton
+        from partial_fc.tiles import autotune  # triton: an optional dependency, CUDA only
+        return autotune.TUNED
     return ReferenceTiles(max_tile_bytes)

@@ -1,6 +1,7 @@
 """Which launch configuration the head's kernels run with on a GPU, and the tuning that decides it.
 
-``TUNER.tiles(e, w)`` is what ``partial_fc.tiles.triton`` launches with: for a CUDA device the
+``TUNED`` is the back-end ``partial_fc.tiles.select`` gives a head on a GPU: each call runs
+``TUNER.tiles(e, w)`` on its engine (:func:`engine`). ``TUNER.tiles`` is, for a CUDA device, the
 choice (``partial_fc.tiles.tuning.Choice``: the engine, Triton GEMMs or cuBLAS matmuls with
 Triton epilogues, and the tiles) for its name and the step's shape bucket, looked up once per
 process in the committed table, then in the user's cache (a choice found there is checked
@@ -29,12 +30,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from partial_fc.tiles import ReferenceTiles, tuning
+from partial_fc.tiles import ReferenceTiles, cublas, tuning
 from partial_fc.tiles import triton as tm
 from partial_fc.tiles.selfcheck import normwise, tolerance
 
-__all__ = ["COLUMNS", "MIN_WORK", "REPEATS", "TUNER", "Trial", "Tuner", "as_tiles", "describe",
-           "measure"]
+__all__ = ["COLUMNS", "MIN_WORK", "REPEATS", "TUNED", "TUNER", "Trial", "TunedKernels", "Tuner",
+           "as_tiles", "describe", "engine", "measure"]
 
 COLUMNS = 1 << 16
 """Classes a tuning runs on: a few ms a candidate at N = 1024, and its transient memory (the
@@ -53,6 +54,12 @@ def as_tiles(choice: tuning.Choice, sms: int) -> tm.Tiles:
     return tm.Tiles(choice.rows, choice.cols, choice.depth, choice.gemm, choice.num_warps,
                     choice.num_stages, programs=choice.programs_per_sm * sms,
                     buffer_bytes=tm.cuda_tiles(sms).buffer_bytes, engine=choice.engine)
+
+
+def engine(tiles: tm.Tiles):
+    """The module that runs ``tiles``: ``partial_fc.tiles.cublas`` (torch matmuls per chunk,
+    Triton epilogues) or ``partial_fc.tiles.triton`` (Triton GEMMs); the same signatures."""
+    return cublas if tiles.engine == "cublas" else tm
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,10 @@ def measure(e: Tensor, w: Tensor, device: tuning.Device,
             tiles = as_tiles(choice, device.sms)
 
             def run(tiles: tm.Tiles = tiles) -> tuple[Tensor, ...]:
-                m, s, c = tm.class_tile_stats(e, w, inv, targets, SCALE, tiles=tiles)
+                kernels = engine(tiles)
+                m, s, c = kernels.class_tile_stats(e, w, inv, targets, SCALE, tiles=tiles)
                 return (m + torch.log(s), c,
-                        *tm.class_tile_grads(e, w, inv, targets, SCALE, *back, tiles=tiles))
+                        *kernels.class_tile_grads(e, w, inv, targets, SCALE, *back, tiles=tiles))
 
             try:
                 got = run()
@@ -194,3 +202,30 @@ class Tuner:
 
 TUNER = Tuner()
 """The process's tuner, which ``partial_fc.tiles.triton`` asks."""
+
+
+class TunedKernels:
+    """The kernels' back-end (``partial_fc.tiles.TileBackend``): each call takes the
+    configuration the process's :data:`TUNER` (read at the call) chose for its device and
+    shape (the interpreter's tiles off a GPU) and runs it on that configuration's engine."""
+
+    def _tiles(self, e: Tensor, w: Tensor) -> tm.Tiles:
+        return TUNER.tiles(e, w) or tm.default_tiles(e)
+
+    def class_tile_stats(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                         s: Tensor | float, nontarget=None) -> tuple[Tensor, Tensor, Tensor]:
+        """``partial_fc.tiles.triton.class_tile_stats`` with the tuned configuration."""
+        tiles = self._tiles(e, w)
+        return engine(tiles).class_tile_stats(e, w, inv_norm, target_col, s, nontarget,
+                                              tiles=tiles)
+
+    def class_tile_grads(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                         s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+                         nontarget=None) -> tuple[Tensor, Tensor]:
+        """``partial_fc.tiles.triton.class_tile_grads`` with the tuned configuration."""
+        tiles = self._tiles(e, w)
+        return engine(tiles).class_tile_grads(e, w, inv_norm, target_col, s, lse, coef,
+                                              target_grad, nontarget, tiles=tiles)
+
+
+TUNED = TunedKernels()

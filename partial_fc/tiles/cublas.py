@@ -120,11 +120,13 @@ def _merge(parts: Tensor, tiles: int) -> None:
     parts[0, 0] = row_max
 
 
-def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, scale: Tensor,
-                     nontarget: NonTarget | None, t: tm.Tiles, consts: dict
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """``partial_fc.tiles.triton.class_tile_stats`` on this engine, from its prepared
-    arguments (contiguous tensors, ``scale`` a 1-element fp32 tensor)."""
+def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                     s: Tensor | float, nontarget: NonTarget | None = None,
+                     tiles: tm.Tiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``partial_fc.tiles.triton.class_tile_stats`` on this engine (its arguments and
+    checks; ``tiles`` sets the epilogues' tiles and the chunk budget)."""
+    (e, w, inv_norm, target_col), scale, _, _ = tm._prepare(e, w, inv_norm, target_col, s, {})
+    t = tiles or tm.default_tiles(e)
     (hard_above, t_hard, tau), transform = tm._transform(nontarget, e, scale)
     n, s_cols = e.shape[0], w.shape[0]
     op = _operand_dtype(e, w)
@@ -149,12 +151,16 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     return row_max, row_sum, cos_sum
 
 
-def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor, scale: Tensor,
-                     lse: Tensor, coef: Tensor, target_grad: Tensor,
-                     nontarget: NonTarget | None, t: tm.Tiles, op: torch.dtype, consts: dict
+def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
+                     s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+                     nontarget: NonTarget | None = None, tiles: tm.Tiles | None = None
                      ) -> tuple[Tensor, Tensor]:
-    """``partial_fc.tiles.triton.class_tile_grads`` on this engine, from its prepared
-    arguments; ``op`` the operand dtype, ``consts`` its constexprs (``operand_constexprs``)."""
+    """``partial_fc.tiles.triton.class_tile_grads`` on this engine (its arguments and
+    checks; ``tiles`` as in :func:`class_tile_stats`)."""
+    extra = {"lse": lse, "coef": coef, "target_grad": target_grad}
+    tensors, scale, op, consts = tm._prepare(e, w, inv_norm, target_col, s, extra)
+    e, w, inv_norm, target_col, lse, coef, target_grad = tensors
+    t = tiles or tm.default_tiles(e)
     (hard_above, t_hard, tau), transform = tm._transform(nontarget, e, scale)
     (n, d), s_cols = e.shape, w.shape[0]
     width_max = min(s_cols, t.chunk_width(n, 4 + op.itemsize))  # X and G'

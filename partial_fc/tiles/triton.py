@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from partial_fc.nontarget import NonTarget
+from partial_fc.tiles import tuning
 
 try:
     import triton
@@ -59,7 +60,8 @@ except ImportError as err:  # triton ships with CUDA builds of torch, not with C
         "class-tile path of partial_fc.tiles.reference"
     ) from err
 
-__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "nontarget_constexprs",
+__all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "default_tiles",
+           "nontarget_constexprs",
            "operand_constexprs"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -306,12 +308,11 @@ INTERPRETER_TILES = Tiles(16, 16, 16, 16, num_warps=1, num_stages=1, programs=4,
 splits."""
 
 
-def _tiles(e: Tensor, w: Tensor) -> Tiles:
-    """The configuration measured fastest for this device and shape on a GPU (``partial_fc.
-    tiles.autotune``: the committed table, the user's cache, or a tuning at first use)."""
-    from partial_fc.tiles import autotune  # it imports this module
-
-    return autotune.TUNER.tiles(e, w) or INTERPRETER_TILES
+def default_tiles(e: Tensor) -> Tiles:
+    """The configuration chosen before any measurement: :func:`cuda_tiles` on a GPU, the
+    interpreter's small tiles off one (``partial_fc.tiles.autotune`` supplies the tuned one)."""
+    device = tuning.device_info(e.device)
+    return INTERPRETER_TILES if device is None else cuda_tiles(device.sms)
 
 
 def _splits(parallel: int, items: int, block: int, programs: int) -> tuple[int, int]:
@@ -431,7 +432,9 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         nontarget: ``f``: None (the identity) or the step's non-target transform
             (``partial_fc.nontarget``, any of its parts: :func:`_nontarget`); its
             ``hard_rows``, when given, gets each row's count of hard negatives added.
-        tiles: the launch configuration; None: the one tuned for this device and shape.
+        tiles: the launch configuration, the Triton GEMMs' (a ``"cublas"`` engine runs
+            ``partial_fc.tiles.cublas`` instead: ``autotune.TUNED`` picks); None: the
+            untuned :func:`default_tiles`.
 
     Returns:
         ``row_max [N]`` fp32 ``max_k s f(cos_ik)`` (``-inf`` if the row has no non-target
@@ -441,11 +444,7 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     (e, w, inv_norm, target_col), scale, _, consts = _prepare(e, w, inv_norm, target_col, s, {})
     (hard_above, t_hard, tau), transform = _transform(nontarget, e, scale)
     (n, d), s_cols = e.shape, w.shape[0]
-    t = tiles or _tiles(e, w)
-    if t.engine == "cublas":
-        from partial_fc.tiles import cublas  # it imports this module
-
-        return cublas.class_tile_stats(e, w, inv_norm, target_col, scale, nontarget, t, consts)
+    t = tiles or default_tiles(e)
     row_blocks = triton.cdiv(n, t.rows)
     splits, per = _splits(row_blocks, s_cols, t.cols, t.programs)
     parts = torch.empty(3 + transform["HARD"], splits, n, dtype=torch.float32, device=e.device)
@@ -492,12 +491,7 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
     e, w, inv_norm, target_col, lse, coef, target_grad = tensors
     (hard_above, t_hard, tau), transform = _transform(nontarget, e, scale)
     (n, d), s_cols = e.shape, w.shape[0]
-    t = tiles or _tiles(e, w)
-    if t.engine == "cublas":
-        from partial_fc.tiles import cublas  # it imports this module
-
-        return cublas.class_tile_grads(e, w, inv_norm, target_col, scale, lse, coef,
-                                       target_grad, nontarget, t, op, consts)
+    t = tiles or default_tiles(e)
     row_blocks = triton.cdiv(n, t.rows)
     width_max = min(s_cols, t.chunk_width(n, op.itemsize))
     buffer = torch.empty(n, width_max, dtype=op, device=e.device)  # G' of one chunk

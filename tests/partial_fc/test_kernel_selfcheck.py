@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # must precede the first import of triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 tm = pytest.importorskip("partial_fc.tiles.triton",
                          reason="triton is not installed (pip install triton)")
+from partial_fc.tiles import autotune  # noqa: E402 - after the interpreter is chosen
 
 C, D, N = 40, 16, 12
 ARC = dict(type="arcface", s=16.0, m=0.5)
@@ -55,8 +56,8 @@ def auto_picks_triton(monkeypatch):
 def _corrupt_grad_w(monkeypatch, factor=1.5):
     real = tm.class_tile_grads
 
-    def wrong(*args):
-        grad_e, grad_w = real(*args)
+    def wrong(*args, **kw):
+        grad_e, grad_w = real(*args, **kw)
         return grad_e, grad_w * factor
 
     monkeypatch.setattr(tm, "class_tile_grads", wrong)
@@ -68,7 +69,7 @@ def test_honest_kernels_pass_and_keep_running(margin):
     head = _head("triton", margin)
     got = _step(head)
     assert head.take_notes() == []
-    assert head.tiles.for_device(torch.device("cpu")) is tm  # still the kernels
+    assert head.tiles.for_device(torch.device("cpu")) is autotune.TUNED  # still the kernels
     want = _step(_head("torch", margin))
     assert got[0] == pytest.approx(want[0], rel=1e-5)
     for a, b in zip(got[1:], want[1:], strict=True):
@@ -101,8 +102,8 @@ def test_a_transform_variant_is_checked_at_its_first_use(monkeypatch, auto_picks
     with the torch path and says so once; the plain and the transform checks run once each."""
     real = tm.class_tile_stats
 
-    def miscounts(*args, nontarget=None):
-        out = real(*args, nontarget=nontarget)
+    def miscounts(*args, nontarget=None, **kw):
+        out = real(*args, nontarget=nontarget, **kw)
         if nontarget is not None and nontarget.hard_rows is not None:
             nontarget.hard_rows.add_(1.0)
         return out
@@ -169,7 +170,7 @@ def _one_rank_corrupted(rank: int, world: int, kernel: str) -> dict:
 
     if rank == 1:
         real = kernels.class_tile_grads
-        kernels.class_tile_grads = lambda *a: (real(*a)[0] * 2.0, real(*a)[1])
+        kernels.class_tile_grads = lambda *a, **kw: (real(*a, **kw)[0] * 2.0, real(*a, **kw)[1])
     emb, labels = _batch()
     head = PartialFC(D, C, build_margin(ARC), kernel=kernel)
     mine = slice(rank * N // world, (rank + 1) * N // world)

@@ -109,7 +109,7 @@ def test_a_device_in_the_table_runs_its_choice_untuned(fake_gpu, measured, monke
     shape = tuning.Shape.of(N, S, D, e.dtype, w.dtype)
     tuner = autotune.Tuner(_table(tmp_path / "tuned.json", choice, shape))
     monkeypatch.setattr(autotune, "TUNER", tuner)
-    got = tm.class_tile_stats(e, w, inv, tgt, 16.0)  # through the kernels' own lookup
+    got = autotune.TUNED.class_tile_stats(e, w, inv, tgt, 16.0)  # the head's back-end
     assert measured == [([choice], False)]  # checked here, not tuned
     want = ReferenceTiles(1 << 20).class_tile_stats(e, w, inv, tgt, 16.0)
     assert all(normwise(a, b) < 1e-5 for a, b in zip(got, want, strict=True))
@@ -217,21 +217,22 @@ def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
                         "bf16 e, fp32 w": (torch.bfloat16, torch.float32)}[operands]
     e, w, inv, tgt = _inputs(e_dtype, w_dtype, n=13, s_cols=40)
     engine = tm.Tiles(16, 16, 16, 16, 1, 1, programs=4, buffer_bytes=1664, engine="cublas")
+    cublas = autotune.engine(engine)
     for part in (False, True):
         def transform(part: bool = part) -> NonTarget | None:  # a fresh hard-negative count
             return NonTarget(hard_above=torch.full((13,), 0.5, device=DEVICE),
                              t=torch.tensor(0.3), tau=0.9, clamp=1e-3,
                              hard_rows=torch.zeros(13, device=DEVICE)) if part else None
         got, want, ref = transform(), transform(), transform()
-        stats = [tm.class_tile_stats(e, w, inv, tgt, 16.0, nontarget=got, tiles=engine),
+        stats = [cublas.class_tile_stats(e, w, inv, tgt, 16.0, nontarget=got, tiles=engine),
                  tm.class_tile_stats(e, w, inv, tgt, 16.0, nontarget=want),
                  ReferenceTiles(4 * 13 * 7).class_tile_stats(e, w, inv, tgt, 16.0, ref)]
         for a, b in zip(stats[0], stats[1], strict=True):
             assert normwise(a, b) < 1e-5
         if not part:  # the head calls the tiles inside autocast: the matmuls must not see it
             with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-                within = tm.class_tile_stats(e, w.float(), inv, tgt, 16.0, tiles=engine)
-            alone = tm.class_tile_stats(e, w.float(), inv, tgt, 16.0, tiles=engine)
+                within = cublas.class_tile_stats(e, w.float(), inv, tgt, 16.0, tiles=engine)
+            alone = cublas.class_tile_stats(e, w.float(), inv, tgt, 16.0, tiles=engine)
             assert all(torch.equal(a, b) for a, b in zip(within, alone, strict=True))
         assert all(normwise(a, b) < 1e-5 for a, b in zip(stats[0], stats[2], strict=True))
         if part:
@@ -241,7 +242,7 @@ def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
         lse = torch.logaddexp(row_max + torch.log(row_sum), torch.zeros_like(row_max))
         coef = torch.full_like(lse, 16.0 / 13)
         back = (lse, coef, torch.where(tgt >= 0, -coef, 0.0))
-        grads = [tm.class_tile_grads(e, w, inv, tgt, 16.0, *back, transform(), tiles=engine),
+        grads = [cublas.class_tile_grads(e, w, inv, tgt, 16.0, *back, transform(), tiles=engine),
                  tm.class_tile_grads(e, w, inv, tgt, 16.0, *back, transform()),
                  ReferenceTiles(4 * 13 * 7).class_tile_grads(e, w, inv, tgt, 16.0, *back,
                                                              transform())]

@@ -285,12 +285,12 @@ def test_head_picks_the_triton_tiles_on_cuda(monkeypatch):
     from partial_fc import PartialFC, build_margin, tiles
 
     pytest.importorskip("triton")
-    from partial_fc.tiles import triton
+    from partial_fc.tiles import autotune
 
     monkeypatch.setattr(tiles, "triton_available", lambda: True)
     pfc = PartialFC(8, 10, build_margin({"type": "arcface"}), kernel="auto",
                     max_tile_bytes=1 << 12)
-    assert pfc.tiles.for_device(CUDA0) is triton
+    assert pfc.tiles.for_device(CUDA0) is autotune.TUNED
     assert pfc.tiles.for_device(torch.device("cpu")) == tiles.ReferenceTiles(1 << 12)
     monkeypatch.setattr(tiles, "triton_available", lambda: False)
     assert pfc.tiles.for_device(CUDA0) == tiles.ReferenceTiles(1 << 12)
