@@ -29,8 +29,9 @@ import time
 from dataclasses import asdict
 
 from data_pipeline.store import StorageError, StoreFolder
+from trainer import run_lock
 from trainer.errors import Refused
-from trainer.run_lock import HEARTBEAT_S, LOCK_FILE, STALE_S, Lease, RunFolderInUse
+from trainer.run_lock import LOCK_FILE, STALE_S, Lease, RunFolderInUse
 from trainer.stopping import StopReason, StopRequests
 
 
@@ -100,7 +101,9 @@ class StoreLock:
             return None
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        # the period read at each wait, as RunLock reads it (a module value bound at import
+        # would keep whatever it was then)
+        while not self._stop.wait(run_lock.HEARTBEAT_S):
             self.beat()
 
     def beat(self) -> bool:
