@@ -224,8 +224,11 @@ def test_checkpointing_keeps_block_inputs_instead_of_block_activations():
 
 
 # One entry of every backbone family in the table (iResNet, MobileFaceNet, ViT with its block),
-# beside iresnet_tiny and vit_t above: a few CPU-seconds. `make test-plan-full` measures them all.
-SAMPLED_ACTIVATIONS = [("iresnet50", "bf16"), ("mobilefacenet", "fp32"), ("vit_s", "bf16")]
+# beside iresnet_tiny and vit_t above: a few CPU-seconds. A bf16 iResNet is not drawn: on a CPU
+# without bf16 instructions its convolutions take ~20x fp32's (iresnet18 19 s, iresnet50 30-90 s
+# on CI's cores), and iresnet_tiny's bf16 entry above is measured on every run.
+# `make test-plan-full` measures them all.
+SAMPLED_ACTIVATIONS = [("iresnet18", "fp32"), ("mobilefacenet", "fp32"), ("vit_s", "bf16")]
 
 
 def _stale_activation_entries(keys) -> dict:
@@ -244,11 +247,12 @@ def _stale_activation_entries(keys) -> dict:
 
 @pytest.mark.slow
 def test_a_sample_of_activation_entries_matches_a_fresh_measurement():
-    """The fixed sample plus one entry drawn per run, so that every entry is re-measured now
-    and then; ``PLAN_SAMPLE_SEED`` repeats a run's draw (the seed is printed and in the
-    failure message)."""
+    """The fixed sample plus one entry drawn per run, so that every entry but the bf16
+    iResNets' is re-measured now and then; ``PLAN_SAMPLE_SEED`` repeats a run's draw (the seed
+    is printed and in the failure message)."""
     seed = int(os.environ.get("PLAN_SAMPLE_SEED") or random.SystemRandom().randrange(2**32))
-    entries = sorted(set(plan.figures().activations) - set(SAMPLED_ACTIVATIONS))
+    entries = sorted(key for key in set(plan.figures().activations) - set(SAMPLED_ACTIVATIONS)
+                     if not (key[0].startswith("iresnet") and key[1] == "bf16"))
     drawn = random.Random(seed).choice(entries)
     print(f"activation entries {SAMPLED_ACTIVATIONS} and {drawn} (PLAN_SAMPLE_SEED={seed})")
     stale = _stale_activation_entries([*SAMPLED_ACTIVATIONS, drawn])

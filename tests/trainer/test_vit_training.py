@@ -24,7 +24,7 @@ from launch_helpers import (
 )
 from spawn import run_ranks
 
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 4  # 2 images a rank: DeepSpeed bf16 runs bf16 matmuls, ~10x fp32 on an AVX2 CPU
 STEPS = 3  # the third starts from a checkpoint of the second, too
 SPECS = {  # name -> overrides; each run once without and once with checkpointing
     "ddp-fp32": ("engine.type=ddp", "engine.precision=fp32"),
