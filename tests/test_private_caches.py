@@ -35,6 +35,7 @@ def _compile(*envs: dict[str, str]) -> list[subprocess.CompletedProcess]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_truncated_kernel_in_the_default_cache_is_not_loaded(tmp_path):
     """~40 CPU-s: two cold compiles and one that fails (that one beside the second)."""
     private = dict(os.environ)  # what this test and every process it starts see

@@ -219,6 +219,7 @@ def test_make_demo_scale_passes_its_variables():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_make_demo_scale_at_a_toy_size(tmp_path):
     """`make demo-scale` end to end on CPU: four short runs, then the report's PNGs."""
     png = tmp_path / "png"

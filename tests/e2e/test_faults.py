@@ -689,6 +689,9 @@ UNIT_TWINS = {
 END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
               "kill -STOP rank 1 (2 ranks, 10 s collective timeout)",
               "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"]
+# Three launches (the unbroken run, the signalled one, its resume), ~45 CPU-s: make test-long.
+# make test keeps a signal to one rank held in step 5 (tests/e2e/test_preemption.py, rank 0).
+LONG_ROWS = {"SIGTERM to rank 1 only (2 ranks)"}
 # Rows only `make chaos` runs: the fault of an END_TO_END row on the other engine or at
 # another moment (each ~30 s; tests/trainer/test_dist.py holds the timeout of every group).
 CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",
@@ -719,7 +722,8 @@ def test_every_chaos_case_is_covered_once():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", END_TO_END)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.long)
+                                  if name in LONG_ROWS else name for name in END_TO_END])
 def test_chaos_case_holds(name, chaos_data, tmp_path):
     """``make chaos``'s rows without a unit twin: launch.train under torchrun with the fault
     injected; the row's own check decides."""

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MIN_ACCURACY_GAIN = 0.05
 MIN_AUC_GAIN = 0.03
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def _train(data: Path, run: Path) -> None:

@@ -50,7 +50,7 @@ def _finish(proc: subprocess.Popen) -> str:
 
 @pytest.mark.parametrize("engine, sig, command", [
     ("ddp", signal.SIGTERM, _launcher),
-    ("deepspeed", signal.SIGUSR1, _make_train),
+    pytest.param("deepspeed", signal.SIGUSR1, _make_train, marks=pytest.mark.long),
 ], ids=["ddp-SIGTERM-launcher", "deepspeed-SIGUSR1-make"])
 def test_job_wide_signal_saves_exits_0_and_resumes(tmp_path, engine, sig, command):
     data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"

@@ -13,7 +13,7 @@ import torch
 
 from tools.chaos import harness as chaos
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def _torchrun(data, run, max_restarts: int) -> subprocess.Popen:

@@ -135,6 +135,7 @@ def _finish(*procs: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_torchrun_one_node_and_two_node_loopback(tmp_path):
     from data_pipeline import write_synthetic_dataset
 
@@ -227,6 +228,7 @@ def test_make_recipes_pass_their_variables_to_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smoke_recipe_trains_a_vit_on_two_ranks(tmp_path):
     """``backbone.name=vit_t`` (2 blocks: the CPU budget) on the smoke recipe (DeepSpeed), 2
     torchrun ranks: the loss falls. The full-depth run is in docs/vit.md; a ViT's steps under

@@ -72,6 +72,7 @@ OTHER_OPERANDS = sorted(set(kernels_aot.OPERANDS) - set(kernels_aot.DEFAULT_OPER
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("operands", OTHER_OPERANDS)
 def test_every_other_configuration_compiles_within_shared_memory(operands):
     """fp32 and fp16 operands, on the device with the least shared memory per block: they
