@@ -35,10 +35,12 @@ def problems(root: Path) -> list[str]:
     out = []
     code = list(_files(root, CODE, (".py", ".sh")))
     docs = list(_files(root, DOCS, (".md", ".yaml", ".sh", "")))
+    this_file = Path(__file__).resolve()
     for path in code + docs:
+        is_code = path in code and path.resolve() != this_file  # once a file, not a line
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             where = f"{path.relative_to(root)}:{number}"
-            if path in code and path.resolve() != Path(__file__).resolve():
+            if is_code:
                 out += [f"{where}: an issue number in code ({m.group()!r}); say why instead"
                         for m in ISSUE.finditer(line)]
             out += [f"{where}: {m.group()} does not exist" for m in TEST_PATH.finditer(line)
