@@ -56,8 +56,8 @@ $(AZURITE): tools/azurite/package.json tools/azurite/package-lock.json
 test: setup
 	$(PY) -m pytest -n 2 --dist worksteal -q -m "not plan_full and not long"
 
-# The long end-to-end runs (15-60 CPU-s each; the marker says which): each walks a path a
-# cheaper `make test` test walks too, with more launches or a bigger model. `make test` and
+# The long tests, mostly end-to-end runs (15-60 CPU-s each; the marker says which): each walks
+# a path a cheaper `make test` test walks too, with more launches or a bigger model. `make test` and
 # they together were 13-14 minutes on the shared 2-core machine; CI runs them beside it.
 test-long: setup
 	$(PY) -m pytest -n 2 --dist worksteal -q -m long

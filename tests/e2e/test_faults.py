@@ -689,9 +689,12 @@ UNIT_TWINS = {
 END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
               "kill -STOP rank 1 (2 ranks, 10 s collective timeout)",
               "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"]
-# Three launches (the unbroken run, the signalled one, its resume), ~45 CPU-s: make test-long.
-# make test keeps a signal to one rank held in step 5 (tests/e2e/test_preemption.py, rank 0).
-LONG_ROWS = {"SIGTERM to rank 1 only (2 ranks)"}
+# make test-long: SIGTERM to rank 1, three launches (the unbroken run, the signalled one, its
+# resume), ~45 CPU-s; make test keeps a signal to one rank held in step 5 (test_preemption.py,
+# rank 0). The stop in DeepSpeed's backward, ~20 CPU-s; make test keeps kill -STOP (DDP) and
+# DeepSpeed's own group timing out (tests/trainer/test_dist.py).
+LONG_ROWS = {"SIGTERM to rank 1 only (2 ranks)",
+             "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"}
 # Rows only `make chaos` runs: the fault of an END_TO_END row on the other engine or at
 # another moment (each ~30 s; tests/trainer/test_dist.py holds the timeout of every group).
 CHAOS_ONLY = ["kill -STOP rank 1, deepspeed (2 ranks, 10 s collective timeout)",

@@ -19,6 +19,7 @@ MODEL = "resnet18"
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~19 CPU-s; make test keeps the adapter's tests (test_timm_adapter.py)
 def test_timm_backbone_trains_resumes_and_exports(synthetic_data, tmp_path):
     timm = import_timm()
     torch.manual_seed(3)
