@@ -54,6 +54,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -235,26 +236,26 @@ def _step(head, emb, labels, amp, **known) -> None:
     loss.backward()
 
 
+def _timed(clock: _Clock, steps: int, work: Callable[[int], object]) -> list[float]:
+    """The ms of ``work(step)`` for ``steps`` steps after one untimed warm-up call."""
+    out = []
+    for step in range(steps + 1):
+        clock.start()
+        work(step)
+        out.append(clock.stop_ms())
+    return out[1:]
+
+
 def _matmuls(n: int, s: int, d: int, device, dtype, clock: _Clock, steps: int) -> list[float]:
     e, g = (torch.randn(n, d, device=device, dtype=dtype),
             torch.randn(n, s, device=device, dtype=dtype))
     w = torch.randn(s, d, device=device, dtype=dtype)
-    out = []
-    for _ in range(steps + 1):
-        clock.start()
-        _ = e @ w.t(), g @ w, g.t() @ e
-        out.append(clock.stop_ms())
-    return out[1:]
+    return _timed(clock, steps, lambda _: (e @ w.t(), g @ w, g.t() @ e))
 
 
 def _sampler(ours: PartialFC, labels: torch.Tensor, clock: _Clock, steps: int) -> list[float]:
-    out = []
-    for step in range(steps + 1):
-        clock.start()
-        sample_classes(labels, ours.class_start, ours.num_local, ours.sample_rate, ours.seed,
-                       step, ours.rank)
-        out.append(clock.stop_ms())
-    return out[1:]
+    return _timed(clock, steps, lambda step: sample_classes(
+        labels, ours.class_start, ours.num_local, ours.sample_rate, ours.seed, step, ours.rank))
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
