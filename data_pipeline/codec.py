@@ -10,11 +10,20 @@ Size policy: converters store `size`x`size` images (`prepare_jpeg`: JPEGs alread
 are kept byte for byte, anything else is decoded, stretched to the square with bilinear
 filtering and re-encoded at quality 95). The decoder stretches any image that is still not
 `size`x`size` (shards written with `--size 0`), so the loader always yields 112x112.
+
+Pixel limit: an image's header is read before its pixels (simplejpeg's
+``decode_jpeg_header``, PIL's lazy ``open``), and one that claims more than ``max_pixels``
+(:data:`MAX_PIXELS` by default; ``launch.convert --max-pixels``) is a
+:class:`CorruptImageError` before anything is allocated for it: a 600-byte JPEG whose frame
+header claims 60000x60000 cost the loader 10.5 GB and half a minute before it was called
+corrupt. The converters decode large JPEGs scaled down in libjpeg (PIL's ``draft``: DCT
+scaling to the smallest of 1/2, 1/4, 1/8 that still covers ``size``), which is also faster.
 """
 
 from __future__ import annotations
 
 import io
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -29,24 +38,41 @@ except ImportError:  # optional speed-up; PIL decodes everything too
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 JPEG_QUALITY = 95
+MAX_PIXELS = 50_000_000
+"""Default pixel limit (width x height as the header states it): no face crop or source
+photo reaches it (a 50 MP camera's frame is 8192 x 6144); the loader and the evaluation readers
+use it, the converters take ``--max-pixels``."""
 
 
 def is_jpeg(data: bytes) -> bool:
     return data[:3] == JPEG_MAGIC
 
 
-def _decode_pil(data: bytes) -> np.ndarray:
+def check_pixels(width: int, height: int, max_pixels: int) -> None:
+    """CorruptImageError when a header's ``width`` x ``height`` exceeds ``max_pixels``."""
+    if width * height > max_pixels:
+        raise CorruptImageError(f"header claims {width}x{height} pixels, over the limit of "
+                                f"{max_pixels} (refused before decoding)")
+
+
+def _decode_pil(data: bytes, max_pixels: int) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as im:
+        check_pixels(*im.size, max_pixels)
         return np.asarray(im.convert("RGB"))
 
 
-def _decode_simplejpeg(data: bytes) -> np.ndarray:
+def _decode_simplejpeg(data: bytes, max_pixels: int) -> np.ndarray:
     if not is_jpeg(data):
-        return _decode_pil(data)
+        return _decode_pil(data, max_pixels)
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    check_pixels(width, height, max_pixels)
     return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
 
 
 DECODERS = {"pil": _decode_pil, "simplejpeg": _decode_simplejpeg}
+# What a decoder raises for bytes it cannot decode (PIL's plugins raise the last three too)
+UNDECODABLE = (ValueError, OSError, SyntaxError, Image.DecompressionBombError, EOFError,
+               IndexError, struct.error)
 
 
 def read_image_file(path: Path, what: str) -> bytes:
@@ -75,24 +101,34 @@ def resize_square(image: np.ndarray, size: int) -> np.ndarray:
     return np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
 
 
-def decode_image(data: bytes, size: int = 112, decoder: str = "auto") -> np.ndarray:
-    """Encoded bytes -> uint8 RGB array [size, size, 3]; CorruptImageError if undecodable.
+def decode_rgb(data: bytes, decoder: str = "auto", max_pixels: int = MAX_PIXELS
+               ) -> np.ndarray:
+    """Encoded bytes -> uint8 RGB array [H, W, 3] as stored; CorruptImageError if
+    undecodable or larger than ``max_pixels``.
 
     decoder: a name from DECODERS, or "auto" (resolved per call: hot loops pass a name).
     """
     if decoder not in DECODERS:
         decoder = resolve_decoder(decoder)
     try:
-        image = DECODERS[decoder](data)
-    except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
+        return DECODERS[decoder](data, max_pixels)
+    except CorruptImageError:
+        raise
+    except UNDECODABLE as exc:
         raise CorruptImageError(f"undecodable image ({type(exc).__name__}: {exc})") from exc
-    return resize_square(image, size)
+
+
+def decode_image(data: bytes, size: int = 112, decoder: str = "auto",
+                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Encoded bytes -> uint8 RGB array [size, size, 3] (:func:`decode_rgb`, stretched)."""
+    return resize_square(decode_rgb(data, decoder, max_pixels), size)
 
 
 def decode_into(data: bytes, out: np.ndarray, decoder: str,
                 mirror: Mirror | None = None) -> None:
     """Decode into ``out`` (uint8 ``[size, size, 3]``, C-contiguous), mirrored left-right by
-    ``mirror`` when one is given; CorruptImageError if undecodable. Writing into the caller's
+    ``mirror`` when one is given; CorruptImageError if undecodable or over :data:`MAX_PIXELS`
+    (its header is read once the fast path has failed). Writing into the caller's
     batch saves the copy of a returned array; a JPEG of another size (or a PNG) takes
     :func:`decode_image`'s path (decode, stretch) and is copied in.
 
@@ -138,16 +174,25 @@ class Mirror:
                   casting="unsafe")
 
 
-def prepare_jpeg(data: bytes, size: int | None) -> bytes:
+def prepare_jpeg(data: bytes, size: int | None, max_pixels: int = MAX_PIXELS) -> bytes:
     """Bytes to store in a shard: JPEG already `size`x`size` (or any JPEG when size is None)
-    is kept verbatim; anything else is decoded, stretched to size x size and re-encoded.
+    is kept verbatim; anything else is decoded (a JPEG at the DCT scale that still covers
+    `size`), stretched to size x size and re-encoded.
 
-    Raises CorruptImageError when a file that must be re-encoded cannot be decoded.
+    Raises CorruptImageError when a file that must be re-encoded cannot be decoded, or when
+    any file's header claims more than ``max_pixels``.
     """
-    if is_jpeg(data) and (size is None or _jpeg_size(data) == (size, size)):
-        return data
+    if is_jpeg(data):
+        stored = _jpeg_size(data)
+        if stored is not None:
+            check_pixels(*stored, max_pixels)
+        if size is None or stored == (size, size):
+            return data
     try:
         with Image.open(io.BytesIO(data)) as im:
+            check_pixels(*im.size, max_pixels)
+            if size is not None:
+                im.draft(None, (size, size))
             im.load()
             mode = "L" if im.mode in ("L", "I;16", "I", "1") else "RGB"
             im = im.convert(mode)
@@ -155,7 +200,9 @@ def prepare_jpeg(data: bytes, size: int | None) -> bytes:
                 im = im.resize((size, size), Image.BILINEAR)
             out = io.BytesIO()
             im.save(out, format="JPEG", quality=JPEG_QUALITY)
-    except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
+    except CorruptImageError:
+        raise
+    except UNDECODABLE as exc:
         raise CorruptImageError(f"undecodable image ({type(exc).__name__}: {exc})") from exc
     return out.getvalue()
 
@@ -168,5 +215,5 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
             return width, height
         with Image.open(io.BytesIO(data)) as im:
             return im.size
-    except (ValueError, OSError, SyntaxError):
+    except UNDECODABLE:
         return None

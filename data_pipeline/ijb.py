@@ -34,10 +34,10 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-from PIL import Image
 from skimage.transform import SimilarityTransform
 
-from data_pipeline.errors import DataError
+from data_pipeline.codec import decode_rgb, read_image_file
+from data_pipeline.errors import CorruptImageError, DataError
 
 # ArcFace 112x112 reference landmarks (eyes, nose tip, mouth corners), x then y: the
 # 96x112 points of SphereFace/insightface shifted right by 8 pixels, in float32 and
@@ -172,10 +172,9 @@ def align_face(image: np.ndarray, landmarks: np.ndarray, size: int = 112) -> np.
 def aligned_face(meta: IJBMeta, index: int) -> np.ndarray:
     """Face ``index`` of ``meta`` aligned, uint8 ``[3, 112, 112]``."""
     path = meta.root / "loose_crop" / meta.names[index]
-    try:
-        with Image.open(path) as im:
-            rgb = np.asarray(im.convert("RGB"))
-    except (OSError, ValueError) as exc:
+    try:  # PIL, as before the pixel limit: its pixels are what bench/ijb_equivalence.py checks
+        rgb = decode_rgb(read_image_file(path, "IJB"), "pil")
+    except CorruptImageError as exc:
         raise DataError(f"{path}: cannot read IJB image ({exc})") from exc
     return align_face(rgb, meta.landmarks[index]).transpose(2, 0, 1)
 

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
-from data_pipeline.codec import prepare_jpeg
+from data_pipeline.codec import MAX_PIXELS, prepare_jpeg
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.identities import IDENTITIES_NAME, Identities, identities_bytes
 from data_pipeline.manifest import (
@@ -113,7 +113,7 @@ def _shard_info(path: Path, count: int) -> ShardInfo:
 
 def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | None = 112,
                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
-                  shuffle_seed: int | None = 0,
+                  shuffle_seed: int | None = 0, max_pixels: int = MAX_PIXELS,
                   progress: Callable[[int], None] | None = None) -> tuple[Manifest, list[str]]:
     """Convert `source` into shards + manifest under `out_dir` (a folder or a URL,
     data_pipeline.output); resumes an interrupted run.
@@ -121,9 +121,11 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
     size: stored images are size x size (see codec.prepare_jpeg); None keeps them as they are.
     shuffle_seed: samples are written in a seeded random order (None = source order), so each
         shard mixes identities and the loader's shuffle buffer sees a varied stream.
+    max_pixels: an image whose header claims more pixels is refused before it is decoded
+        (codec.MAX_PIXELS by default).
     progress: called with the number of samples just handled (finished shards included).
-    Returns (manifest, originals of images that could not be decoded for re-encoding; they are
-    stored verbatim and the loader will skip them).
+    Returns (manifest, "original (why)" for each image that could not be decoded for
+    re-encoding or was refused; they are stored verbatim and the loader will skip them).
     """
     n = len(source)
     if n == 0:
@@ -135,10 +137,10 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
     fingerprint = {"source": source.describe(), "num_samples": n, "size": size,
                    "samples_per_shard": samples_per_shard, "shuffle_seed": shuffle_seed}
     with open_output(out_dir) as out:
-        return _write(source, out, fingerprint, progress)
+        return _write(source, out, fingerprint, max_pixels, progress)
 
 
-def _write(source: Source, out: LocalOutput | RemoteOutput, fingerprint: dict,
+def _write(source: Source, out: LocalOutput | RemoteOutput, fingerprint: dict, max_pixels: int,
            progress: Callable[[int], None] | None) -> tuple[Manifest, list[str]]:
     """write_dataset's work, into ``out``."""
     n, size = fingerprint["num_samples"], fingerprint["size"]
@@ -158,9 +160,9 @@ def _write(source: Source, out: LocalOutput | RemoteOutput, fingerprint: dict,
             if not 0 <= label < source.num_classes:
                 raise DataError(f"{src}: label {label} outside [0, {source.num_classes})")
             try:
-                data = prepare_jpeg(data, size)
-            except CorruptImageError:
-                corrupt.append(src)
+                data = prepare_jpeg(data, size, max_pixels)
+            except CorruptImageError as exc:
+                corrupt.append(f"{src} ({exc})")
             yield Sample(f"{pos:09d}", data, label, src)
             if progress:
                 progress(1)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data_pipeline.codec import MAX_PIXELS
 from data_pipeline.errors import DataError
 from data_pipeline.imagefolder import ImageFolderSource
 from data_pipeline.insightface import InsightFaceSource
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="store SIZE x SIZE images: JPEGs of that size are kept byte for "
                               "byte, others are stretched and re-encoded; 0 keeps every image "
                               "as it is (the loader then stretches at decode time)")
+        sub.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
+                         help="refuse an image whose header claims more pixels (width x "
+                              "height), before decoding it: it is named, stored as is and "
+                              "skipped by the loader (default %(default)s)")
         sub.add_argument("--seed", type=int, default=0,
                          help="seed of the order samples are written in (default 0)")
         sub.add_argument("--no-shuffle", action="store_true",
@@ -111,9 +116,10 @@ def _convert(args: argparse.Namespace) -> int:
     with tqdm(total=len(source), unit="img", desc=f"{args.command} -> {out}") as bar:
         manifest, corrupt = write_dataset(
             source, args.out, size=args.size or None, samples_per_shard=args.samples_per_shard,
-            shuffle_seed=None if args.no_shuffle else args.seed, progress=bar.update)
+            shuffle_seed=None if args.no_shuffle else args.seed, max_pixels=args.max_pixels,
+            progress=bar.update)
     for item in corrupt:
-        print(f"warning: {item}: could not decode; stored as is, the loader will skip it",
+        print(f"warning: {item}: not re-encoded; stored as is, the loader will skip it",
               file=sys.stderr)
     print(f"{out}: {manifest.num_samples} samples, {manifest.num_classes} classes, "
           f"{len(manifest.shards)} shards")
