@@ -5,9 +5,11 @@ at least 1, ``sum b_i = b``: :func:`batch_shares`), read by its own shard loader
 (data_pipeline.loader) with its own epochs: it reads each of its samples exactly once per
 *its* epoch and, when that ends, starts its next one while the others go on. Its labels are
 offset by the classes of the sets before it, so the run's class space is the sets' class
-spaces side by side: an identity present in two sets is two classes (merge them when
-converting if that is wrong). One epoch of the mixture is the largest of the sets' epochs
-in batches: the set that takes longest to read is read once, the others once or more.
+spaces side by side: an identity present in two sets is two classes, unless a merge list
+(``data.merge``, data_pipeline.merge; ``launch.overlap --between`` finds the pairs) maps the
+classes of one person to one label, and the run then has one class per person. One epoch
+of the mixture is the largest of the sets' epochs in batches: the set that takes longest to
+read is read once, the others once or more.
 
 Default weights are the sets' sample counts: every set then finishes its epoch with the
 mixture's (up to rounding). Resume is exact as each set's loader's is: the state is the
@@ -21,10 +23,12 @@ import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import torch
 
 from data_pipeline.epoch_batches import ComposedBatches, EpochBatches, concat
 from data_pipeline.errors import DataError
 from data_pipeline.loader import make_loader
+from data_pipeline.merge import MergeList, merged_labels
 from data_pipeline.position import MixturePosition
 
 
@@ -47,15 +51,16 @@ def batch_shares(batch_size: int, weights: Sequence[float]) -> list[int]:
 class MixedLoader(ComposedBatches):
     """Batches (images uint8 [B,3,112,112], labels int64 [B][, flips][, keys]) mixing the folders
     ``data_dirs``; see the module docstring. ``weights`` (default: the sets' sample counts),
-    ``excludes`` (one exclusion list or None per folder, in that folder's own labels) and the
-    loader options (``make_loader``'s; ``num_workers`` is split over the sets by batch share,
+    ``excludes`` (one exclusion list or None per folder, in that folder's own labels),
+    ``merge`` (a merge list over the folders: its paired classes one label) and the loader
+    options (``make_loader``'s; ``num_workers`` is split over the sets by batch share,
     at least one worker each) configure it. Keys, with ``with_keys``, are ``"SET:KEY"``."""
 
     def __init__(self, data_dirs: Sequence[str | os.PathLike], *, batch_size: int,
                  weights: Sequence[float] | None = None,
                  excludes: Sequence[str | os.PathLike | None] | None = None,
-                 num_workers: int = 2, with_keys: bool = False, pin_memory: bool = False,
-                 **options):
+                 merge: MergeList | None = None, num_workers: int = 2,
+                 with_keys: bool = False, pin_memory: bool = False, **options):
         excludes = list(excludes) if excludes is not None else [None] * len(data_dirs)
         if weights is not None and len(weights) != len(data_dirs) or \
                 len(excludes) != len(data_dirs):
@@ -72,7 +77,9 @@ class MixedLoader(ComposedBatches):
                         if num_workers else 0, **options)
             for d, b, x in zip(data_dirs, shares, excludes, strict=True)]
         self.offsets = np.cumsum([0] + [s.num_classes for s in self.sets]).tolist()
-        self.num_classes = self.offsets[-1]
+        self.people = None if merge is None else torch.from_numpy(
+            merged_labels(merge, [s.num_classes for s in self.sets]))  # side by side -> person
+        self.num_classes = self.offsets[-1] if merge is None else int(self.people.max()) + 1
         self.batch_size, self.with_keys, self.pin_memory = batch_size, with_keys, pin_memory
         self.deferred_flip = options.get("flip") == "deferred"  # sets yield their flip bits
         self._len = max(len(s) for s in self.sets)
@@ -115,7 +122,7 @@ class MixedLoader(ComposedBatches):
         while self._batches < self._len:
             parts = [next(stream) for stream in streams]  # (images, labels[, flips], keys)
             images = concat([p[0] for p in parts], self.pin_memory)
-            labels = concat([p[1] + off if off else p[1]
+            labels = concat([self._label(p[1], off)
                              for p, off in zip(parts, self.offsets, strict=False)],
                             self.pin_memory)
             batch = (images, labels)
@@ -125,6 +132,13 @@ class MixedLoader(ComposedBatches):
             if self.with_keys:
                 batch += ([f"{i}:{k}" for i, p in enumerate(parts) for k in p[-1]],)
             yield batch
+
+    def _label(self, labels: torch.Tensor, offset: int) -> torch.Tensor:
+        """A set's labels in the run's class space: offset, then merged."""
+        labels = labels + offset if offset else labels
+        if self.people is None:
+            return labels
+        return self.people[labels].pin_memory() if self.pin_memory else self.people[labels]
 
 
 def _endless(loader: EpochBatches) -> Iterator[tuple]:

@@ -15,12 +15,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import read_exclusions
-from data_pipeline.remote import is_url
+from data_pipeline.merge import same_folder
 from offline.overlap_search import CalibrationError
+from trainer.yaml_file import YamlRefused, read_mapping
 
 FIX = ("train with identities held out (data.exclude, docs/data.md), pass --held-out LIST, "
        "set --threshold, or calibrate on the training images with --training-null "
@@ -46,7 +45,10 @@ def run_held_out(config: str | os.PathLike, data: str) -> HeldOut:
     ``RUN/config.yaml``) trained the folder ``data`` with. CalibrationError, naming the fix,
     where it has none, or none of its folders (``data.dir``, ``data.dirs``) is ``data``."""
     config = Path(config)
-    section = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("data") or {}
+    try:
+        section = read_mapping(config).get("data") or {}
+    except YamlRefused as err:
+        raise CalibrationError(str(err)) from None
     folders = section.get("dirs") or [section.get("dir")]
     exclude = section.get("exclude")
     lists = exclude if isinstance(exclude, list) else [exclude] * len(folders)
@@ -54,7 +56,7 @@ def run_held_out(config: str | os.PathLike, data: str) -> HeldOut:
     if not any(lists):
         raise CalibrationError(f"{run} trained on every identity of {data} (no data.exclude), "
                                f"so no image of it is an unseen person's: {FIX}")
-    same = [i for i, folder in enumerate(folders) if folder and _same(folder, data)]
+    same = [i for i, folder in enumerate(folders) if folder and same_folder(folder, data)]
     if not same:
         raise CalibrationError(f"{run} trained on {', '.join(map(str, folders))}, not --data "
                                f"{data}: pass --held-out LIST (the identities of --data it "
@@ -75,9 +77,3 @@ def run_held_out(config: str | os.PathLike, data: str) -> HeldOut:
                                f"person's: {FIX}")
     return HeldOut(classes, f"{run}'s data.exclude={chosen}")
 
-
-def _same(folder: str, data: str) -> bool:
-    """Whether two names of a shard folder (paths or URLs) name the same one."""
-    if is_url(folder) or is_url(data):
-        return folder.rstrip("/") == data.rstrip("/")
-    return Path(folder).resolve() == Path(data).resolve()

@@ -214,10 +214,16 @@ def _batch_source(cfg: Config, rank: int, world_size: int,
                   flip="deferred" if cfg.data.flip else False,
                   streaming=Streaming(cache_dir=cfg.data.cache_dir, cache_gib=cfg.data.cache_gib))
     if cfg.data.dirs is not None:
+        from data_pipeline.merge import read_merge
         from data_pipeline.mixture import make_mixed_loader
 
+        merge = None if cfg.data.merge is None else read_merge(cfg.data.merge)
+        if merge is not None and merge.digest != cfg.data.merge_digest:  # edited since --check
+            raise ConfigError(f"data.merge={cfg.data.merge}: its pairs changed after the "
+                              f"config was checked (digest {merge.digest}, checked "
+                              f"{cfg.data.merge_digest}); start the run again")
         return make_mixed_loader(cfg.data.dirs, weights=cfg.data.weights,
-                                 excludes=cfg.data.exclusions(), **common)
+                                 excludes=cfg.data.exclusions(), merge=merge, **common)
     return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0],
                        with_keys=cfg.distill.embeddings is not None, **common)
 

@@ -39,7 +39,7 @@ from trainer.config.files import (
     source_of,
 )
 from trainer.config.machine import Machine
-from trainer.config.on_disk import path_errors, read_data_manifest
+from trainer.config.on_disk import path_errors, read_data_manifest, with_merge_digest
 from trainer.config.pace import cpu_pace_warning
 from trainer.config.schema import (
     MARGIN_MODELS,
@@ -80,7 +80,8 @@ def resolve_here(cfg: Config, machine: Machine | None = None) -> Resolved:
     ``cfg`` itself is left as it was."""
     manifest, found = read_data_manifest(cfg)
     filled, more = resolve_config(cfg, manifest, machine or Machine.observe())
-    return Resolved(filled, found + more + path_errors(cfg))
+    filled, merged = with_merge_digest(filled)
+    return Resolved(filled, found + more + merged + path_errors(cfg))
 
 
 def machine_notes(cfg: Config, machine: Machine | None = None) -> tuple[Config, list[str]]:

@@ -127,7 +127,7 @@ def _distill_errors(cfg: Config) -> list[tuple[str, str]]:
 
 def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
     """``data.dirs`` replaces ``data.dir``; ``data.weights`` and a list ``data.exclude``
-    go with it, one entry per folder."""
+    go with it, one entry per folder, and ``data.merge`` joins classes of its folders."""
     data, out = cfg.data, []
     dirs = data.dirs
     if dirs is not None and not dirs:
@@ -143,6 +143,9 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
     if data.weights is not None and (dirs is None or len(data.weights) != n):
         out.append(("data.weights", f"data.weights={data.weights}: one weight per folder of "
                     f"data.dirs ({'not set' if dirs is None else f'{n} folders'})"))
+    if data.merge is not None and (dirs is None or data.source == "synthetic"):
+        out.append(("data.merge", f"data.merge={data.merge!r}: joins classes of data.dirs "
+                    "(a one-folder run: data.dirs=[DIR])"))
     if isinstance(data.exclude, list) and len(data.exclude) != n:
         out.append(("data.exclude", f"data.exclude: {len(data.exclude)} lists for {n} "
                     "folder(s); one path (or null) per folder of data.dirs"))
@@ -377,7 +380,8 @@ def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
 # state): resuming across them is refused. Every other key may change, with a note.
 # backbone.checkpointing may change (the same model and steps); backbone.depth may not.
 MODEL_KEYS = ("backbone.name", "backbone.embedding_size", "backbone.dropout", "backbone.depth",
-              "margin", "data.num_classes", "data.num_samples", "optim.name", "engine.type")
+              "margin", "data.num_classes", "data.num_samples", "data.merge_digest",
+              "optim.name", "engine.type")
 NOT_COMPARED = ("name", "output", "checkpoint.resume", "margin.p_w")
 
 

@@ -56,11 +56,54 @@ def read_data_manifest(cfg: Config) -> tuple[Manifest | None, list[tuple[str, st
             out.append((key, f"{name}={folder!r}: {err}"))
     if out:
         return None, out
-    if len(manifests) == 1:
-        return manifests[0], []
-    return Manifest(num_classes=sum(m.num_classes for m in manifests),
-                    num_samples=sum(m.num_samples for m in manifests),
-                    shards=tuple(s for m in manifests for s in m.shards)), []
+    classes = sum(m.num_classes for m in manifests)
+    if cfg.data.merge is not None:
+        classes, out = _merged_classes(cfg, manifests)
+    if len(manifests) == 1 and classes == manifests[0].num_classes:
+        return manifests[0], out
+    return Manifest(num_classes=classes, num_samples=sum(m.num_samples for m in manifests),
+                    shards=tuple(s for m in manifests for s in m.shards)), out
+
+
+def _merged_classes(cfg: Config, manifests: list[Manifest]) -> tuple[int, list[tuple[str,
+                                                                                       str]]]:
+    """The classes of ``data.dirs`` once ``data.merge`` joins its pairs (one per person), or
+    their sum and the one line that refuses the list (``file:line`` of a bad line, a set
+    that is not its folder, a class out of range)."""
+    from data_pipeline.errors import DataError
+    from data_pipeline.merge import check_folders, merged_labels, read_merge
+
+    try:
+        merge = read_merge(cfg.data.merge)
+        check_folders(merge, cfg.data.folders())
+        return int(merged_labels(merge, [m.num_classes for m in manifests]).max()) + 1, []
+    except DataError as err:
+        return sum(m.num_classes for m in manifests), [("data.merge", f"data.merge: {err}")]
+
+
+def with_merge_digest(cfg: Config) -> tuple[Config, list[tuple[str, str]]]:
+    """``cfg`` with ``data.merge_digest`` filled from the list ``data.merge`` names (a run
+    records what it merged, not only where the list was), or the line saying a given digest
+    is not the list's; unchanged without a readable list (:func:`read_data_manifest` says
+    why)."""
+    from data_pipeline.errors import DataError
+    from data_pipeline.merge import read_merge
+
+    data = cfg.data
+    if data.merge is None or data.source != "shards":
+        return cfg, []
+    try:
+        digest = read_merge(data.merge).digest
+    except DataError:
+        return cfg, []
+    if data.merge_digest is None:
+        return cfg.model_copy(update={"data": data.model_copy(
+            update={"merge_digest": digest})}, deep=True), []
+    if data.merge_digest != digest:
+        return cfg, [("data.merge_digest", f"data.merge_digest={data.merge_digest}: "
+                      f"data.merge={data.merge} holds other pairs now (digest {digest}); a "
+                      "run's list cannot change under it: drop the key to start a new run")]
+    return cfg, []
 
 
 def _no_manifest(data_dir: Path) -> str:

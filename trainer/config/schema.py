@@ -87,9 +87,19 @@ class DataConfig(_Section):
         "launch.overlap writes) left out of training; with data.dirs a list parallel to it "
         "(null: none), each in its folder's own labels"
     )
+    merge: str | None = Field(
+        None, description="data.dirs only: a merge list (`pair I:CLASS J:CLASS` lines, as "
+        "python -m launch.overlap --between writes; `-` strikes a line) whose paired classes "
+        "train as one: one class per person (data_pipeline.merge)"
+    )
+    merge_digest: str | None = Field(
+        None, description="filled from data.merge: a digest of its folders and pairs as read "
+        "(not its comments or struck lines); a resume with another list is refused"
+    )
     num_classes: PosInt | None = Field(
         None, description="identities; shards: filled from manifest.json (data.dirs: their "
-        "sum; if set, must match); synthetic: required, the identities generated"
+        "sum, less the classes data.merge joins; if set, must match); synthetic: required, "
+        "the identities generated"
     )
     num_samples: PosInt | None = Field(
         None, description="images per epoch; filled from manifest.json or, synthetic, as "

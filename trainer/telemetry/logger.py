@@ -1,6 +1,6 @@
 """All of the trainer's rank-0 I/O: console and RUN/train.log (:mod:`trainer.telemetry.console`),
-RUN/config.yaml, metrics.jsonl, histograms.jsonl (:mod:`trainer.telemetry.run_files`), W&B and
-TensorBoard (:mod:`trainer.telemetry.sinks`).
+RUN/config.yaml (and RUN/merge.txt with ``data.merge``), metrics.jsonl, histograms.jsonl
+(:mod:`trainer.telemetry.run_files`), W&B and TensorBoard (:mod:`trainer.telemetry.sinks`).
 
 Every rank constructs a :class:`RunLogger`; on ranks other than 0 every method is a no-op,
 so call sites need no ``if rank == 0``. W&B runs offline by default (``log.wandb``); the
@@ -122,12 +122,16 @@ class RunLogger:
     def start(self, step: int) -> None:
         """Begin at optimisation step ``step`` (the checkpoint's when resumed): drop the rows
         after it from metrics.jsonl and histograms.jsonl, open both for appending, open the
-        W&B run / TensorBoard writer, write RUN/config.yaml, start timing."""
+        W&B run / TensorBoard writer, write RUN/config.yaml (and RUN/merge.txt, the list
+        ``data.merge`` names, as trained), start timing."""
         self._t0 = self._last_t = time.perf_counter()
         self._last_step = self._start = step
         if not self.active:
             return
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        if self.cfg.data.merge is not None:  # what the run merged, beside its digest
+            merged = Path(self.cfg.data.merge).read_bytes()
+            (self.run_dir / run_files.MERGE_COPY).write_bytes(merged)
         for name in (run_files.METRICS, run_files.HISTOGRAMS):
             dropped = run_files.truncate_after(self.run_dir / name, step)
             if dropped:

@@ -24,6 +24,7 @@ from trainer.errors import Refused
 
 METRICS = "metrics.jsonl"
 HISTOGRAMS = "histograms.jsonl"
+MERGE_COPY = "merge.txt"  # the list data.merge names, as the run trained it (the logger)
 SUMMARY = "summary.json"  # the last invocation's summary (trainer.telemetry.logger)
 HIST_RANGE = (0.0, 180.0)  # degrees
 HIST_BINS = 180

@@ -1,0 +1,177 @@
+"""Merge lists: classes of several data folders (or of one) that are one person.
+
+The file ``launch.overlap --between`` writes and ``data.merge`` trains with; a person reads it,
+strikes the pairs that are two people, and trains::
+
+    # launch.overlap checkpoint=runs/finder threshold=0.7123 fpir=0.1
+    # 2026-12-02T15:00:00Z: 11 pairs of 40 identities (expected false <= 3.6)
+    set 0 /data/ms1mv3
+    set 1 /data/glint360k
+    pair 0:1042 1:77123 0.8731  # m.0abc12 (92 images) = 77123 (40 images)
+    - pair 0:3 1:7 0.7222  # m.0x (10 images) = m.0y (12 images): struck, two people
+
+UTF-8. ``#`` starts a comment (whole line, or after an entry: the note a person reads),
+blank lines are ignored, and a line starting with ``-`` is *struck*: ignored, kept so the
+list shows what a person decided. Every other line is ``set I FOLDER`` (set ``I`` is
+``data.dirs[I]``, named so a list is not trained with its folders in another order) or
+``pair I:CLASS J:CLASS [COSINE]`` (a class in its folder's own labels, before the offset
+``data.dirs`` applies; the cosine is what the search found, for the reader). Pairs chain:
+``0:1 = 1:5`` and ``1:5 = 1:9`` make one class of three.
+
+:func:`merged_labels` maps the side-by-side class space of ``data.dirs`` (folder ``i``'s
+labels offset by the classes before it, data_pipeline.mixture) onto one label per person,
+in order of each person's first class; :attr:`MergeList.digest` fingerprints the pairs and
+folders as read (comments, notes and struck lines do not count), which a run records so that
+a resume with an edited list is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_pipeline.errors import DataError
+from data_pipeline.manifest import atomic_write_bytes
+from data_pipeline.remote import is_url
+
+Node = tuple[int, int]  # (set, class in that set's own labels)
+MAX_BYTES = 256 << 20  # a list of 10^6 pairs is ~60 MiB; more is not a merge list
+FORMAT = ("'set I FOLDER' or 'pair I:CLASS J:CLASS [COSINE]' (I, J, CLASS integers >= 0; "
+          "'#' comments, '-' strikes a line)")
+
+
+@dataclass(frozen=True)
+class MergeList:
+    """The folders (``sets[i]``: the folder set ``i`` was read from) and the pairs of a
+    merge list, struck lines left out; ``path`` names it in errors."""
+
+    sets: tuple[str, ...]
+    pairs: tuple[tuple[Node, Node], ...]
+    path: str = ""
+
+    @property
+    def digest(self) -> str:
+        """sha256 (16 hex digits) of the folders and the pairs as read, sorted."""
+        text = "\n".join([f"set {i} {s}" for i, s in enumerate(self.sets)] + sorted(
+            f"{a[0]}:{a[1]} {b[0]}:{b[1]}" for a, b in (sorted(p) for p in self.pairs)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_merge(path: str | os.PathLike) -> MergeList:
+    """Parse a merge list; DataError naming ``file:line`` (a bad line), or the file."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_BYTES:
+            raise DataError(f"{path}: {path.stat().st_size} bytes, more than a merge list's "
+                            f"{MAX_BYTES >> 20} MiB")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read the merge list ({type(exc).__name__}: {exc}); "
+                        "write one with python -m launch.overlap --between") from exc
+    sets: dict[int, str] = {}
+    pairs: list[tuple[Node, Node]] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        where = f"{path}:{number}"
+        words = line.split()
+        if words[0] == "set" and len(words) == 3 and words[1].isdigit():
+            index = int(words[1])
+            if sets.setdefault(index, words[2]) != words[2]:
+                raise DataError(f"{where}: set {index} named twice ({sets[index]}, {words[2]})")
+        elif words[0] == "pair" and len(words) in (3, 4):
+            pairs.append((_node(words[1], where), _node(words[2], where)))
+            if len(words) == 4:
+                _cosine(words[3], where)
+        else:
+            raise DataError(f"{where}: {line[:80]!r} is not {FORMAT}")
+    if sorted(sets) != list(range(len(sets))):
+        raise DataError(f"{path}: sets {sorted(sets)}: number them 0, 1, ... (one 'set I "
+                        "FOLDER' line each)")
+    for number, (a, b) in enumerate(pairs):
+        for s, _ in (a, b):
+            if s not in sets:
+                raise DataError(f"{path}: pair {number + 1} names set {s}, which no "
+                                f"'set {s} FOLDER' line names")
+        if a == b:
+            raise DataError(f"{path}: pair {number + 1} joins {a[0]}:{a[1]} with itself")
+    return MergeList(tuple(sets[i] for i in range(len(sets))), tuple(pairs), str(path))
+
+
+def check_folders(merge: MergeList, folders: Sequence[str]) -> None:
+    """DataError where set ``i`` of the list is not ``folders[i]`` (``data.dirs``), or the
+    list names more sets than there are folders."""
+    if len(merge.sets) > len(folders):
+        raise DataError(f"{merge.path}: {len(merge.sets)} sets, but the run has "
+                        f"{len(folders)} data folder(s)")
+    for i, (named, folder) in enumerate(zip(merge.sets, folders, strict=False)):
+        if not same_folder(named, folder):
+            raise DataError(f"{merge.path}: set {i} is {named}, but data.dirs[{i}] is {folder} "
+                            "(list the folders in the order the list names them)")
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether two names of a shard folder (paths or URLs) name the same one."""
+    if is_url(a) or is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _node(word: str, where: str) -> Node:
+    s, _, c = word.partition(":")
+    if not (s.isdigit() and c.isdigit()):
+        raise DataError(f"{where}: {word!r} is not SET:CLASS (two integers >= 0)")
+    return int(s), int(c)
+
+
+def _cosine(word: str, where: str) -> None:
+    try:
+        value = float(word)
+    except ValueError:
+        value = float("nan")
+    if not -1 <= value <= 1:
+        raise DataError(f"{where}: {word!r} is not a cosine in [-1, 1]")
+
+
+def write_merge(path: str | os.PathLike, sets: Sequence[str],
+                pairs: Sequence[tuple[Node, Node, float, str]], header: str = "") -> None:
+    """Write a merge list atomically: ``header``'s lines as comments, the sets, then one
+    ``pair`` line per ``(a, b, cosine, note)``, in the order given."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += [f"set {i} {s}" for i, s in enumerate(sets)]
+    lines += [f"pair {a[0]}:{a[1]} {b[0]}:{b[1]} {cos:.4f}" + (f"  # {note}" if note else "")
+              for a, b, cos, note in pairs]
+    atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def merged_labels(merge: MergeList, num_classes: Sequence[int]) -> np.ndarray:
+    """``[sum(num_classes)]`` int64: the label of each class of the side-by-side space (set
+    ``i``'s class ``c`` at ``sum(num_classes[:i]) + c``) once the pairs' classes are one;
+    labels ``0 .. people - 1`` in order of each person's first class. DataError where a pair
+    names a set or class outside ``num_classes``."""
+    offsets = np.cumsum([0, *num_classes])
+    parent = np.arange(offsets[-1])
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = int(parent[x])
+        return x
+
+    for a, b in merge.pairs:
+        for s, c in (a, b):
+            if s >= len(num_classes) or c >= num_classes[s]:
+                have = (f"set {s} has {num_classes[s]} classes" if s < len(num_classes)
+                        else f"the run has {len(num_classes)} data folder(s)")
+                raise DataError(f"{merge.path}: pair {a[0]}:{a[1]} {b[0]}:{b[1]}: {have}")
+        ra, rb = root(int(offsets[a[0]] + a[1])), root(int(offsets[b[0]] + b[1]))
+        parent[max(ra, rb)] = min(ra, rb)  # a person's root: its first class
+    while not np.array_equal(parent, parent[parent]):  # every class to its person's root
+        parent = parent[parent]
+    return np.unique(parent, return_inverse=True)[1].astype(np.int64)  # roots sort by first
