@@ -63,7 +63,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 
 from data_pipeline import make_loader, read_manifest, write_synthetic_dataset
 from offline import plan
@@ -73,6 +72,7 @@ from partial_fc.backbones import build_backbone
 from trainer.config import Config
 from trainer.dist import DistEnv, init_distributed, resolve_device, shutdown
 from trainer.engine import Engine, make_optimizer
+from trainer.yaml_file import parse_yaml
 
 PHASES = ("data", "input", "bb fwd", "head fwd", "head bwd", "bb bwd", "optim", "other")
 
@@ -303,7 +303,7 @@ def _variant(text: str) -> tuple[str, dict]:
             key, value = item.split("=")
             section, _, sub = key.partition(".")
             target = engine.setdefault(section, {}) if sub else engine
-            target[sub or key] = yaml.safe_load(value)
+            target[sub or key] = parse_yaml(value, f"--variant={text}")
     except ValueError:
         raise argparse.ArgumentTypeError(f"--variant={text!r}: expected NAME=KEY=VALUE,... "
                                          "(engine keys)") from None

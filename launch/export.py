@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-import yaml
 from torch import nn
 
 from data_pipeline.errors import DataError
@@ -54,6 +53,7 @@ from offline.int8 import calibration_images, int8_costs, quantize_int8
 from offline.model_card import card_facts, model_card
 from partial_fc.pretrained import PretrainedConfig, save_pretrained
 from trainer.checkpoint.backbone import backbone_spec
+from trainer.yaml_file import YamlRefused, read_mapping
 
 # The exporter's registry logs one warning per torchvision op it cannot register (detection
 # ops such as nms; a backbone uses none of them), and torch.export's pickling of tree specs
@@ -135,8 +135,12 @@ def _calibration_folder(args) -> Path:
     if args.calibration_data is not None:
         return args.calibration_data
     config_path, _ = resolve_checkpoint_or_exit(args.checkpoint)
-    cfg = yaml.safe_load(config_path.read_text()) or {}
-    folder = (cfg.get("data") or {}).get("dir")
+    try:
+        section = read_mapping(config_path).get("data")
+    except YamlRefused as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    folder = section.get("dir") if isinstance(section, dict) else None
     if folder is None or not (Path(folder) / "manifest.json").is_file():
         print(f"error: {config_path}: data.dir={folder!r} holds no manifest.json to calibrate "
               "on; give --calibration-data DIR (training shards)", file=sys.stderr)

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-import yaml
 from matplotlib.figure import Figure
 
 from data_pipeline.store import in_store
@@ -31,6 +30,7 @@ from offline.report_figures import FIGURES, WHEN_ABSENT, RunData
 from trainer.errors import EXIT_STATUS, Refused
 from trainer.telemetry import run_files
 from trainer.telemetry.evaluation_log import flat_metrics
+from trainer.yaml_file import read_mapping
 
 ALL_FIGURES = {**FIGURES, **EVALUATION_FIGURES}
 ALL_WHEN_ABSENT = {**WHEN_ABSENT, **EVALUATION_WHEN_ABSENT}
@@ -59,10 +59,10 @@ def load_run(folder: str | Path, label: str | None = None) -> RunData:
         raise ReportError(f"{folder}: not a run folder (no {' or '.join(missing)}; give the "
                           f"`output` folder of launch.train, e.g. runs/<name>)")
     try:
-        config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+        config = read_mapping(folder / "config.yaml")
         rows = run_files.read_jsonl(folder / run_files.METRICS)
         hist = run_files.read_histograms(folder / run_files.HISTOGRAMS)
-    except (yaml.YAMLError, run_files.RunFileError, KeyError, TypeError, ValueError) as err:
+    except (run_files.RunFileError, KeyError, TypeError, ValueError) as err:
         raise ReportError(f"{folder}: {str(err).splitlines()[0]}") from None
     return RunData(
         label=label or folder.resolve().name,

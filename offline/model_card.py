@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from trainer.telemetry.run_files import METRICS, read_jsonl
+from trainer.yaml_file import read_mapping
 
 # The Hub's identifiers for the licences face models are published under
 # (https://huggingface.co/docs/hub/repositories-licenses); any other goes as `other`.
@@ -46,7 +47,7 @@ def card_facts(config_path: Path, weights: Path, license: str) -> CardFacts:
     """The facts of the checkpoint ``weights`` (``RUN/checkpoints/<tag>/backbone.pt``) of the
     run whose resolved config is ``config_path``: the step is the tag's (``step-N``), else
     the last training row's in ``metrics.jsonl``."""
-    config = yaml.safe_load(config_path.read_text()) or {}
+    config = read_mapping(config_path)
     rows = read_jsonl(config_path.parent / METRICS)
     tag = weights.parent.name
     if re.fullmatch(r"step-\d+", tag):

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 from data_pipeline.store import in_store
 from partial_fc.backbones import build_backbone
 from trainer.checkpoint import CheckpointError, find_verified
+from trainer.yaml_file import YamlRefused, read_mapping
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Path]:
@@ -115,7 +115,10 @@ def load_backbone(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
         CheckpointError: missing files/keys, or weights that do not fit the configured backbone.
     """
     config_path, weights = resolve_checkpoint(path)
-    cfg = yaml.safe_load(config_path.read_text()) or {}
+    try:
+        cfg = read_mapping(config_path)
+    except YamlRefused as exc:
+        raise CheckpointError(str(exc)) from None
     spec = backbone_spec(cfg, config_path)
     name = spec["name"]
     try:

@@ -33,6 +33,7 @@ from partial_fc.margins.registry import (
     margin_errors,
 )
 from trainer.config.schema import MARGIN_MODELS, Config, ConfigError, tagged_sections
+from trainer.yaml_file import YamlRefused, parse_yaml, read_yaml, shown_value
 
 CLI = "command line"
 # The margin keys that stay when the command line changes margin.type: those of every type
@@ -41,49 +42,17 @@ KEPT_ON_RETYPE = frozenset(f.name for f in dataclasses.fields(SharedConfig)) - {
 
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
-
-
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-    """A YAML mapping whose keys are unique: a repeated key is an error, not 'last one wins'."""
-    loader.flatten_mapping(node)
-    first: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in first:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first set at line {first[key] + 1})",
-                key_node.start_mark)
-        first[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=True)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
-def parse_value(text: str) -> Any:
-    """Parse one override value the way YAML would (``0.1`` float, ``[a,b]`` list)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+def parse_value(text: str, source: str = CLI) -> Any:
+    """Parse one override value the way YAML would (``0.1`` float, ``[a,b]`` list);
+    :class:`YamlRefused` naming ``source`` when it is malformed or exceeds a bound."""
+    return parse_yaml(text, source)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - SafeLoader
-    except OSError as e:
-        raise ConfigError(f"{shown(path)}: cannot read config ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{shown(path)}: invalid YAML{where}: {what}") from None
+        data = read_yaml(path, shown(path))
+    except YamlRefused as e:
+        raise ConfigError(str(e)) from None
     if data is None:  # every key at its default: iresnet50 at batch 128, minutes a step on a CPU
         raise ConfigError(f"{shown(path)}: empty config: start from configs/smoke.yaml or a "
                           "recipe (configs/*.yaml)")
@@ -117,10 +86,11 @@ def load_tree(path: Path, origin: dict[str, str], chain: tuple[Path, ...] = ()) 
     base = data.pop("base", None)
     if base is not None:
         if not isinstance(base, str):
-            raise ConfigError(f"{shown(path)}: base={base!r}: must be a file name")
+            raise ConfigError(f"{shown(path)}: base={shown_value(base)}: must be a file name")
         base_path = path.parent / base
         if not base_path.is_file():
-            raise ConfigError(f"{shown(path)}: base={base!r}: no such file {shown(base_path)}")
+            raise ConfigError(f"{shown(path)}: base={shown_value(base)}: no such file "
+                              f"{shown(base_path)}")
         tree = load_tree(base_path, origin, (*chain, path))
     _merge(tree, data, shown(path), origin)
     return tree
@@ -149,12 +119,12 @@ def apply_overrides(tree: dict, overrides: list[str], origin: dict[str, str]) ->
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            errors.append(f"{CLI}: {item!r}: overrides are dotted.key=value")
+            errors.append(f"{CLI}: {shown_value(item)}: overrides are dotted.key=value")
             continue
         try:
-            value = parse_value(text)
-        except yaml.YAMLError:
-            errors.append(f"{CLI}: {key}={text!r}: not a valid YAML value")
+            value = parse_value(text, f"{CLI}: {key}={shown_value(text)}")
+        except YamlRefused as e:
+            errors.append(str(e))
             continue
         if key in ALTERNATIVES and origin.get(ALTERNATIVES[key], CLI) != CLI:
             _remove(tree, ALTERNATIVES[key], origin)
@@ -195,7 +165,7 @@ def retype_margin(tree: dict, origin: dict[str, str], recipe_type: Any) -> str |
         origin.pop(f"margin.{k}", None)
     if not changed:
         return None
-    shown_keys = ", ".join(f"margin.{k} {dropped[k]!r} -> {read[k]!r}" for k in changed)
+    shown_keys = ", ".join(f"margin.{k} {shown_value(dropped[k])} -> {read[k]!r}" for k in changed)
     return (f"margin.type={new} (command line) replaces {recipe_type} ({', '.join(files)}): "
             f"{shown_keys}, {new}'s defaults; give a key on the command line to keep it")
 
@@ -269,25 +239,31 @@ def schema_errors(err: ValidationError, origin: dict[str, str], top: str) -> lis
     that read it."""
     lines = []
     for e in err.errors():
-        keys, holders = _holders(tuple(str(p) for p in e["loc"]), tagged=True)
+        keys, holders = _holders(tuple(_cut(str(p)) for p in e["loc"]), tagged=True)
         dotted = ".".join(keys)
         src = source_of(origin, dotted, top)
         if e["type"] == "union_tag_invalid":  # the margin section's type: the registry's rule
             value = e["input"].get("type")
-            ((key, msg),) = margin_errors({"type": value})
-            near = difflib.get_close_matches(str(value), MARGIN_TYPES, n=1)
+            tag = value if isinstance(value, str) and len(value) <= 60 else shown_value(value)
+            ((key, msg),) = margin_errors({"type": tag})
+            near = difflib.get_close_matches(tag, MARGIN_TYPES, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             lines.append(f"{source_of(origin, key, top)}: {msg}{hint}")
         elif e["type"] == "extra_forbidden":
             lines.append(f"{src}: {_extra_key(keys, holders[0] if holders else None, e)}")
         else:
             value = e.get("input")
-            given = "<missing>" if e["type"] == "missing" else repr(value)
+            given = "<missing>" if e["type"] == "missing" else shown_value(value)
             # A rule partial_fc states (a validator's ValueError): its own words, not pydantic's
             # "Value error, " before them.
             msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
             lines.append(f"{src}: {dotted}={given}: {msg}{_hint(e, keys, holders)}")
     return lines
+
+
+def _cut(key: str) -> str:
+    """A key as a message shows it: a key longer than any the schema holds, cut."""
+    return key if len(key) <= 60 else f"{key[:40]}...({len(key)} characters)"
 
 
 def _extra_key(keys: tuple[str, ...], parent: type[BaseModel] | None, error: dict) -> str:

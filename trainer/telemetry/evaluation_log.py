@@ -12,11 +12,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
 from trainer.config.schema import LogConfig
 from trainer.telemetry import run_files
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
+from trainer.yaml_file import parse_yaml
 
 PREFIX = "val/"
 
@@ -52,7 +51,7 @@ def log_to_run(run_dir: Path, step: int,
     with (run_dir / run_files.METRICS).open("a") as metrics:
         metrics.write(json.dumps({"step": step, **values}) + "\n")
     config_text = (run_dir / "config.yaml").read_text()
-    config = yaml.safe_load(config_text) or {}
+    config = parse_yaml(config_text, str(run_dir / "config.yaml")) or {}
     log = LogConfig.model_validate(config.get("log") or {})
     sinks: list[Sink] = []
     mode = os.environ.get("WANDB_MODE") or log.wandb
