@@ -21,6 +21,7 @@ from partial_fc.margins.registry import effective, margin_errors, margin_warning
 from trainer.config.accumulation import micro_batches, world_size_error
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
+from trainer.yaml_file import shown_value
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -58,8 +59,8 @@ def semantic_errors(cfg: Config) -> list[tuple[str, str]]:
     for key, value, default in (("broadcast_buffers", cfg.engine.broadcast_buffers, True),
                                 ("grad_compression", cfg.engine.grad_compression, "none")):
         if cfg.engine.type != "ddp" and value != default:
-            out.append((f"engine.{key}", f"engine.{key}={value!r}: a DDP setting; needs "
-                        f"engine.type=ddp (or {key}={default!r})"))
+            out.append((f"engine.{key}", f"engine.{key}={shown_value(value)}: a DDP setting; needs "
+                        f"engine.type=ddp (or {key}={shown_value(default)})"))
     if broken := fp16_engine_rule(cfg.engine.type, cfg.engine.precision):
         out.append(("engine.precision", f"engine.precision='fp16': {broken}"))
     if broken := triton_subcenters_rule(cfg.head.kernel, m.subcenters, "margin.subcenters"):
@@ -135,7 +136,8 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
     # Against the default, not "was it set": a run folder's config.yaml holds every key, the
     # default data.dir included, and must load again as it was written.
     if dirs is not None and data.dir != _default(data, "dir"):
-        out.append(("data.dir", f"data.dir={data.dir!r}: give data.dir or data.dirs, not both"))
+        out.append(("data.dir", f"data.dir={shown_value(data.dir)}"
+                                ": give data.dir or data.dirs, not both"))
     if dirs is not None and data.source == "synthetic":
         out.append(("data.dirs", "data.dirs: shard folders are not read with "
                     "data.source=synthetic"))
@@ -144,13 +146,15 @@ def _data_set_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("data.weights", f"data.weights={data.weights}: one weight per folder of "
                     f"data.dirs ({'not set' if dirs is None else f'{n} folders'})"))
     if data.merge is not None and (dirs is None or data.source == "synthetic"):
-        out.append(("data.merge", f"data.merge={data.merge!r}: joins classes of data.dirs "
+        out.append(("data.merge", f"data.merge={shown_value(data.merge)}"
+                                  ": joins classes of data.dirs "
                     "(a one-folder run: data.dirs=[DIR])"))
     if isinstance(data.exclude, list) and len(data.exclude) != n:
         out.append(("data.exclude", f"data.exclude: {len(data.exclude)} lists for {n} "
                     "folder(s); one path (or null) per folder of data.dirs"))
     elif isinstance(data.exclude, str) and n > 1:
-        out.append(("data.exclude", f"data.exclude={data.exclude!r}: a list names labels of one "
+        out.append(("data.exclude", f"data.exclude={shown_value(data.exclude)}"
+                                    ": a list names labels of one "
                     f"folder; give a list parallel to data.dirs ({n} folders, null for none)"))
     return out
 
@@ -171,7 +175,7 @@ def _backbone_errors(cfg: Config) -> list[tuple[str, str]]:
         key = next((k for k in keys if msg.startswith(k)), "name")
         if key != "name":  # "depth=3: why" -> "why": the line names the key itself
             msg = msg.split(": ", 1)[-1]
-        out.append((f"backbone.{key}", f"backbone.{key}={getattr(b, key)!r}: {msg}"))
+        out.append((f"backbone.{key}", f"backbone.{key}={shown_value(getattr(b, key))}: {msg}"))
     return out
 
 
@@ -190,7 +194,8 @@ def _sink_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
         out.append(("log.tensorboard", "log.tensorboard=true: the tensorboard package is not "
                     "installed (pip install 'partial-fc[tensorboard]', or log.tensorboard=false)"))
     if (machine.wandb_mode or cfg.log.wandb) != "disabled" and not machine.has("wandb"):
-        out.append(("log.wandb", f"log.wandb={cfg.log.wandb!r}: the wandb package is not "
+        out.append(("log.wandb", f"log.wandb={shown_value(cfg.log.wandb)}"
+                                 ": the wandb package is not "
                     "installed (pip install 'partial-fc[wandb]', or log.wandb=disabled)"))
     return out
 
@@ -283,14 +288,16 @@ def _gpu_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
     out = []
     gpus, ranks = machine.gpus, machine.local_ranks
     if ranks > gpus:
-        out.append(("device", f"device={cfg.device!r}: {ranks} ranks on this node but {gpus} "
+        out.append(("device", f"device={shown_value(cfg.device)}"
+                              f": {ranks} ranks on this node but {gpus} "
                     f"GPU(s) visible: launch --nproc_per_node {gpus} (make NPROC_PER_NODE="
                     f"{gpus}) or set device=cpu"))
     if cfg.engine.precision == "bf16" and gpus and not machine.bf16:
         out.append(("engine.precision", "engine.precision='bf16': this GPU has no bf16 support "
                     "(before Ampere); use fp16 with engine.type=deepspeed, or fp32"))
     if machine.world_size > 1 and not machine.nccl:
-        out.append(("device", f"device={cfg.device!r}: this torch build has no NCCL, which "
+        out.append(("device", f"device={shown_value(cfg.device)}"
+                              ": this torch build has no NCCL, which "
                     "multi-GPU runs need; install a CUDA build of torch with NCCL"))
     return out
 
@@ -371,9 +378,9 @@ def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:
         model = build_backbone(**cfg.backbone.build_kwargs())
     if not any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
         return []
-    return [("train.batch_size", f"train.batch_size=1: backbone.name={cfg.backbone.name!r} "
-             "has BatchNorm1d, which cannot train on one image per rank; use a batch of 2 or "
-             "more")]
+    name = shown_value(cfg.backbone.name)
+    return [("train.batch_size", f"train.batch_size=1: backbone.name={name} has BatchNorm1d, "
+             "which cannot train on one image per rank; use a batch of 2 or more")]
 
 
 # Keys whose change makes a checkpoint a different model (or an incompatible optimizer
@@ -420,7 +427,7 @@ def resume_drift(saved: dict | None, cfg: Config, where: str) -> list[str]:
     old = _flatten(_margin_as_read(saved))
     new = _flatten(_margin_as_read(cfg.model_dump(mode="json")))
     changed = [
-        f"{key} {old.get(key)!r} -> {new.get(key)!r}"
+        f"{key} {shown_value(old.get(key))} -> {shown_value(new.get(key))}"
         for key in sorted(old.keys() | new.keys())
         if old.get(key) != new.get(key) and not key.startswith(NOT_COMPARED)
     ]

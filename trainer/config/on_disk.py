@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from data_pipeline.store import in_store
 from trainer.config.schema import Config
+from trainer.yaml_file import shown_value
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -48,12 +49,12 @@ def read_data_manifest(cfg: Config) -> tuple[Manifest | None, list[tuple[str, st
             continue
         data_dir = Path(folder)
         if not (data_dir / "manifest.json").is_file():
-            out.append((key, f"{name}={folder!r}: {_no_manifest(data_dir)}"))
+            out.append((key, f"{name}={shown_value(folder)}: {_no_manifest(data_dir)}"))
             continue
         try:
             manifests.append(read_manifest(data_dir))
         except DataError as err:  # a malformed manifest is one more line of the report
-            out.append((key, f"{name}={folder!r}: {err}"))
+            out.append((key, f"{name}={shown_value(folder)}: {err}"))
     if out:
         return None, out
     classes = sum(m.num_classes for m in manifests)
@@ -117,7 +118,8 @@ def _no_manifest(data_dir: Path) -> str:
         sets = [p.name for p in parent.iterdir() if (p / "manifest.json").is_file()] if parent \
             else []
         near = difflib.get_close_matches(data_dir.name, sets, n=1)
-        hint = f" (did you mean data.dir={str(data_dir.parent / near[0])!r}?)" if near else ""
+        near_dir = str(data_dir.parent / near[0]) if near else ""
+        hint = f" (did you mean data.dir={shown_value(near_dir)}?)" if near else ""
         return f"no such folder{hint}; {MAKE_DATA}"
     shards = len(list(data_dir.glob("*.tar"))) if data_dir.is_dir() else 0
     if shards:
@@ -132,11 +134,13 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
     out = _output_errors(cfg)
     weights = cfg.backbone.weights
     if weights is not None and not Path(weights).is_file():
-        out.append(("backbone.weights", f"backbone.weights={weights!r}: no such file (a local "
+        out.append(("backbone.weights", f"backbone.weights={shown_value(weights)}"
+                                        ": no such file (a local "
                     "state_dict; nothing is downloaded)"))
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not in_store(resume) and not Path(resume).is_dir():
-        out.append(("checkpoint.resume", f"checkpoint.resume={resume!r}: no such folder (give "
+        out.append(("checkpoint.resume", f"checkpoint.resume={shown_value(resume)}"
+                                         ": no such folder (give "
                     "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
     listed = isinstance(cfg.data.exclude, list)
     lists = cfg.data.exclude if listed else [cfg.data.exclude]
@@ -144,13 +148,13 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
         if x is not None and not Path(x).is_file():
             key, name = (f"data.exclude.{i}", f"data.exclude[{i}]") if listed else \
                 ("data.exclude", "data.exclude")
-            out.append((key, f"{name}={x!r}: no such file (an exclusion list: python -m "
+            out.append((key, f"{name}={shown_value(x)}: no such file (an exclusion list: python -m "
                         "launch.overlap writes one)"))
     for i, b in enumerate(cfg.eval.bins):
         if not Path(b).is_file():
             from data_pipeline.verification_bin import MISSING_BIN_FIX
 
-            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={b!r}: no such file "
+            out.append((f"eval.bins.{i}", f"eval.bins[{i}]={shown_value(b)}: no such file "
                         f"({MISSING_BIN_FIX})"))
     if cfg.eval.rfw is not None:
         from data_pipeline.rfw import find_rfw_bin
@@ -158,7 +162,8 @@ def path_errors(cfg: Config) -> list[tuple[str, str]]:
 
         missing = [g for g in RFW_GROUPS if find_rfw_bin(Path(cfg.eval.rfw), g) is None]
         if missing:
-            out.append(("eval.rfw", f"eval.rfw={cfg.eval.rfw!r}: no {missing[0]}_test.bin or "
+            out.append(("eval.rfw", f"eval.rfw={shown_value(cfg.eval.rfw)}"
+                                    f": no {missing[0]}_test.bin or "
                         f"{missing[0]}.bin (training evaluates RFW's .bin form: one per group, "
                         f"{', '.join(RFW_GROUPS)})"))
     return out
@@ -178,16 +183,16 @@ def _output_errors(cfg: Config) -> list[tuple[str, str]]:
             store.put(probe, b"")
             store.remove(probe)
         except StorageError as err:
-            return [(key, f"output={cfg.run_location!r}: cannot write there: {err}")]
+            return [(key, f"output={shown_value(cfg.run_location)}: cannot write there: {err}")]
         return []
     folder = cfg.run_dir.absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
-        return [(key, f"output={str(cfg.run_dir)!r}: {existing} is not a folder")]
+        return [(key, f"output={shown_value(str(cfg.run_dir))}: {existing} is not a folder")]
     try:  # a real write: permission bits say nothing for root, read-only mounts or NFS
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
-        return [(key, f"output={str(cfg.run_dir)!r}: cannot write in {existing} "
+        return [(key, f"output={shown_value(str(cfg.run_dir))}: cannot write in {existing} "
                       f"({exc.strerror})")]
     return []
