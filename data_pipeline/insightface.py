@@ -8,6 +8,7 @@ largest label + 1 (one pass over the headers). Labels are the image header's flo
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -25,22 +26,36 @@ class InsightFaceSource:
         keys = self.reader.keys
         header0 = unpack(self.reader.read(0))[0] if 0 in self.reader.index else None
         if header0 is not None and header0.flag > 0:
-            first_identity = int(header0.label[0])
+            first_identity = self._count(header0.label[0], "record 0's first identity key")
             self.keys = list(range(1, first_identity))
-            range_classes = int(header0.label[1]) - first_identity if header0.flag > 1 else None
+            range_classes = (self._count(header0.label[1], "record 0's identity range end")
+                             - first_identity if header0.flag > 1 else None)
         else:
             self.keys, range_classes = keys, None
-        self.num_classes = self._read_property() or range_classes or self._max_label() + 1
+        self.num_classes = (self._read_property() or range_classes
+                            or self._count(self._max_label() + 1, "largest label + 1"))
+
+    def _count(self, value: float, what: str) -> int:
+        """``value`` (a key or a class count the `.rec` or `property` states) as an int; a
+        DataError unless it is an integer within the records the `.idx` lists (each key,
+        image and identity has one), before anything of that size is made."""
+        records = len(self.reader.index)
+        if not (math.isfinite(value) and value == int(value) and 0 <= value <= records + 1):
+            where = self.root / "property" if what == "class count" else self.reader.rec_path
+            raise DataError(f"{where}: {what} is {value}, not an integer within the "
+                            f"{records} records of {self.reader.idx_path.name}")
+        return int(value)
 
     def _read_property(self) -> int | None:
         path = self.root / "property"
         if not path.is_file():
             return None
+        text = path.read_bytes()[:200].decode(errors="replace").strip()
         try:
-            return int(path.read_text().strip().split(",")[0])
+            return self._count(int(text.split(",")[0]), "class count")
         except ValueError as exc:
             raise DataError(f"{path}: expected 'num_classes,height,width', got "
-                            f"{path.read_text().strip()!r}") from exc
+                            f"{text[:80]!r}") from exc
 
     def _max_label(self) -> int:
         return max(self.read_label(i) for i in range(len(self.keys)))
@@ -67,7 +82,7 @@ class InsightFaceSource:
 
     def _label(self, key: int, header) -> int:
         value = header.label[0] if header.flag > 0 else header.label
-        if value != int(value) or value < 0:
+        if not math.isfinite(value) or value != int(value) or value < 0:
             raise DataError(f"{self.reader.rec_path}: record {key} has label {value}, "
                             "expected a non-negative integer")
         return int(value)

@@ -53,19 +53,23 @@ def unpack(payload: bytes) -> tuple[IRHeader, bytes]:
     return IRHeader(flag, label, id1, id2), rest
 
 
-def read_index(idx_path: Path) -> dict[int, int]:
-    """Parse a `.idx` file into {key: byte offset}."""
+def read_index(idx_path: Path, rec_bytes: int) -> dict[int, int]:
+    """Parse a `.idx` file into {key: byte offset}; DataError naming the line for one that is
+    not ``key<TAB>offset`` or points outside the ``rec_bytes`` of its `.rec`."""
     index = {}
-    with open(idx_path) as f:
+    with open(idx_path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                key, offset = line.split("\t")
+                key, offset = line.split(b"\t")
                 index[int(key)] = int(offset)
             except ValueError as exc:
                 raise DataError(f"{idx_path}:{lineno}: expected 'key<TAB>offset', "
-                                f"got {line.strip()!r}") from exc
+                                f"got {line.strip()[:80].decode(errors='replace')!r}") from exc
+            if not 0 <= index[int(key)] < rec_bytes:
+                raise DataError(f"{idx_path}:{lineno}: offset {int(offset)} outside the "
+                                f"{rec_bytes} bytes of its .rec")
     return index
 
 
@@ -78,7 +82,8 @@ class RecordIOReader:
             if not path.is_file():
                 raise DataError(f"{path}: file not found (give the folder of insightface's "
                                 "train.rec, train.idx and property, e.g. faces_emore)")
-        self.index = read_index(self.idx_path)
+        self.rec_bytes = self.rec_path.stat().st_size
+        self.index = read_index(self.idx_path, self.rec_bytes)
         self._file = open(self.rec_path, "rb")  # noqa: SIM115 - closed by close()/__exit__
 
     @property
@@ -102,10 +107,11 @@ class RecordIOReader:
                 raise DataError(f"{self.rec_path}: bad magic {magic:#010x} at byte "
                                 f"{self._file.tell() - 8} (key {key}, idx offset {offset})")
             cflag, length = lrecord >> 29, lrecord & LENGTH_MASK
-            data = self._file.read((length + 3) & ~3)
-            if len(data) < length:
+            left = self.rec_bytes - self._file.tell()
+            if length > left:  # refused before a buffer of its declared size is made
                 raise DataError(f"{self.rec_path}: record {key} truncated "
-                                f"({len(data)} of {length} bytes)")
+                                f"({left} of {length} bytes)")
+            data = self._file.read((length + 3) & ~3)
             parts.append(data[:length])
             if cflag in (0, 3):
                 return struct.pack("<I", MAGIC).join(parts)

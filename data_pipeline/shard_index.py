@@ -142,13 +142,21 @@ def parse_index(source: Path | BinaryIO, where: str, shard_bytes: int) -> ShardI
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise ShardError(f"{where}: unreadable shard index ({type(exc).__name__}: {exc}); "
                          f"{REBUILD}") from exc
-    if version != FORMAT_VERSION or members.shape != (len(keys), 4):
+    if (version != FORMAT_VERSION or members.shape != (len(keys), 4)
+            or members.dtype.kind != "i" or keys.ndim != 1):
         raise ShardError(f"{where}: not a version-{FORMAT_VERSION} shard index; {REBUILD}")
     shard = where.removesuffix(INDEX_SUFFIX)
     if indexed_bytes != shard_bytes:
         raise ShardError(f"{shard}: {shard_bytes} bytes, its index {where.rsplit('/', 1)[-1]} "
                          f"was made for {indexed_bytes} (a truncated or rewritten shard; if the "
                          f"shard is right, {REBUILD})")
+    offsets, sizes = members[:, 0::2], members[:, 1::2]
+    absent = (offsets == -1) & (sizes == -1)
+    outside = ~absent & ((offsets < BLOCK) | (sizes < 0) | (offsets + sizes > indexed_bytes))
+    if outside.any():  # refused before a member is sliced or a byte range is requested
+        row = int(np.flatnonzero(outside.any(1))[0])
+        raise ShardError(f"{where}: sample {row} lies outside the {indexed_bytes} bytes of "
+                         f"its shard; {REBUILD}")
     return ShardIndex(keys, members, indexed_bytes)
 
 

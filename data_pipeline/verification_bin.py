@@ -59,7 +59,8 @@ def read_bin(path: str | os.PathLike) -> tuple[list[bytes], list[bool]]:
         except UnsafeBinError:
             raise
         except Exception as exc:  # truncated or not a pickle at all
-            raise UnsafeBinError(f"{path}: not a readable verification .bin ({exc})") from exc
+            raise UnsafeBinError(f"{path}: not a readable verification .bin "
+                                 f"({type(exc).__name__}: {exc})") from exc
     if not (isinstance(obj, tuple | list) and len(obj) == 2):
         raise UnsafeBinError(f"{path}: expected a pair (images, issame), got {type(obj).__name__}")
     images, issame = obj
