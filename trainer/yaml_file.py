@@ -162,9 +162,12 @@ def read_mapping(path: str | Path, shown: str | None = None) -> dict:
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 120, 120, 60
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 4
+SHOWN = 160  # characters of a value a message quotes
 
 
 def shown_value(value: Any) -> str:
-    """``repr(value)`` cut to a few items a level, three levels and ~120 characters a string:
-    what a message quotes of a value a file set, bounded however large the value is."""
-    return _SHORT.repr(value)
+    """``repr(value)`` cut to four items a level, three levels and :data:`SHOWN` characters:
+    what a message quotes of a value a file set, bounded however large the value is
+    (reprlib looks at the items it shows only, so a shared 9^9 tree costs nothing)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."

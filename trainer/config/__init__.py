@@ -63,6 +63,9 @@ from trainer.config.schema import (
     dump_config,
 )
 
+# A recipe of 10,000 wrong values (the YAML reader's bound) is not read line by line.
+MAX_LINES = 30
+
 __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
     "DistConfig", "DistillConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig",
@@ -157,7 +160,9 @@ def load_config(
         if key.split(".")[0] not in broken
     ]
     if errors:
-        raise ConfigError("\n".join(errors))
+        listed = errors[:MAX_LINES] + [f"({len(errors) - MAX_LINES} more problems not shown)"] \
+            * (len(errors) > MAX_LINES)
+        raise ConfigError("\n".join(listed))
     for msg in [retyped] * bool(retyped) + theory_warnings(cfg) + pace:
         warnings.warn(msg, ConfigWarning, stacklevel=2)
     return cfg
