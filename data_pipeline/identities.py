@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.errors import DataError
+from data_pipeline.json_file import MAX_IDENTITIES_BYTES, parse_json, read_json
 from data_pipeline.manifest import Manifest
 from data_pipeline.remote import RemoteFolder, open_folder, scrub
 
@@ -62,12 +63,12 @@ def read_identities(data_dir: str | os.PathLike | RemoteFolder,
         if not path.is_file():
             raise DataError(f"{path}: missing, though manifest.json names it (copy it with the "
                             "shards, or convert the folder again)")
-        text = path.read_text(encoding="utf-8")
+        raw = read_json(path, "identity map", limit=MAX_IDENTITIES_BYTES)
     else:
         where = scrub(folder.url_of(manifest.identities))
-        text = folder.read(manifest.identities).decode("utf-8")
+        raw = parse_json(folder.read(manifest.identities), where, "identity map",
+                         limit=MAX_IDENTITIES_BYTES)
     try:
-        raw = json.loads(text)
         identities = Identities(tuple(str(n) for n in raw["names"]), str(raw["origin"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{where}: malformed identity map ({type(exc).__name__}: {exc})") from exc

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data_pipeline.errors import DataError
+from data_pipeline.json_file import parse_json, read_json
 from data_pipeline.remote import RemoteFolder, open_folder, scrub
 
 MANIFEST_NAME = "manifest.json"
@@ -61,15 +62,19 @@ def read_manifest(data_dir: str | os.PathLike | RemoteFolder) -> Manifest:
         if not path.is_file():
             raise DataError(f"{path}: no manifest (not a converted data folder, "
                             "or its conversion did not finish)")
-        return parse_manifest(path.read_text(), str(path))
-    return parse_manifest(folder.read(MANIFEST_NAME).decode(), folder.url_of(MANIFEST_NAME))
+        return manifest_of(read_json(path, "manifest"), str(path))
+    return parse_manifest(folder.read(MANIFEST_NAME), folder.url_of(MANIFEST_NAME))
 
 
-def parse_manifest(text: str, where: str) -> Manifest:
-    """The manifest stored as ``text`` (read from ``where``, named in errors), validated."""
+def parse_manifest(data: bytes | str, where: str) -> Manifest:
+    """The manifest stored as ``data`` (read from ``where``, named in errors), validated."""
+    return manifest_of(parse_json(data, scrub(where), "manifest"), where)
+
+
+def manifest_of(raw: dict, where: str) -> Manifest:
+    """The manifest whose parsed JSON object is ``raw`` (read from ``where``), validated."""
     path = scrub(where)
     try:
-        raw = json.loads(text)
         shards = tuple(ShardInfo(str(s["name"]), int(s["count"]), int(s["bytes"]),
                                  str(s.get("sha256", ""))) for s in raw["shards"])
         manifest = Manifest(num_classes=int(raw["num_classes"]),
@@ -77,7 +82,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
                             source=dict(raw.get("source", {})),
                             version=int(raw.get("version", FORMAT_VERSION)),
                             identities=str(raw.get("identities", "")))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise DataError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from exc
     if manifest.version != FORMAT_VERSION:
         raise DataError(f"{path}: version {manifest.version} unsupported "

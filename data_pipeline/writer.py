@@ -37,6 +37,7 @@ import numpy as np
 from data_pipeline.codec import MAX_PIXELS, prepare_jpeg
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.identities import IDENTITIES_NAME, Identities, identities_bytes
+from data_pipeline.json_file import parse_json
 from data_pipeline.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -202,16 +203,17 @@ def _check_resumable(out: LocalOutput | RemoteOutput, fingerprint: dict) -> Mani
     """Record the fingerprint, or check a previous run's; return the manifest if already done."""
     stored, previous = out.read(MANIFEST_NAME), out.read(PROGRESS_NAME)
     if stored is not None:
-        manifest = parse_manifest(stored.decode(), out.where(MANIFEST_NAME))
+        manifest = parse_manifest(stored, out.where(MANIFEST_NAME))
         if (manifest.source == _manifest_source(fingerprint)
                 and manifest.num_samples == fingerprint["num_samples"]):
             return manifest
         raise DataError(f"{out.where(MANIFEST_NAME)}: folder already holds a different "
                         f"conversion ({manifest.source}); choose an empty output folder")
     if previous is not None:
-        if json.loads(previous) != fingerprint:
+        settings = parse_json(previous, out.where(PROGRESS_NAME), "conversion progress file")
+        if settings != fingerprint:
             raise DataError(f"{out.where(PROGRESS_NAME)}: an unfinished conversion with other "
-                            f"settings ({json.loads(previous)}) is in this folder; delete it or "
+                            f"settings ({str(settings)[:200]}) is in this folder; delete it or "
                             "choose another")
     elif out.has_shards():
         raise DataError(f"{out.shown}: holds shards but no {PROGRESS_NAME} or {MANIFEST_NAME}; "

@@ -16,7 +16,6 @@ import argparse
 import base64
 import html
 import io
-import json
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from data_pipeline.json_file import read_json
 from data_pipeline.store import in_store
 from offline.evaluation_figures import EVALUATION_FIGURES, EVALUATION_WHEN_ABSENT
 from offline.report_figures import FIGURES, WHEN_ABSENT, RunData
@@ -83,13 +83,10 @@ def load_runs(folders: Sequence[str | Path]) -> list[RunData]:
 def load_evaluation(path: str | Path) -> RunData:
     """``launch.evaluate --json``'s file as a run with one evaluation row and nothing else."""
     path = Path(path)
-    try:
-        results = json.loads(path.read_text())
-        if not isinstance(results, dict) or not all(isinstance(r, dict)
-                                                    for r in results.values()):
-            raise ValueError("expected {set: {metric: value}} (launch.evaluate --json)")
-    except (OSError, ValueError) as err:
-        raise ReportError(f"{path}: {getattr(err, 'strerror', None) or err}") from None
+    results = read_json(path, "evaluation results", error=ReportError)
+    if not all(isinstance(r, dict) for r in results.values()):
+        raise ReportError(f"{path}: expected {{set: {{metric: value}}}} (launch.evaluate "
+                          "--json)")
     return RunData(label=path.stem, config={}, train=[],
                    evals=[{"step": 0, **flat_metrics(results)}], hist=None)
 

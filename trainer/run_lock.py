@@ -36,11 +36,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from data_pipeline.json_file import parse_json
 from trainer.errors import Refused
 from trainer.stopping import StopReason, StopRequests
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 10.0
+LEASE_BYTES = 4096  # a lease is ~100 bytes; a lock file's first 4 KiB are all that is read
 STALE_S = 60.0  # a lease unrenewed this long belongs to a dead or hung job
 _REREAD_S = 0.05
 _NO_FCNTL = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -58,6 +60,24 @@ class Lease:
     pid: int
     started: float
     heartbeat: float
+
+    @classmethod
+    def parse(cls, raw: bytes | None, where: str) -> Lease | None:
+        """The lease stored as ``raw`` (a lock file's or object's bytes, read from ``where``);
+        None when it is empty or not a lease (malformed, or a field of another type), which
+        the lock treats as no holder."""
+        if not raw:
+            return None
+        try:
+            fields_ = parse_json(raw, where, "run lease", limit=LEASE_BYTES)
+        except ValueError:
+            return None
+        types = {"host": str, "pid": int, "started": int | float, "heartbeat": int | float}
+        if fields_.keys() != types.keys() or not all(
+                isinstance(fields_[k], t) and not isinstance(fields_[k], bool)
+                for k, t in types.items()):
+            return None
+        return cls(**fields_)
 
     def names(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
@@ -210,11 +230,7 @@ class RunLock:
 
 def _read(fd: int) -> Lease | None:
     """The lease in the lock file, None when it is empty or not a lease."""
-    raw = os.pread(fd, 4096, 0)
-    try:
-        return Lease(**json.loads(raw))
-    except (ValueError, TypeError):
-        return None
+    return Lease.parse(os.pread(fd, LEASE_BYTES, 0), LOCK_FILE)
 
 
 def _write(fd: int, lease: Lease) -> None:

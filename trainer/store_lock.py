@@ -94,11 +94,7 @@ class StoreLock:
                 "give this run its own folder (output=...)")
 
     def _read(self) -> Lease | None:
-        raw = self.store.get(LOCK_FILE)
-        try:
-            return Lease(**json.loads(raw)) if raw else None
-        except (ValueError, TypeError):
-            return None
+        return Lease.parse(self.store.get(LOCK_FILE), self.store.url_of(LOCK_FILE))
 
     def _heartbeat(self) -> None:
         # the period read at each wait, as RunLock reads it (a module value bound at import

@@ -23,7 +23,6 @@ This module is the layout (a shard file's writer) and its reader, which a run ne
 from __future__ import annotations
 
 import io
-import json
 import mmap
 import struct
 import zipfile
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from data_pipeline.errors import DataError
+from data_pipeline.json_file import read_json
 from data_pipeline.manifest import atomic_file
 
 INDEX = "embeddings.json"
@@ -63,7 +63,7 @@ def read_index(out: str | Path) -> dict:
     path = Path(out) / INDEX
     if not path.is_file():
         raise DataError(f"{path}: missing (not a folder python -m launch.embed wrote)")
-    return json.loads(path.read_text())
+    return read_json(path, "embedding set index")
 
 
 class TeacherEmbeddings:

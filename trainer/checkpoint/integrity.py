@@ -11,7 +11,6 @@ was rewritten along with a planted pickle is therefore still refused, and no cod
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 from collections.abc import Collection
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from data_pipeline.json_file import read_json
 from trainer.checkpoint.meta import CheckpointMeta
 from trainer.errors import Refused, Stopped
 
@@ -46,7 +46,11 @@ def sha256(path: Path) -> str:
 
 def read_meta(path: Path) -> CheckpointMeta:
     """The meta.json of checkpoint folder ``path`` (plain JSON: safe before verification)."""
-    return CheckpointMeta.from_json(json.loads((Path(path) / META).read_text()))
+    meta = read_json(Path(path) / META, f"checkpoint {META}", error=CheckpointError)
+    try:
+        return CheckpointMeta.from_json(meta)
+    except TypeError as exc:  # a field of the wrong type or a key missing
+        raise CheckpointError(f"{Path(path) / META}: incomplete ({exc})") from None
 
 
 def verify(path: Path, only: Collection[str] | None = None,
@@ -61,11 +65,12 @@ def verify(path: Path, only: Collection[str] | None = None,
     one in a store (``shown``, its URL, names it in the errors)."""
     path = Path(path)
     where = shown if shown is not None else str(path)
-    try:
-        meta = json.loads((path / META).read_text())
-        files = meta["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{where}/{META}: unreadable or incomplete ({exc})") from None
+    meta = read_json(path / META, f"checkpoint {META}", error=CheckpointError,
+                     where=f"{where}/{META}")
+    files = meta.get("files")
+    if not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
+        raise CheckpointError(f"{where}/{META}: incomplete ('files' is not a map of names "
+                              "to SHA-256 digests)")
     if present is None:
         present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
     present = set(present) - {META}

@@ -9,6 +9,9 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from data_pipeline.errors import DataError
+from data_pipeline.json_file import read_json
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -64,18 +67,28 @@ class CheckpointMeta:
 
     @classmethod
     def from_json(cls, data: dict) -> CheckpointMeta:
-        """From meta.json's parsed object; keys this version does not know are ignored."""
+        """From meta.json's parsed object; keys this version does not know are ignored.
+        TypeError naming the first key whose value is not of its field's JSON type."""
         known = {f.name for f in fields(cls)} - {"loaders"}
-        return cls(loaders=data.get("loader") or [],
-                   **{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        values["loaders"] = data.get("loader") or []
+        for key, value in values.items():
+            if not isinstance(value, JSON_TYPES[key]):
+                raise TypeError(f"{key!r} is {type(value).__name__} {str(value)[:40]!r}")
+        return cls(**values)
+
+
+JSON_TYPES = {"step": int, "world_size": int, "loaders": list, "rows": list, "files": dict,
+              "name": str, "config": dict | None, "bad_steps": int, "skipped_steps": int,
+              "skipped_samples": int}  # CheckpointMeta's fields as meta.json holds them
 
 
 def checkpoint_step(folder: Path) -> int:
     """The step checkpoint ``folder`` holds: its meta.json's ``step``, else the number in its
     ``step-<n>`` tag (a ``final`` folder always has meta.json), else 0."""
     try:
-        step = json.loads((folder / "meta.json").read_text()).get("step")
-    except (OSError, ValueError):
+        step = read_json(folder / "meta.json", "checkpoint meta").get("step")
+    except DataError:
         step = None
     if isinstance(step, int):
         return step

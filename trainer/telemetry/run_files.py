@@ -13,13 +13,14 @@ per sampled step: ``{"step": 500, "range_deg": [0, 180], "theta_target": [180 co
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.errors import DataError
+from data_pipeline.json_file import parse_json
 from trainer.errors import Refused
 
 METRICS = "metrics.jsonl"
@@ -28,6 +29,7 @@ MERGE_COPY = "merge.txt"  # the list data.merge names, as the run trained it (th
 SUMMARY = "summary.json"  # the last invocation's summary (trainer.telemetry.logger)
 HIST_RANGE = (0.0, 180.0)  # degrees
 HIST_BINS = 180
+LINE_BYTES = 1 << 20  # a row is a few hundred bytes; a longer line is not one of ours
 
 
 class RunFileError(Refused, ValueError):
@@ -36,18 +38,18 @@ class RunFileError(Refused, ValueError):
 
 def _complete_lines(path: Path) -> list[tuple[str, dict]]:
     """``(raw line, parsed object)`` for every complete line; a partial last line is left out."""
-    lines = path.read_text().split("\n")
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = parse_json(line, f"{path}:{i + 1}", "run file line", limit=LINE_BYTES)
+        except DataError:
             if i == len(lines) - 1:  # no newline yet: the writer is (or died) mid-line
                 break
             raise RunFileError(f"{path}:{i + 1}: not a JSON object ({line[:60]!r})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        if not isinstance(row.get("step"), int):
             raise RunFileError(f"{path}:{i + 1}: a row needs an integer 'step' ({line[:60]!r})")
         out.append((line, row))
     return out
