@@ -17,7 +17,9 @@ Pixel limit: an image's header is read before its pixels (simplejpeg's
 :class:`CorruptImageError` before anything is allocated for it: a 600-byte JPEG whose frame
 header claims 60000x60000 cost the loader 10.5 GB and half a minute before it was called
 corrupt. The converters decode large JPEGs scaled down in libjpeg (PIL's ``draft``: DCT
-scaling to the smallest of 1/2, 1/4, 1/8 that still covers ``size``), which is also faster.
+scaling to the smallest of 1/2, 1/4, 1/8 that still covers ``size``), which is also faster,
+and so does the loader for a shard written with ``--size 0`` (simplejpeg's ``min_width``):
+a 49 MP JPEG, just under the limit, took seconds to decode and stretch whole.
 """
 
 from __future__ import annotations
@@ -55,18 +57,21 @@ def check_pixels(width: int, height: int, max_pixels: int) -> None:
                                 f"{max_pixels} (refused before decoding)")
 
 
-def _decode_pil(data: bytes, max_pixels: int) -> np.ndarray:
+def _decode_pil(data: bytes, max_pixels: int, min_size: int) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as im:
         check_pixels(*im.size, max_pixels)
+        if min_size:
+            im.draft("RGB", (min_size, min_size))
         return np.asarray(im.convert("RGB"))
 
 
-def _decode_simplejpeg(data: bytes, max_pixels: int) -> np.ndarray:
+def _decode_simplejpeg(data: bytes, max_pixels: int, min_size: int) -> np.ndarray:
     if not is_jpeg(data):
-        return _decode_pil(data, max_pixels)
+        return _decode_pil(data, max_pixels, min_size)
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     check_pixels(width, height, max_pixels)
-    return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_height=min_size,
+                                  min_width=min_size)
 
 
 DECODERS = {"pil": _decode_pil, "simplejpeg": _decode_simplejpeg}
@@ -101,17 +106,18 @@ def resize_square(image: np.ndarray, size: int) -> np.ndarray:
     return np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
 
 
-def decode_rgb(data: bytes, decoder: str = "auto", max_pixels: int = MAX_PIXELS
-               ) -> np.ndarray:
-    """Encoded bytes -> uint8 RGB array [H, W, 3] as stored; CorruptImageError if
-    undecodable or larger than ``max_pixels``.
+def decode_rgb(data: bytes, decoder: str = "auto", max_pixels: int = MAX_PIXELS,
+               min_size: int = 0) -> np.ndarray:
+    """Encoded bytes -> uint8 RGB array [H, W, 3] as stored (a JPEG at least twice
+    ``min_size`` on both sides decoded at libjpeg's DCT scale that still covers it: 1/2, 1/4
+    or 1/8); CorruptImageError if undecodable or larger than ``max_pixels``.
 
     decoder: a name from DECODERS, or "auto" (resolved per call: hot loops pass a name).
     """
     if decoder not in DECODERS:
         decoder = resolve_decoder(decoder)
     try:
-        return DECODERS[decoder](data, max_pixels)
+        return DECODERS[decoder](data, max_pixels, min_size)
     except CorruptImageError:
         raise
     except UNDECODABLE as exc:
@@ -120,8 +126,9 @@ def decode_rgb(data: bytes, decoder: str = "auto", max_pixels: int = MAX_PIXELS
 
 def decode_image(data: bytes, size: int = 112, decoder: str = "auto",
                  max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """Encoded bytes -> uint8 RGB array [size, size, 3] (:func:`decode_rgb`, stretched)."""
-    return resize_square(decode_rgb(data, decoder, max_pixels), size)
+    """Encoded bytes -> uint8 RGB array [size, size, 3] (:func:`decode_rgb` at the DCT scale
+    that covers ``size``, stretched)."""
+    return resize_square(decode_rgb(data, decoder, max_pixels, size), size)
 
 
 def decode_into(data: bytes, out: np.ndarray, decoder: str,
