@@ -1,0 +1,204 @@
+"""What every fuzz target of tests/fuzz holds each case to, and the inputs it starts from.
+
+A case ends within :data:`SECONDS` and :data:`MEMORY` above the process's resident size when
+it starts, with a one-line refusal (an error of the reader's own kinds, or a program's exit
+status 2 and one line on stderr), a skipped-and-counted sample, or a valid result; never a
+traceback. The memory is the peak resident size, C allocations included (libjpeg's buffers
+are not Python objects): Linux resets a process's high-water mark when ``5`` is written to
+``/proc/self/clear_refs``, so each case is measured in this process, from its own start.
+
+``FUZZ_EXAMPLES`` scales every target's number of generated cases (``make test``: 1; ``make
+fuzz``: more). With ``FUZZ_REPORT`` set, each target appends its figures (cases, slowest,
+largest) to that file as a JSON line; ``make fuzz`` prints them (docs/readers.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+SECONDS = 5.0
+MEMORY = 512 << 20
+SCALE = float(os.environ.get("FUZZ_EXAMPLES_SCALE", "1"))
+MESSAGE_CHARS = 2000  # a one-line message is bounded too (a value shown cut, never whole)
+
+
+def fuzz_settings(examples: int):
+    """Seeded (the same cases every run), no example database, ``examples`` x the scale."""
+    return settings(max_examples=max(1, round(examples * SCALE)), derandomize=True,
+                    database=None, deadline=None, print_blob=False,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+def _status(name: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{name}:\s+(\d+) kB", f.read(), re.M).group(1)) << 10
+
+
+@dataclass
+class Figures:
+    """One target's cases: how many, the slowest and the largest."""
+
+    target: str
+    cases: int = 0
+    max_s: float = 0.0
+    max_bytes: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def measure(self, run: Callable[[], object]) -> tuple[object, BaseException | None]:
+        """``run()``'s value or exception, after checking its time and peak memory."""
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base, start = _status("VmRSS"), time.perf_counter()
+        value, error = None, None
+        try:
+            value = run()
+        except Exception as exc:  # judged by the caller: a refusal of the right kind or a bug
+            error = exc
+        seconds, grown = time.perf_counter() - start, _status("VmHWM") - base
+        self.cases += 1
+        self.max_s, self.max_bytes = max(self.max_s, seconds), max(self.max_bytes, grown)
+        assert seconds < SECONDS, f"{self.target}: {seconds:.1f} s"
+        assert grown < MEMORY, f"{self.target}: {grown >> 20} MiB above the start"
+        return value, error
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def report(self) -> None:
+        path = os.environ.get("FUZZ_REPORT")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"target": self.target, "cases": self.cases,
+                                    "max_s": round(self.max_s, 3),
+                                    "max_mib": round(self.max_bytes / 2**20, 1),
+                                    "outcomes": self.outcomes}) + "\n")
+
+
+@contextlib.contextmanager
+def figures(target: str) -> Iterator[Figures]:
+    """A target's :class:`Figures`, reported when its cases are done."""
+    tracked = Figures(target)
+    yield tracked
+    tracked.report()
+
+
+def one_line(error: BaseException, kinds: tuple[type[BaseException], ...]) -> str:
+    """``error``'s message, after checking it is one of ``kinds`` and one bounded line."""
+    assert error is not None, "accepted"
+    if not isinstance(error, kinds):
+        raise error
+    message = str(error)
+    assert "\n" not in message and 0 < len(message) < MESSAGE_CHARS, message[:MESSAGE_CHARS]
+    return message
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A program's ``main`` run in this process: exit status and what it printed."""
+
+    status: int
+    out: str
+    err: str
+
+    def refused(self) -> str:
+        """The one line of a refusal (exit status 2), after checking it is one."""
+        lines = [line for line in self.err.splitlines() if line.strip()]
+        assert self.status == 2 and len(lines) == 1, (self.status, self.err[-MESSAGE_CHARS:])
+        assert "Traceback" not in self.err and len(lines[0]) < MESSAGE_CHARS
+        return lines[0]
+
+
+def run_main(main: Callable[[list[str]], int], argv: list[str]) -> Ran:
+    """``main(argv)`` with stdout and stderr captured; argparse's exits count as returns.
+    Progress bars are off (``TQDM_DISABLE``, set by the fixture of each target's module)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    return Ran(status, out.getvalue(), err.getvalue())
+
+
+# Generated inputs: what a damaged or hostile copy of a valid file looks like.
+HUGE = (0xFFFFFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFF, 0x7FFF, 1 << 29, (1 << 29) - 1, 60000)
+
+
+def _flip(data: bytes, bits: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for at, bit in bits:
+        out[at % len(out)] ^= 1 << bit
+    return bytes(out)
+
+
+def _put(data: bytes, at: int, packed: bytes) -> bytes:
+    at %= max(1, len(data) - len(packed) + 1)
+    return data[:at] + packed + data[at + len(packed):]
+
+
+def damaged(seed: bytes, keep_size: bool = False) -> st.SearchStrategy[bytes]:
+    """Copies of ``seed``: truncated (unless ``keep_size``), bits flipped, bytes overwritten,
+    a huge number written over any 2, 4 or 8 bytes (a declared size or dimension), or
+    replaced by random bytes of its size."""
+    n = len(seed)
+    kinds = [
+        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 7)), min_size=1,
+                 max_size=8).map(lambda bits: _flip(seed, bits)),
+        st.tuples(st.integers(0, n - 1), st.binary(min_size=1, max_size=16)).map(
+            lambda p: _put(seed, p[0], p[1])),
+        st.tuples(st.integers(0, n - 1), st.sampled_from(HUGE),
+                  st.sampled_from(["<H", ">H", "<I", ">I", "<Q"])).map(
+            lambda p: _put(seed, p[0], struct.pack(p[2], p[1] % (1 << 8 * struct.calcsize(p[2]))))),
+        st.binary(min_size=n, max_size=n),
+    ]
+    if not keep_size:
+        kinds.append(st.integers(0, n - 1).map(lambda i: seed[:i]))
+    return st.one_of(kinds)
+
+
+def _deep(depth: int, opener: str) -> str:
+    closer = {"[": "]", "{": "}"}[opener]
+    inner = '{"a": ' if opener == "{" else "["
+    return inner * depth + "1" + closer * depth
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=4),
+    max_leaves=16)
+
+
+def json_documents(seed: dict) -> st.SearchStrategy[bytes]:
+    """JSON files a reader of ``seed``'s kind may meet: ``seed`` with one key's value of
+    another type or removed, another JSON value, nesting 10^5 deep, NaN and Infinity,
+    huge numbers, not UTF-8, and ``seed``'s text damaged."""
+    text = json.dumps(seed).encode()
+    keys = sorted(seed)
+
+    def retyped(p: tuple[str, object]) -> bytes:
+        return json.dumps({**seed, p[0]: p[1]}).encode()
+
+    return st.one_of(
+        st.tuples(st.sampled_from(keys), JSON_VALUES | st.sampled_from(
+            [float("nan"), float("inf"), 10 ** 30, -1, 2 ** 63, "x" * 10000])).map(retyped),
+        st.sampled_from(keys).map(lambda k: json.dumps(
+            {x: v for x, v in seed.items() if x != k}).encode()),
+        JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+        st.sampled_from(["[", "{"]).map(lambda o: _deep(100_000, o).encode()),
+        st.just(b"\xff\xfe\x00garbage"),
+        damaged(text),
+    )

@@ -1,0 +1,93 @@
+"""Fuzzing the image decoders every reader goes through (data_pipeline.codec): the loader's
+``decode_into`` (both decoders), ``decode_image`` (evaluation sets, verify, the offline tools)
+and the converters' ``prepare_jpeg``. Any bytes end as an image or a CorruptImageError (which
+the loader skips and counts, and a converter names in one line) within the bounds of
+tests/fuzz/bounds.py.
+
+Seeds: the issue's JPEG (a 112x112 JPEG whose frame header claims 60000x60000), a 112x112
+JPEG truncated at every byte, and damaged copies of it and of a PNG: flipped bits, huge
+dimensions and segment lengths, random bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from PIL import Image
+
+from data_pipeline.codec import decode_image, decode_into, prepare_jpeg, resolve_decoder
+from data_pipeline.errors import CorruptImageError
+from tests.fuzz.bounds import damaged, figures, fuzz_settings, one_line
+
+DECODERS = sorted({"pil", resolve_decoder("auto")})
+
+
+def face(fmt: str, size: int = 112) -> bytes:
+    """A smooth ``size`` x ``size`` colour image (as an optimised JPEG, 750 bytes at 112)."""
+    ramp = np.repeat(np.linspace(0, 255, size, dtype=np.uint8)[None], size, 0)
+    out = io.BytesIO()
+    Image.fromarray(np.stack([ramp, ramp.T, ramp], -1)).save(out, format=fmt, quality=50,
+                                                             optimize=True)
+    return out.getvalue()
+
+
+def claiming(data: bytes, width: int, height: int) -> bytes:
+    """The JPEG ``data`` with its frame header (SOF0/1/2) edited to claim width x height."""
+    out, at = bytearray(data), 2
+    while out[at + 1] not in (0xC0, 0xC1, 0xC2):
+        at += 2 + struct.unpack(">H", out[at + 2:at + 4])[0]
+    out[at + 5:at + 9] = struct.pack(">HH", height, width)
+    return bytes(out)
+
+
+JPEG, PNG = face("JPEG"), face("PNG")
+BOMB = claiming(JPEG, 60000, 60000)  # the issue's file: 10.5 GB and 31-75 s before the limit
+
+
+def _decode_all(tracked, data: bytes) -> None:
+    """``data`` through every decoder path: an image of the right shape or a one-line
+    CorruptImageError, within the bounds."""
+    out = np.empty((112, 112, 3), np.uint8)
+    for decoder in DECODERS:
+        for call in (lambda d=decoder: decode_into(data, out, d),
+                     lambda d=decoder: decode_image(data, 112, d).shape,
+                     lambda: prepare_jpeg(data, 112), lambda: prepare_jpeg(data, None)):
+            value, error = tracked.measure(call)
+            if error is not None:
+                one_line(error, (CorruptImageError,))
+            tracked.count("refused" if error is not None else "decoded")
+
+
+@pytest.fixture(scope="module")
+def image_figures():
+    with figures("image: codec.decode_into, decode_image, prepare_jpeg") as tracked:
+        yield tracked
+
+
+def test_the_issue_jpeg_is_refused_at_once(image_figures):
+    """The issue's JPEG (here 751 bytes) claiming 60000x60000: refused from its header, in
+    both decoders and the converter, without the 10.5 GB decode."""
+    out = np.empty((112, 112, 3), np.uint8)
+    for decoder in DECODERS:
+        _, error = image_figures.measure(lambda d=decoder: decode_into(BOMB, out, d))
+        assert "pixels" in one_line(error, (CorruptImageError,))  # PIL's open refuses too
+    _, error = image_figures.measure(lambda: prepare_jpeg(BOMB, 112))
+    assert "over the limit" in one_line(error, (CorruptImageError,))
+    assert image_figures.max_bytes < 64 << 20 and image_figures.max_s < 1.0
+
+
+def test_a_jpeg_truncated_at_every_byte(image_figures):
+    for end in range(len(JPEG)):
+        _decode_all(image_figures, JPEG[:end])
+
+
+@fuzz_settings(examples=60)
+@given(data=damaged(JPEG) | damaged(PNG) | damaged(BOMB))
+@example(data=claiming(JPEG, 7000, 7000))  # under the limit: decoded (scaled) or refused
+@example(data=claiming(JPEG, 65535, 1))
+def test_damaged_images(image_figures, data):
+    _decode_all(image_figures, data)
