@@ -68,7 +68,11 @@ class IJBMeta:
 def _rows(path: Path, width: int | None) -> list[list[str]]:
     if not path.is_file():
         raise DataError(f"{path}: missing (expected the insightface IJB_release layout)")
-    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_bytes().decode()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    rows = [line.split() for line in text.splitlines() if line.strip()]
     for i, row in enumerate(rows, 1):
         if width is not None and len(row) != width:
             raise DataError(f"{path}:{i}: expected {width} fields, got {len(row)}")
@@ -103,8 +107,9 @@ def read_ijb_meta(root: str | os.PathLike, target: str = "IJBC") -> IJBMeta:
         ints = np.array([r[1:] for r in faces], dtype=np.int64).reshape(-1, 2)
         floats = np.array([r[1:] for r in points], dtype=np.float64).reshape(-1, 11)
         pair_ints = np.array(pairs, dtype=np.int64).reshape(-1, 3)
-    except ValueError as exc:
-        raise DataError(f"{meta}: non-numeric field in the {t} meta files ({exc})") from exc
+    except (ValueError, OverflowError) as exc:
+        raise DataError(f"{meta}: non-numeric field in the {t} meta files "
+                        f"({str(exc)[:120]})") from exc
     return IJBMeta(
         root=root, names=[r[0] for r in faces], templates=ints[:, 0], medias=ints[:, 1],
         landmarks=floats[:, :10].reshape(-1, 5, 2), face_scores=floats[:, 10],
