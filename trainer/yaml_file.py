@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from yaml.composer import ComposerError
 from yaml.events import AliasEvent
+from yaml.scanner import ScannerError
 
 from trainer.errors import Refused
 
@@ -80,6 +81,15 @@ class BoundedLoader(yaml.SafeLoader):
             self.depth -= 1
         self.sizes[node] = self.expanded - before
         return node
+
+    def fetch_flow_collection_start(self, token_class: type) -> None:
+        """The depth bound where the scanner meets a ``[`` or ``{``, before the composer: the
+        scanner looks up to 1024 characters ahead for a simple key at each open flow level,
+        so 1000 nested ``[`` took 0.4 s before the composer saw the 33rd."""
+        if self.flow_level >= MAX_DEPTH:
+            raise ScannerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                               self.get_mark())
+        super().fetch_flow_collection_start(token_class)
 
     def _count(self, nodes: int, mark: yaml.Mark) -> None:
         self.expanded += nodes

@@ -9,6 +9,7 @@ Each function returns (dotted key, message) pairs as the checks in
 
 from __future__ import annotations
 
+import os
 import tempfile
 import uuid
 from pathlib import Path
@@ -48,7 +49,7 @@ def read_data_manifest(cfg: Config) -> tuple[Manifest | None, list[tuple[str, st
                 out.append((key, f"{name}: {err}"))
             continue
         data_dir = Path(folder)
-        if not (data_dir / "manifest.json").is_file():
+        if not os.path.isfile(data_dir / "manifest.json"):
             out.append((key, f"{name}={shown_value(folder)}: {_no_manifest(data_dir)}"))
             continue
         try:
@@ -111,17 +112,17 @@ def _no_manifest(data_dir: Path) -> str:
     """What is at ``data_dir`` instead of a converted data set, and what makes one. The
     manifest is written last (data_pipeline.writer), so shards without it are a conversion
     that did not finish."""
-    if not data_dir.exists():
+    if not os.path.exists(data_dir):
         import difflib
 
-        parent = data_dir.parent if data_dir.parent.is_dir() else None
+        parent = data_dir.parent if os.path.isdir(data_dir.parent) else None
         sets = [p.name for p in parent.iterdir() if (p / "manifest.json").is_file()] if parent \
             else []
         near = difflib.get_close_matches(data_dir.name, sets, n=1)
         near_dir = str(data_dir.parent / near[0]) if near else ""
         hint = f" (did you mean data.dir={shown_value(near_dir)}?)" if near else ""
         return f"no such folder{hint}; {MAKE_DATA}"
-    shards = len(list(data_dir.glob("*.tar"))) if data_dir.is_dir() else 0
+    shards = len(list(data_dir.glob("*.tar"))) if os.path.isdir(data_dir) else 0
     if shards:
         return (f"no manifest.json there but {shards} shard(s): the conversion did not finish; "
                 "run the same `python -m launch.convert` command again (it keeps finished "
@@ -131,27 +132,29 @@ def _no_manifest(data_dir: Path) -> str:
 
 def path_errors(cfg: Config) -> list[tuple[str, str]]:
     """The run folder must be writable; the weights, resume folder and eval sets must exist."""
+    # os.path's tests, not pathlib's: they answer False for a name the system refuses (too
+    # long, a NUL in it), where Path.is_file raises
     out = _output_errors(cfg)
     weights = cfg.backbone.weights
-    if weights is not None and not Path(weights).is_file():
+    if weights is not None and not os.path.isfile(weights):
         out.append(("backbone.weights", f"backbone.weights={shown_value(weights)}"
                                         ": no such file (a local "
                     "state_dict; nothing is downloaded)"))
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not in_store(resume) and not Path(resume).is_dir():
+    if resume not in ("auto", "none") and not in_store(resume) and not os.path.isdir(resume):
         out.append(("checkpoint.resume", f"checkpoint.resume={shown_value(resume)}"
                                          ": no such folder (give "
                     "a run folder or one of its checkpoints/step-* folders, or auto / none)"))
     listed = isinstance(cfg.data.exclude, list)
     lists = cfg.data.exclude if listed else [cfg.data.exclude]
     for i, x in enumerate(lists if cfg.data.source == "shards" else []):
-        if x is not None and not Path(x).is_file():
+        if x is not None and not os.path.isfile(x):
             key, name = (f"data.exclude.{i}", f"data.exclude[{i}]") if listed else \
                 ("data.exclude", "data.exclude")
             out.append((key, f"{name}={shown_value(x)}: no such file (an exclusion list: python -m "
                         "launch.overlap writes one)"))
     for i, b in enumerate(cfg.eval.bins):
-        if not Path(b).is_file():
+        if not os.path.isfile(b):
             from data_pipeline.verification_bin import MISSING_BIN_FIX
 
             out.append((f"eval.bins.{i}", f"eval.bins[{i}]={shown_value(b)}: no such file "
@@ -186,7 +189,11 @@ def _output_errors(cfg: Config) -> list[tuple[str, str]]:
             return [(key, f"output={shown_value(cfg.run_location)}: cannot write there: {err}")]
         return []
     folder = cfg.run_dir.absolute()
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+    except (OSError, ValueError) as exc:  # a name too long (ENAMETOOLONG), a NUL in it
+        return [(key, f"output={shown_value(str(cfg.run_dir))}: not a path this system takes "
+                      f"({getattr(exc, 'strerror', None) or exc})")]
     if not existing.is_dir():
         return [(key, f"output={shown_value(str(cfg.run_dir))}: {existing} is not a folder")]
     try:  # a real write: permission bits say nothing for root, read-only mounts or NFS
