@@ -13,8 +13,10 @@ raises before anything runs. Python-2 ``str`` images load as bytes
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import pickletools
 from pathlib import Path
 
 from data_pipeline.manifest import atomic_write_bytes
@@ -53,14 +55,16 @@ def read_bin(path: str | os.PathLike) -> tuple[list[bytes], list[bool]]:
         UnsafeBinError: the pickle asks for a global or holds another type or shape.
     """
     path = Path(path)
-    with path.open("rb") as f:
-        try:
-            obj = _RestrictedUnpickler(f, path).load()
-        except UnsafeBinError:
-            raise
-        except Exception as exc:  # truncated or not a pickle at all
-            raise UnsafeBinError(f"{path}: not a readable verification .bin "
-                                 f"({type(exc).__name__}: {exc})") from exc
+    data = path.read_bytes()
+    try:
+        for _ in pickletools.genops(data):  # every declared length checked against the file,
+            pass  # before the unpickler makes a buffer of that length (a bytes8 of 2^40)
+        obj = _RestrictedUnpickler(io.BytesIO(data), path).load()
+    except UnsafeBinError:
+        raise
+    except Exception as exc:  # truncated or not a pickle at all
+        raise UnsafeBinError(f"{path}: not a readable verification .bin "
+                             f"({type(exc).__name__}: {str(exc)[:120]})") from exc
     if not (isinstance(obj, tuple | list) and len(obj) == 2):
         raise UnsafeBinError(f"{path}: expected a pair (images, issame), got {type(obj).__name__}")
     images, issame = obj
