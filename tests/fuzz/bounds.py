@@ -20,6 +20,9 @@ import json
 import os
 import re
 import struct
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ SECONDS = 5.0
 MEMORY = 512 << 20
 SCALE = float(os.environ.get("FUZZ_EXAMPLES_SCALE", "1"))
 MESSAGE_CHARS = 2000  # a one-line message is bounded too (a value shown cut, never whole)
+PROGRESS = re.compile(r"\d+/\d+ \[\d|/s\]$|\|\s*$")  # a tqdm bar's line
 
 
 def fuzz_settings(examples: int):
@@ -113,17 +117,22 @@ class Ran:
     out: str
     err: str
 
+    @property
+    def lines(self) -> list[str]:
+        """stderr's lines, progress bars left out (tqdm reads ``TQDM_DISABLE`` at import)."""
+        lines = (line.rsplit("\r", 1)[-1] for line in self.err.split("\n"))
+        return [line for line in lines if line.strip() and not PROGRESS.search(line)]
+
     def refused(self) -> str:
         """The one line of a refusal (exit status 2), after checking it is one."""
-        lines = [line for line in self.err.splitlines() if line.strip()]
+        lines = self.lines
         assert self.status == 2 and len(lines) == 1, (self.status, self.err[-MESSAGE_CHARS:])
         assert "Traceback" not in self.err and len(lines[0]) < MESSAGE_CHARS
         return lines[0]
 
 
 def run_main(main: Callable[[list[str]], int], argv: list[str]) -> Ran:
-    """``main(argv)`` with stdout and stderr captured; argparse's exits count as returns.
-    Progress bars are off (``TQDM_DISABLE``, set by the fixture of each target's module)."""
+    """``main(argv)`` with stdout and stderr captured; argparse's exits count as returns."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -202,3 +211,33 @@ def json_documents(seed: dict) -> st.SearchStrategy[bytes]:
         st.just(b"\xff\xfe\x00garbage"),
         damaged(text),
     )
+
+
+@dataclass(frozen=True)
+class Program:
+    """A program run as a user runs it (``python -m MODULE ARGS``): exit status, stderr,
+    seconds, and its peak resident size (``wait4``'s ``ru_maxrss``)."""
+
+    status: int
+    err: str
+    seconds: float
+    peak_bytes: int
+
+    def refused(self) -> str:
+        return Ran(self.status, "", self.err).refused()
+
+
+def run_program(module: str, *args: str, cwd: str | None = None) -> Program:
+    """``python -m module args`` in a subprocess, ``TQDM_DISABLE`` set (a user's log has its
+    progress; the check wants the lines), killed past twice :data:`SECONDS` plus start-up."""
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    start = time.perf_counter()
+    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as child:
+        timer = threading.Timer(2 * SECONDS + 30, child.kill)
+        timer.start()
+        err = child.stderr.read().decode(errors="replace")
+        _, status, usage = os.wait4(child.pid, 0)
+        timer.cancel()
+        child.returncode = os.waitstatus_to_exitcode(status)
+    return Program(child.returncode, err, time.perf_counter() - start, usage.ru_maxrss << 10)
