@@ -38,13 +38,16 @@ def find_orl_root() -> Path:
 
 
 def write_orl_shards(out_dir: str | os.PathLike, *, identities: list[str] | None = None,
-                     size: int = 112, samples_per_shard: int = 100, seed: int = 0) -> Manifest:
-    """Convert the ORL faces (all 40, or the named folders, e.g. ["s1", ..., "s30"]) to shards.
+                     exclude: tuple[str, ...] = (), size: int = 112,
+                     samples_per_shard: int = 100, seed: int = 0) -> Manifest:
+    """Convert the ORL faces (all 40, or the named folders, e.g. ["s1", ..., "s30"]) to shards,
+    leaving out the images ``exclude`` matches too (fnmatch patterns, e.g. "s11/[6-9].pgm").
 
     Images are stretched from 92x112 to size x size; labels follow the sorted folder names of
     the identities selected.
     """
-    source = ImageFolderSource(find_orl_root(), exclude=ORL_EXCLUDE, identities=identities)
+    source = ImageFolderSource(find_orl_root(), exclude=ORL_EXCLUDE + tuple(exclude),
+                               identities=identities)
     manifest, _ = write_dataset(source, out_dir, size=size, samples_per_shard=samples_per_shard,
                                 shuffle_seed=seed)
     return manifest

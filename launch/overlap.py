@@ -7,6 +7,14 @@ Command line (one process, or every rank of torchrun)::
         [--ijb IJB_release --ijb-target IJBC] [--rfw RFW_DIR] [--tinyface DIR]
         [--fpir 1e-3 [--held-out LIST | --training-null] | --threshold T] --out overlap.txt
         [--json overlap.json] [--html overlap.html]
+    python -m launch.overlap --checkpoint RUN --between A,B [--within]
+        [--fpir 0.01 [--held-out LIST_A,LIST_B] | --threshold T] --out merge.txt
+        [--json pairs.json] [--html pairs.html]
+
+The second form lists the identities training sets hold twice (``launch.overlap_between``):
+each class centre of each set searched against the other sets' centres (``--within``: also
+its own set's other centres), the same calibration on the centres of identities the run held
+out, the expected number of false pairs beside the count; its list is ``data.merge``'s.
 
 Each training identity's centre (mean unit embedding over its images in DIR's shards; DIR may
 be an s3://, gs://, https:// or file:// URL, read as training reads it) is searched for each
@@ -67,8 +75,14 @@ TRAINED_PROBES = ("note: the model was trained on these probes, so they search t
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = checkpoint_program_parser("launch.overlap", __doc__)
-    p.add_argument("--data", required=True,
+    p.add_argument("--data",
                    help="the training shard folder, or its URL (s3://, gs://, https://, file://)")
+    p.add_argument("--between", metavar="A,B",
+                   help="instead of --data and the evaluation sets: shard folders whose "
+                   "classes are searched against each other's for one person held twice; "
+                   "--out is then a merge list (data.merge)")
+    p.add_argument("--within", action="store_true",
+                   help="--between: also search each set's classes against its own others")
     p.add_argument("--bins", default="", help="comma-separated verification .bin files")
     p.add_argument("--ijb", type=Path, metavar="DIR",
                    help="IJB_release folder (or its IJBB/IJBC sub-folder holding meta/)")
@@ -96,7 +110,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--null-images", type=int, default=DEFAULT_NULL_IMAGES,
                    help="about how many images the calibration searches "
                    f"(default {DEFAULT_NULL_IMAGES:,})")
-    p.add_argument("--out", type=Path, required=True, help="the exclusion list to write")
+    p.add_argument("--out", type=Path, required=True, help="the exclusion list to write "
+                   "(--between: the merge list)")
     p.add_argument("--json", type=Path, help="also write every shared identity here: set, "
                    "label, identity, score, image, key, source, sample_score; and the "
                    "calibration and histograms")
@@ -105,6 +120,16 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
+    if args.threshold is not None and not -1 <= args.threshold <= 1:
+        p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
+    if not 0 < args.fpir < 1:
+        p.error(f"--fpir {args.fpir}: a rate, in (0, 1)")
+    if args.between is not None:
+        from launch.overlap_between import checked
+
+        return checked(p, args)
+    if args.data is None or args.within:
+        p.error("--data: required (or --between A,B [--within] for identities held twice)")
     args.bins = [Path(b) for b in args.bins.split(",") if b.strip()]
     if not (args.bins or args.ijb or args.rfw or args.tinyface):
         p.error("nothing to compare with: give --bins, --ijb, --rfw and/or --tinyface")
@@ -116,19 +141,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.pair_sets = [partial(bin_set, b.stem, b) for b in args.bins]
     if args.rfw is not None:
         args.pair_sets += _rfw_groups(p, args.rfw)
-    if args.threshold is not None and not -1 <= args.threshold <= 1:
-        p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
-    if not 0 < args.fpir < 1:
-        p.error(f"--fpir {args.fpir}: a rate, in (0, 1)")
     if args.null_images < 1:
         p.error(f"--null-images {args.null_images}: at least 1")
-    args.held = None if args.held_out is None else _held_out(p, args.held_out)
+    args.held = None if args.held_out is None else held_out_classes(p, args.held_out)
     if not is_url(args.data) and not (Path(args.data) / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
 
 
-def _held_out(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
+def held_out_classes(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
     """The classes of the exclusion list the model was trained with; a parser error names a
     missing or unreadable list, or one without classes."""
     try:
@@ -183,6 +204,10 @@ def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], E
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.between is not None:
+        from launch.overlap_between import run
+
+        return run(args)
     from trainer import dist
 
     env = dist.init_distributed(args.device)
