@@ -4,6 +4,7 @@ synthetic embeddings.
     nice -n 10 python bench/overlap_scale.py                              # MS1MV3 x 3 .bins
     nice -n 10 python bench/overlap_scale.py --centres 2059906 --images 2000 --null 2000
     nice -n 10 python bench/overlap_scale.py --distractors 1000000        # + MegaFace's 10^6
+    nice -n 10 python bench/overlap_scale.py --between 360000             # MS1MV3 x Glint360K
 
 The two searches ``offline.overlap`` makes once the centres are known, with its own functions:
 
@@ -12,6 +13,11 @@ The two searches ``offline.overlap`` makes once the centres are known, with its 
 - ``search``: ``--images`` evaluation images (``--distractors`` more where given) searched for
   their nearest centre in blocks of ``offline.overlap.SEARCH_BLOCK``, as ``set_overlap``
   searches each rank's share (``centre_search``).
+
+- ``between`` (``--between N``, instead of the two above): ``launch.overlap --between``'s
+  search of two training sets' class centres, ``--centres`` against ``N`` others and back
+  (``offline.overlap_pairs.search_block`` over blocks of ``SEARCH_BLOCK`` centres, as
+  ``nearest_centres`` calls it on each rank); ``--within`` adds each set against its own.
 
 Defaults: 93,431 centres (MS1MV3) x 40,000 images (LFW, CFP-FP and AgeDB-30 hold 38,000),
 100,000 null probes (``launch.overlap --null-images``' default), 512-d. The centres are
@@ -31,11 +37,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from offline.overlap import SEARCH_BLOCK
+from offline.overlap_pairs import search_block
 from offline.overlap_search import best_other_centre, centre_search
 
 CHUNK = 65_536  # rows generated at a time
@@ -105,9 +113,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--null", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--between", type=int, default=0, metavar="N",
+                   help="time launch.overlap --between's search of --centres against N "
+                   "other centres (and back) instead")
+    p.add_argument("--within", action="store_true", help="--between: also each set against "
+                   "its own other centres")
     args = p.parse_args(argv)
     began = time.perf_counter()
     centres = _unit_rows(args.centres, args.dim, args.seed)
+    if args.between:
+        _between(centres, _unit_rows(args.between, args.dim, args.seed + 3), args.within, began)
+        return
     null, null_labels = _probes(centres, args.null, args.seed + 1)
     images, _ = _probes(centres, args.images + args.distractors, args.seed + 2)
     print(f"{args.centres:,} centres x {args.dim}-d ({centres.nbytes / 2 ** 20:,.0f} MiB), "
@@ -125,6 +141,23 @@ def main(argv: list[str] | None = None) -> None:
                                                                      centres))
     if args.null:
         print(f"null's 0.999 quantile {np.quantile(best, 0.999):.4f}")
+
+
+def _between(first: np.ndarray, second: np.ndarray, within: bool, began: float) -> None:
+    """Each set's centres searched against the other's (and, ``within``, their own), in the
+    tool's blocks; one line per direction."""
+    galleries = [(np.arange(len(c)), c) for c in (first, second)]
+    print(f"{len(first):,} x {len(second):,} centres x {first.shape[1]}-d ("
+          f"{(first.nbytes + second.nbytes) / 2 ** 20:,.0f} MiB), made in "
+          f"{time.perf_counter() - began:.1f} s")
+    for own, name in ((0, "A->B"), (1, "B->A")):
+        _blocks(name + (" +own" if within else ""), len(galleries[own][1]),
+                partial(_search_from, own, galleries, within))
+
+
+def _search_from(own: int, galleries: list, within: bool, start: int, stop: int) -> None:
+    """Set ``own``'s centres ``start:stop`` searched as ``nearest_centres`` searches them."""
+    search_block(galleries[own][1][start:stop], np.arange(start, stop), own, galleries, within)
 
 
 if __name__ == "__main__":

@@ -93,10 +93,11 @@ def nearest_centres(sets: Sequence[CentreSet], within: bool,
     """For every set, each searched class's nearest centre among the other sets' (and, with
     ``within``, its own set's other classes'). Collective over ``process_group``: rank ``r``
     searches classes ``r, r + P, ...`` of each set in blocks of ``SEARCH_BLOCK``; every rank
-    returns the same lists. Memory above the centres: one copy of each set's searched
-    centres, a block and faiss's tiles."""
+    returns the same lists. Memory above the centres: a block, faiss's tiles and, of a set
+    with classes without an image, a copy of its searched centres."""
     rank, world = get_rank(process_group), get_world_size(process_group)
-    galleries = [(s.searched, np.ascontiguousarray(s.centres[s.searched])) for s in sets]
+    galleries = [(s.searched, s.centres if len(s.searched) == len(s.counts)
+                  else np.ascontiguousarray(s.centres[s.searched])) for s in sets]
     out = []
     for i, probe_set in enumerate(sets):
         size = len(probe_set.counts)
@@ -105,7 +106,7 @@ def nearest_centres(sets: Sequence[CentreSet], within: bool,
         mine = probe_set.searched[rank::world]
         for start in range(0, len(mine), SEARCH_BLOCK):
             rows = mine[start:start + SEARCH_BLOCK]
-            scores, hit_set, hit_label = _block(probe_set.centres[rows], rows, i, galleries,
+            scores, hit_set, hit_label = search_block(probe_set.centres[rows], rows, i, galleries,
                                                 within)
             best[rows] = torch.from_numpy(scores)
             where[0, rows], where[1, rows] = torch.from_numpy(hit_set), torch.from_numpy(
@@ -115,7 +116,7 @@ def nearest_centres(sets: Sequence[CentreSet], within: bool,
     return out
 
 
-def _block(probes: np.ndarray, rows: np.ndarray, own: int,
+def search_block(probes: np.ndarray, rows: np.ndarray, own: int,
            galleries: list[tuple[np.ndarray, np.ndarray]], within: bool
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best centre of ``probes`` (set ``own``'s classes ``rows``) over the galleries
