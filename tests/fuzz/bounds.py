@@ -241,3 +241,28 @@ def run_program(module: str, *args: str, cwd: str | None = None) -> Program:
         timer.cancel()
         child.returncode = os.waitstatus_to_exitcode(status)
     return Program(child.returncode, err, time.perf_counter() - start, usage.ru_maxrss << 10)
+
+
+def print_figures(report: str) -> None:
+    """The targets' figures of a ``FUZZ_REPORT`` file, summed per target, as a Markdown
+    table (``make fuzz`` prints it; docs/readers.md keeps one)."""
+    rows: dict[str, Figures] = {}
+    with open(report) as f:
+        for line in f:
+            got = json.loads(line)
+            row = rows.setdefault(got["target"], Figures(got["target"]))
+            row.cases += got["cases"]
+            row.max_s = max(row.max_s, got["max_s"])
+            row.max_bytes = max(row.max_bytes, round(got["max_mib"] * 2**20))
+            for outcome, count in got["outcomes"].items():
+                row.outcomes[outcome] = row.outcomes.get(outcome, 0) + count
+    print(f"| target | cases | slowest (s, bound {SECONDS:g}) | largest (MiB above start, "
+          f"bound {MEMORY >> 20}) | outcomes |\n| --- | --- | --- | --- | --- |")
+    for row in rows.values():
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(row.outcomes.items()))
+        print(f"| {row.target} | {row.cases} | {row.max_s:.2f} | {row.max_bytes / 2**20:.1f} "
+              f"| {outcomes} |")
+
+
+if __name__ == "__main__":
+    print_figures(sys.argv[1])
