@@ -55,10 +55,11 @@ class PretrainedConfig:
     def from_json(cls, text: str, where: str) -> PretrainedConfig:
         """Parse ``config.json``; raises ValueError (one line naming ``where``) when it is
         not one of ours or misses a key."""
-        try:
+        try:  # partial_fc imports no package below it, so not data_pipeline.json_file
             raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
+            raise ValueError(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:120]})"
+                             ) from None
         if not isinstance(raw, dict) or raw.get("library") != "partial-fc":
             raise ValueError(f"{where}: not a partial-fc config.json (no \"library\": "
                              "\"partial-fc\"); write one with python -m launch.export "
