@@ -51,3 +51,13 @@ def write_orl_shards(out_dir: str | os.PathLike, *, identities: list[str] | None
     manifest, _ = write_dataset(source, out_dir, size=size, samples_per_shard=samples_per_shard,
                                 shuffle_seed=seed)
     return manifest
+
+
+def write_orl_shared_sets(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """Two training sets that share ten people, each with half of their images (what
+    ``launch.overlap --between`` is tested and shown on, docs/data.md): ``a`` = s1-s20 with
+    images 1-5 of s11-s20, ``b`` = s11-s30 with images 6-10 of s11-s20."""
+    for out, people, kept in ((a, range(1, 21), range(1, 6)), (b, range(11, 31), range(6, 11))):
+        write_orl_shards(out, identities=[f"s{i}" for i in people],
+                         exclude=tuple(f"s{i}/{j}.pgm" for i in range(11, 21)
+                                       for j in range(1, 11) if j not in kept))
