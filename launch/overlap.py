@@ -204,15 +204,14 @@ def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], E
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    if args.between is not None:
-        from launch.overlap_between import run
-
-        return run(args)
+    find, report = _find, _report
+    if args.between is not None:  # identities held twice
+        from launch.overlap_between import find, report
     from trainer import dist
 
     env = dist.init_distributed(args.device)
     try:
-        found = _find(args, env)
+        found = find(args, env)
     except (DataError, CalibrationError) as err:  # the same on every rank: a set or the
         # folder is unreadable, or the null searches do not resolve --fpir
         if env.is_main:
@@ -221,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         dist.shutdown()
     if env.is_main:
-        _report(args, *found)
+        report(args, *found)
     return 0
 
 

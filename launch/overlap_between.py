@@ -2,16 +2,14 @@
 for ``data.merge`` (the work is ``offline.overlap_pairs``; the page ``offline.overlap_pairs_page``).
 
 Kept beside ``launch.overlap``, whose parser, checkpoint, calibration and refusals it shares:
-this module checks the flags of that mode and runs it on every rank.
+this module checks the flags of that mode, finds the pairs on every rank and reports them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from data_pipeline.errors import DataError
 from data_pipeline.exclusion import made_by
 from data_pipeline.merge import write_merge
 from data_pipeline.remote import is_url
@@ -55,24 +53,6 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
     return args
 
 
-def run(args: argparse.Namespace) -> int:
-    """Every rank: the centres, the calibration, the pairs; rank 0 writes and prints."""
-    from trainer import dist
-
-    env = dist.init_distributed(args.device)
-    try:
-        found = _find(args, env)
-    except (DataError, CalibrationError) as err:  # the same on every rank
-        if env.is_main:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        dist.shutdown()
-    if env.is_main:
-        _report(args, *found)
-    return 0
-
-
 def _held(args: argparse.Namespace, is_main: bool) -> tuple[dict[int, frozenset[int]], str]:
     """The held-out classes per set (``--held-out``, else what the run of ``--checkpoint``
     held out of each set it trained on) and where they came from; CalibrationError where
@@ -100,7 +80,9 @@ def _held(args: argparse.Namespace, is_main: bool) -> tuple[dict[int, frozenset[
     return held, "the run's data.exclude"
 
 
-def _find(args: argparse.Namespace, env) -> tuple:
+def find(args: argparse.Namespace, env) -> tuple:
+    """Every rank: the centres, the calibration, the pairs (``launch.overlap.main`` runs
+    it, and ``report`` on rank 0)."""
     from data_pipeline.identities import read_identities
     from data_pipeline.manifest import read_manifest
     from offline.overlap import class_centres
@@ -140,7 +122,7 @@ def _find(args: argparse.Namespace, env) -> tuple:
     return threshold, calibration, sets, find_pairs(nearest, threshold)
 
 
-def _report(args: argparse.Namespace, threshold: float, calibration, sets: list,
+def report(args: argparse.Namespace, threshold: float, calibration, sets: list,
             pairs: list) -> None:
     """Rank 0: the merge list, the JSON, the page, and the pairs printed."""
     from offline.overlap_pairs_page import pairs_json, write_pairs_page
