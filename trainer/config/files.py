@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import typing
 from pathlib import Path
@@ -88,9 +89,9 @@ def load_tree(path: Path, origin: dict[str, str], chain: tuple[Path, ...] = ()) 
         if not isinstance(base, str):
             raise ConfigError(f"{shown(path)}: base={shown_value(base)}: must be a file name")
         base_path = path.parent / base
-        if not base_path.is_file():
-            raise ConfigError(f"{shown(path)}: base={shown_value(base)}: no such file "
-                              f"{shown(base_path)}")
+        if not os.path.isfile(base_path):  # False for a name too long, where is_file raises
+            raise ConfigError(f"{shown(path)}: base={shown_value(base)}: no such file (read "
+                              f"from {shown(path.parent)})")
         tree = load_tree(base_path, origin, (*chain, path))
     _merge(tree, data, shown(path), origin)
     return tree
