@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import rounding_excess
 
 from partial_fc.backbones import build_backbone, list_backbones, normalize_images
 
@@ -194,5 +195,8 @@ def test_parameters_cast_to_low_precision_as_deepspeed_does(name, dtype):
         if "running" in key:
             assert got.dtype == torch.float32, key
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=key)
-    err = float((out.detach().float() - expected).norm() / expected.norm())
-    assert err < 1e-3, f"{name} {dtype}: relative difference to autocast {err:.3g}"
+    # the same kernels on the same rounded operands: each output within one rounding to
+    # dtype (an ulp at the value) and an fp32 sum order of the other (equal on AVX-512 BF16,
+    # AVX2 and the default ISA)
+    excess = rounding_excess(out, expected, dtype=dtype)
+    assert excess <= 1, f"{name} {dtype}: {excess:.3g} of a rounding from autocast's"

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from tolerances import rounding_excess
 
 from partial_fc import PartialFC, build_margin
 from partial_fc.tiles import ReferenceTiles, tuning
@@ -247,8 +248,10 @@ def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
                  ReferenceTiles(4 * 13 * 7).class_tile_grads(e, w, inv, tgt, 16.0, *back,
                                                              transform())]
         assert grads[0][1].dtype == w.dtype
-        for a, b in zip(grads[0], grads[1], strict=True):  # the same rounded G', summed apart
-            assert normwise(a, b) < 1e-5
+        # the same rounded G', summed apart in fp32; a bf16 grad_w then rounded once: one
+        # bf16 ulp where the two sums straddle a rounding boundary (seen on AVX-512 BF16)
+        for a, b in zip(grads[0], grads[1], strict=True):
+            assert rounding_excess(a, b, normwise=1e-5) <= 1
         # G' rounded to bf16 (as the kernels; the reference keeps it fp32): 2**-8 relative
         assert all(normwise(a, b) < 1e-2 for a, b in zip(grads[0], grads[2], strict=True))
 
