@@ -52,10 +52,11 @@ from functools import partial
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.exclusion import Exclusions, made_by, read_exclusions, write_exclusions
+from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
+from launch import overlap_between
 from launch.cli import (
     checkpoint_program_parser,
     load_backbone_or_exit,
@@ -125,9 +126,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not 0 < args.fpir < 1:
         p.error(f"--fpir {args.fpir}: a rate, in (0, 1)")
     if args.between is not None:
-        from launch.overlap_between import checked
-
-        return checked(p, args)
+        return overlap_between.checked(p, args)
     if args.data is None or args.within:
         p.error("--data: required (or --between A,B [--within] for identities held twice)")
     args.bins = [Path(b) for b in args.bins.split(",") if b.strip()]
@@ -143,23 +142,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.pair_sets += _rfw_groups(p, args.rfw)
     if args.null_images < 1:
         p.error(f"--null-images {args.null_images}: at least 1")
-    args.held = None if args.held_out is None else held_out_classes(p, args.held_out)
+    held = args.held_out
+    args.held = None if held is None else overlap_between.held_out_classes(p, held)
     if not is_url(args.data) and not (Path(args.data) / "manifest.json").is_file():
         p.error(f"--data {args.data}: no manifest.json (a folder launch.convert wrote)")
     return args
-
-
-def held_out_classes(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
-    """The classes of the exclusion list the model was trained with; a parser error names a
-    missing or unreadable list, or one without classes."""
-    try:
-        classes = read_exclusions(path).classes
-    except (OSError, DataError) as err:
-        p.error(f"--held-out {path}: {str(err).splitlines()[0]}")
-    if not classes:
-        p.error(f"--held-out {path}: no `class` lines (the calibration needs identities the "
-                "model never saw, not single samples)")
-    return classes
 
 
 def _null_identities(args: argparse.Namespace, is_main: bool
@@ -204,9 +191,8 @@ def _rfw_groups(p: argparse.ArgumentParser, folder: Path) -> list[Callable[[], E
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    find, report = _find, _report
-    if args.between is not None:  # identities held twice
-        from launch.overlap_between import find, report
+    find, report = (_find, _report) if args.between is None else (  # identities held twice
+        overlap_between.find, overlap_between.report)
     from trainer import dist
 
     env = dist.init_distributed(args.device)

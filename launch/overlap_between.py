@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from data_pipeline.exclusion import made_by
+from data_pipeline.errors import DataError
+from data_pipeline.exclusion import made_by, read_exclusions
 from data_pipeline.merge import write_merge
 from data_pipeline.remote import is_url
 from launch.cli import load_backbone_or_exit, resolve_checkpoint_or_exit
@@ -23,10 +25,6 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
     """``args`` of the between mode, its sets and held-out lists parsed; a parser error
     (one line, exit 2) names a flag of the other mode, a folder without a manifest, or a
     held-out list that cannot be read."""
-    from pathlib import Path
-
-    from launch.overlap import held_out_classes
-
     other = [flag for flag, value in (("--data", args.data), ("--bins", args.bins),
                                       ("--ijb", args.ijb), ("--rfw", args.rfw),
                                       ("--tinyface", args.tinyface)) if value]
@@ -78,6 +76,19 @@ def _held(args: argparse.Namespace, is_main: bool) -> tuple[dict[int, frozenset[
     if not held:
         raise refusals[0]
     return held, "the run's data.exclude"
+
+
+def held_out_classes(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
+    """The classes of the exclusion list the model was trained with; a parser error names a
+    missing or unreadable list, or one without classes."""
+    try:
+        classes = read_exclusions(path).classes
+    except (OSError, DataError) as err:
+        p.error(f"--held-out {path}: {str(err).splitlines()[0]}")
+    if not classes:
+        p.error(f"--held-out {path}: no `class` lines (the calibration needs identities the "
+                "model never saw, not single samples)")
+    return classes
 
 
 def find(args: argparse.Namespace, env) -> tuple:
