@@ -1,7 +1,7 @@
 """``data.merge`` in a training run: the merged class space is the run's (the log's C, the
-head, config.yaml's digest, the list copied into the run folder), a merged run stopped and
-resumed ends where an unbroken one ends, and a resume with another list, or a list with a
-bad line at ``--check``, is refused in one line."""
+head, config.yaml's digest, the list copied into the run folder, launch.plan's classes), a
+merged run stopped and resumed ends where an unbroken one ends, and a resume with another
+list, or a list with a bad line at ``--check``, is refused in one line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from launch_helpers import ROOT
 from shard_helpers import make_shards
 
 from data_pipeline.merge import read_merge, write_merge
+from offline.plan_inputs import resolve_inputs
 from trainer.config import load_config
 
 
@@ -47,6 +48,10 @@ def test_a_merged_run_trains_one_class_per_person_and_resumes_exactly(synthetic_
     assert saved.data.num_classes == 21
     assert saved.data.merge_digest == read_merge(merge).digest  # struck lines do not count
     assert (tmp_path / "whole" / "merge.txt").read_text().endswith("# no\n")
+    recipe = tmp_path / "recipe.yaml"  # launch.plan counts people too
+    recipe.write_text(f"base: {ROOT / 'configs' / 'smoke.yaml'}\ndata:\n  dirs: [{dirs}]\n"
+                      f"  merge: {merge}\n")
+    assert resolve_inputs(str(recipe), {}).classes == 21
 
     assert _train(tmp_path / "cut", dirs, merge, "train.max_steps=2") == 0
     assert _train(tmp_path / "cut", dirs, merge, "train.max_steps=4") == 0
