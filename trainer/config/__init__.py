@@ -69,7 +69,7 @@ MAX_LINES = 30
 __all__ = [
     "BackboneConfig", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning", "DataConfig",
     "DistConfig", "DistillConfig", "EngineConfig", "EvalConfig", "HeadConfig", "LogConfig",
-    "MARGIN_MODELS", "Machine",
+    "MARGIN_MODELS", "MAX_LINES", "Machine",
     "MarginConfig", "OptimConfig", "Resolved", "ScheduleConfig", "TrainConfig", "describe_keys",
     "dump_config", "load_config", "machine_notes", "resolve_config", "resolve_here",
     "resume_drift", "run_folder", "theory_warnings",
