@@ -64,7 +64,6 @@ test-long: setup
 
 # tests/fuzz with FUZZ_SCALE times the generated cases `make test` runs (its seeded budget), every
 # reader's figures (cases, slowest, largest) printed at the end: docs/readers.md keeps a run's.
-# FUZZ_EXAMPLES sets test_config_fuzz.py's recipe count.
 FUZZ_SCALE ?= 20
 FUZZ_REPORT ?= $(or $(TMPDIR),/tmp)/partial-fc-fuzz.jsonl
 fuzz: setup
