@@ -14,6 +14,11 @@ look-up fails at once, as on a cluster whose nodes have no DNS, instead of after
 resolver's time-outs. torch's store looks up the name of every peer that connects, in its
 one server thread, which at 10-50 s a look-up made a node that joined a running job time
 out before the store answered it.
+
+``two_nodes(bridge=True)`` joins the nodes through a bridge on the host instead of one veth
+pair: the host then holds ``SUBNET.254`` and reaches both nodes (a scheduler's controller on
+the host side, tools/slurm), and ``etc`` puts files of one's own over the namespaces' /etc
+(a ``hosts`` file naming the nodes).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +45,23 @@ class NoNamespaces(RuntimeError):
     """``ip netns``/veth/``unshare`` is not available or not permitted here."""
 
 
+HOST = 254  # the host's address on a bridged pair: SUBNET.254
+
+
 @dataclass(frozen=True)
 class Nodes:
     namespaces: tuple[str, str]
     links: tuple[str, str]  # the veth end inside each namespace
+    subnet: str = SUBNET
+    bridge: str | None = None  # the host's bridge, when bridged
 
     @property
     def master(self) -> str:
-        return f"{SUBNET}.1"
+        return self.address(0)
+
+    def address(self, i: int) -> str:
+        """Node ``i``'s address (``HOST``: the host's on a bridged pair)."""
+        return f"{self.subnet}.{i + 1 if i != HOST else HOST}"
 
     def link(self, up: bool) -> None:
         """Plug or cut the wire (node 0's end of the veth pair)."""
@@ -61,21 +75,29 @@ def _ip(*args: str) -> None:
 
 
 @contextmanager
-def two_nodes() -> Iterator[Nodes]:
-    """Two fresh namespaces ``<tag>n0``/``<tag>n1`` wired by a veth pair; removed afterwards."""
+def two_nodes(subnet: str = SUBNET, bridge: bool = False,
+              etc: Mapping[str, str] | None = None) -> Iterator[Nodes]:
+    """Two fresh namespaces ``<tag>n0``/``<tag>n1`` wired by a veth pair (``bridge``: each to
+    a bridge on the host, which holds ``subnet.254``), addresses ``subnet.1`` and ``.2``,
+    ``etc`` (file name -> text) over each one's /etc; removed afterwards."""
     tag = f"pfc{os.getpid() % 100000}"
-    nodes = Nodes((f"{tag}n0", f"{tag}n1"), (f"{tag}v0", f"{tag}v1"))
+    nodes = Nodes((f"{tag}n0", f"{tag}n1"), (f"{tag}v0", f"{tag}v1"), subnet,
+                  f"{tag}br" if bridge else None)
     made: list[str] = []
     try:
         for ns in nodes.namespaces:
             _ip("netns", "add", ns)
             made.append(ns)
             (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
-            (NETNS_ETC / ns / "resolv.conf").write_text(RESOLVER)
-        _ip("link", "add", nodes.links[0], "type", "veth", "peer", "name", nodes.links[1])
+            for name, text in {"resolv.conf": RESOLVER, **(etc or {})}.items():
+                (NETNS_ETC / ns / name).write_text(text)
+        if nodes.bridge is None:
+            _ip("link", "add", nodes.links[0], "type", "veth", "peer", "name", nodes.links[1])
+        else:
+            _bridge(nodes)
         for i, (ns, link) in enumerate(zip(nodes.namespaces, nodes.links, strict=True)):
             _ip("link", "set", link, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", link)
+            _ip("-n", ns, "addr", "add", f"{nodes.address(i)}/24", "dev", link)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", link, "up")
         probe = subprocess.run(["ip", "netns", "exec", nodes.namespaces[0], "unshare", "--uts",
@@ -84,14 +106,28 @@ def two_nodes() -> Iterator[Nodes]:
             raise NoNamespaces(f"`unshare --uts hostname`: {probe.stderr.strip()}")
         yield nodes
     finally:
-        for ns in made:  # deleting a namespace deletes the veth end inside it
+        for ns in made:  # deleting a namespace deletes the veth pair of the end inside it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        if nodes.bridge is not None:
+            subprocess.run(["ip", "link", "del", nodes.bridge], capture_output=True)
+
+
+def _bridge(nodes: Nodes) -> None:
+    """The host's bridge holding ``subnet.254``, and one veth pair a node: its host end
+    (``<tag>h<i>``) on the bridge, its other end (``links[i]``) for the namespace."""
+    _ip("link", "add", nodes.bridge, "type", "bridge")
+    _ip("addr", "add", f"{nodes.address(HOST)}/24", "dev", nodes.bridge)
+    _ip("link", "set", nodes.bridge, "up")
+    for i, link in enumerate(nodes.links):
+        host_end = f"{nodes.bridge[:-2]}h{i}"
+        _ip("link", "add", link, "type", "veth", "peer", "name", host_end)
+        _ip("link", "set", host_end, "master", nodes.bridge, "up")
 
 
 def start_on_node(nodes: Nodes, i: int, cmd: list[str], stdout=subprocess.PIPE,
-                  **env: str) -> subprocess.Popen:
-    """``cmd`` on node ``i`` (its namespace, host name ``localhost``), in its own session,
+                  hostname: str = "localhost", **env: str) -> subprocess.Popen:
+    """``cmd`` on node ``i`` (its namespace, host name ``hostname``), in its own session,
     output to ``stdout``; W&B off unless ``env`` says otherwise, one thread per rank, no
     interface named for gloo or NCCL (the run must find it itself)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
@@ -99,7 +135,7 @@ def start_on_node(nodes: Nodes, i: int, cmd: list[str], stdout=subprocess.PIPE,
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.pop(name, None)
     return subprocess.Popen(["ip", "netns", "exec", nodes.namespaces[i], "unshare", "--uts",
-                             "sh", "-c", 'hostname localhost && exec "$@"', "node", *cmd],
+                             "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *cmd],
                             cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
