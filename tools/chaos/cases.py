@@ -37,6 +37,7 @@ from tools.chaos.harness import (
 from tools.chaos.jobs import launcher_killed, second_job
 from tools.chaos.nodes import two_node_case
 from tools.chaos.store_nodes import store_two_node_case
+from tools.slurm import cases as slurm
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,28 @@ def backbone_pt_and_dcp(folder: Path) -> tuple[dict, dict]:
     return exported, {k[len("backbone."):]: v for k, v in template.items()}
 
 
+# scripts/slurm/train.sbatch on a real 2-node SLURM cluster (tools/slurm): each row its own
+# cluster, 1-5 minutes (a requeued job waits ~2 min for SLURM to start it again)
+SLURM_CASES = [Case(f"SLURM: {name}", expected, slurm.on_cluster(check))
+               for name, expected, check in [
+    ("sbatch --nodes=2", "COMPLETED, 2 ranks, losses equal the unbroken run's, one folder "
+     "and W&B id", slurm.two_nodes_complete),
+    ("--time=2 --signal=B:USR1@60, then the same sbatch", "every rank saves at the next "
+     "step, COMPLETED; the resubmission resumes there, losses equal", slurm.time_limit),
+    ("scontrol requeue", "saved, PENDING, starts again by itself and resumes, losses equal",
+     slurm.requeue),
+    ("preempted by a job in a higher-priority partition", "saved within GraceTime, requeued, "
+     "resumes after the urgent job, losses equal", slurm.preemption),
+    ("--nodes=1-2, node 1 lost (link cut, its processes killed)", "NODE_FAIL, requeued, "
+     "restarts on 1 node at accumulation 2, losses equal", slurm.lost_node),
+    ("scancel", "every rank saves at the next step, CANCELLED; the same sbatch resumes, "
+     "losses equal", slurm.cancel),
+    ("the same run folder submitted twice", "the second refused in one line, FAILED 2:0; the "
+     "first completes", slurm.second_submission),
+    ("a bad config key, a data folder without a manifest", "one line each, FAILED 2:0 within "
+     "seconds, no rank started", slurm.input_errors),
+]]
+
 CASES = [
     Case("optim.lr=1e30 (diverges)", "rc 1, one line after train.max_bad_steps; no NaN "
          "in metrics or checkpoints", diverging_lr),
@@ -412,6 +435,7 @@ CASES = [
          "then back", "the survivor resumes alone at accumulation 2, then both at 1; losses "
          "equal an unbroken run's at the same global batch, loader positions equal, one "
          "folder, W&B run and report", elastic_case),
+    *SLURM_CASES,
     Case("kill -9 of the launcher (2 ranks, loader workers)", "the ranks save at the next "
          "step and say so; no process of the job left after dist.timeout_s + 30 s",
          launcher_killed),

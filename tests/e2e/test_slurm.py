@@ -1,0 +1,93 @@
+"""scripts/slurm/train.sbatch under a real SLURM cluster (tools/slurm): the cheap checks here
+run in ``make test``; two of ``make chaos``'s SLURM rows run end to end in ``make test-long``
+(a cluster of two network namespaces, as root, with Debian's slurm-wlm and munge), the
+others in ``make chaos`` only (each waits out SLURM's ~2-minute requeue delay)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tools.chaos.nodes import Nodes
+from tools.slurm import cluster as slurm_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
+LONG_ROWS = ["SLURM: sbatch --nodes=2",
+             "SLURM: a bad config key, a data folder without a manifest"]
+CHAOS_ONLY = ["SLURM: --time=2 --signal=B:USR1@60, then the same sbatch",
+              "SLURM: scontrol requeue",
+              "SLURM: preempted by a job in a higher-priority partition",
+              "SLURM: --nodes=1-2, node 1 lost (link cut, its processes killed)",
+              "SLURM: scancel",
+              "SLURM: the same run folder submitted twice"]
+
+
+def test_slurm_conf_declares_two_nodes_two_partitions_and_job_states():
+    nodes = Nodes(("a", "b"), ("va", "vb"), "10.1.2", "br")
+    lines = slurm_cluster.slurm_conf(Path("/w"), nodes).splitlines()
+    for expected in ("PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+                     "AccountingStorageType=accounting_storage/none",
+                     "JobCompType=jobcomp/filetxt", "JobCompLoc=/w/jobcomp.txt",
+                     "NodeName=pfc-n0 NodeAddr=10.1.2.1 CPUs=1 State=UNKNOWN",
+                     "NodeName=pfc-n1 NodeAddr=10.1.2.2 CPUs=1 State=UNKNOWN"):
+        assert expected in lines
+    assert any(ln.endswith("(10.1.2.254)") and ln.startswith("SlurmctldHost=") for ln in lines)
+    parts = {ln.split()[0]: ln for ln in lines if ln.startswith("PartitionName=")}
+    assert "PriorityTier=1 " in parts["PartitionName=batch"]
+    assert f"GraceTime={slurm_cluster.GRACE_S}" in parts["PartitionName=batch"]
+    assert "PriorityTier=10 " in parts["PartitionName=urgent"]
+
+
+def test_without_root_the_slurm_rows_skip_saying_how_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(slurm_cluster.NoSlurm) as err:
+        slurm_cluster.ensure_installed()
+    assert "\n" not in str(err.value)
+    assert "apt-get install -y slurm-wlm munge" in str(err.value)
+
+
+@pytest.mark.parametrize(("env", "ranks"), [
+    ({"SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "64"}, "8"),
+    ({"SLURM_CPUS_ON_NODE": "4"}, "4"),
+    ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "64"}, "2"),
+])
+def test_the_script_takes_its_ranks_per_node_from_the_allocation(env, ranks):
+    """The script's own line, run by bash with what SLURM exports on a GPU node, a CPU-only
+    node and under an explicit NPROC_PER_NODE."""
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    (line,) = [ln for ln in SCRIPT.read_text().splitlines()
+               if ln.startswith("export NPROC_PER_NODE=")]
+    done = subprocess.run(["bash", "-c", f'{line}; echo "$NPROC_PER_NODE"'],
+                          env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True)
+    assert done.stdout.strip() == ranks, done.stderr
+
+
+def test_every_slurm_row_runs_in_make_test_long_or_make_chaos():
+    from tools.chaos.cases import SLURM_CASES
+
+    assert sorted(c.name for c in SLURM_CASES) == sorted([*LONG_ROWS, *CHAOS_ONLY])
+
+
+@pytest.fixture(scope="module")
+def chaos_data(tmp_path_factory):
+    from tools.chaos.harness import write_data
+
+    return write_data(tmp_path_factory.mktemp("chaos") / "data")
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("name", LONG_ROWS)
+def test_slurm_row_holds(name, chaos_data, tmp_path):
+    """The row on a fresh 2-node cluster; skipped in one line where SLURM cannot run."""
+    from tools.chaos.cases import SLURM_CASES, run_case
+
+    (case,) = [c for c in SLURM_CASES if c.name == name]
+    observed, holds = run_case(case, chaos_data, tmp_path)
+    if observed.startswith("skipped: "):
+        pytest.skip(observed)
+    assert holds, f"{name}: expected {case.expected}; observed {observed}"

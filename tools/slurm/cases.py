@@ -1,0 +1,295 @@
+"""``make chaos`` rows on a real two-node SLURM cluster (:mod:`tools.slurm.cluster`):
+scripts/slurm/train.sbatch submitted as docs/cluster.md submits it, with the smoke config on
+CPU ranks (the script's GPU lines replaced by ``--gpus-per-node=0 --cpus-per-task=1``: one
+rank a node), ``train.global_batch=16`` of micro-batches of 8, and the scheduler doing each
+case's damage: a time limit, ``scontrol requeue``, a preempting job, a lost node, ``scancel``,
+a second job on the same run folder, a bad config or data folder.
+
+Each row checks the job's states as ``sacct --completion`` records them and, where the run
+trained, every step's loss and lr against an unbroken 1-process run of the same recipe (1e-5
+relative, as the elastic row: lr 1e-5, see tools/chaos/elastic.py), one run folder and one
+W&B run id. The submitting environment is the user's: the venv's ``python`` first on PATH
+(sbatch exports it to the job), W&B offline, one thread a rank. A requeued job waits about
+two minutes before it may start again (SLURM's own delay, ``Reason=BeginTime``), which the
+requeue rows wait out: they take 3-5 minutes each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tools.chaos.harness import ROOT, SMOKE, Result, train, wait_until
+from tools.slurm.cluster import GRACE_S, NAMES, Cluster, NoSlurm, cluster
+
+SCRIPT = "scripts/slurm/train.sbatch"
+CPU = ("--gpus-per-node=0", "--cpus-per-task=1")  # the script's GPU node, as a CPU one
+STEPS = 24  # 10 steps an epoch (160 images, global batch 16)
+ARGS = ("engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.every=1",
+        "log.progress=false", "checkpoint.every=2", "checkpoint.keep=100",
+        "train.global_batch=16", "optim.lr=0.00001", "dist.timeout_s=60")
+# the time-limit row: micro-batches of >= 1 s and 60 steps, so that the signal (60-90 s into
+# the job) comes after the ranks' start-up and before the last step on a loaded or idle machine
+PACED_STEPS, PACE_S = 60, "1.0"
+RTOL = 1e-5
+REQUEUED_S = 330  # a requeued job: KillWait, SLURM's ~120 s delay, start-up, the run
+PACE = ROOT / "tools" / "slurm" / "pace"
+_UNBROKEN: dict[tuple[Path, int], Result] = {}
+
+
+def recipe(steps: int = STEPS) -> tuple[str, ...]:
+    return (*ARGS, f"train.max_steps={steps}", f"train.epochs={steps // 10 + 1}")
+
+
+def unbroken(data: Path, work: Path, steps: int = STEPS) -> Result:
+    """The recipe in one process, never interrupted (once per data set, length and process)."""
+    if (data, steps) not in _UNBROKEN:
+        _UNBROKEN[data, steps] = train(data, work / f"unbroken-{steps}", *recipe(steps))
+    return _UNBROKEN[data, steps]
+
+
+def submit(c: Cluster, data: Path, run: Path, *options: str, args: tuple[str, ...] = (),
+           steps: int = STEPS, **env: str) -> int:
+    """``sbatch [options] scripts/slurm/train.sbatch configs/smoke.yaml ...`` as a user with
+    the venv active submits it; output to ``RUN/../%j.out``. The job id."""
+    return c.sbatch(*CPU, f"--output={run.parent}/%j.out", *options, SCRIPT, str(SMOKE),
+                    f"data.dir={data}", f"output={run}", *recipe(steps), *args,
+                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                    WANDB_MODE="offline", OMP_NUM_THREADS="1", **env)
+
+
+def out(run: Path, job: int) -> str:
+    path = run.parent / f"{job}.out"
+    return path.read_text() if path.is_file() else ""
+
+
+def last_step(run: Path) -> int:
+    rows = Result(0, "", run).records()
+    return max((r.get("step", 0) for r in rows), default=0)
+
+
+def at_step(c: Cluster, job: int, run: Path, step: int, limit: float = 240) -> bool:
+    """Wait until the job has trained ``step`` steps (False: it ended or ``limit`` passed)."""
+    return wait_until(lambda: last_step(run) >= step or c.state(job) not in
+                      ("PENDING", "CONFIGURING", "RUNNING", ""), limit) and last_step(run) >= step
+
+
+def ended(c: Cluster, job: int, limit: float) -> str:
+    """Wait for the job's end; its final state (scontrol)."""
+    return c.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                              "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"), limit)
+
+
+def same_run(run: Path, reference: Result, steps: int = STEPS) -> tuple[str, bool]:
+    """Every step's loss and lr against the unbroken run's, one W&B run id over the segments."""
+    rows = {r["step"]: (r["loss"], r["lr"]) for r in Result(0, "", run).records() if "loss" in r}
+    planned = {r["step"]: (r["loss"], r["lr"]) for r in reference.records() if "loss" in r}
+    worst = max((abs(a - b) / abs(b) for s in planned if s in rows
+                 for a, b in zip(rows[s], planned[s], strict=True)), default=float("inf"))
+    wandb_id = (run / "wandb_run_id").read_text().strip() if (run / "wandb_run_id").is_file() \
+        else None
+    segments = sorted((run / "wandb").glob("offline-run-*"))
+    one_id = wandb_id is not None and bool(segments) and all(
+        p.name.endswith(f"-{wandb_id}") for p in segments)
+    holds = sorted(rows) == sorted(planned) == list(range(1, steps + 1)) and worst <= RTOL
+    return (f"{len(rows)} steps, worst rel {worst:.1e} vs unbroken; W&B id {wandb_id} over "
+            f"{len(segments)} segment(s)"), holds and one_id
+
+
+def resumes(run: Path) -> list[int]:
+    log = (run / "train.log").read_text() if (run / "train.log").is_file() else ""
+    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", log)]
+
+
+def stopped_at(run: Path) -> int | None:
+    """The step a stop signal saved at (train.log's ``stopped by SIG... after step N``)."""
+    log = (run / "train.log").read_text() if (run / "train.log").is_file() else ""
+    found = re.findall(r"stopped by SIG\w+ after step (\d+)", log)
+    return int(found[-1]) if found else None
+
+
+def on_cluster(check: Callable[[Cluster, Path, Path], tuple[str, bool]]
+               ) -> Callable[[Path, Path], tuple[str, bool]]:
+    """A row's ``(data, work)`` check run on a fresh cluster; a skip where SLURM cannot run."""
+    def row(data: Path, work: Path) -> tuple[str, bool]:
+        try:
+            with cluster(work / "slurm") as c:
+                started = time.monotonic()
+                observed, holds = check(c, data, work)
+                return f"{observed}; {time.monotonic() - started:.0f} s", holds
+        except NoSlurm as err:
+            return f"skipped: {err}", True
+    return row
+
+
+# ----------------------------------------------------------------------------- the cases
+
+
+def two_nodes_complete(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    reference, run = unbroken(data, work), work / "run"
+    job = submit(c, data, run)
+    state = ended(c, job, 300)
+    same, matches = same_run(run, reference)
+    world = {r.get("world_size") for r in Result(0, "", run).records() if "loss" in r}
+    folders = [p for p in run.parent.iterdir() if p.is_dir() and p.name != "slurm"
+               and not p.name.startswith("unbroken")]
+    states = c.sacct(job)
+    return (f"{state}, sacct {states}, world sizes {sorted(world)}, folders "
+            f"{[p.name for p in folders]}; {same}"), \
+        state == "COMPLETED" and states == ["COMPLETED|0:0"] and world == {2} and matches \
+        and len(folders) == 1
+
+
+def time_limit(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """``--time=2 --signal=B:USR1@60``: the script's trap forwards USR1 to every step 60-90 s
+    into the job (SLURM checks on 30-second ticks), each rank saves at the next step and the
+    job ends COMPLETED before the limit; the same sbatch again resumes to the last step.
+    Micro-batches paced (tools/slurm/pace) so that the signal falls mid-run."""
+    reference, run = unbroken(data, work, PACED_STEPS), work / "run"
+    pace = {"PYTHONPATH": str(PACE), "PFC_PACE_S": PACE_S, "steps": PACED_STEPS}
+    first = submit(c, data, run, "--time=2", "--signal=B:USR1@60", **pace)
+    state = ended(c, first, 200)
+    saved = stopped_at(run)
+    notice = "preemption notice: signalling the trainers" in out(run, first)
+    again = submit(c, data, run, **pace)
+    state2 = ended(c, again, 300)
+    same, matches = same_run(run, reference, PACED_STEPS)
+    states = (c.sacct(first), c.sacct(again))
+    return (f"{state}, USR1 forwarded {notice}, saved at step {saved}; again {state2}, "
+            f"resumed at {resumes(run)}; sacct {states}; {same}"), \
+        state == "COMPLETED" and notice and saved is not None and saved < PACED_STEPS \
+        and state2 == "COMPLETED" and resumes(run) == [saved] and matches \
+        and states == (["COMPLETED|0:0"], ["COMPLETED|0:0"])
+
+
+def requeue(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    reference, run = unbroken(data, work), work / "run"
+    job = submit(c, data, run)
+    reached = at_step(c, job, run, 6)
+    c.run("scontrol", "requeue", str(job))
+    requeued = time.monotonic()
+    pending = c.wait_state(job, ("PENDING",), 60)
+    restarted = c.wait_state(job, ("RUNNING",), REQUEUED_S)
+    waited = time.monotonic() - requeued
+    state = ended(c, job, REQUEUED_S)
+    saved, same_, matches = stopped_at(run), *same_run(run, reference)
+    states = c.sacct(job)
+    return (f"requeued at step >= 6: {reached}, saved at {saved}, {pending} then {restarted} "
+            f"after {waited:.0f} s, {state}, resumed at {resumes(run)}; sacct {states}; "
+            f"{same_}"), reached and saved is not None and pending == "PENDING" \
+        and state == "COMPLETED" and resumes(run) == [saved] and matches \
+        and states[-1] == "COMPLETED|0:0" and len(states) == 2
+
+
+def preemption(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """A 2-node job in partition ``urgent`` (PriorityTier 10) preempts the run in ``batch``:
+    SIGTERM to every task at once, the ranks save at the next step, and the script requeues
+    the job (docs/cluster.md); it resumes once the urgent job is done."""
+    reference, run = unbroken(data, work), work / "run"
+    job = submit(c, data, run)
+    reached = at_step(c, job, run, 6)
+    urgent = c.sbatch("--partition=urgent", "--nodes=2", f"--output={work}/%j.out",
+                      "--wrap", "sleep 5")
+    preempted = time.monotonic()
+    pending = c.wait_state(job, ("PENDING",), GRACE_S + 30)
+    freed = time.monotonic() - preempted
+    saved = stopped_at(run)
+    state = ended(c, job, REQUEUED_S)
+    same, matches = same_run(run, reference)
+    states, urgent_states = c.sacct(job), c.sacct(urgent)
+    said = "preempted: requeueing job" in out(run, job)
+    return (f"preempted at step >= 6: {reached}, saved at {saved}, requeued by the script: "
+            f"{said}, nodes freed after {freed:.0f} s (GraceTime {GRACE_S}), {state}, resumed "
+            f"at {resumes(run)}; sacct {states}, urgent {urgent_states}; {same}"), \
+        reached and saved is not None and said and pending == "PENDING" and freed < GRACE_S \
+        and state == "COMPLETED" and resumes(run) == [saved] and matches \
+        and urgent_states == ["COMPLETED|0:0"] and states[-1] == "COMPLETED|0:0"
+
+
+def lost_node(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """``--nodes=1-2`` on both nodes; node 1 lost at step 6 (its link cut, every process on
+    it killed): SLURM marks it DOWN, requeues the job (NODE_FAIL), which restarts on node 0
+    alone at accumulation 2 and matches the unbroken run."""
+    reference, run = unbroken(data, work), work / "run"
+    job = submit(c, data, run, "--nodes=1-2")
+    reached = at_step(c, job, run, 6)
+    c.lose_node(1)
+    lost = time.monotonic()
+    down = wait_until(lambda: "down" in c.run("sinfo", "-h", "-n", NAMES[1], "-o", "%t"), 60)
+    detected = time.monotonic() - lost
+    state = ended(c, job, REQUEUED_S + 60)
+    rows = [r for r in Result(0, "", run).records() if "loss" in r]
+    phases = sorted({(r.get("world_size"), r.get("accumulation")) for r in rows})
+    same, matches = same_run(run, reference)
+    states = c.sacct(job)
+    return (f"lost at step >= 6: {reached}, DOWN after {detected:.0f} s: {down}, {state}, "
+            f"(world size, accumulation) {phases}, resumed at {resumes(run)}; sacct {states}; "
+            f"{same}"), reached and down and state == "COMPLETED" \
+        and phases == [(1, 2), (2, 1)] and len(resumes(run)) == 1 and matches \
+        and states == ["NODE_FAIL|0:0", "COMPLETED|0:0"]
+
+
+def cancel(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """``scancel JOB``: SIGTERM to every process of the job (batch script, srun, launchers,
+    ranks), SIGKILL KillWait later: the ranks save at the next step and the job is CANCELLED;
+    the same sbatch again resumes there."""
+    reference, run = unbroken(data, work), work / "run"
+    job = submit(c, data, run)
+    reached = at_step(c, job, run, 6)
+    c.run("scancel", str(job))
+    sent = time.monotonic()
+    state = ended(c, job, 90)
+    took = time.monotonic() - sent
+    saved = stopped_at(run)
+    again = submit(c, data, run)
+    state2 = ended(c, again, 300)
+    same, matches = same_run(run, reference)
+    states = (c.sacct(job), c.sacct(again))
+    return (f"cancelled at step >= 6: {reached}, {state} after {took:.0f} s, saved at {saved}; "
+            f"again {state2}, resumed at {resumes(run)}; sacct {states}; {same}"), \
+        reached and state == "CANCELLED" and saved is not None and state2 == "COMPLETED" \
+        and resumes(run) == [saved] and matches \
+        and states == (["CANCELLED|0:15"], ["COMPLETED|0:0"])
+
+
+def second_submission(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """One job per node on one run folder: the second is refused in one line of its output
+    (the script's check, before any rank), FAILED with exit code 2; the first finishes."""
+    reference, run = unbroken(data, work), work / "run"
+    first = submit(c, data, run, "--nodes=1", f"--nodelist={NAMES[0]}")
+    reached = at_step(c, first, run, 3)
+    second = submit(c, data, run, "--nodes=1", f"--nodelist={NAMES[1]}")
+    state2 = ended(c, second, 120)
+    state = ended(c, first, 300)
+    lines = [ln for ln in out(run, second).splitlines() if ln.startswith("error")]
+    refused = len(lines) == 1 and "is in use by another job" in lines[0]
+    same, matches = same_run(run, reference)
+    states = (c.sacct(first), c.sacct(second))
+    return (f"second {state2}: {lines[0][:100] if lines else '-'}; first {state}; sacct "
+            f"{states}; {same}"), reached and refused and state2 == "FAILED" \
+        and state == "COMPLETED" and matches and states == (["COMPLETED|0:0"], ["FAILED|2:0"])
+
+
+def input_errors(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """A bad config key and a data folder without a manifest: each printed once in the
+    job's output, the job FAILED (exit code 2) within seconds, no rank started."""
+    found = []
+    for name, args in (("config", ("margin.typo=1",)), ("data", ())):
+        run = work / name
+        folder = data if name == "config" else work / "empty"
+        folder.mkdir(exist_ok=True)
+        job = submit(c, folder, run, args=args)
+        started = time.monotonic()
+        state = ended(c, job, 120)
+        took = time.monotonic() - started
+        text = out(run, job)
+        lines = [ln for ln in text.splitlines() if ln.startswith(("error", "config error"))]
+        found.append((name, state, c.sacct(job), len(lines), took, "rank(s) on" in text))
+    return "; ".join(f"{n}: {s} {a} in {t:.0f} s, {k} error line(s), ranks started {r}"
+                     for n, s, a, k, t, r in found), \
+        all(s == "FAILED" and a == ["FAILED|2:0"] and k == 1 and t < 60 and not r
+            for _, s, a, k, t, r in found)

@@ -1,0 +1,265 @@
+"""A real two-node SLURM cluster on this machine: munge with a key of its own, slurmctld on the
+host side, one slurmd in each of two network namespaces (``tools.chaos.nodes``, bridged to the
+host), each with its own host name (a UTS namespace) and address.
+
+What it declares, and why:
+
+- **Nodes** ``pfc-n0`` (``SUBNET.1``) and ``pfc-n1`` (``SUBNET.2``), **one CPU each**: the
+  machine's cores split between the two nodes (slurmd sees every core of the host; a node
+  declaring fewer CPUs than it has is accepted as is). A job gets one CPU a node, and the
+  training script runs one rank a CPU on a CPU-only allocation.
+- **Partitions** ``batch`` (the default, ``PriorityTier=1``, ``GraceTime``) and ``urgent``
+  (``PriorityTier=10``): a job in ``urgent`` preempts one in ``batch``
+  (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``).
+- **Job states without slurmdbd**: ``AccountingStorageType=accounting_storage/none`` (sacct's
+  accounting needs slurmdbd in 22.05; the text file of older releases is gone) and
+  ``JobCompType=jobcomp/filetxt``, one line a job each time it ends, requeues included,
+  which ``sacct --completion`` reads (:meth:`Cluster.sacct`).
+- ``SlurmdTimeout`` short (a lost node is DOWN within seconds, not the default 5 minutes),
+  ``ReturnToService=2`` (a node back is usable at once), ``proctrack/linuxproc`` and
+  ``task/none``: no cgroups needed.
+
+Everything lives in one work folder (config, key, sockets, state, logs); nothing under /etc
+but the namespaces' own files (``/etc/netns``). Needs root (namespaces, daemons as root) and
+Debian's ``slurm-wlm`` and ``munge`` (:func:`ensure_installed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.chaos.harness import ROOT
+from tools.chaos.nodes import HOST, Nodes, NoNamespaces, start_on_node, two_nodes
+
+SUBNET = "10.213.8"  # not tools.chaos.nodes's: the host holds .254 here
+NAMES = ("pfc-n0", "pfc-n1")
+CTLD_PORT, SLURMD_PORT = 6917, 6918
+GRACE_S = 30  # partition batch's GraceTime: a preempted job's time to save
+KILL_WAIT_S = 30  # SIGTERM to SIGKILL when a job is cancelled or its time is up
+SLURMD_TIMEOUT_S = 10  # a node silent this long is DOWN
+PACKAGES = ("slurm-wlm", "munge")
+HOW = "needs root and Debian's slurm-wlm and munge (as root: apt-get install -y slurm-wlm munge)"
+
+
+class NoSlurm(RuntimeError):
+    """SLURM cannot run here; the message says why and how to get it, in one line."""
+
+
+def ensure_installed(install: bool = True) -> None:
+    """slurmctld, slurmd and munged present; installed with apt-get where absent and the user
+    is root (``install``). Raises :class:`NoSlurm` otherwise."""
+    if os.geteuid() != 0:
+        raise NoSlurm(f"not root: {HOW}")
+    if all(shutil.which(p) for p in ("slurmctld", "slurmd", "munged", "sbatch")):
+        return
+    if not install or shutil.which("apt-get") is None:
+        raise NoSlurm(f"slurm-wlm or munge missing: {HOW}")
+    done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], capture_output=True,
+                          text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if done.returncode != 0:
+        raise NoSlurm(f"apt-get install {' '.join(PACKAGES)} failed: "
+                      f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def slurm_conf(work: Path, nodes: Nodes) -> str:
+    """slurm.conf for the two namespaces, everything under ``work``."""
+    host = socket.gethostname().split(".")[0]
+    lines = [
+        "ClusterName=partialfc",
+        f"SlurmctldHost={host}({nodes.address(HOST)})",
+        f"SlurmctldPort={CTLD_PORT}", f"SlurmdPort={SLURMD_PORT}",
+        "AuthType=auth/munge", "CryptoType=crypto/munge", f"AuthInfo=socket={work}/munge.sock",
+        "SlurmUser=root", "SlurmdUser=root",
+        f"StateSaveLocation={work}/ctld", f"SlurmdSpoolDir={work}/spool-%n",
+        f"SlurmctldPidFile={work}/slurmctld.pid", f"SlurmdPidFile={work}/slurmd-%n.pid",
+        f"SlurmctldLogFile={work}/slurmctld.log", f"SlurmdLogFile={work}/slurmd-%n.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "SwitchType=switch/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+        "ReturnToService=2", f"SlurmdTimeout={SLURMD_TIMEOUT_S}", "InactiveLimit=0",
+        f"KillWait={KILL_WAIT_S}", "MinJobAge=600", "MessageTimeout=10",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/filetxt", f"JobCompLoc={work}/jobcomp.txt",
+        "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+        *(f"NodeName={name} NodeAddr={nodes.address(i)} CPUs=1 State=UNKNOWN"
+          for i, name in enumerate(NAMES)),
+        f"PartitionName=batch Nodes=ALL Default=YES PriorityTier=1 GraceTime={GRACE_S} "
+        "MaxTime=INFINITE State=UP",
+        "PartitionName=urgent Nodes=ALL PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def hosts_file() -> str:
+    """The namespaces' /etc/hosts: each node's name to its address (as on a cluster)."""
+    return "127.0.0.1 localhost\n" + "".join(
+        f"{SUBNET}.{i + 1} {name}\n" for i, name in enumerate(NAMES))
+
+
+@dataclass
+class Cluster:
+    """A running cluster: ``env`` for the clients (``SLURM_CONF``), its folder, its nodes."""
+
+    work: Path
+    nodes: Nodes
+    slurmds: list[subprocess.Popen | None]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.work / "slurm.conf")}
+
+    def run(self, *cmd: str, check: bool = True, **env: str) -> str:
+        """A SLURM client command (sbatch, squeue, scontrol, ...) on the host; its stdout."""
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**self.env, **env},
+                              timeout=60, cwd=ROOT)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: rc {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def sbatch(self, *args: str, **env: str) -> int:
+        """``sbatch --parsable ARGS`` (from the repository root, as every command here); the
+        job id."""
+        return int(self.run("sbatch", "--parsable", *args, **env).strip().split(";")[0])
+
+    def state(self, job: int) -> str:
+        """The job's state as slurmctld holds it (``scontrol show job``), '' once purged."""
+        out = self.run("scontrol", "-o", "show", "job", str(job), check=False)
+        return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "")
+
+    def sacct(self, job: int) -> list[str]:
+        """Every state ``sacct --completion`` has for the job, oldest first (one a time it
+        ended: a requeued job ends more than once)."""
+        out = self.run("sacct", "--completion", "-j", str(job), "-n", "-P", "-o", "State,ExitCode",
+                       check=False)
+        return [line for line in out.splitlines() if line.strip()]
+
+    def wait_state(self, job: int, states: tuple[str, ...], limit: float) -> str:
+        """Poll until the job is in one of ``states`` (or ``limit`` s pass); the last state."""
+        deadline, state = time.monotonic() + limit, ""
+        while time.monotonic() < deadline:
+            state = self.state(job)
+            if state in states:
+                break
+            time.sleep(0.5)
+        return state
+
+    def node_pids(self, i: int) -> list[int]:
+        """Every process in node ``i``'s network namespace: slurmd, its steps, the job's."""
+        out = subprocess.run(["ip", "netns", "pids", self.nodes.namespaces[i]],
+                             capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def lose_node(self, i: int) -> None:
+        """Node ``i`` lost as a machine is: its link cut (its peers see no reset), then
+        every process on it killed."""
+        _ip_link(self.nodes, i, up=False)
+        for pid in self.node_pids(i):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.slurmds[i] is not None:
+            self.slurmds[i].wait()
+            self.slurmds[i] = None
+
+    def restore_node(self, i: int) -> None:
+        """Node ``i`` back: its link up, its slurmd started again."""
+        _ip_link(self.nodes, i, up=True)
+        self.slurmds[i] = _slurmd(self.work, self.nodes, i)
+
+
+def _ip_link(nodes: Nodes, i: int, up: bool) -> None:
+    subprocess.run(["ip", "-n", nodes.namespaces[i], "link", "set", nodes.links[i],
+                    "up" if up else "down"], check=True)
+
+
+def _slurmd(work: Path, nodes: Nodes, i: int) -> subprocess.Popen:
+    with open(work / f"slurmd-{NAMES[i]}.out", "a") as out:
+        return start_on_node(nodes, i, ["slurmd", "-D", "-f", str(work / "slurm.conf")],
+                             stdout=out, hostname=NAMES[i])
+
+
+def _munged(work: Path) -> subprocess.Popen:
+    key = work / "munge.key"
+    subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=True,
+                   capture_output=True)
+    key.chmod(0o600)
+    return subprocess.Popen(["munged", "--foreground", "--force", f"--key-file={key}",
+                             f"--socket={work}/munge.sock", f"--pid-file={work}/munged.pid",
+                             f"--log-file={work}/munged.log", f"--seed-file={work}/munged.seed"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+@contextmanager
+def cluster(work: Path | None = None, keep: bool = False) -> Iterator[Cluster]:
+    """Start munged, slurmctld and two slurmds, wait until both nodes are idle, yield the
+    :class:`Cluster`; stop them all and remove the namespaces (and ``work`` unless ``keep``)
+    afterwards. Raises :class:`NoSlurm` where SLURM or namespaces are not available."""
+    ensure_installed()
+    work = Path(work or tempfile.mkdtemp(prefix="pfc-slurm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    work.chmod(0o700)  # munged refuses a key or socket in a folder others may write
+    daemons: list[subprocess.Popen] = []
+    try:
+        with two_nodes(SUBNET, bridge=True, etc={"hosts": hosts_file()}) as nodes:
+            (work / "slurm.conf").write_text(slurm_conf(work, nodes))
+            # slurmd loads a cgroup plugin whatever the others; in a namespace's own /sys
+            # nothing is mounted where it would detect the version: named, it loads
+            (work / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+            for name in NAMES:
+                (work / f"spool-{name}").mkdir(exist_ok=True)
+            daemons.append(_munged(work))
+            _wait_for(lambda: (work / "munge.sock").exists(), 10, "munged", work / "munged.log",
+                      tuple(daemons))
+            daemons.append(subprocess.Popen(
+                ["slurmctld", "-D", "-c", "-i", "-f", str(work / "slurm.conf")],
+                stdout=open(work / "slurmctld.out", "w"), stderr=subprocess.STDOUT))
+            found = Cluster(work, nodes, [_slurmd(work, nodes, i) for i in range(2)])
+            try:
+                _wait_for(lambda: found.run("sinfo", "-h", "-N", "-p", "batch", "-o", "%t",
+                                            check=False).split() == ["idle"] * 2, 60,
+                          "both nodes idle", work / "slurmctld.log",
+                          (*daemons, *found.slurmds))
+                yield found
+            finally:
+                for proc in found.slurmds:
+                    if proc is not None:
+                        proc.terminate()
+                        _stop(proc)
+    except NoNamespaces as err:
+        raise NoSlurm(f"no network namespaces: {err}") from err
+    finally:
+        for proc in reversed(daemons):
+            proc.terminate()
+            _stop(proc)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen, limit: float = 15) -> None:
+    try:
+        proc.wait(limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_for(done, limit: float, what: str, log: Path,
+              daemons: tuple[subprocess.Popen, ...] = ()) -> None:
+    """Poll ``done()`` until it holds; :class:`NoSlurm` with ``log``'s last lines after
+    ``limit`` s or once one of ``daemons`` has ended."""
+    deadline = time.monotonic() + limit
+    while not done():
+        if time.monotonic() > deadline or any(d.poll() is not None for d in daemons):
+            tail = log.read_text().splitlines()[-5:] if log.is_file() else []
+            raise NoSlurm(f"{what}: not after {limit:.0f} s ({log}: {' | '.join(tail)})")
+        time.sleep(0.5)
