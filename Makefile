@@ -32,7 +32,7 @@ SMOKE_DIR      = $(if $(filter data.dir=% data.dirs=%,$(ARGS)),,data.dir=$(SMOKE
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
 
-.PHONY: setup train train-orl bench-orl bench-distill demo-scale test test-long fuzz test-fast docs-check test-plan-full lint chaos kernels-aot convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl bench-distill demo-scale test test-long fuzz test-fast docs-check test-plan-full lint chaos slurm-demo kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3`: no venv is built there.
@@ -105,9 +105,17 @@ kernels-aot: setup
 	$(PY) -m tools.kernels_aot
 
 # Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold
-# (~2-3 min, and ~3 min more for the elastic row: two nodes on network namespaces, as root).
+# (~2-3 min, and ~3 min more for the elastic row: two nodes on network namespaces, as root;
+# ~25 min more for the SLURM rows, scripts/slurm/train.sbatch on a real 2-node cluster:
+# `python -m tools.chaos -k SLURM` runs those alone).
 chaos: setup
 	OMP_NUM_THREADS=1 $(PY) -m tools.chaos
+
+# A 2-node SLURM cluster on this machine (tools/slurm: network namespaces, as root; slurm-wlm
+# and munge installed with apt-get where absent): the smoke recipe through
+# scripts/slurm/train.sbatch on both nodes, squeue while it runs, sacct once it ended.
+slurm-demo: setup
+	OMP_NUM_THREADS=1 $(PY) -m tools.slurm demo
 
 $(SMOKE_DATA)/manifest.json: | setup
 	$(PY) -c "from data_pipeline import write_synthetic_dataset as w; \
