@@ -28,8 +28,9 @@ class InsightFaceSource:
         if header0 is not None and header0.flag > 0:
             first_identity = self._count(header0.label[0], "record 0's first identity key")
             self.keys = list(range(1, first_identity))
-            range_classes = (self._count(header0.label[1], "record 0's identity range end")
-                             - first_identity if header0.flag > 1 else None)
+            range_classes = (self._count(header0.label[1] - first_identity,
+                                         "record 0's identity range (class count)")
+                             if header0.flag > 1 else None)
         else:
             self.keys, range_classes = keys, None
         self.num_classes = (self._read_property() or range_classes
