@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from data_pipeline.codec import prepare_jpeg
 from data_pipeline.recordio import MAGIC
 from launch.convert import main
 from tests.fuzz.bounds import (
@@ -126,3 +127,17 @@ def test_the_issue_jpeg_through_the_program(tmp_path):
     assert "Traceback" not in bombs.err
     assert bombs.peak_bytes - clean.peak_bytes < min(MEMORY, 64 << 20)
     assert bombs.cpu_s < clean.cpu_s + SECONDS
+
+
+def test_max_pixels_is_the_converters_setting(tmp_path):
+    """``--max-pixels``: a limit under 112 x 112 names every image; the loader's default keeps
+    them (the flag is the converter's, not a global)."""
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "x.png").write_bytes(PNG)
+    ran = run_main(main, ["imagefolder", str(tmp_path / "src"), str(tmp_path / "out"),
+                          "--max-pixels", "10000"])
+    assert ran.status == 0 and len(ran.lines) == 2, ran.err
+    assert all("header claims 112x112 pixels, over the limit of 10000" in line
+               for line in ran.lines)
+    assert prepare_jpeg(PNG, 112)[:3] == b"\xff\xd8\xff"  # re-encoded under the default
