@@ -4,7 +4,7 @@ synthetic embeddings.
     nice -n 10 python bench/overlap_scale.py                              # MS1MV3 x 3 .bins
     nice -n 10 python bench/overlap_scale.py --centres 2059906 --images 2000 --null 2000
     nice -n 10 python bench/overlap_scale.py --distractors 1000000        # + MegaFace's 10^6
-    nice -n 10 python bench/overlap_scale.py --between 360000             # MS1MV3 x Glint360K
+    nice -n 10 python bench/overlap_scale.py --between 360000 --rows 16384  # MS1MV3 x Glint360K
 
 The two searches ``offline.overlap`` makes once the centres are known, with its own functions:
 
@@ -17,7 +17,9 @@ The two searches ``offline.overlap`` makes once the centres are known, with its 
 - ``between`` (``--between N``, instead of the two above): ``launch.overlap --between``'s
   search of two training sets' class centres, ``--centres`` against ``N`` others and back
   (``offline.overlap_pairs.search_block`` over blocks of ``SEARCH_BLOCK`` centres, as
-  ``nearest_centres`` calls it on each rank); ``--within`` adds each set against its own.
+  ``nearest_centres`` calls it on each rank); ``--within`` adds each set against its own;
+  ``--rows R`` searches only the first ``R`` centres of each set, against all of the other's
+  (each block is searched alone: the cost is linear in the rows searched).
 
 Defaults: 93,431 centres (MS1MV3) x 40,000 images (LFW, CFP-FP and AgeDB-30 hold 38,000),
 100,000 null probes (``launch.overlap --null-images``' default), 512-d. The centres are
@@ -118,11 +120,15 @@ def main(argv: list[str] | None = None) -> None:
                    "other centres (and back) instead")
     p.add_argument("--within", action="store_true", help="--between: also each set against "
                    "its own other centres")
+    p.add_argument("--rows", type=int, default=0, metavar="R",
+                   help="--between: search only the first R centres of each set (against all "
+                   "of the other's; the cost is linear in R); 0 = all")
     args = p.parse_args(argv)
     began = time.perf_counter()
     centres = _unit_rows(args.centres, args.dim, args.seed)
     if args.between:
-        _between(centres, _unit_rows(args.between, args.dim, args.seed + 3), args.within, began)
+        _between(centres, _unit_rows(args.between, args.dim, args.seed + 3), args.within,
+                 args.rows, began)
         return
     null, null_labels = _probes(centres, args.null, args.seed + 1)
     images, _ = _probes(centres, args.images + args.distractors, args.seed + 2)
@@ -143,15 +149,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"null's 0.999 quantile {np.quantile(best, 0.999):.4f}")
 
 
-def _between(first: np.ndarray, second: np.ndarray, within: bool, began: float) -> None:
-    """Each set's centres searched against the other's (and, ``within``, their own), in the
-    tool's blocks; one line per direction."""
+def _between(first: np.ndarray, second: np.ndarray, within: bool, rows: int,
+             began: float) -> None:
+    """Each set's centres (its first ``rows``; 0: all) searched against the other's (and,
+    ``within``, their own), in the tool's blocks; one line per direction."""
     galleries = [(np.arange(len(c)), c) for c in (first, second)]
     print(f"{len(first):,} x {len(second):,} centres x {first.shape[1]}-d ("
           f"{(first.nbytes + second.nbytes) / 2 ** 20:,.0f} MiB), made in "
           f"{time.perf_counter() - began:.1f} s")
     for own, name in ((0, "A->B"), (1, "B->A")):
-        _blocks(name + (" +own" if within else ""), len(galleries[own][1]),
+        searched = min(rows or len(galleries[own][1]), len(galleries[own][1]))
+        _blocks(name + (" +own" if within else ""), searched,
                 partial(_search_from, own, galleries, within))
 
 
