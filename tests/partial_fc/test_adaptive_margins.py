@@ -63,6 +63,7 @@ def test_ema_is_head_state_moves_in_training_only_and_resumes(kind):
     assert all(torch.equal(moved[k], other.state_dict()[k]) for k in keys)
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("kind", TYPES)
 def test_bf16_state_trains_every_margin(kind):
     head = PartialFC(D, C, build_margin(dict(type=kind, s=16.0)), kernel="torch",

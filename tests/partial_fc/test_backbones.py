@@ -165,6 +165,7 @@ def test_iresnet_layer_order():
 
 # iresnet18 in bf16 only: its blocks are iresnet_tiny's at full width, and CPU fp16
 # convolutions at that width take over a minute (bf16's 14 CPU-s on AVX2: make test-long).
+@pytest.mark.half
 @pytest.mark.parametrize(("name", "dtype"), [
     ("iresnet_tiny", torch.bfloat16), ("iresnet_tiny", torch.float16),
     pytest.param("iresnet18", torch.bfloat16, marks=pytest.mark.long),

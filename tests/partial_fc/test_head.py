@@ -203,6 +203,7 @@ def test_the_weight_is_created_on_the_device_it_is_given():
     assert head.weight.device.type == "meta" and head.weight.shape == (BLOCK + 37, 3)
 
 
+@pytest.mark.half
 def test_bf16_init_is_the_fp32_init_rounded_on_any_number_of_ranks():
     num_classes = BLOCK + 37
     full = init_rows_(torch.empty(num_classes, 3), 0, seed=5).bfloat16()
@@ -218,6 +219,7 @@ def test_bf16_init_is_the_fp32_init_rounded_on_any_number_of_ranks():
         _head(MARGINS["cosface"], state_dtype=torch.float16)
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("rate", [1.0, 0.5])
 @pytest.mark.parametrize("name", ["arcface", "adacos_dynamic"])
 def test_bf16_state_equals_the_fp32_head_on_the_rounded_rows_under_bf16_autocast(name, rate):
@@ -249,6 +251,7 @@ def test_bf16_state_equals_the_fp32_head_on_the_rounded_rows_under_bf16_autocast
         narrow.weight.grad = wide.weight.grad = None
 
 
+@pytest.mark.half
 def test_bf16_state_without_autocast_is_within_the_rounding_bound():
     """Against the fp32 head on the same rows in plain fp32, the bf16 head's only difference
     is the embeddings rounded to bf16 (relative ``u = 2**-8`` per element, so ``||de|| <= u``
@@ -297,6 +300,7 @@ def test_pop_sampled_rows_is_the_union_of_the_forwards_since_the_last_pop():
     assert small.pop_sampled_rows().index is None
 
 
+@pytest.mark.half
 def test_bf16_autocast_keeps_the_softmax_in_fp32():
     head = _head(MARGINS["arcface"], num_classes=50, dim=16)
     emb = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))

@@ -264,6 +264,7 @@ def test_chunked_update_is_bit_identical_at_any_chunk_size(make, rate, dtype):
         assert all(torch.equal(got_state[k], v) for k, v in state.items())
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("rate", [1.0, 0.25])
 @pytest.mark.parametrize("make", [_sgd, _adamw])
 def test_bf16_update_is_the_fp32_update_rounded_once(make, rate):

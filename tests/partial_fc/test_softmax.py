@@ -92,6 +92,7 @@ def test_sampled_rows_get_the_gradient_and_the_others_zero():
     torch.testing.assert_close(w.grad.to_dense().double(), w_ref.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.half
 def test_no_grad_inference_mode_and_cpu_bf16_autocast():
     g = torch.Generator().manual_seed(1)
     emb, labels = torch.randn(6, 8, generator=g), torch.randint(0, 40, (6,), generator=g)

@@ -219,11 +219,13 @@ def _check_grads(n, s_cols, d, e_dtype, w_dtype, s, targets, grads=None):
     assert float(bound_w.max()) < limit * float(want_w.abs().max())
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_class_tile_stats_match_float64(case, poisoned):
     _check_stats(*CASES[case], tensor_scale=case.startswith("odd"))
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_class_tile_grads_match_float64(case, poisoned):
     _check_grads(*CASES[case])
@@ -250,6 +252,7 @@ def test_compiled_kernels_match_float64_at_medium_sizes(case, poisoned):
     _check_grads(*MEDIUM[case], grads=ref.class_tile_grads)
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("grads", [tm.class_tile_grads, _seven_columns(40).class_tile_grads],
                          ids=["triton", "torch"])
 def test_bf16_weight_gradient_is_the_fp32_one_rounded_once(grads):

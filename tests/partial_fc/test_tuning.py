@@ -207,6 +207,7 @@ def test_the_head_passes_the_tuners_lines_on():
     assert head.take_notes() == []
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("operands", ["bf16 e, fp32 w", "bf16"])
 def test_the_cublas_engine_equals_the_kernels_and_the_reference(operands):
     """Every non-target transform at once (AdaFace's clamp, the inter-class filter,

@@ -148,6 +148,7 @@ def test_checkpointing_is_off_without_gradients():
     assert len(calls) == 2
 
 
+@pytest.mark.half
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_parameters_cast_to_low_precision(dtype):
     """DeepSpeed's bf16/fp16 modes: parameters cast, BatchNorm statistics fp32, a train step
@@ -165,8 +166,11 @@ def test_parameters_cast_to_low_precision(dtype):
         expected = ref.eval()(x).float()
     with torch.no_grad():
         got = low.eval()(x.to(dtype)).float()
+    # the cast model rounds to dtype where autocast keeps fp32 (LayerNorm, softmax, GELU's
+    # outputs): four roundings of u = eps / 2 (measured: 1.2-1.6 u under each ISA of make
+    # test-isa, bf16 and fp16 alike; the fixed 2e-2 this replaced was 41 u of fp16)
     err = float((got - expected).norm() / expected.norm())
-    assert err < 2e-2, f"{dtype}: relative difference to autocast {err:.3g}"
+    assert err < 2 * torch.finfo(dtype).eps, f"{dtype}: relative difference to autocast {err:.3g}"
     out = low.train()(x.to(dtype))
     out.float().square().sum().backward()
     assert out.dtype == dtype and torch.isfinite(out).all()
