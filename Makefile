@@ -32,7 +32,7 @@ SMOKE_DIR      = $(if $(filter data.dir=% data.dirs=%,$(ARGS)),,data.dir=$(SMOKE
 
 RECIPES := ms1mv2-r50 ms1mv3-r50 ms1mv3-r100 glint360k-r100 glint360k-r100-subcenter webface42m-r100 ms1mv3-r50-adacos wf42m-vit-t wf42m-vit-s wf42m-vit-b wf42m-vit-l ms1mv3-vit-t ms1mv3-r100-adaface webface42m-r100-adaface ms1mv3-r100-curricularface
 
-.PHONY: setup train train-orl bench-orl bench-distill demo-scale test test-long fuzz test-fast docs-check test-plan-full lint chaos slurm-demo kernels-aot convert-ms1m report $(RECIPES)
+.PHONY: setup train train-orl bench-orl bench-distill demo-scale test test-long test-isa fuzz test-fast docs-check test-plan-full lint chaos slurm-demo kernels-aot convert-ms1m report $(RECIPES)
 
 # A machine that brings its own environment (the lent GPU machine, bench/gpu_session.sh) passes
 # `SETUP= PY=python3`: no venv is built there.
@@ -61,6 +61,12 @@ test: setup
 # they together were 13-14 minutes on the shared 2-core machine; CI runs them beside it.
 test-long: setup
 	$(PY) -m pytest -n 2 --dist worksteal -q -m long
+
+# The tests that run bf16/fp16 CPU kernels (marker half) under each instruction set this CPU
+# has, ATen's and oneDNN's paired as such a CPU would (tools/test_isa.py; one line for an ISA
+# it lacks). ISAS="avx2 default" picks some. docs/benchmarks.md: the ISAs tried, the times.
+test-isa: setup
+	$(PY) -m tools.test_isa
 
 # tests/fuzz with FUZZ_SCALE times the generated cases `make test` runs (its seeded budget), every
 # reader's figures (cases, slowest, largest) printed at the end: docs/readers.md keeps a run's.
