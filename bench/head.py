@@ -3,6 +3,7 @@
     python bench/head.py -C 200000 -D 512 -N 64 -P 2                      # CPU, gloo
     python bench/head.py --device cuda -P 1 -C 1000000 -N 1024 --amp bf16  # one GPU = one rank
     python bench/head.py --insightface ~/src/insightface                   # + insightface's head
+    python bench/head.py -P 1 -N 1024 -C 50000 --peers torch_lce           # + fused CE losses
 
 Both heads run in the same freshly spawned process group (gloo on CPU, NCCL on CUDA, one GPU
 per rank), on the same weight shard (``C/P`` rows per rank, the same sampled rows at ``r<1``)
@@ -21,6 +22,9 @@ and the same batches:
   shard rows and batches (at ``r<1`` it samples its own rows, the same number). On CPU its
   ``.cuda()`` calls are made no-ops in this process; its embedding gradient carries the world
   size factor its ``AllGatherFunc`` adds, which costs nothing;
+- ``--peers torch_lce,cce,liger`` (``-P 1``, ``r = 1``): PyTorch's, Cut Cross-Entropy's and
+  Liger's fused linear cross-entropy losses on ``s * normalize(e)`` and ``normalize(w)``, no
+  margin (bench/head_peers.py; ``--skip-textbook`` leaves the textbook head out);
 - ``matmuls``: only the three matmuls of a step at this rank's shapes (``E W^T``, ``G W``,
   ``G^T E``; ``N`` global rows, ``S`` sampled classes), the floor any head pays;
 - ``sampler`` (``r<1``): only ours's class sampling of a step (``sample_classes`` on the
@@ -60,13 +64,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from partial_fc import PartialFC, build_margin
 from partial_fc import distributed as dist_ops
 from partial_fc.margins.registry import MARGIN_TYPES
-from partial_fc.sampling import local_targets, sample_classes, sample_size
+from partial_fc.sampling import sample_classes, sample_size
 from partial_fc.tiles import KERNELS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ holds scripts, no package
+import head_peers  # noqa: E402
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -79,88 +85,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class _ShardedCrossEntropy(torch.autograd.Function):
-    """The sharded softmax cross entropy as a careful autograd head writes it (Megatron's
-    vocab-parallel cross entropy, insightface's ``DistCrossEntropyFunc``): the ``[N, S]``
-    logits become the softmax in place and backward turns that buffer into the gradient in
-    place, so one ``[N, S]`` tensor lives from the forward to the backward."""
-
-    @staticmethod
-    def forward(ctx, logits, rows, cols, group):
-        row_max = logits.detach().max(dim=1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.zeros(2, logits.shape[0], device=logits.device)  # [sum-exp, target]
-        sums[1, rows] = logits[rows, cols] - row_max[rows]
-        probs = logits.sub_(row_max[:, None]).exp_()
-        sums[0] = probs.sum(dim=1)
-        dist.all_reduce(sums, group=group)
-        probs.div_(sums[0][:, None])
-        ctx.save_for_backward(probs, rows, cols)
-        return (sums[0].log() - sums[1]).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        probs, rows, cols = ctx.saved_tensors
-        probs[rows, cols] -= 1.0
-        return probs.mul_(grad / probs.shape[0]), None, None, None
-
-
-class _Textbook(torch.nn.Module):
-    """The sharded full-softmax head a user writes with autograd (insightface's PartialFC_V2
-    structure): all-gather, normalised embeddings and rows, one ``[N, S]`` matmul, the margin
-    on the target entries, the in-place sharded cross entropy above. Same shard and sampled
-    rows as ours."""
-
-    def __init__(self, ours: PartialFC):
-        super().__init__()
-        self.ours = ours  # reads its weight, shard, margin and last sampled rows; never runs it
-        self.weight = torch.nn.Parameter(ours.weight.detach().clone())
-
-    def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ours, group = self.ours, self.ours.process_group
-        e = dist_ops.all_gather(F.normalize(emb.float(), dim=1), group)
-        y = dist_ops.all_gather(labels, group)
-        index = ours.sampled_index
-        targets = local_targets(y, ours.class_start, ours.num_local)
-        weight = self.weight
-        if index is not None:  # the rows ours sampled this step, labels remapped likewise
-            weight = weight[index]
-            owned = targets >= 0
-            targets = targets.masked_scatter(owned, torch.searchsorted(index, targets[owned]))
-        s = float(ours.margin.scale.value())
-        cos = (e @ F.normalize(weight, dim=1).t()).float()
-        rows = (targets >= 0).nonzero().squeeze(1)
-        cols = targets[rows]
-        target_cos = cos[rows, cols]
-        logits = cos.mul_(s)  # in place: the matmul's backward does not read its output
-        logits = logits.index_put_((rows, cols), ours.margin.psi(target_cos, 0) * s)
-        return _ShardedCrossEntropy.apply(logits, rows, cols, group)
-
-
-# --margin -> insightface's CombinedMarginLoss (m1, m2, m3) at our default margins
-INSIGHTFACE_MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.35),
-                       "normface": (1.0, 0.0, 0.0)}
-
-
-def _insightface_head(folder: str, ours: PartialFC, args: argparse.Namespace, device):
-    """insightface's ``PartialFC_V2`` from the user's checkout, holding ours' rows."""
-    import sys
-    from pathlib import Path
-
-    root = Path(folder).expanduser()
-    arcface_torch = root / "recognition" / "arcface_torch"
-    sys.path.insert(0, str(arcface_torch if arcface_torch.is_dir() else root))
-    from losses import CombinedMarginLoss
-    from partial_fc_v2 import PartialFC_V2
-
-    if device.type == "cpu":
-        torch.Tensor.cuda = lambda self, *a, **k: self  # its code calls .cuda() throughout
-    head = PartialFC_V2(CombinedMarginLoss(args.scale, *INSIGHTFACE_MARGINS[args.margin]),
-                        args.dim, args.classes, sample_rate=args.sample_rate)
-    head.weight.data = ours.weight.detach().float().clone()
-    return head.to(device)
 
 
 class _Clock:
@@ -277,9 +201,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     ours = PartialFC(args.dim, args.classes, margin, sample_rate=args.sample_rate,
                      kernel=args.kernel, state_dtype=STATE_DTYPES[args.state_dtype],
                      **tile).to(device)
-    heads = {"ours": ours, "textbook": _Textbook(ours).to(device)}
+    heads = {"ours": ours}
+    if not args.skip_textbook:
+        heads["textbook"] = head_peers.Textbook(ours).to(device)
     if args.insightface:
-        heads["insightface"] = _insightface_head(args.insightface, ours, args, device)
+        heads["insightface"] = head_peers.insightface_head(args.insightface, ours.weight, args,
+                                                           device)
+    peers, missing = head_peers.build(args.peers, ours.weight, args.scale)
+    heads.update((name, peer.to(device)) for name, peer in peers.items())
+    for note in missing if rank == 0 else []:
+        print(note, flush=True)
     gen = torch.Generator(device=device).manual_seed(rank)
     batches = [(torch.randn(args.batch, args.dim, device=device, generator=gen),
                 torch.randint(0, args.classes, (args.batch,), device=device, generator=gen))
@@ -363,14 +294,26 @@ def main() -> None:
                         help="PartialFC's weight dtype (the textbook head gets the same rows)")
     parser.add_argument("--insightface", metavar="DIR", default=None,
                         help="an insightface checkout: time its PartialFC_V2 as a fourth head")
+    parser.add_argument("--peers", default="", metavar="NAMES",
+                        help="comma-separated fused CE losses to time beside ours, no margin: "
+                        f"{', '.join(head_peers.PEERS)} (-P 1, r = 1; bench/head_peers.py)")
+    parser.add_argument("--skip-textbook", action="store_true",
+                        help="leave the textbook head out (its rows are timed elsewhere)")
     parser.add_argument("--max-tile-mib", type=int, default=None,
                         help="PartialFC's max_tile_bytes in MiB (default: PartialFC's)")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 1:
         parser.error("--device cuda: no CUDA device visible")
-    if args.insightface and args.margin not in INSIGHTFACE_MARGINS:
+    if args.insightface and args.margin not in head_peers.INSIGHTFACE_MARGINS:
         parser.error(f"--insightface: --margin {args.margin} has no CombinedMarginLoss "
-                     f"equivalent here (use {', '.join(INSIGHTFACE_MARGINS)})")
+                     f"equivalent here (use {', '.join(head_peers.INSIGHTFACE_MARGINS)})")
+    try:
+        args.peers = head_peers.names(args.peers, args.device)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.peers and (args.ranks != 1 or args.sample_rate != 1):
+        parser.error("--peers: one process and r = 1 only (-P 1 -r 1): no peer shards or "
+                     "samples the classes")
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(args, _free_port(), queue), nprocs=args.ranks)
     results = [r for _, r in sorted(queue.get() for _ in range(args.ranks))]
@@ -401,8 +344,8 @@ def main() -> None:
         print(f"ours / {peer}: time {med['ours'] / med[peer]:.2f}x (per interleaved step: "
               f"median {statistics.median(paired):.2f}x [{min(paired):.2f}, "
               f"{max(paired):.2f}]), extra peak {peak['ours'] / max(peak[peer], 1):.2f}x; "
-              f"matmuls = {100 * med['matmuls'] / med[peer]:.0f}% of its time")
-    print(f"matmuls = {100 * med['matmuls'] / med['ours']:.0f}% of ours; "
+              f"it takes {med[peer] / med['matmuls']:.2f}x the matmuls")
+    print(f"ours takes {med['ours'] / med['matmuls']:.2f}x the matmuls; "
           f"weight {results[0]['weight_bytes'] / gib:.3f} GiB/rank")
 
 
