@@ -6,6 +6,7 @@
     python3 bench/pace.py profile-train --out DIR  # ... of the trainer's step (bench/train.py)
     python3 bench/pace.py profile-train --engine deepspeed --out DIR   # ... DeepSpeed's step
     python3 bench/pace.py largest --json LOGS/largest.json   # the largest C_local that trains
+    python3 bench/pace.py filtered --json LOGS/filtered.json # the filtered backward, timed
 
 - ``tune``: every candidate of ``partial_fc.tiles.tuning`` on the shapes users run (``N`` 512,
   1024, 2048; ``S = C_local r`` for ``C_local`` 100k, 1M, 4M and ``r`` 1, 0.1; ``D`` 512;
@@ -27,6 +28,12 @@
   bf16 head state) on this card, found by trying ``launch.plan``'s prediction for the card's
   memory and then bisecting (each try in a fresh process, so an out-of-memory leaves nothing
   behind), beside that prediction.
+- ``filtered``: the kernels' backward (``class_tile_grads``, the configuration the tuner
+  chose) exact and filtered (``partial_fc.tiles.filtered``) at ``-C``/``-N``, D 512, bf16
+  ``e``, fp32 rows, s = 64, on a flat softmax (random rows, as at initialisation) and on a
+  separated one (rows and samples in 8 clusters, the batch sorted by cluster: the most a tile
+  can be skipped); per softmax: median ms of each, the share of tiles skipped, and the
+  filtered path's difference from the exact one against the bound (``u m_i`` per row).
 
 Prints figures, asserts nothing; not run by the test suite.
 """
@@ -196,6 +203,65 @@ def largest(args: argparse.Namespace) -> None:
             break
 
 
+def _softmax_step(n: int, classes: int, separated: bool, device: torch.device):
+    """A one-rank plain softmax step (s = 64) and the backward's inputs (module docstring)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(classes, 512, device=device, generator=g)
+    labels = torch.randint(0, classes, (n,), device=device, generator=g)
+    if separated:
+        centres = torch.linalg.qr(torch.randn(512, 8, device=device, generator=g))[0].T
+        w = centres[torch.arange(classes, device=device) * 8 // classes] + 0.3 * w / 512**0.5
+        labels = labels.sort().values  # the batch in cluster order: whole row blocks skip
+    e = F.normalize(w[labels] + 0.3 * torch.randn(n, 512, device=device, generator=g)
+                    / 512**0.5, dim=1) if separated else torch.randn(n, 512, device=device)
+    e, w = F.normalize(e, dim=1).bfloat16(), (0.05 * w).float()
+    inv = 1.0 / w.norm(dim=1)
+    logits = torch.cat([64.0 * (e @ w[k:k + 65536].bfloat16().t()).float() * inv[k:k + 65536]
+                        for k in range(0, classes, 65536)], dim=1)
+    lse = torch.logsumexp(logits, dim=1)
+    log_p = logits.gather(1, labels[:, None])[:, 0] - lse
+    del logits
+    coef = torch.full((n,), 64.0 / n, device=device)
+    return (e, w, inv, labels, 64.0, lse, coef, (log_p.exp() - 1) * coef), log_p
+
+
+def _filtered_run(step: tuple, log_p: torch.Tensor, classes: int) -> dict:
+    """The exact and the filtered backward of ``step`` (:func:`_softmax_step`): their times,
+    the share of tiles skipped, the difference against the bound."""
+    from partial_fc.tiles import autotune
+    from partial_fc.tiles import triton as tm
+    from partial_fc.tiles.filtered import Skip, skip_bounds, unit_roundoff
+
+    e, w, coef = step[0], step[1], step[6]
+    tiles = autotune.TUNER.tiles(e, w) or tm.default_tiles(e)
+    tiles = tiles if tiles.engine == "triton" else tm.default_tiles(e)  # Triton GEMMs skip
+    skip = Skip(skip_bounds(coef, log_p, classes), torch.zeros(2, dtype=torch.int64,
+                                                               device=e.device))
+    exact = tm.class_tile_grads(*step, tiles=tiles)
+    cut = tm.class_tile_grads(*step, tiles=tiles, skip=skip)
+    bound = unit_roundoff(torch.bfloat16) * coef * -torch.expm1(log_p)
+    return {"tiles_skipped": skip.tiles[0].item() / skip.tiles[1].item(),
+            "grad_e_over_bound": ((cut[0] - exact[0]).norm(dim=1) / bound).max().item(),
+            "grad_w_max_abs_diff": (cut[1] - exact[1]).abs().max().item(),
+            "exact_ms": autotune._timed(lambda: tm.class_tile_grads(*step, tiles=tiles),
+                                        e.device),
+            "filtered_ms": autotune._timed(lambda: tm.class_tile_grads(
+                *step, tiles=tiles, skip=Skip(skip.below)), e.device)}
+
+
+def filtered(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    report = {"classes": args.classes, "batch": args.batch, "runs": []}
+    for name in ("flat", "separated"):
+        step, log_p = _softmax_step(args.batch, args.classes, name == "separated", device)
+        run = {"softmax": name, **_filtered_run(step, log_p, args.classes)}
+        report["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -223,9 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("largest", help="the largest C_local that trains, beside the plan")
     g.add_argument("--tries", type=int, default=5)
     g.add_argument("--json", type=Path, required=True)
+    f = sub.add_parser("filtered", help="the kernels' filtered backward beside the exact one")
+    f.add_argument("-C", "--classes", type=int, default=1_000_000)
+    f.add_argument("-N", "--batch", type=int, default=1024)
+    f.add_argument("--device", default="cuda", help="cuda; cpu with TRITON_INTERPRET=1 to try "
+                   "the plumbing at small sizes (timings meaningless)")
+    f.add_argument("--json", type=Path, required=True)
     args = p.parse_args(argv)
     {"tune": tune, "profile-head": profile_head, "profile-train": profile_train,
-     "largest": largest}[args.what](args)
+     "largest": largest, "filtered": filtered}[args.what](args)
     return 0
 
 

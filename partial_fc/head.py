@@ -89,6 +89,11 @@ class PartialFC(nn.Module):
             so); ``stats`` adds ``subcenter_dominant_share``.
         aux_losses: ArcFace's Intra-, Inter- and Triplet-Loss weights
             (``partial_fc.aux_losses``); None = all off.
+        grad_filter: the Triton kernels' filtered backward (``partial_fc.tiles.filtered``):
+            skip the class tiles whose ``|dL/dcos|`` all sit below a bound under which the
+            skipped sum stays within the bf16 rounding the kernels already give ``G'``; off
+            (exact) by default, until a GPU shows it leaves training unchanged; the torch path
+            and margins with a non-target transform stay exact.
 
     ``forward(embeddings [n_local, D], labels [n_local] int64) -> loss`` (0-d fp32): the mean
     loss of the **global** batch, identical on all ranks; ranks may pass different
@@ -126,6 +131,7 @@ class PartialFC(nn.Module):
         loss_cap: float | None = None,
         subcenters: int = 1,
         aux_losses: AuxLosses | None = None,
+        grad_filter: bool = False,
     ) -> None:
         super().__init__()
         world, rank = dist_ops.get_world_size(process_group), dist_ops.get_rank(process_group)
@@ -137,7 +143,7 @@ class PartialFC(nn.Module):
         self.world_size, self.rank = world, rank
         self.class_start, stop = split_evenly(num_classes, world, rank)
         self.num_local = stop - self.class_start
-        self.loss_cap = loss_cap
+        self.loss_cap, self.grad_filter = loss_cap, bool(grad_filter)
         self.subcenters = k = subcenters
         weight = torch.empty(k * self.num_local, embedding_size, dtype=state_dtype,
                              device=device)  # a class's K rows drawn as one row of K * D
@@ -379,7 +385,8 @@ class PartialFC(nn.Module):
             elif torch.is_autocast_enabled(device):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
             return Shard(e_op, w, index, inv, targets, self.tiles.for_device(e.device),
-                         self.subcenters)
+                         self.subcenters,
+                         filter_classes=self.num_classes if self.grad_filter else None)
 
     def _gather(self, x: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor | None]:
         """The global batch's normalised embeddings ``[N, D]`` and, when the margin reads

@@ -22,7 +22,8 @@ from torch.autograd.function import once_differentiable
 
 from partial_fc import distributed as pd
 from partial_fc.nontarget import NonTarget
-from partial_fc.tiles import TileBackend
+from partial_fc.tiles import ReferenceTiles, TileBackend
+from partial_fc.tiles.filtered import Skip, operand_dtype, skip_bounds
 
 __all__ = ["RowTerm", "Shard", "TargetTerms", "margin_softmax_loss"]
 
@@ -55,7 +56,10 @@ class Shard:
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
     back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity;
-    ``partial_fc.nontarget``, which both back-ends apply).
+    ``partial_fc.nontarget``, which both back-ends apply). ``filter_classes``: the head's
+    ``num_classes`` when its backward is the kernels' filtered one (``partial_fc.tiles.
+    filtered``; it applies only to the Triton kernels and to plain non-target logits), else
+    None (exact).
     With ``subcenters = K > 1`` ``w`` holds ``K`` rows per class (``partial_fc.subcenters``):
     ``cos_t`` is the largest of the target's ``K`` and ``nearest`` ``[N]`` which centre gave
     it. Every row is computed and the
@@ -64,9 +68,10 @@ class Shard:
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
                  targets: Tensor, tiles: TileBackend, subcenters: int = 1,
-                 nontarget: NonTarget | None = None) -> None:
+                 nontarget: NonTarget | None = None, filter_classes: int | None = None) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
         self.targets, self.tiles, self.nontarget = targets, tiles, nontarget
+        self.filter_classes = filter_classes
         self.owned = targets >= 0
         k = subcenters  # w: K rows per class (partial_fc.subcenters); the best one counts
         cols = targets.clamp_min(0)
@@ -80,11 +85,17 @@ class Shard:
         return self.tiles.class_tile_stats(self.e, self.w, self.inv_norm, self.targets, s,
                                            **self._nontarget())
 
-    def grads(self, s: Tensor | float, lse: Tensor, coef: Tensor,
-              target_grad: Tensor) -> tuple[Tensor, Tensor]:
-        """``class_tile_grads`` of this shard (see ``partial_fc.tiles``)."""
+    def grads(self, s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
+              log_p_target: Tensor) -> tuple[Tensor, Tensor]:
+        """``class_tile_grads`` of this shard (see ``partial_fc.tiles``); ``log_p_target``
+        ``[N]`` (the global ``log p_iy``) bounds the filtered backward."""
+        extra = self._nontarget()
+        if (self.filter_classes is not None and self.nontarget is None
+                and not isinstance(self.tiles, ReferenceTiles)):
+            extra["skip"] = Skip(skip_bounds(coef, log_p_target, self.filter_classes,
+                                             operand_dtype(self.e.dtype, self.w.dtype)))
         return self.tiles.class_tile_grads(self.e, self.w, self.inv_norm, self.targets, s, lse,
-                                           coef, target_grad, **self._nontarget())
+                                           coef, target_grad, **extra)
 
     def _nontarget(self) -> dict[str, NonTarget]:
         return {} if self.nontarget is None else {"nontarget": self.nontarget}
@@ -188,7 +199,7 @@ class _MarginSoftmaxLoss(Function):
         target_grad = dpsi * slope
         if extra_slope is not None:
             target_grad = target_grad + torch.where(shard.owned, extra_slope * g / ctx.n, 0.0)
-        grad_e, grad_w = shard.grads(ctx.s, lse, coef.contiguous(), target_grad)
+        grad_e, grad_w = shard.grads(ctx.s, lse, coef.contiguous(), target_grad, log_p_target)
         if ctx.row_term is not None:
             grad_w = grad_w + g * ctx.row_term.grad_w
         grad_w = grad_w.to(ctx.weight_dtype)

@@ -130,22 +130,24 @@ def launches(operands: str, tiles=None) -> dict[str, Launch]:
     t = tiles or tm.cuda_tiles(sms=132)
     e, w, g = TL_NAMES[e_dtype], TL_NAMES[w_dtype], TL_NAMES[op]
     cos = dict(BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **consts)
-    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **consts)
+    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, SKIP=False, **consts)
     out = {}
     for suffix, transform in transforms().items():
         out["stats" + suffix] = Launch(tm._stats_kernel, dict(cos, **transform),
                                        dict(E=e, W=w, TGT="i64"), ("N",),
                                        ("S", "tiles_per_split"))
-        out["dcos" + suffix] = Launch(tm._dcos_kernel, dict(cos, **transform),
-                                      dict(E=e, W=w, TGT="i64", G_OUT=g), ("N",), ("width",))
+        out["dcos" + suffix] = Launch(tm._dcos_kernel, dict(cos, SKIP=False, **transform),
+                                      dict(E=e, W=w, TGT="i64", G_OUT=g, LIVE_OUT="i32"),
+                                      ("N",), ("width",))
     return out | {  # grad_e: part = G' W_chunk; grad_w: G'^T E - inv^2 r w, rounded to w's dtype
         "gemm grad_e": Launch(tm._gemm_kernel, dict(gemm, PROJECT=False, ROUND_OUT=False,
                                                      stride_ak=1, stride_bn=1),
-                              dict(A=g, B=w, W=w), ("M",), ("K", "k_per_split")),
+                              dict(A=g, B=w, W=w, LIVE="i32"), ("M",), ("K", "k_per_split")),
         "gemm grad_w": Launch(tm._gemm_kernel, dict(gemm, PROJECT=True,
                                                      ROUND_OUT=w_dtype != torch.float32,
                                                      stride_am=1, stride_bn=1),
-                              dict(A=g, B=e, OUT=w, W=w), ("K", "k_per_split"), ("M",)),
+                              dict(A=g, B=e, OUT=w, W=w, LIVE="i32"), ("K", "k_per_split"),
+                              ("M",)),
     }
 
 

@@ -221,11 +221,17 @@ class TunedKernels:
 
     def class_tile_grads(self, e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                          s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
-                         nontarget=None) -> tuple[Tensor, Tensor]:
-        """``partial_fc.tiles.triton.class_tile_grads`` with the tuned configuration."""
+                         nontarget=None, skip=None) -> tuple[Tensor, Tensor]:
+        """``partial_fc.tiles.triton.class_tile_grads`` with the tuned configuration; the
+        filtered backward (``skip``) on the Triton GEMMs (the default tiles where the cuBLAS
+        engine was chosen: a cuBLAS matmul cannot skip a tile)."""
         tiles = self._tiles(e, w)
-        return engine(tiles).class_tile_grads(e, w, inv_norm, target_col, s, lse, coef,
-                                              target_grad, nontarget, tiles=tiles)
+        if skip is None:
+            return engine(tiles).class_tile_grads(e, w, inv_norm, target_col, s, lse, coef,
+                                                  target_grad, nontarget, tiles=tiles)
+        tiles = tiles if tiles.engine == "triton" else tm.default_tiles(e)
+        return tm.class_tile_grads(e, w, inv_norm, target_col, s, lse, coef, target_grad,
+                                   nontarget, tiles=tiles, skip=skip)
 
 
 TUNED = TunedKernels()

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from partial_fc.nontarget import NonTarget
 from partial_fc.tiles import tuning
+from partial_fc.tiles.filtered import Skip, live_blocks, operand_dtype
 
 try:
     import triton
@@ -196,15 +197,19 @@ def _stats_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, MAX_OUT, SUM_OUT, COS_OU
 
 @triton.jit
 def _dcos_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, LSE, COEF, TGRAD, G_OUT, R_OUT,
-                 N, D, stride_e, stride_w, stride_g, stride_r, col0, width, tau,
+                 SKIP_BELOW, LIVE_OUT, N, D, stride_e, stride_w, stride_g, stride_r,
+                 stride_live, col0, width, tau,
                  BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                  OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
                  PRECISION: tl.constexpr, CLAMP: tl.constexpr, FILTER: tl.constexpr,
-                 HARD: tl.constexpr):
+                 HARD: tl.constexpr, SKIP: tl.constexpr):
     """Program (row block, class tile of the chunk ``[col0, col0 + width)``): recompute
     ``cos``, write ``G'_ik = dL/dcos_ik inv_k`` in the operand dtype to ``G_OUT [N, width]``
     and the row block's ``sum_i dL/dcos_ik cos_ik`` (= ``w_hat_k . g_k`` over these rows) to
-    ``R_OUT [row blocks, width]``."""
+    ``R_OUT [row blocks, width]``. ``SKIP`` (the filtered backward, ``partial_fc.tiles.
+    filtered``): a tile whose every ``|dL/dcos_ik|`` is below its row's ``SKIP_BELOW_i`` is
+    written as zeros (``G'`` and ``r``), and ``LIVE_OUT [row blocks, tiles]`` gets 0 for it,
+    1 for the others, for the GEMMs to skip it."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     local = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     row_ok = rows < N
@@ -220,6 +225,11 @@ def _dcos_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, LSE, COEF, TGRAD, G_OUT, 
                     BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
     g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, hard_above, t_hard, tau,
                    CLAMP, FILTER, HARD)
+    if SKIP:  # masked rows (G = 0) never keep a tile; a bound of 0 keeps every tile
+        below = tl.load(SKIP_BELOW + rows, mask=row_ok, other=float("inf"))
+        live = tl.max(tl.max(tl.where(tl.abs(g) >= below[:, None], 1, 0), axis=1), axis=0)
+        g = g * live
+        tl.store(LIVE_OUT + tl.program_id(0) * stride_live + tl.program_id(1), live)
     inv = tl.load(INV + cols, mask=col_ok, other=0.0)
     g_scaled = _operand(g * inv[None, :], OP, DOT, SOFT_BF16).to(G_OUT.dtype.element_ty)
     tl.store(G_OUT + rows[:, None] * stride_g + local[None, :], g_scaled,
@@ -228,15 +238,18 @@ def _dcos_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, LSE, COEF, TGRAD, G_OUT, 
 
 
 @triton.jit
-def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_bk, stride_bn,
-                 stride_os, stride_om, stride_wm, k_per_split,
+def _gemm_kernel(A, B, OUT, W, W_SCALE, LIVE, M, NC, K, stride_am, stride_ak, stride_bk,
+                 stride_bn, stride_os, stride_om, stride_wm, stride_live, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_K: tl.constexpr,
                  OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PRECISION: tl.constexpr, PROJECT: tl.constexpr, ROUND_OUT: tl.constexpr):
+                 PRECISION: tl.constexpr, PROJECT: tl.constexpr, ROUND_OUT: tl.constexpr,
+                 SKIP: tl.constexpr):
     """Program (M tile, NC tile, K split): ``OUT[split] = A[:, ks] @ B[ks, :]`` in fp32, minus
     ``W_SCALE[:, None] * W`` when ``PROJECT`` (the rank-1 part of the ``1 / ||w||`` chain
     rule, applied in the epilogue); ``ROUND_OUT``: ``OUT`` is 16-bit (the gradient of a bf16
-    ``w``, whose dtype is then ``OP``), the fp32 result is rounded to nearest once."""
+    ``w``, whose dtype is then ``OP``), the fp32 result is rounded to nearest once. ``SKIP``:
+    a K step whose ``LIVE[M tile, K step]`` is 0 (its block of ``A`` is zeros: the filtered
+    backward) is not loaded or multiplied."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_NC + tl.arange(0, BLOCK_NC)
     split = tl.program_id(2)
@@ -246,14 +259,18 @@ def _gemm_kernel(A, B, OUT, W, W_SCALE, M, NC, K, stride_am, stride_ak, stride_b
     k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros((BLOCK_M, BLOCK_NC), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_hi
-        a = tl.load(A + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(B + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(_operand(a, OP, DOT, SOFT_BF16), _operand(b, OP, DOT, SOFT_BF16), acc,
-                     input_precision=PRECISION)
+        live = True
+        if SKIP:
+            live = tl.load(LIVE + tl.program_id(0) * stride_live + k0 // BLOCK_K) != 0
+        if live:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < k_hi
+            a = tl.load(A + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(B + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(_operand(a, OP, DOT, SOFT_BF16), _operand(b, OP, DOT, SOFT_BF16), acc,
+                         input_precision=PRECISION)
     mask = m_ok[:, None] & n_ok[None, :]
     if PROJECT:
         w = tl.load(W + rm[:, None] * stride_wm + rn[None, :], mask=mask, other=0.0)
@@ -337,7 +354,7 @@ def operand_constexprs(e_dtype: torch.dtype, w_dtype: torch.dtype, widen: bool,
     ``tools/kernels_aot.py`` compiles ahead of time. ``widen``: 16-bit operands rounded, then
     dotted in fp32 (the interpreter, see the module docstring); ``fp32_exact``: IEEE fp32
     dots for fp32 operands, else TF32."""
-    op = ({e_dtype, w_dtype} - {torch.float32} or {torch.float32}).pop()
+    op = operand_dtype(e_dtype, w_dtype)
     return op, dict(OP=_TL_DTYPES[op], DOT=tl.float32 if widen else _TL_DTYPES[op],
                     SOFT_BF16=widen and op == torch.bfloat16,
                     PRECISION="ieee" if op == torch.float32 and fp32_exact else "tf32")
@@ -463,8 +480,8 @@ def class_tile_stats(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
 
 def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
                      s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
-                     nontarget: NonTarget | None = None, tiles: Tiles | None = None
-                     ) -> tuple[Tensor, Tensor]:
+                     nontarget: NonTarget | None = None, tiles: Tiles | None = None,
+                     skip: Skip | None = None) -> tuple[Tensor, Tensor]:
     """Gradients of the loss through the cosines, recomputing the ``cos`` tiles.
 
     With ``G_ik = dL/dcos_ik``: ``coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)`` for
@@ -479,6 +496,10 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         e, w, inv_norm, target_col, s, nontarget, tiles: as in ``class_tile_stats``.
         lse: ``[N]`` fp32 global log-sum-exp of the logits. coef: ``[N]`` fp32.
         target_grad: ``[N]`` fp32 (read only where ``target_col_i >= 0``).
+        skip: None (exact, the default) or the filtered backward
+            (``partial_fc.tiles.filtered``): a ``(row block, class tile)`` whose every
+            ``|G_ik|`` is below ``skip.below_i`` counts as zeros and the GEMMs skip it;
+            plain non-target logits only (no ``nontarget``: the bound assumes ``f' = 1``).
 
     Returns:
         ``grad_e [N, D]`` fp32 ``sum_k G_ik inv_k w_k``; ``grad_w [S, D]`` in ``w.dtype``
@@ -487,38 +508,59 @@ def class_tile_grads(e: Tensor, w: Tensor, inv_norm: Tensor, target_col: Tensor,
         ``g_k = sum_i G_ik e_i``.
     """
     extra = {"lse": lse, "coef": coef, "target_grad": target_grad}
+    if skip is not None:
+        extra["skip.below"] = skip.below
     tensors, scale, op, consts = _prepare(e, w, inv_norm, target_col, s, extra)
-    e, w, inv_norm, target_col, lse, coef, target_grad = tensors
+    e, w, inv_norm, target_col, lse, coef, target_grad = tensors[:7]
+    below = tensors[7] if skip is not None else scale  # unread without SKIP
     (hard_above, t_hard, tau), transform = _transform(nontarget, e, scale)
+    if skip is not None and any(transform.values()):
+        raise ValueError("tiles.triton: skip (the filtered backward) bounds plain non-target "
+                         "logits only; this step has a non-target transform (nontarget)")
     (n, d), s_cols = e.shape, w.shape[0]
     t = tiles or default_tiles(e)
     row_blocks = triton.cdiv(n, t.rows)
     width_max = min(s_cols, t.chunk_width(n, op.itemsize))
     buffer = torch.empty(n, width_max, dtype=op, device=e.device)  # G' of one chunk
     radial = torch.empty(row_blocks, width_max, dtype=torch.float32, device=e.device)
+    live = torch.empty(row_blocks, triton.cdiv(width_max, t.cols), dtype=torch.int32,
+                       device=e.device) if skip is not None else scale  # unread without SKIP
     out_tiles = triton.cdiv(n, t.gemm) * triton.cdiv(d, t.gemm)
     grad_e = torch.zeros(n, d, dtype=torch.float32, device=e.device)
     grad_w = torch.empty(s_cols, d, dtype=w.dtype, device=e.device)
-    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, **t.launch_options, **consts)
+    gemm = dict(BLOCK_M=t.gemm, BLOCK_NC=t.gemm, BLOCK_K=t.depth, SKIP=skip is not None,
+                **t.launch_options, **consts)
     for col0 in range(0, s_cols, width_max):
         width = min(width_max, s_cols - col0)
         g, w_c, r = buffer[:, :width], w[col0:col0 + width], radial[:, :width]
-        _dcos_kernel[(row_blocks, triton.cdiv(width, t.cols))](
+        col_tiles = triton.cdiv(width, t.cols)
+        _dcos_kernel[(row_blocks, col_tiles)](
             e, w, inv_norm, target_col, scale, hard_above, t_hard, lse, coef, target_grad, g, r,
-            n, d, e.stride(0), w.stride(0), g.stride(0), r.stride(0), col0, width, tau,
-            BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth, **transform, **t.launch_options,
-            **consts)
+            below, live, n, d, e.stride(0), w.stride(0), g.stride(0), r.stride(0),
+            live.stride(0), col0, width, tau, BLOCK_N=t.rows, BLOCK_S=t.cols, BLOCK_D=t.depth,
+            SKIP=skip is not None, **transform, **t.launch_options, **consts)
+        live_e = live_w = scale  # unread without SKIP
+        if skip is not None:
+            kept = live[:, :col_tiles]
+            if skip.tiles is not None:
+                skip.tiles[0] += (kept == 0).sum()
+                skip.tiles[1] += kept.numel()
+            # grad_e's M tiles are rows and its K steps classes; grad_w's the other way round
+            live_e = live_blocks(kept, (t.rows, t.gemm), (t.cols, t.depth),
+                                 (triton.cdiv(n, t.gemm), triton.cdiv(width, t.depth)))
+            live_w = live_blocks(kept.t(), (t.cols, t.gemm), (t.rows, t.depth),
+                                 (triton.cdiv(width, t.gemm), triton.cdiv(n, t.depth)))
         splits, per = _splits(out_tiles, width, t.depth, t.programs)  # split-K over classes
         part = torch.empty(splits, n, d, dtype=torch.float32, device=e.device)
         _gemm_kernel[(triton.cdiv(n, t.gemm), triton.cdiv(d, t.gemm), splits)](
-            g, w_c, part, w_c, inv_norm, n, d, width, g.stride(0), 1, w_c.stride(0), 1,
-            part.stride(0), part.stride(1), 0, per * t.depth, PROJECT=False,
+            g, w_c, part, w_c, inv_norm, live_e, n, d, width, g.stride(0), 1, w_c.stride(0), 1,
+            part.stride(0), part.stride(1), 0, live_e.stride(0), per * t.depth, PROJECT=False,
             ROUND_OUT=False, **gemm)
         grad_e += part.sum(dim=0)
         project = inv_norm[col0:col0 + width].square() * r.sum(dim=0)
         out = grad_w[col0:col0 + width]
         _gemm_kernel[(triton.cdiv(width, t.gemm), triton.cdiv(d, t.gemm), 1)](
-            g, e, out, w_c, project, width, d, n, 1, g.stride(0), e.stride(0), 1,
-            0, out.stride(0), w_c.stride(0), n, PROJECT=True,
+            g, e, out, w_c, project, live_w, width, d, n, 1, g.stride(0), e.stride(0), 1,
+            0, out.stride(0), w_c.stride(0), live_w.stride(0), n, PROJECT=True,
             ROUND_OUT=w.dtype != torch.float32, **gemm)
     return grad_e, grad_w

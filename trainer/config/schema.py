@@ -272,11 +272,17 @@ class HeadConfig(_Section):
         None, description="report each sample's loss as at most this (arcface_torch: "
         "-ln 1e-30 = 69.08); the gradient is not changed, as there; null = no cap"
     )
+    grad_filter: bool = Field(
+        False, description="triton kernel: skip the backward's class tiles whose gradient "
+        "sits below the bf16 rounding it already gets (bounded; docs/kernels.md); off = exact, "
+        "until a GPU run shows an unchanged training curve; torch path and non-target "
+        "transforms stay exact"
+    )
 
     def partial_fc_kwargs(self) -> dict[str, Any]:
         """``PartialFC``'s keyword arguments this section sets (bytes, a torch dtype)."""
         return {"sample_rate": self.sample_rate, "kernel": self.kernel,
-                "init": self.init, "loss_cap": self.loss_cap,
+                "init": self.init, "loss_cap": self.loss_cap, "grad_filter": self.grad_filter,
                 "max_tile_bytes": self.max_tile_mib << 20,
                 "state_dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[self.state_dtype]}
 
