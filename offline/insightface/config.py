@@ -23,6 +23,8 @@ from typing import Any
 from offline.insightface.backbones import ImportRefused, network_keys
 
 LOSS_CAP = -math.log(1e-30)  # DistCrossEntropyFunc: loss.clamp_min_(1e-30).log_()
+LARGEST = 2.0**64  # an arithmetic result past this is refused (no count or rate is near it)
+MAX_BYTES = 1 << 20  # a config file larger than this is refused before it is parsed
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -66,9 +68,16 @@ def parse_file(path: Path, into: dict[str, Any], errors: list[str],
     ``dict.update`` would) and each one's ``path:line`` to ``lines``; one error line per
     statement that is anything else."""
     try:
-        module = ast.parse(path.read_text(), filename=str(path))
-    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
-        errors.append(f"{path}: not readable Python ({type(exc).__name__}: {exc})")
+        with open(path, "rb") as f:
+            text = f.read(MAX_BYTES + 1)
+        if len(text) > MAX_BYTES:
+            errors.append(f"{path}: larger than {MAX_BYTES >> 10} KiB, not an arcface_torch "
+                          "config")
+            return
+        module = ast.parse(text.decode(), filename=str(path))
+    except (OSError, SyntaxError, UnicodeDecodeError, RecursionError, MemoryError) as exc:
+        errors.append(f"{path}: not readable Python ({type(exc).__name__}: "
+                      f"{str(exc)[:200]})")
         return
     for node in module.body:
         if isinstance(node, ast.Import | ast.ImportFrom):
@@ -81,15 +90,21 @@ def parse_file(path: Path, into: dict[str, Any], errors: list[str],
             else None
         if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
                 and target.value.id == "config"):
-            errors.append(f"{path}:{node.lineno}: `{ast.unparse(node)}` is not an assignment "
+            errors.append(f"{path}:{node.lineno}: `{_statement(node)}` is not an assignment "
                           "to config.KEY; not executed, so not converted")
             continue
         try:
             into[target.attr] = _value(node.value, into)
             lines[target.attr] = f"{path}:{node.lineno}"
         except ValueError:
-            errors.append(f"{path}:{node.lineno}: `{ast.unparse(node)}`: the value is not a "
+            errors.append(f"{path}:{node.lineno}: `{_statement(node)}`: the value is not a "
                           "literal or arithmetic over literals and earlier config keys")
+
+
+def _statement(node: ast.stmt) -> str:
+    """A statement as a message quotes it: its first 100 characters."""
+    text = ast.unparse(node)
+    return text if len(text) <= 100 else f"{text[:97]}..."
 
 
 def _is_new_config(node: ast.stmt) -> bool:
@@ -107,13 +122,32 @@ def _value(node: ast.expr, known: dict[str, Any]) -> Any:
     if isinstance(node, ast.Tuple | ast.List):
         return [_value(x, known) for x in node.elts]
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_value(node.operand, known))
+        return _arithmetic(_OPS[type(node.op)], _value(node.operand, known))
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_value(node.left, known), _value(node.right, known))
+        return _arithmetic(_OPS[type(node.op)], _value(node.left, known),
+                           _value(node.right, known))
     if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
             and node.value.id == "config" and node.attr in known):
         return known[node.attr]
     raise ValueError(ast.unparse(node))
+
+
+def _arithmetic(op: Any, *args: Any) -> Any:
+    """``op(*args)`` where its cost and size stay those of a config's numbers: a power
+    above 64, a product or power of a string or list, a number past :data:`LARGEST`, a
+    division by zero or an overflow is a ``ValueError`` (``10 ** 10 ** 10`` would take the
+    converter's memory and hours; arcface_torch's configs hold counts and rates)."""
+    numbers = all(isinstance(a, int | float) for a in args)
+    if op in (operator.mul, operator.pow) and not numbers or \
+            op is operator.pow and abs(args[1]) > 64:
+        raise ValueError(op.__name__)
+    try:
+        result = op(*args)
+    except ArithmeticError as exc:  # 1 / 0, 10.0 ** 400
+        raise ValueError(str(exc)) from None
+    if isinstance(result, int | float) and abs(result) > LARGEST:
+        raise ValueError(op.__name__)
+    return result
 
 
 def merged(path: Path) -> tuple[dict[str, Any], dict[str, str]]:

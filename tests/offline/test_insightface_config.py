@@ -164,6 +164,19 @@ def test_its_vits_keep_their_drop_path_and_mask(tmp_path, network, want):
     assert yaml.safe_load(out.read_text())["backbone"] == {**want, "embedding_size": 512}
 
 
+@pytest.mark.parametrize("value", ["10 ** 10 ** 10", "'a' * 10 ** 10", "1 / 0", "10.0 ** 400",
+                                   "[0] * 10 ** 9", "2 ** 64 * 2 ** 64"])
+def test_arithmetic_that_would_not_end_is_refused_in_one_line(tmp_path, capsys, value):
+    """``10 ** 10 ** 10`` took the converter's memory and hours: a config's numbers are counts
+    and rates, so a power above 64, a repeated string or list and a number past 2^64 are
+    refused, and 1 / 0 or a float overflow is a line too, not a traceback."""
+    path = _configs(tmp_path, _job(tmp_path, f"config.lr = {value}\n"))
+    assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"import error: {path}:16: `config.lr = {value}`: the value is not a literal or "
+        "arithmetic over literals and earlier config keys"]
+
+
 def test_a_refused_value_names_its_file_and_line(tmp_path, capsys):
     path = _configs(tmp_path, _job(tmp_path, "config.sample_rate = 1.5\n"))
     assert convert(["insightface-config", str(path), str(tmp_path / "job.yaml")]) == 2
