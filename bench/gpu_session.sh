@@ -22,15 +22,19 @@
 #      the CPU suite with the GPU visible (it must pass there too; a JUnit report); what is
 #      alive at the head's CUDA memory peak (bench/cuda_peak.py, r=0.1 and r=1); the recipe;
 #      DeepSpeed's bench; torch.compile; the loader
-#   pace  the stage a lent GPU runs first, one call (GPU_SESSION_BUDGET=520): the kernels'
-#      sweep (bench/pace.py tune: $OUT/tuned.json, the committed table with this card's
-#      winners, to copy over partial_fc/tiles/tuned.json); the head at C_local 1M N 1024 bf16,
-#      r=1 and r=0.1, beside its matmuls and the textbook head (bench/head.py); torch.profiler
-#      traces of the head's and the trainer's steps ($OUT/profile/, their per-kernel tables
-#      in the logs); bench/train.py at 1k r=1 and 1M r=0.1 against the backbone's ceiling;
-#      arcface_torch's own train_v2.py on synthetic input (bench/arcface_torch_pace.py, from
-#      .gpu/insightface: docs/gpu.md); the recipe, shorter; the largest C_local that trains
-#      at r=0.1 bf16 state beside launch.plan's; $OUT/gpu-pace.json (gpu_summary.py pace)
+#   pace  the stage a lent GPU runs first, one call (GPU_SESSION_BUDGET=520), the steps whose
+#      figures $OUT/gpu-pace.json holds first: the kernels' sweep (bench/pace.py tune:
+#      $OUT/tuned.json, the committed table with this card's winners, to copy over
+#      partial_fc/tiles/tuned.json); the head at C_local 1M N 1024 bf16, r=1 and r=0.1, beside
+#      its matmuls and the textbook head (bench/head.py); bench/train.py at 1k r=1 and 1M r=0.1
+#      against the backbone's ceiling; arcface_torch's own train_v2.py on synthetic input
+#      (bench/arcface_torch_pace.py, from .gpu/insightface: docs/gpu.md); the recipe,
+#      shorter; the largest C_local that trains at r=0.1 bf16 state beside launch.plan's;
+#      then what the budget may skip: PyTorch's, Cut Cross-Entropy's and Liger's fused losses
+#      at 1M r=1 beside the head (bench/head.py --peers; their wheels: bench/peer_wheels.sh),
+#      the kernels' filtered backward beside the exact one (bench/pace.py filtered),
+#      torch.profiler traces of the head's and the trainer's steps ($OUT/profile/, their
+#      per-kernel tables in the logs); $OUT/gpu-pace.json (gpu_summary.py pace)
 #
 # Each stage first installs .gpu/whl into /tmp/site (as .gpu/device-setup.sh does, wheel by
 # wheel when one fails). Every step runs under `timeout`, its limit clipped so the stage ends
@@ -182,16 +186,24 @@ stage3() {
 }
 
 stagepace() {
+    # First the steps whose figures gpu-pace.json holds (the tuned table before them: the later
+    # steps run its winners), then what may be skipped when the budget runs out (about 560 s
+    # of steps against 495 usable): the peers at the same shape, the filtered backward beside
+    # the exact one, the two traces.
     step tune 150 "$PY" bench/pace.py tune --out "$out/tuned.json" --report "$logs/tune.json"
     head_bench pace-r1 -C 1000000 -r 1.0
     head_bench pace-r0.1 -C 1000000 -r 0.1
-    step profile-head 60 "$PY" bench/pace.py profile-head --out "$out/profile"
     train_bench pace 120 --runs 1000:1.0,1000000:0.1
     step arcface-torch 100 "$PY" bench/arcface_torch_pace.py --insightface .gpu/insightface \
         --seconds 60 --json "$logs/arcface-torch.json"
     recipe 80 100
-    step profile-train 90 "$PY" bench/pace.py profile-train --steps 2 --out "$out/profile"
     step largest 120 "$PY" bench/pace.py largest --tries 4 --json "$logs/largest.json"
+    # Cut Cross-Entropy and Liger from .gpu/whl (bench/peer_wheels.sh); their first calls compile
+    step head-pace-peers 120 "$PY" bench/head.py --device cuda -P 1 -N 1024 --amp bf16 --steps 20 \
+        -C 1000000 -r 1.0 --peers torch_lce,cce,liger --skip-textbook
+    step filtered 60 "$PY" bench/pace.py filtered --json "$logs/filtered.json"
+    step profile-head 60 "$PY" bench/pace.py profile-head --out "$out/profile"
+    step profile-train 90 "$PY" bench/pace.py profile-train --steps 2 --out "$out/profile"
 }
 
 collect() {  # the runs' metrics and the demo's figures join the logs, then the summary

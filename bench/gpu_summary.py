@@ -22,7 +22,8 @@ tell a stage that did not run from one that lost its figures.
     python3 bench/gpu_summary.py pace --logs LOGS --out $OUT/gpu-pace.json
 
 ``pace`` reads the pace stage's logs for the figures its targets name (docs/gpu.md): the head
-at 1M r=1 over its matmuls (``head-pace-r1.log``), ours and the textbook at r=0.1
+at 1M r=1 and over its matmuls (``head-pace-r1.log``), PyTorch's, Cut Cross-Entropy's and
+Liger's fused losses at that shape (``head-pace-peers.log``), ours and the textbook at r=0.1
 (``head-pace-r0.1.log``), the trainer over the backbone's ceiling at 1k r=1 and 1M r=0.1
 (``train-pace.json``), the recipe's img/s and peak (``metrics-recipe.jsonl``), arcface_torch's
 (``arcface-torch.json``), the largest C_local that trained beside the plan's
@@ -189,6 +190,7 @@ def pace(logs: Path) -> dict:
     """The pace stage's figures (module docstring)."""
     head = {h["step"]: h["ms"] for h in _head(logs)}
     r1, r01 = head.get("head-pace-r1", {}), head.get("head-pace-r0.1", {})
+    peers = head.get("head-pace-peers", {})
     runs = {(r.get("classes"), r.get("sample_rate")): r.get("img_per_s")
             for r in _json(logs / "train-pace.json").get("runs", [])}
     ceiling = runs.get((0, 1.0))
@@ -203,6 +205,8 @@ def pace(logs: Path) -> dict:
     return {
         "head_r1_over_matmuls": round(r1["ours"] / r1["matmuls"], 3)
         if r1.get("ours") and r1.get("matmuls") else None,
+        "head_r1_ms": r1.get("ours"), "torch_lce_r1_ms": peers.get("torch_lce"),
+        "cce_r1_ms": peers.get("cce"), "liger_r1_ms": peers.get("liger"),
         "head_r01_ms": r01.get("ours"), "textbook_r01_ms": r01.get("textbook"),
         "trainer_1k_of_ceiling": of_ceiling((1000, 1.0)),
         "trainer_1m_r01_of_ceiling": of_ceiling((1_000_000, 0.1)),

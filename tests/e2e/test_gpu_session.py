@@ -28,13 +28,16 @@ STEPS = {
           "train-deepspeed", "demo", "train-compile", "train-bf16-state", "loader"],
     "3": ["setup", "versions", "cuda-tests", "cpu-suite", "peak-r0.1", "peak-r1", "recipe",
           "train-deepspeed", "train-compile", "loader"],
-    "pace": ["setup", "versions", "tune", "head-pace-r1", "head-pace-r0.1", "profile-head",
-             "train-pace", "arcface-torch", "recipe", "profile-train", "largest"],
+    # the steps gpu-pace.json's figures come from first, what the budget may skip after them
+    "pace": ["setup", "versions", "tune", "head-pace-r1", "head-pace-r0.1", "train-pace",
+             "arcface-torch", "recipe", "largest", "head-pace-peers", "filtered", "profile-head",
+             "profile-train"],
 }
 PACE_KEYS = {"head_r1_over_matmuls", "head_r01_ms", "textbook_r01_ms", "trainer_1k_of_ceiling",
              "trainer_1m_r01_of_ceiling", "recipe_img_s", "arcface_torch_img_s", "device",
              "date", "arcface_torch_peak_gib", "recipe_peak_gb", "largest_c_local_r01",
-             "planned_c_local_r01"}
+             "planned_c_local_r01", "head_r1_ms", "torch_lce_r1_ms", "cce_r1_ms",
+             "liger_r1_ms"}
 KEYS = {"stage", "date", "dry_run", "budget_s", "elapsed_s", "ok", "versions", "steps", "tests",
         "recipe", "demo", "head", "train"}
 
@@ -72,6 +75,9 @@ elif argv[:1] == ["bench/head.py"]:
     print("ours          8.00 [7.50, 9.00]       100.0 [90.0, 100.0]        5000")
     print("textbook     16.00 [15.00, 17.00]     400.0 [390.0, 400.0]        2000")
     print("matmuls       6.00 [5.90, 6.10]")
+    peers = after("--peers").split(",") if "--peers" in argv else []
+    for i, name in enumerate(peers):
+        print(f"{name:<9} {20.0 + i:9.2f} [19.00, 30.00]     500.0 [500.0, 500.0]        1000")
 elif argv[:1] == ["bench/train.py"] and after("--json").endswith("train-pace.json"):
     runs = [{"classes": 0, "sample_rate": 1.0, "img_per_s": 2000.0},
             {"classes": 1000, "sample_rate": 1.0, "img_per_s": 1800.0},
@@ -87,6 +93,8 @@ elif argv[:1] == ["bench/pace.py"] and argv[1].startswith("profile-"):
     Path(after("--out")).mkdir(parents=True, exist_ok=True)
     (Path(after("--out")) / f"{name}-trace.json.gz").write_bytes(b"trace")
     (Path(after("--out")) / f"{name}-kernels.txt").write_text("kernels")
+elif argv[:2] == ["bench/pace.py", "filtered"]:
+    Path(after("--json")).write_text(json.dumps({"runs": []}))
 elif argv[:2] == ["bench/pace.py", "largest"]:
     Path(after("--json")).write_text(json.dumps({"largest_trained": 40, "planned": 50}))
 elif argv[:1] == ["bench/arcface_torch_pace.py"]:
@@ -214,6 +222,8 @@ def test_the_pace_stage_writes_its_figures_and_brings_back_its_files(tmp_path):
     assert (pace["recipe_img_s"], pace["arcface_torch_img_s"]) == (2500.0, 1250.0)
     assert (pace["recipe_peak_gb"], pace["arcface_torch_peak_gib"]) == (6.29, 9.5)
     assert (pace["largest_c_local_r01"], pace["planned_c_local_r01"]) == (40, 50)
+    assert pace["head_r1_ms"] == 8.0  # ours at 1M r=1, then the peers beside it (no margin)
+    assert (pace["torch_lce_r1_ms"], pace["cce_r1_ms"], pace["liger_r1_ms"]) == (20.0, 21.0, 22.0)
     assert json.loads((out / "tuned.json").read_text())["devices"] == {"Fake": {"buckets": {}}}
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and {"head-trace.json.gz", "train-trace.json.gz"} <= {
