@@ -50,9 +50,10 @@ def _folder(root: Path) -> Path:
 
 def _lines(path: Path, skip_comments: bool = False) -> list[str]:
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read MegaFace list ({exc.strerror})") from exc
+        text = path.read_bytes().decode()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8: {exc.reason}"
+        raise DataError(f"{path}: cannot read MegaFace list ({why})") from exc
     lines = [line.strip() for line in text.splitlines()]
     return [line for line in lines if line and not (skip_comments and line.startswith("#"))]
 
@@ -60,7 +61,7 @@ def _lines(path: Path, skip_comments: bool = False) -> list[str]:
 def _parts(path: Path, line: str, depth: int, number: int) -> list[str]:
     parts = line.split("/")
     if len(parts) < depth or not all(parts[-depth:]):
-        raise DataError(f"{path}: line {number} {line!r} is not a path of {depth} parts "
+        raise DataError(f"{path}: line {number} {line[:80]!r} is not a path of {depth} parts "
                         f"({'<identity>/<file>' if depth == 2 else '<a>/<b>/<file>'})")
     return parts[-depth:]
 

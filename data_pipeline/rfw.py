@@ -50,7 +50,7 @@ def rfw_image_root(root: str | os.PathLike) -> Path | None:
 
 def _image(folder: Path, group: str, identity: str, number: str, where: str) -> Path:
     if not number.isdigit():
-        raise DataError(f"{where}: image number {number!r} is not an integer")
+        raise DataError(f"{where}: image number {number[:40]!r} is not an integer")
     return folder / "data" / group / identity / f"{identity}_{int(number):04d}.jpg"
 
 
@@ -59,9 +59,10 @@ def read_rfw_pairs(folder: Path, group: str) -> RfwPairs:
     neither 3 nor 4 fields raises DataError naming it."""
     path = folder / "txts" / group / f"{group}_pairs.txt"
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read RFW pair list ({exc.strerror})") from exc
+        lines = path.read_bytes().decode().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8: {exc.reason}"
+        raise DataError(f"{path}: cannot read RFW pair list ({why})") from exc
     first, second, issame = [], [], []
     for number, line in enumerate(lines, 1):
         fields, where = line.split(), f"{path}:{number}"
