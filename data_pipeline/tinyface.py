@@ -65,14 +65,19 @@ def _testing_set(root: Path) -> Path:
 def _names_and_ids(path: Path, names_key: str, ids_key: str) -> tuple[list[str], np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path}: missing (expected the released TinyFace layout)")
-    try:
+    try:  # scipy's MATLAB reader raises its own errors, zlib's, struct's... for a bad file
         mat = loadmat(path)
+    except Exception as exc:
+        raise DataError(f"{path}: not a readable MATLAB file ({type(exc).__name__}: "
+                        f"{str(exc)[:120]})") from exc
+    try:
         names = [str(np.asarray(cell).reshape(-1)[0]) for cell in mat[names_key].reshape(-1)]
         ids = np.asarray(mat[ids_key], dtype=np.int64).reshape(-1)
     except KeyError as exc:
         raise DataError(f"{path}: no variable {exc} (needs {names_key} and {ids_key})") from exc
-    except (ValueError, TypeError, IndexError) as exc:
-        raise DataError(f"{path}: unreadable {names_key}/{ids_key} ({exc})") from exc
+    except (ValueError, TypeError, IndexError, AttributeError, OverflowError) as exc:
+        raise DataError(f"{path}: unreadable {names_key}/{ids_key} ({str(exc)[:120]})"
+                        ) from exc
     if len(names) != len(ids):
         raise DataError(f"{path}: {len(names)} entries in {names_key} but {len(ids)} in {ids_key}")
     return names, ids
