@@ -19,15 +19,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from eval_helpers import make_run, write_ijb
+from eval_helpers import make_run, write_ijb, write_megaface, write_rfw, write_tinyface
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import Exclusions, write_exclusions
 from data_pipeline.ijb import iter_aligned_faces, read_ijb_meta
+from data_pipeline.megaface import read_megaface
+from data_pipeline.rfw import read_rfw_pairs
+from data_pipeline.tinyface import read_tinyface
 from launch.evaluate import main
-from launch.overlap import held_out_classes
+from launch.overlap_between import held_out_classes
 from tests.fuzz.bounds import damaged, figures, fuzz_settings, one_line, run_main
 from tests.fuzz.test_image_fuzz import BOMB, JPEG, PNG
 
@@ -112,3 +115,38 @@ def test_an_exclusion_list_round_trips(tmp_path):
     """The seed is what write_exclusions writes (the fuzz starts from a valid list)."""
     write_exclusions(tmp_path / "l.txt", Exclusions(frozenset({"000000012"}), frozenset({3, 11})))
     assert held_out_classes(argparse.ArgumentParser(), tmp_path / "l.txt") == {3, 11}
+
+
+@pytest.fixture(scope="module")
+def eval_sets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sets")
+    write_tinyface(root / "tinyface")
+    write_megaface(root / "megaface")
+    write_rfw(root / "rfw")
+    return root
+
+
+LISTS = {"tinyface/tinyface/Testing_Set/probe_img_ID_pairs.mat":
+         lambda root: read_tinyface(root / "tinyface"),
+         "tinyface/tinyface/Testing_Set/gallery_match_img_ID_pairs.mat":
+         lambda root: read_tinyface(root / "tinyface"),
+         "megaface/data/facescrub_lst": lambda root: read_megaface(root / "megaface"),
+         "megaface/data/megaface_lst": lambda root: read_megaface(root / "megaface"),
+         "rfw/test/txts/African/African_pairs.txt":
+         lambda root: read_rfw_pairs(root / "rfw" / "test", "African")}
+
+
+@fuzz_settings(examples=10)
+@given(data=st.data())
+def test_tinyface_megaface_and_rfw_lists(eval_sets, eval_figures, data):
+    """The other evaluation sets' lists (TinyFace's MATLAB files, MegaFace's and RFW's text):
+    the lists or a one-line DataError."""
+    name = data.draw(st.sampled_from(sorted(LISTS)))
+    blob = data.draw(damaged((eval_sets / name).read_bytes()) | st.binary(max_size=64))
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(shutil.copytree(eval_sets, Path(tmp) / "sets"))
+        (copy / name).write_bytes(blob)
+        _, error = eval_figures.measure(lambda: LISTS[name](copy))
+    if error is not None:
+        one_line(error, (DataError,))
+    eval_figures.count(f"{name.rsplit('/', 1)[-1]}: {'refused' if error else 'read'}")
