@@ -1,13 +1,14 @@
 """Fuzzing the evaluation inputs: ``launch.evaluate --bin`` (its ``main`` in this process on a
 tiny checkpoint), the IJB folder reader (meta files and loose crops, read and aligned as
-``--ijb`` reads them), and the exclusion lists ``launch.overlap --held-out`` and
-``data.exclude`` read. Whatever the files hold: exit status 0 with a table, or 2 and one line
-(``--bin``); the faces or a one-line DataError (IJB, lists); within the bounds of
-tests/fuzz/bounds.py.
+``--ijb`` reads them), TinyFace's, MegaFace's and RFW's lists, and the exclusion lists
+``launch.overlap --held-out`` and ``data.exclude`` read. Whatever the files hold: exit status
+0 with a table, or 2 and one line (``--bin``, ``--held-out``); what the reader reads or a
+one-line DataError (the others); within the bounds of tests/fuzz/bounds.py.
 
 Seeds: a valid 10-pair ``.bin`` (pickle) with the issue's JPEG inside or damaged (huge
 declared byte strings, flipped opcodes, truncations, deep nesting); a two-face IJB folder with
-each meta file or image damaged; an exclusion list damaged.
+each meta file or image damaged; the fabricated TinyFace, MegaFace and RFW folders of
+tests/eval_helpers.py with a list damaged or replaced; an exclusion list damaged.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eval_figures():
-    with figures("evaluate --bin (main), the IJB reader, exclusion lists") as tracked:
+    with figures("evaluation sets: --bin (main), IJB, TinyFace, MegaFace, RFW, exclusion lists"
+                 ) as tracked:
         yield tracked
 
 
