@@ -44,6 +44,8 @@
 # head's GEMM share), session-STAGE.log (all output) and logs-STAGE.tgz (each step's log, the
 # JUnit XML, the benches' JSON, the runs' metrics.jsonl, the demo's figures).
 #
+# GPU_SESSION_STEPS="NAME ...": run only these steps (setup and versions always), e.g. the
+# pace stage's tail in a second call when the budget skipped it in the first.
 # GPU_SESSION_DRY=1 (or --dry-run): print each step's command and run none; the summary is
 # still written. PY (default python3) is the interpreter the steps use.
 set -uo pipefail
@@ -58,6 +60,7 @@ stage=${args[0]:-}
 out=${OUT:-/tmp/gpu_session/out}
 work=${GPU_SESSION_WORK:-/tmp/gpu_session}
 budget=${GPU_SESSION_BUDGET:-500}
+only=${GPU_SESSION_STEPS:-}  # step names; empty: every step of the stage
 reserve=25  # the summary, the archive and one step's --kill-after
 export PY=${PY:-python3} SITE=/tmp/site PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 logs=$work/logs-$stage
@@ -77,7 +80,10 @@ step() {  # step NAME LIMIT COMMAND...: run it under a time limit into $logs/NAM
     shift 2
     local left=$((budget - reserve - SECONDS)) cmd
     cmd=$(shown "$@")
-    if ((left * 2 < limit)); then
+    if [[ -n $only && $name != setup && $name != versions && " $only " != *" $name "* ]]; then
+        status=skipped
+        echo "== $name: skipped, not in GPU_SESSION_STEPS ($only)"
+    elif ((left * 2 < limit)); then
         status=skipped
         echo "== $name: skipped, ${left}s left of the stage's ${budget}s budget, it needs $((limit / 2))s"
     elif [[ $dry == 1 ]]; then

@@ -108,7 +108,7 @@ elif argv[:1] == ["bench/scale_demo.py"]:
 
 
 def _session(tmp_path: Path, stage: str, *flags: str, budget: int = 500,
-             head_fails: str = "1000000:0.1"):
+             head_fails: str = "1000000:0.1", extra_env: dict | None = None):
     fake = tmp_path / "python"
     fake.write_text(f"#!{sys.executable}\n{FAKE}")
     fake.chmod(0o755)
@@ -116,6 +116,8 @@ def _session(tmp_path: Path, stage: str, *flags: str, budget: int = 500,
     env = {**os.environ, "PY": str(fake), "OUT": str(out), "GPU_SESSION_WORK": str(work),
            "GPU_SESSION_BUDGET": str(budget), "FAKE_HEAD_FAILS": head_fails}
     env.pop("GPU_SESSION_DRY", None)
+    env.pop("GPU_SESSION_STEPS", None)
+    env.update(extra_env or {})
     result = subprocess.run(["bash", str(SCRIPT), stage, *flags], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     summary = json.loads((out / "gpu_summary.json").read_text())
@@ -287,3 +289,16 @@ def test_profile_train_passes_the_engine_and_variants_to_the_train_bench(tmp_pat
                      (tmp_path, "train-deepspeed-a-b"),
                      [*common[:3], "5", *common[4:], "deepspeed", "--variant=a=prefetch=false",
                       "--variant=b=zero_settings.overlap_comm=1"]]
+
+
+def test_a_second_call_runs_only_the_steps_it_names(tmp_path):
+    """GPU_SESSION_STEPS: the pace stage's tail (the peers, the filtered backward) alone, as a
+    second device call runs it when the first call's budget skipped it; setup and versions
+    still run, every other step is skipped, and gpu-pace.json holds the peers' figures."""
+    steps_env = {"GPU_SESSION_STEPS": "head-pace-peers filtered"}
+    _, _, steps = _session(tmp_path, "pace", head_fails="none", extra_env=steps_env)
+    ran = [name for name, s in steps.items() if s["status"] != "skipped"]
+    assert ran[-2:] == ["head-pace-peers", "filtered"] and set(ran[:-2]) <= {"setup", "versions"}
+    assert "versions" in ran
+    pace = json.loads((tmp_path / "outpace" / "gpu-pace.json").read_text())
+    assert (pace["cce_r1_ms"], pace["head_r1_ms"]) == (21.0, None)
