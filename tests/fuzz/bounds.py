@@ -27,8 +27,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 SECONDS = 5.0
 MEMORY = 512 << 20
@@ -176,6 +178,28 @@ def damaged(seed: bytes, keep_size: bool = False) -> st.SearchStrategy[bytes]:
     if not keep_size:
         kinds.append(st.integers(0, n - 1).map(lambda i: seed[:i]))
     return st.one_of(kinds)
+
+
+def face(fmt: str, size: int = 112) -> bytes:
+    """A smooth ``size`` x ``size`` colour image (as an optimised JPEG, 750 bytes at 112)."""
+    ramp = np.repeat(np.linspace(0, 255, size, dtype=np.uint8)[None], size, 0)
+    out = io.BytesIO()
+    Image.fromarray(np.stack([ramp, ramp.T, ramp], -1)).save(out, format=fmt, quality=50,
+                                                             optimize=True)
+    return out.getvalue()
+
+
+def claiming(data: bytes, width: int, height: int) -> bytes:
+    """The JPEG ``data`` with its frame header (SOF0/1/2) edited to claim width x height."""
+    out, at = bytearray(data), 2
+    while out[at + 1] not in (0xC0, 0xC1, 0xC2):
+        at += 2 + struct.unpack(">H", out[at + 2:at + 4])[0]
+    out[at + 5:at + 9] = struct.pack(">HH", height, width)
+    return bytes(out)
+
+
+JPEG, PNG = face("JPEG"), face("PNG")
+BOMB = claiming(JPEG, 60000, 60000)  # the issue's file: 10.5 GB and 31-75 s before the limit
 
 
 def _deep(depth: int, opener: str) -> str:

@@ -25,15 +25,18 @@ from data_pipeline.codec import prepare_jpeg
 from data_pipeline.recordio import MAGIC
 from launch.convert import main
 from tests.fuzz.bounds import (
+    BOMB,
+    JPEG,
     MEMORY,
+    PNG,
     SECONDS,
+    claiming,
     damaged,
     figures,
     fuzz_settings,
     run_main,
     run_program,
 )
-from tests.fuzz.test_image_fuzz import BOMB, JPEG, PNG, claiming
 
 
 def record(payload: bytes) -> bytes:

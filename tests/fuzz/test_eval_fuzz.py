@@ -32,8 +32,7 @@ from data_pipeline.rfw import read_rfw_pairs
 from data_pipeline.tinyface import read_tinyface
 from launch.evaluate import main
 from launch.overlap_between import held_out_classes
-from tests.fuzz.bounds import damaged, figures, fuzz_settings, one_line, run_main
-from tests.fuzz.test_image_fuzz import BOMB, JPEG, PNG
+from tests.fuzz.bounds import BOMB, JPEG, PNG, damaged, figures, fuzz_settings, one_line, run_main
 
 BIN = pickle.dumps(([JPEG, PNG] * 10, [True, False] * 5), protocol=4)
 NESTED = b"\x80\x04" + b"]" * 100_000 + b"."  # a list 10^5 deep

@@ -11,41 +11,15 @@ dimensions and segment lengths, random bytes.
 
 from __future__ import annotations
 
-import io
-import struct
-
 import numpy as np
 import pytest
 from hypothesis import example, given
-from PIL import Image
 
 from data_pipeline.codec import decode_image, decode_into, prepare_jpeg, resolve_decoder
 from data_pipeline.errors import CorruptImageError
-from tests.fuzz.bounds import damaged, figures, fuzz_settings, one_line
+from tests.fuzz.bounds import BOMB, JPEG, PNG, claiming, damaged, figures, fuzz_settings, one_line
 
 DECODERS = sorted({"pil", resolve_decoder("auto")})
-
-
-def face(fmt: str, size: int = 112) -> bytes:
-    """A smooth ``size`` x ``size`` colour image (as an optimised JPEG, 750 bytes at 112)."""
-    ramp = np.repeat(np.linspace(0, 255, size, dtype=np.uint8)[None], size, 0)
-    out = io.BytesIO()
-    Image.fromarray(np.stack([ramp, ramp.T, ramp], -1)).save(out, format=fmt, quality=50,
-                                                             optimize=True)
-    return out.getvalue()
-
-
-def claiming(data: bytes, width: int, height: int) -> bytes:
-    """The JPEG ``data`` with its frame header (SOF0/1/2) edited to claim width x height."""
-    out, at = bytearray(data), 2
-    while out[at + 1] not in (0xC0, 0xC1, 0xC2):
-        at += 2 + struct.unpack(">H", out[at + 2:at + 4])[0]
-    out[at + 5:at + 9] = struct.pack(">HH", height, width)
-    return bytes(out)
-
-
-JPEG, PNG = face("JPEG"), face("PNG")
-BOMB = claiming(JPEG, 60000, 60000)  # the issue's file: 10.5 GB and 31-75 s before the limit
 
 
 def _decode_all(tracked, data: bytes) -> None:

@@ -27,8 +27,7 @@ from data_pipeline.identities import numbered, read_identities
 from data_pipeline.manifest import read_manifest
 from data_pipeline.tar_reader import BLOCK, tar_samples
 from data_pipeline.writer import write_dataset
-from tests.fuzz.bounds import damaged, figures, fuzz_settings, json_documents, one_line
-from tests.fuzz.test_image_fuzz import BOMB, face
+from tests.fuzz.bounds import BOMB, damaged, face, figures, fuzz_settings, json_documents, one_line
 
 SHARD = "shard-000000.tar"
 
