@@ -53,8 +53,8 @@ Loss = Callable[[Tensor, Tensor, Tensor], Tensor]  # (s * e_hat, w_hat, labels) 
 
 
 def _torch_lce() -> Loss:
-    if not hasattr(F, "linear_cross_entropy"):
-        raise ImportError(f"torch {torch.__version__} has no "
+    if not (hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")):
+        raise ImportError(f"torch {torch.__version__} has no chunked "
                           "torch.nn.functional.linear_cross_entropy (torch 2.13 has)")
     options = torch.nn.LinearCrossEntropyOptions()
     return lambda e, w, y: F.linear_cross_entropy(e, w, y, options=options)
@@ -171,8 +171,9 @@ def build(chosen: list[str], weight: Tensor, scale: float) -> tuple[dict[str, Pe
         try:
             heads[name] = Peer(weight, scale, LOSSES[name]())
         except ImportError as err:
-            notes.append(f"{name}: not measured: {err} (pip install partial-fc[bench-gpu], "
-                         "or on the GPU machine bench/peer_wheels.sh)")
+            hint = (" (pip install partial-fc[bench-gpu]; on the GPU machine the wheels of "
+                    "bench/peer_wheels.sh)") if name in CUDA_ONLY else ""
+            notes.append(f"{name}: not measured: {err}{hint}")
     return heads, notes
 
 
