@@ -205,8 +205,9 @@ stagepace() {
     recipe 80 100
     step largest 120 "$PY" bench/pace.py largest --tries 4 --json "$logs/largest.json"
     # Cut Cross-Entropy and Liger from .gpu/whl (bench/peer_wheels.sh); their first calls compile
-    step head-pace-peers 120 "$PY" bench/head.py --device cuda -P 1 -N 1024 --amp bf16 --steps 20 \
-        -C 1000000 -r 1.0 --peers torch_lce,cce,liger --skip-textbook
+    # (CCE autotunes), and Liger at 1M classes runs its chunks one row at a time: fewer steps
+    step head-pace-peers 120 "$PY" bench/head.py --device cuda -P 1 -N 1024 --amp bf16 --steps 10 \
+        --mem-steps 1 -C 1000000 -r 1.0 --peers torch_lce,cce,liger --skip-textbook
     step filtered 60 "$PY" bench/pace.py filtered --json "$logs/filtered.json"
     step profile-head 60 "$PY" bench/pace.py profile-head --out "$out/profile"
     step profile-train 90 "$PY" bench/pace.py profile-train --steps 2 --out "$out/profile"
