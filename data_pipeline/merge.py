@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from data_pipeline.manifest import atomic_write_bytes
 from data_pipeline.remote import is_url
 
 Node = tuple[int, int]  # (set, class in that set's own labels)
+_INDEX = re.compile(r"[0-9]{1,12}")  # a set or a class: ASCII digits, below 10^12
 MAX_BYTES = 256 << 20  # a list of 10^6 pairs is ~60 MiB; more is not a merge list
 FORMAT = ("'set I FOLDER' or 'pair I:CLASS J:CLASS [COSINE]' (I, J, CLASS integers >= 0; "
           "'#' comments, '-' strikes a line)")
@@ -81,10 +83,11 @@ def read_merge(path: str | os.PathLike) -> MergeList:
             continue
         where = f"{path}:{number}"
         words = line.split()
-        if words[0] == "set" and len(words) == 3 and words[1].isdigit():
+        if words[0] == "set" and len(words) == 3 and _INDEX.fullmatch(words[1]):
             index = int(words[1])
             if sets.setdefault(index, words[2]) != words[2]:
-                raise DataError(f"{where}: set {index} named twice ({sets[index]}, {words[2]})")
+                raise DataError(f"{where}: set {index} named twice ({sets[index][:80]}, "
+                                f"{words[2][:80]})")
         elif words[0] == "pair" and len(words) in (3, 4):
             pairs.append((_node(words[1], where), _node(words[2], where)))
             if len(words) == 4:
@@ -92,7 +95,7 @@ def read_merge(path: str | os.PathLike) -> MergeList:
         else:
             raise DataError(f"{where}: {line[:80]!r} is not {FORMAT}")
     if sorted(sets) != list(range(len(sets))):
-        raise DataError(f"{path}: sets {sorted(sets)}: number them 0, 1, ... (one 'set I "
+        raise DataError(f"{path}: sets {sorted(sets)[:5]}: number them 0, 1, ... (one 'set I "
                         "FOLDER' line each)")
     for number, (a, b) in enumerate(pairs):
         for s, _ in (a, b):
@@ -112,21 +115,24 @@ def check_folders(merge: MergeList, folders: Sequence[str]) -> None:
                         f"{len(folders)} data folder(s)")
     for i, (named, folder) in enumerate(zip(merge.sets, folders, strict=False)):
         if not same_folder(named, folder):
-            raise DataError(f"{merge.path}: set {i} is {named}, but data.dirs[{i}] is {folder} "
-                            "(list the folders in the order the list names them)")
+            raise DataError(f"{merge.path}: set {i} is {named[:80]}, but data.dirs[{i}] is "
+                            f"{folder} (list the folders in the order the list names them)")
 
 
 def same_folder(a: str, b: str) -> bool:
     """Whether two names of a shard folder (paths or URLs) name the same one."""
     if is_url(a) or is_url(b):
         return a.rstrip("/") == b.rstrip("/")
-    return Path(a).resolve() == Path(b).resolve()
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, ValueError):  # a name no file system holds (a NUL byte, a loop)
+        return a == b
 
 
 def _node(word: str, where: str) -> Node:
     s, _, c = word.partition(":")
-    if not (s.isdigit() and c.isdigit()):
-        raise DataError(f"{where}: {word!r} is not SET:CLASS (two integers >= 0)")
+    if not (_INDEX.fullmatch(s) and _INDEX.fullmatch(c)):
+        raise DataError(f"{where}: {word[:40]!r} is not SET:CLASS (two integers >= 0)")
     return int(s), int(c)
 
 
@@ -136,7 +142,7 @@ def _cosine(word: str, where: str) -> None:
     except ValueError:
         value = float("nan")
     if not -1 <= value <= 1:
-        raise DataError(f"{where}: {word!r} is not a cosine in [-1, 1]")
+        raise DataError(f"{where}: {word[:40]!r} is not a cosine in [-1, 1]")
 
 
 def write_merge(path: str | os.PathLike, sets: Sequence[str],

@@ -1,0 +1,52 @@
+"""Fuzzing merge lists (``data.merge``, read at ``--check`` and by the loader; written by
+``launch.overlap --between``): whatever the file holds, the list (its pairs joined over the
+classes of two folders of 50) or one line naming it, within the bounds of tests/fuzz/bounds.py.
+
+Seed: a valid list as ``write_merge`` writes it, damaged, or random bytes."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from data_pipeline.errors import DataError
+from data_pipeline.merge import check_folders, merged_labels, read_merge, write_merge
+from tests.fuzz.bounds import damaged, fuzz_settings, one_line
+
+FOLDERS = ["/data/a", "/data/b"]
+
+
+def _seed() -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "merge.txt"
+        write_merge(path, FOLDERS, [((0, 3), (1, 7), 0.91, "x (5 images) = x (4 images)"),
+                                    ((0, 4), (0, 9), 0.72, "y = z")], header="launch.overlap")
+        return path.read_bytes()
+
+
+SEED = _seed()
+
+
+@fuzz_settings(examples=20)
+@given(data=damaged(SEED) | st.binary(max_size=300))
+def test_merge_lists(data):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "merge.txt"
+        path.write_bytes(data)
+        try:
+            merge = read_merge(path)
+            check_folders(merge, FOLDERS)
+            labels = merged_labels(merge, [50, 50])
+        except DataError as err:
+            assert one_line(err, (DataError,)).startswith(str(path))
+            return
+    assert labels.shape == (100,) and labels.max() < 100
+
+
+def test_the_seed_is_a_list():
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "m.txt").write_bytes(SEED)
+        assert merged_labels(read_merge(Path(tmp) / "m.txt"), [50, 50]).max() + 1 == 98
