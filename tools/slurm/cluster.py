@@ -4,17 +4,19 @@ host), each with its own host name (a UTS namespace) and address.
 
 What it declares, and why:
 
-- **Nodes** ``pfc-n0`` (``SUBNET.1``) and ``pfc-n1`` (``SUBNET.2``), **one CPU each**: the
+- **Nodes** ``pfc-n0`` (``10.213.8.1``) and ``pfc-n1`` (``.2``), **one CPU each**: the
   machine's cores split between the two nodes (slurmd sees every core of the host; a node
   declaring fewer CPUs than it has is accepted as is). A job gets one CPU a node, and the
   training script runs one rank a CPU on a CPU-only allocation.
 - **Partitions** ``batch`` (the default, ``PriorityTier=1``, ``GraceTime``) and ``urgent``
   (``PriorityTier=10``): a job in ``urgent`` preempts one in ``batch``
   (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``).
-- **Job states without slurmdbd**: ``AccountingStorageType=accounting_storage/none`` (sacct's
-  accounting needs slurmdbd in 22.05; the text file of older releases is gone) and
-  ``JobCompType=jobcomp/filetxt``, one line a job each time it ends, requeues included,
-  which ``sacct --completion`` reads (:meth:`Cluster.sacct`).
+- **Job states without slurmdbd**: ``AccountingStorageType=accounting_storage/none`` (Debian's
+  22.05 ships the ``none`` and ``slurmdbd`` accounting plugins only: sacct's accounting needs
+  slurmdbd and a database) and ``JobCompType=jobcomp/filetxt``: one line a job each time it
+  ends, requeues included, which ``sacct --completion`` reads (:meth:`Cluster.sacct`).
+- ``cgroup.conf`` names ``cgroup/v1``: slurmd loads a cgroup plugin whatever the others say,
+  and in a namespace's own /sys nothing is mounted where it would detect the version.
 - ``SlurmdTimeout`` short (a lost node is DOWN within seconds, not the default 5 minutes),
   ``ReturnToService=2`` (a node back is usable at once), ``proctrack/linuxproc`` and
   ``task/none``: no cgroups needed.
@@ -27,6 +29,7 @@ Debian's ``slurm-wlm`` and ``munge`` (:func:`ensure_installed`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -38,17 +41,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from tools.chaos.harness import ROOT
 from tools.chaos.nodes import HOST, Nodes, NoNamespaces, start_on_node, two_nodes
 
-SUBNET = "10.213.8"  # not tools.chaos.nodes's: the host holds .254 here
+# Cluster k (up to SLOTS on a machine at once, one per process: tools.chaos.nodes names the
+# namespaces by pid) has the subnet 10.213.(8+k) and slurmctld's port CTLD_PORT + k: not
+# tools.chaos.nodes's subnet, since the host holds .254 of it here.
+SLOTS = 3
 NAMES = ("pfc-n0", "pfc-n1")
 CTLD_PORT, SLURMD_PORT = 6917, 6918
 GRACE_S = 30  # partition batch's GraceTime: a preempted job's time to save
 KILL_WAIT_S = 30  # SIGTERM to SIGKILL when a job is cancelled or its time is up
 SLURMD_TIMEOUT_S = 10  # a node silent this long is DOWN
 PACKAGES = ("slurm-wlm", "munge")
+LOCK = "/tmp/pfc-slurm-{}.lock"
 HOW = "needs root and Debian's slurm-wlm and munge (as root: apt-get install -y slurm-wlm munge)"
 
 
@@ -72,13 +80,13 @@ def ensure_installed(install: bool = True) -> None:
                       f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-def slurm_conf(work: Path, nodes: Nodes) -> str:
+def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT) -> str:
     """slurm.conf for the two namespaces, everything under ``work``."""
     host = socket.gethostname().split(".")[0]
     lines = [
         "ClusterName=partialfc",
         f"SlurmctldHost={host}({nodes.address(HOST)})",
-        f"SlurmctldPort={CTLD_PORT}", f"SlurmdPort={SLURMD_PORT}",
+        f"SlurmctldPort={ctld_port}", f"SlurmdPort={SLURMD_PORT}",
         "AuthType=auth/munge", "CryptoType=crypto/munge", f"AuthInfo=socket={work}/munge.sock",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={work}/ctld", f"SlurmdSpoolDir={work}/spool-%n",
@@ -101,10 +109,10 @@ def slurm_conf(work: Path, nodes: Nodes) -> str:
     return "\n".join(lines) + "\n"
 
 
-def hosts_file() -> str:
+def hosts_file(subnet: str) -> str:
     """The namespaces' /etc/hosts: each node's name to its address (as on a cluster)."""
     return "127.0.0.1 localhost\n" + "".join(
-        f"{SUBNET}.{i + 1} {name}\n" for i, name in enumerate(NAMES))
+        f"{subnet}.{i + 1} {name}\n" for i, name in enumerate(NAMES))
 
 
 @dataclass
@@ -205,15 +213,15 @@ def cluster(work: Path | None = None, keep: bool = False) -> Iterator[Cluster]:
     :class:`Cluster`; stop them all and remove the namespaces (and ``work`` unless ``keep``)
     afterwards. Raises :class:`NoSlurm` where SLURM or namespaces are not available."""
     ensure_installed()
+    slot, hold = _slot()
+    subnet = f"10.213.{8 + slot}"
     work = Path(work or tempfile.mkdtemp(prefix="pfc-slurm-"))
     work.mkdir(parents=True, exist_ok=True)
     work.chmod(0o700)  # munged refuses a key or socket in a folder others may write
     daemons: list[subprocess.Popen] = []
     try:
-        with two_nodes(SUBNET, bridge=True, etc={"hosts": hosts_file()}) as nodes:
-            (work / "slurm.conf").write_text(slurm_conf(work, nodes))
-            # slurmd loads a cgroup plugin whatever the others; in a namespace's own /sys
-            # nothing is mounted where it would detect the version: named, it loads
+        with two_nodes(subnet, bridge=True, etc={"hosts": hosts_file(subnet)}) as nodes:
+            (work / "slurm.conf").write_text(slurm_conf(work, nodes, CTLD_PORT + slot))
             (work / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
             for name in NAMES:
                 (work / f"spool-{name}").mkdir(exist_ok=True)
@@ -243,6 +251,22 @@ def cluster(work: Path | None = None, keep: bool = False) -> Iterator[Cluster]:
             _stop(proc)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+        hold.close()
+
+
+def _slot() -> tuple[int, IO]:
+    """A free cluster slot and its lock (held for the cluster's life); with every slot
+    taken, wait for the first."""
+    for slot in range(SLOTS):
+        hold = open(LOCK.format(slot), "w")  # noqa: SIM115 - closed when the cluster stops
+        try:
+            fcntl.flock(hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return slot, hold
+        except BlockingIOError:
+            hold.close()
+    hold = open(LOCK.format(0), "w")  # noqa: SIM115
+    fcntl.flock(hold, fcntl.LOCK_EX)
+    return 0, hold
 
 
 def _stop(proc: subprocess.Popen, limit: float = 15) -> None:
