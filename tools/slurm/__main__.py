@@ -38,8 +38,11 @@ def demo(keep: bool) -> int:
         print("$ " + " ".join(cmd), flush=True)
         job = c.sbatch(*cmd[1:], PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                        WANDB_MODE="offline", OMP_NUM_THREADS="1")
+        header = []  # squeue's header once, then a line a poll
         while c.state(job) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            print(c.run("squeue", "-o", "%.6i %.9P %.10j %.8T %.8M %.6D %R").rstrip(), flush=True)
+            print(c.run("squeue", *header, "-o", "%.6i %.9P %.10j %.8T %.8M %.6D %R").rstrip(),
+                  flush=True)
+            header = ["--noheader"]
             time.sleep(5)
         print(c.run("sacct", "--completion", "-j", str(job), "-o",
                     "JobID,JobName,Partition,State,ExitCode,NNodes,NodeList,Start,End"))
