@@ -62,6 +62,7 @@ class Figures:
     max_s: float = 0.0
     max_bytes: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
+    last: tuple[float, int] = (0.0, 0)  # the latest case's seconds and bytes
 
     def measure(self, run: Callable[[], object]) -> tuple[object, BaseException | None]:
         """``run()``'s value or exception, after checking its time and peak memory."""
@@ -76,6 +77,7 @@ class Figures:
         seconds, grown = time.perf_counter() - start, _status("VmHWM") - base
         self.cases += 1
         self.max_s, self.max_bytes = max(self.max_s, seconds), max(self.max_bytes, grown)
+        self.last = seconds, grown
         assert seconds < SECONDS, f"{self.target}: {seconds:.1f} s"
         assert grown < MEMORY, f"{self.target}: {grown >> 20} MiB above the start"
         return value, error
