@@ -34,9 +34,12 @@ STEPS = 24  # 10 steps an epoch (160 images, global batch 16)
 ARGS = ("engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.every=1",
         "log.progress=false", "checkpoint.every=2", "checkpoint.keep=100",
         "train.global_batch=16", "optim.lr=0.00001", "dist.timeout_s=60")
-# the time-limit row: micro-batches of >= 1 s and 60 steps, so that the signal (60-90 s into
-# the job) comes after the ranks' start-up and before the last step on a loaded or idle machine
-PACED_STEPS, PACE_S = 60, "1.0"
+# the time-limit row: micro-batches of >= 1.5 s and 100 steps, so that the signal (120-150 s
+# into the job) comes after the ranks' start-up (25-90 s measured, the longer ones with other
+# SLURM rows running beside) and before the last step (>= 175 s) on a loaded or idle machine.
+# At --time=2 (60-90 s) it came during the start-up under load: the launchers, without their
+# handlers yet, died of it, or a rank in its first step stopped with nothing to save: FAILED.
+PACED_STEPS, PACE_S = 100, "1.5"
 RTOL = 1e-5
 REQUEUED_S = 330  # a requeued job: KillWait, SLURM's ~120 s delay, start-up, the run
 PACE = ROOT / "tools" / "slurm" / "pace"
@@ -155,14 +158,14 @@ def two_nodes_complete(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
 
 
 def time_limit(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
-    """``--time=2 --signal=B:USR1@60``: the script's trap forwards USR1 to every step 60-90 s
+    """``--time=3 --signal=B:USR1@60``: the script's trap forwards USR1 to every step 120-150 s
     into the job (SLURM checks on 30-second ticks), each rank saves at the next step and the
     job ends COMPLETED before the limit; the same sbatch again resumes to the last step.
     Micro-batches paced (tools/slurm/pace) so that the signal falls mid-run."""
     reference, run = unbroken(data, work, PACED_STEPS), work / "run"
     pace = {"PYTHONPATH": str(PACE), "PFC_PACE_S": PACE_S, "steps": PACED_STEPS}
-    first = submit(c, data, run, "--time=2", "--signal=B:USR1@60", **pace)
-    state = ended(c, first, 200)
+    first = submit(c, data, run, "--time=3", "--signal=B:USR1@60", **pace)
+    state = ended(c, first, 260)
     saved = stopped_at(run)
     notice = "preemption notice: signalling the trainers" in out(run, first)
     again = submit(c, data, run, **pace)
