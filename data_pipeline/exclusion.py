@@ -32,6 +32,7 @@ from data_pipeline.tar_reader import tar_samples
 
 KINDS = ("sample", "class")
 _NOTE = re.compile(r"\s+#.*$")  # an entry's trailing note (keys hold no whitespace)
+_LABEL = re.compile(r"[0-9]{1,12}")  # a class label: ASCII digits, below 10^12 (isdigit() took "²")
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,11 @@ def read_exclusions(path: str | os.PathLike) -> Exclusions:
         value = value.strip()
         if kind == "sample" and value and " " not in value:
             samples.add(value)
-        elif kind == "class" and value.isdigit():
+        elif kind == "class" and _LABEL.fullmatch(value):
             classes.add(int(value))
         else:
             raise DataError(f"{path}:{number}: {line[:80]!r} is neither 'sample <key>' nor "
-                            "'class <label>' (a label is an integer >= 0; comments start "
+                            "'class <label>' (a label is 1-12 digits; comments start "
                             "with #)")
     return Exclusions(frozenset(samples), frozenset(classes))
 

@@ -51,7 +51,8 @@ def test_made_by_names_the_tool_its_settings_and_when(tmp_path):
     assert re.fullmatch(r"# \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ: 3 of 40 samples listed", second)
 
 
-@pytest.mark.parametrize("line", ["class -1", "class x", "sample", "sample a b", "key 3"])
+@pytest.mark.parametrize("line", ["class -1", "class x", "class ²", "class " + "9" * 13,
+                                  "sample", "sample a b", "key 3"])
 def test_bad_line_names_file_and_line(tmp_path, line):
     path = tmp_path / "bad.txt"
     path.write_text(f"# header\nclass 1\n{line}\n")
