@@ -13,7 +13,8 @@ filtering and re-encoded at quality 95). The decoder stretches any image that is
 
 Pixel limit: an image's header is read before its pixels (simplejpeg's
 ``decode_jpeg_header``, PIL's lazy ``open``), and one that claims more than ``max_pixels``
-(:data:`MAX_PIXELS` by default; ``launch.convert --max-pixels``) is a
+(:data:`MAX_PIXELS` by default; the loader's ``data.max_pixels``, ``launch.convert
+--max-pixels``) is a
 :class:`CorruptImageError` before anything is allocated for it: a 600-byte JPEG whose frame
 header claims 60000x60000 cost the loader 10.5 GB and half a minute before it was called
 corrupt. The converters decode large JPEGs scaled down in libjpeg (PIL's ``draft``: DCT
@@ -42,8 +43,8 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 JPEG_QUALITY = 95
 MAX_PIXELS = 50_000_000
 """Default pixel limit (width x height as the header states it): no face crop or source
-photo reaches it (a 50 MP camera's frame is 8192 x 6144); the loader and the evaluation readers
-use it, the converters take ``--max-pixels``."""
+photo reaches it (a 50 MP camera's frame is 8192 x 6144); the evaluation readers use it, the
+loader takes ``data.max_pixels`` (this by default), the converters ``--max-pixels``."""
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -132,10 +133,11 @@ def decode_image(data: bytes, size: int = 112, decoder: str = "auto",
 
 
 def decode_into(data: bytes, out: np.ndarray, decoder: str,
-                mirror: Mirror | None = None) -> None:
+                mirror: Mirror | None = None, max_pixels: int = MAX_PIXELS) -> None:
     """Decode into ``out`` (uint8 ``[size, size, 3]``, C-contiguous), mirrored left-right by
-    ``mirror`` when one is given; CorruptImageError if undecodable or over :data:`MAX_PIXELS`
-    (its header is read once the fast path has failed). Writing into the caller's
+    ``mirror`` when one is given; CorruptImageError if undecodable or over ``max_pixels``
+    (its header is read once the fast path has failed: that path decodes only what fits in
+    ``out``, so a limit of at least ``size`` x ``size`` holds on both). Writing into the caller's
     batch saves the copy of a returned array; a JPEG of another size (or a PNG) takes
     :func:`decode_image`'s path (decode, stretch) and is copied in.
 
@@ -151,7 +153,7 @@ def decode_into(data: bytes, out: np.ndarray, decoder: str,
                 return
         except ValueError:  # corrupt, not a JPEG or larger than `out`: decode_image tells which
             pass
-    image = decode_image(data, out.shape[0], decoder)
+    image = decode_image(data, out.shape[0], decoder, max_pixels)
     np.copyto(out, image if mirror is None else image[:, ::-1])
 
 

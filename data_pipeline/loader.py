@@ -45,7 +45,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import epoch_plan, stages
-from data_pipeline.codec import resolve_decoder
+from data_pipeline.codec import MAX_PIXELS, resolve_decoder
 from data_pipeline.epoch_batches import EpochBatches, StorageWait, concat
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import excluded_positions, read_exclusions
@@ -79,6 +79,7 @@ class _EpochStream(IterableDataset):
         self.plan = loader.plan_key()
         self.rank, self.epoch, self.skips = loader.rank, epoch, skips
         self.flip, self.decoder = bool(loader.flip), loader.decoder
+        self.max_pixels = loader.max_pixels
         self.mirror = loader.flip is True  # in the worker; "deferred": by the consumer
         self.num_classes = loader.manifest.num_classes
 
@@ -104,7 +105,7 @@ class _EpochStream(IterableDataset):
             lambda: self._ordered(pieces, worker, skip),
             stages.fill(self.reader.samples(wanted)),
             stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
-                                 self.num_classes, pool, self.mirror),
+                                 self.num_classes, pool, self.mirror, self.max_pixels),
         )
         stats = self.reader.stats
         retries, waited, since = stats.retries, stats.wait_s, time.perf_counter()
@@ -144,6 +145,8 @@ class _ShardLoader(EpochBatches):
         does, where it costs nothing on a GPU and frees the worker's CPU from it); False
         never mirrors.
     decoder: "auto" (simplejpeg if installed, else PIL), "simplejpeg" or "pil".
+    max_pixels: a sample whose image header claims more pixels is skipped and counted, before
+        it is decoded (``data.max_pixels``; at least 112 x 112).
     pin_memory: batches in page-locked memory, for asynchronous copies to a CUDA device
         (needs CUDA; the trainer sets it when it trains on one).
     exclude: an exclusion list (data_pipeline.exclusion) of this folder's sample keys and
@@ -158,7 +161,7 @@ class _ShardLoader(EpochBatches):
                  flip: bool | str = True, with_keys: bool = False, shuffle: bool = True,
                  shuffle_buffer: int = 1000, decoder: str = "auto", prefetch_factor: int = 2,
                  pin_memory: bool = False, exclude: str | os.PathLike | None = None,
-                 streaming: Streaming | None = None):
+                 streaming: Streaming | None = None, max_pixels: int = MAX_PIXELS):
         if batch_size < 1 or num_workers < 0 or shuffle_buffer < 0 or world_size < 1:
             raise ValueError(f"batch_size={batch_size}, num_workers={num_workers}, "
                              f"shuffle_buffer={shuffle_buffer}, world_size={world_size}: "
@@ -181,7 +184,7 @@ class _ShardLoader(EpochBatches):
         self.flip, self.with_keys, self.shuffle = flip, with_keys, shuffle
         self.shuffle_buffer, self.prefetch_factor = shuffle_buffer, prefetch_factor
         self.pin_memory = pin_memory
-        self.decoder = resolve_decoder(decoder)
+        self.decoder, self.max_pixels = resolve_decoder(decoder), max_pixels
         self.excluded, self.exclusion_key = self._exclusions(exclude)
         self.kept_counts = [c - len(e) for c, e in zip(self.manifest.shard_counts,
                                                         self.excluded, strict=True)]

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 import torch
 import webdataset as wds
 
-from data_pipeline.codec import Mirror, decode_into
+from data_pipeline.codec import MAX_PIXELS, Mirror, decode_into
 from data_pipeline.epoch_batches import StorageWait
 from data_pipeline.epoch_plan import Piece
 from data_pipeline.errors import CorruptImageError, DataError
@@ -171,7 +171,7 @@ class Chunk(NamedTuple):
 
 def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: int, worker: int,
                    num_classes: int | None = None, pool: SlotPool | None = None,
-                   mirror: bool = True) -> Iterator[Chunk]:
+                   mirror: bool = True, max_pixels: int = MAX_PIXELS) -> Iterator[Chunk]:
     """Decode `jpg` straight into the rows of a ``[batch_size, size, size, 3]`` buffer
     (mirrored where the flip was drawn, ``codec.decode_into``, unless ``mirror`` is False:
     then the chunk's ``flips`` say which rows its consumer mirrors) and emit it as a
@@ -179,7 +179,8 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
     corrupt samples). The buffers are ``pool``'s slots in a DataLoader worker, fresh
     tensors otherwise; the stream ends early when the pool's reader has gone.
 
-    Undecodable samples are dropped and their positions recorded in ``Chunk.skipped``. A label
+    Undecodable samples, and those whose header claims more than ``max_pixels``, are dropped
+    and their positions recorded in ``Chunk.skipped``. A label
     outside ``[0, num_classes)`` is not corruption but data that contradicts its manifest: a
     :class:`DataError` naming the shard and the sample's key.
     """
@@ -193,7 +194,8 @@ def _decode_chunks(data: Iterator[dict], size: int, decoder: str, batch_size: in
         end = position + 1
         try:
             label, flip = int(sample["cls"]), sample["__flip__"]
-            decode_into(sample["jpg"], rows[len(keys)], decoder, mirrored if flip else None)
+            decode_into(sample["jpg"], rows[len(keys)], decoder, mirrored if flip else None,
+                        max_pixels)
         except (CorruptImageError, ValueError, KeyError):
             batch.skipped.append(position)
             continue

@@ -211,7 +211,7 @@ def _batch_source(cfg: Config, rank: int, world_size: int,
         return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
                                device=device, **common)
     common.update(num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
-                  flip="deferred" if cfg.data.flip else False,
+                  flip="deferred" if cfg.data.flip else False, max_pixels=cfg.data.max_pixels,
                   streaming=Streaming(cache_dir=cfg.data.cache_dir, cache_gib=cfg.data.cache_gib))
     if cfg.data.dirs is not None:
         from data_pipeline.merge import read_merge

@@ -100,6 +100,25 @@ def test_the_issue_jpeg_in_a_shard_is_skipped_and_counted(tmp_path, shard_figure
     assert shard_figures.last[0] < 1.0 and shard_figures.last[1] < 64 << 20
 
 
+@pytest.mark.parametrize("limit, skipped", [(None, 0), (200 * 200 - 1, 1)])
+def test_data_max_pixels_reaches_the_trainers_loader(tmp_path, limit, skipped):
+    """``data.max_pixels`` is the loader's limit: a 200 x 200 sample is read under the
+    default and skipped and counted one pixel below its size (decode_into's fast path
+    takes only what fits 112 x 112, so the header check decides)."""
+    import torch
+    from launch_helpers import make_config
+
+    from trainer.dist import DistEnv
+    from trainer.loop import build_loader
+
+    folder = write_folder(tmp_path / "f", [face("JPEG", 112)] * 3 + [face("JPEG", 200)])
+    given = [] if limit is None else [f"data.max_pixels={limit}"]
+    cfg = make_config(f"data.dir={folder}", "data.num_classes=2", "data.num_workers=0",
+                      "train.batch_size=2", *given)
+    loader = build_loader(cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    assert sum(len(batch[1]) for batch in loader) == 4 and loader.num_skipped == skipped
+
+
 def test_a_shard_truncated_at_every_block(folder, shard_figures):
     """The tar reader every other reader goes through, at each 512-byte boundary: a
     one-line ShardError, or every sample when only the zero padding after the archive's end

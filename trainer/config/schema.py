@@ -21,6 +21,7 @@ import torch
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
 
+from data_pipeline.codec import MAX_PIXELS
 from partial_fc.head_checks import SAMPLE_RATE
 from partial_fc.margins.keys import Bounds
 from partial_fc.margins.registry import (
@@ -114,6 +115,11 @@ class DataConfig(_Section):
         "process (synthetic: unused, batches are generated on the device)"
     )
     flip: bool = Field(True, description="random horizontal flip of training images")
+    max_pixels: Annotated[int, Field(ge=112 * 112, le=10**9)] = Field(
+        MAX_PIXELS, description="shards: a sample whose image header claims more pixels "
+        "(width x height) is skipped and counted before it is decoded (docs/readers.md); at "
+        "least the loader's 112 x 112, at most 10^9 (3 GB decoded)"
+    )
     cache_dir: str | None = Field(
         None, description="data at a URL: a node-local folder keeping whole shards once fetched "
         "(shared by the node's ranks and workers; later epochs read it); null = stream only"
