@@ -135,16 +135,19 @@ def write_dataset(source: Source, out_dir: str | os.PathLike, *, size: int | Non
         raise DataError(f"samples_per_shard={samples_per_shard}: must be >= 1")
     if size is not None and size < 1:  # else every image fails to re-encode, stored as corrupt
         raise DataError(f"size={size}: must be >= 1 (None keeps images as they are)")
+    # max_pixels decides which images are stored re-encoded: a resume under another limit
+    # would mix the two in one folder, so it is part of what a resume must match
     fingerprint = {"source": source.describe(), "num_samples": n, "size": size,
-                   "samples_per_shard": samples_per_shard, "shuffle_seed": shuffle_seed}
+                   "samples_per_shard": samples_per_shard, "shuffle_seed": shuffle_seed,
+                   "max_pixels": max_pixels}
     with open_output(out_dir) as out:
-        return _write(source, out, fingerprint, max_pixels, progress)
+        return _write(source, out, fingerprint, progress)
 
 
-def _write(source: Source, out: LocalOutput | RemoteOutput, fingerprint: dict, max_pixels: int,
+def _write(source: Source, out: LocalOutput | RemoteOutput, fingerprint: dict,
            progress: Callable[[int], None] | None) -> tuple[Manifest, list[str]]:
     """write_dataset's work, into ``out``."""
-    n, size = fingerprint["num_samples"], fingerprint["size"]
+    n, size, max_pixels = fingerprint["num_samples"], fingerprint["size"], fingerprint["max_pixels"]
     samples_per_shard, shuffle_seed = fingerprint["samples_per_shard"], fingerprint["shuffle_seed"]
     done = _check_resumable(out, fingerprint)
     if done is not None:
@@ -211,10 +214,14 @@ def _check_resumable(out: LocalOutput | RemoteOutput, fingerprint: dict) -> Mani
                         f"conversion ({manifest.source}); choose an empty output folder")
     if previous is not None:
         settings = parse_json(previous, out.where(PROGRESS_NAME), "conversion progress file")
-        if settings != fingerprint:
+        changed = sorted(k for k in settings.keys() | fingerprint.keys()
+                         if settings.get(k) != fingerprint.get(k))
+        if changed:
+            shown = ", ".join(f"{k} {str(settings.get(k))[:60]} -> {str(fingerprint.get(k))[:60]}"
+                              for k in changed[:4])
             raise DataError(f"{out.where(PROGRESS_NAME)}: an unfinished conversion with other "
-                            f"settings ({str(settings)[:200]}) is in this folder; delete it or "
-                            "choose another")
+                            f"settings ({shown}) is in this folder; resume it with its own, "
+                            "or delete it or choose another folder")
     elif out.has_shards():
         raise DataError(f"{out.shown}: holds shards but no {PROGRESS_NAME} or {MANIFEST_NAME}; "
                         "choose an empty output folder")

@@ -75,6 +75,10 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path):
         read_manifest(crashed)
     with pytest.raises(DataError, match="unfinished conversion with other settings"):
         write_dataset(CrashingSource(None), crashed, samples_per_shard=8)
+    # another pixel limit would store the rest re-encoded under other rules: refused, naming it
+    with pytest.raises(DataError, match=r"settings \(max_pixels 50000000 -> 10000\)") as refused:
+        write_dataset(CrashingSource(None), crashed, samples_per_shard=7, max_pixels=10_000)
+    assert "\n" not in str(refused.value)
     before = (crashed / "shard-000000.tar").stat().st_mtime_ns
     manifest, corrupt = write_dataset(CrashingSource(None), crashed, samples_per_shard=7)
     assert corrupt == [] and (crashed / "shard-000000.tar").stat().st_mtime_ns == before
