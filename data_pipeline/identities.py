@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.errors import DataError
-from data_pipeline.json_file import MAX_IDENTITIES_BYTES, parse_json, read_json
+from data_pipeline.json_file import MAX_IDENTITIES_BYTES, fetch_json, read_json
 from data_pipeline.manifest import Manifest
 from data_pipeline.remote import RemoteFolder, open_folder, scrub
 
@@ -66,8 +66,7 @@ def read_identities(data_dir: str | os.PathLike | RemoteFolder,
         raw = read_json(path, "identity map", limit=MAX_IDENTITIES_BYTES)
     else:
         where = scrub(folder.url_of(manifest.identities))
-        raw = parse_json(folder.read(manifest.identities), where, "identity map",
-                         limit=MAX_IDENTITIES_BYTES)
+        raw = fetch_json(folder, manifest.identities, "identity map", limit=MAX_IDENTITIES_BYTES)
     try:
         identities = Identities(tuple(str(n) for n in raw["names"]), str(raw["origin"]))
     except (ValueError, KeyError, TypeError) as exc:

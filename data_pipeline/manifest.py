@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data_pipeline.errors import DataError
-from data_pipeline.json_file import parse_json, read_json
+from data_pipeline.json_file import fetch_json, read_json
 from data_pipeline.remote import RemoteFolder, open_folder, scrub
 
 MANIFEST_NAME = "manifest.json"
@@ -63,12 +63,7 @@ def read_manifest(data_dir: str | os.PathLike | RemoteFolder) -> Manifest:
             raise DataError(f"{path}: no manifest (not a converted data folder, "
                             "or its conversion did not finish)")
         return manifest_of(read_json(path, "manifest"), str(path))
-    return parse_manifest(folder.read(MANIFEST_NAME), folder.url_of(MANIFEST_NAME))
-
-
-def parse_manifest(data: bytes | str, where: str) -> Manifest:
-    """The manifest stored as ``data`` (read from ``where``, named in errors), validated."""
-    return manifest_of(parse_json(data, scrub(where), "manifest"), where)
+    return manifest_of(fetch_json(folder, MANIFEST_NAME, "manifest"), folder.url_of(MANIFEST_NAME))
 
 
 def manifest_of(raw: dict, where: str) -> Manifest:

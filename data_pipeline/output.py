@@ -19,7 +19,9 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from data_pipeline.json_file import fetch_json, read_json
 from data_pipeline.manifest import atomic_write_bytes
 from data_pipeline.remote import RemoteFolder, StorageError, open_folder
 from data_pipeline.remote_shards import local_copy
@@ -56,10 +58,11 @@ class LocalOutput:
     def where(self, name: str) -> str:
         return str(self.folder / name)
 
-    def read(self, name: str) -> bytes | None:
-        """File ``name``'s bytes, None when it is not there."""
+    def read_json(self, name: str, what: str) -> Any:
+        """The JSON object in file ``name`` (size-checked before it is read), None when it
+        is not there."""
         path = self.folder / name
-        return path.read_bytes() if path.is_file() else None
+        return read_json(path, what) if path.is_file() else None
 
     def has_shards(self) -> bool:
         return any(self.folder.glob(SHARD_PATTERN))
@@ -95,8 +98,12 @@ class RemoteOutput:
     def where(self, name: str) -> str:
         return f"{self.shown}/{name}"
 
-    def read(self, name: str) -> bytes | None:
-        return self.folder.read(name) if name in self.present else None
+    def read_json(self, name: str, what: str) -> Any:
+        """The JSON object in file ``name``, its size from the listing checked before it is
+        fetched; None when it is not there."""
+        if name not in self.present:
+            return None
+        return fetch_json(self.folder, name, what, size=self.present[name])
 
     def has_shards(self) -> bool:
         return bool(fnmatch.filter(self.present, SHARD_PATTERN))

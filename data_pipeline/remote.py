@@ -211,7 +211,7 @@ class RemoteFolder:
                     if end is None and at < stop:  # short of a whole piece: the file's end
                         break
                     if end is None:  # a file longer than a piece: read to its size
-                        end = self._size(name) or at
+                        end = self.stated_size(name) or at
                     continue
                 if end is None:  # nothing past ``at``: the file ends there
                     break
@@ -252,7 +252,7 @@ class RemoteFolder:
         found = self.listing()
         missing = [n for n in names if n not in found]
         with ThreadPoolExecutor(16) as pool:
-            for name, size in zip(missing, pool.map(self._size, missing), strict=True):
+            for name, size in zip(missing, pool.map(self.stated_size, missing), strict=True):
                 if size is not None:
                     found[name] = size
         return {n: found[n] for n in names if n in found}
@@ -272,15 +272,19 @@ class RemoteFolder:
             pass
         return found
 
-    def _size(self, name: str) -> int | None:
-        """File ``name``'s size, None when it does not exist (StorageError when denied)."""
+    def stated_size(self, name: str) -> int | None:
+        """File ``name``'s size as its store states it (fsspec's ``info``, one request on any
+        scheme: an object's size, a web server's Content-Length), before any of it is read;
+        None where the store states none, or no file (fsspec's web client says so of a 403
+        too: the read that follows names what is wrong). StorageError when denied."""
         url = self.url_of(name)
 
         def size() -> int | None:
             try:
-                return int(self.fs.info(url)["size"])
+                stated = self.fs.info(url).get("size")
             except FileNotFoundError:
                 return None
+            return None if stated is None else int(stated)
 
         return self._retried(url, size)
 

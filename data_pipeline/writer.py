@@ -37,14 +37,13 @@ import numpy as np
 from data_pipeline.codec import MAX_PIXELS, prepare_jpeg
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.identities import IDENTITIES_NAME, Identities, identities_bytes
-from data_pipeline.json_file import parse_json
 from data_pipeline.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
     atomic_file,
     manifest_bytes,
-    parse_manifest,
+    manifest_of,
 )
 from data_pipeline.output import LocalOutput, RemoteOutput, open_output
 from data_pipeline.shard_index import build_index, index_path, write_index
@@ -204,16 +203,16 @@ def _manifest_source(fingerprint: dict) -> dict:
 
 def _check_resumable(out: LocalOutput | RemoteOutput, fingerprint: dict) -> Manifest | None:
     """Record the fingerprint, or check a previous run's; return the manifest if already done."""
-    stored, previous = out.read(MANIFEST_NAME), out.read(PROGRESS_NAME)
+    stored = out.read_json(MANIFEST_NAME, "manifest")
     if stored is not None:
-        manifest = parse_manifest(stored, out.where(MANIFEST_NAME))
+        manifest = manifest_of(stored, out.where(MANIFEST_NAME))
         if (manifest.source == _manifest_source(fingerprint)
                 and manifest.num_samples == fingerprint["num_samples"]):
             return manifest
         raise DataError(f"{out.where(MANIFEST_NAME)}: folder already holds a different "
                         f"conversion ({manifest.source}); choose an empty output folder")
-    if previous is not None:
-        settings = parse_json(previous, out.where(PROGRESS_NAME), "conversion progress file")
+    settings = out.read_json(PROGRESS_NAME, "conversion progress file")
+    if settings is not None:
         changed = sorted(k for k in settings.keys() | fingerprint.keys()
                          if settings.get(k) != fingerprint.get(k))
         if changed:
