@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
 LONG_ROWS = ["SLURM: sbatch --nodes=2",
              "SLURM: a bad config key, a data folder without a manifest"]
-CHAOS_ONLY = ["SLURM: --time=3 --signal=B:USR1@60, then the same sbatch",
+CHAOS_ONLY = ["SLURM: --time=4 --signal=B:USR1@60, then the same sbatch",
               "SLURM: scontrol requeue",
               "SLURM: preempted by a job in a higher-priority partition",
               "SLURM: --nodes=1-2, node 1 lost (link cut, its processes killed)",

@@ -374,7 +374,7 @@ SLURM_CASES = [Case(f"SLURM: {name}", expected, slurm.on_cluster(check))
                for name, expected, check in [
     ("sbatch --nodes=2", "COMPLETED, 2 ranks, losses equal the unbroken run's, one folder "
      "and W&B id", slurm.two_nodes_complete),
-    ("--time=3 --signal=B:USR1@60, then the same sbatch", "every rank saves at the next "
+    ("--time=4 --signal=B:USR1@60, then the same sbatch", "every rank saves at the next "
      "step, COMPLETED; the resubmission resumes there, losses equal", slurm.time_limit),
     ("scontrol requeue", "saved, PENDING, starts again by itself and resumes, losses equal",
      slurm.requeue),

@@ -34,12 +34,13 @@ STEPS = 24  # 10 steps an epoch (160 images, global batch 16)
 ARGS = ("engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.every=1",
         "log.progress=false", "checkpoint.every=2", "checkpoint.keep=100",
         "train.global_batch=16", "optim.lr=0.00001", "dist.timeout_s=60")
-# the time-limit row: micro-batches of >= 1.5 s and 100 steps, so that the signal (120-150 s
-# into the job) comes after the ranks' start-up (25-90 s measured, the longer ones with other
-# SLURM rows running beside) and before the last step (>= 175 s) on a loaded or idle machine.
-# At --time=2 (60-90 s) it came during the start-up under load: the launchers, without their
-# handlers yet, died of it, or a rank in its first step stopped with nothing to save: FAILED.
-PACED_STEPS, PACE_S = 100, "1.5"
+# the time-limit row: micro-batches of >= 2 s and 100 steps, so that the signal (120-210 s
+# into the job at --time=4: 60 s before the limit, on SLURM's 30 s tick, "up to 60 s earlier"
+# says sbatch(1)) comes after the ranks' start-up (25 s idle, over 60 s with other SLURM rows
+# beside) and before the last step (>= 225 s) on a loaded or idle machine. At --time=2 it came
+# during the start-up under load: a launcher without its handler yet died of it, or a rank in
+# its first step stopped with nothing to save: FAILED. At --time=3 it came 90 s in.
+PACED_STEPS, PACE_S = 100, "2.0"
 RTOL = 1e-5
 REQUEUED_S = 330  # a requeued job: KillWait, SLURM's ~120 s delay, start-up, the run
 PACE = ROOT / "tools" / "slurm" / "pace"
@@ -134,8 +135,11 @@ def on_cluster(check: Callable[[Cluster, Path, Path], tuple[str, bool]]
             return f"skipped: {err}", True
         if holds:
             shutil.rmtree(folder, ignore_errors=True)
-        return (f"{observed}; {time.monotonic() - started:.0f} s"
-                + ("" if holds else f"; the cluster's logs: {folder}")), holds
+            return f"{observed}; {time.monotonic() - started:.0f} s", holds
+        said = [f"{p.name}: {ln}" for p in sorted(work.glob("*.out"))
+                for ln in p.read_text().splitlines() if ln.startswith((*ERRORS, "srun: error"))]
+        return (f"{observed}; {time.monotonic() - started:.0f} s; the cluster's logs: {folder}; "
+                f"the jobs said: {' | '.join(said) or '-'}"), holds
     return row
 
 
@@ -158,18 +162,18 @@ def two_nodes_complete(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
 
 
 def time_limit(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
-    """``--time=3 --signal=B:USR1@60``: the script's trap forwards USR1 to every step 120-150 s
+    """``--time=4 --signal=B:USR1@60``: the script's trap forwards USR1 to every step 120-210 s
     into the job (SLURM checks on 30-second ticks), each rank saves at the next step and the
     job ends COMPLETED before the limit; the same sbatch again resumes to the last step.
     Micro-batches paced (tools/slurm/pace) so that the signal falls mid-run."""
     reference, run = unbroken(data, work, PACED_STEPS), work / "run"
     pace = {"PYTHONPATH": str(PACE), "PFC_PACE_S": PACE_S, "steps": PACED_STEPS}
-    first = submit(c, data, run, "--time=3", "--signal=B:USR1@60", **pace)
-    state = ended(c, first, 260)
+    first = submit(c, data, run, "--time=4", "--signal=B:USR1@60", **pace)
+    state = ended(c, first, 330)
     saved = stopped_at(run)
     notice = "preemption notice: signalling the trainers" in out(run, first)
     again = submit(c, data, run, **pace)
-    state2 = ended(c, again, 300)
+    state2 = ended(c, again, 330)
     same, matches = same_run(run, reference, PACED_STEPS)
     states = (c.sacct(first), c.sacct(again))
     return (f"{state}, USR1 forwarded {notice}, saved at step {saved}; again {state2}, "
