@@ -382,8 +382,11 @@ def test_observe_reads_the_gpus_from_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("Props", (), {"total_memory": 80 << 30}))
     here = Machine.observe()
     assert (here.cuda, here.gpus, here.bf16, here.nccl) == (True, 8, False, True)
+    assert here.gpu_memory == 80 << 30 and here.host_memory > 1 << 30
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert Machine.observe().gpus == 0 and not Machine.observe().cuda
 

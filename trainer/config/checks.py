@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from partial_fc.head_checks import triton_subcenters_rule
 from partial_fc.margins.registry import effective, margin_errors, margin_warnings, read_keys
 from trainer.config.accumulation import micro_batches, world_size_error
+from trainer.config.head_memory import head_memory_errors
 from trainer.config.machine import Machine
 from trainer.config.schema import Config, ConfigError
 from trainer.yaml_file import shown_value
@@ -359,7 +360,8 @@ def _class_errors(cfg: Config, machine: Machine) -> list[tuple[str, str]]:
         return [("data.num_classes", f"data.num_classes={classes}: fewer classes than the "
                  f"{world} ranks, each of which holds a block of at least one class; launch "
                  f"at most {classes} ranks")]
-    return []
+    return head_memory_errors(cfg, machine)
+
 
 
 def _batch_norm_errors(cfg: Config) -> list[tuple[str, str]]:

@@ -2,7 +2,8 @@
 
 :meth:`Machine.observe` is the one place in ``trainer.config`` that reads the process
 environment (torchrun's ``WORLD_SIZE``/``LOCAL_WORLD_SIZE``, ``WANDB_MODE``), torch's device
-state (CUDA, GPU count, bf16, NCCL) and which optional packages are installed; it runs once, at
+state (CUDA, GPU count and memory, bf16, NCCL), the node's memory and which optional packages
+are installed; it runs once, at
 the edge (``launch.train``, or :func:`trainer.config.load_config` when given no machine). The
 checks take the snapshot as an argument, so a test states the machine it means
 (``Machine(gpus=2, local_ranks=3, world_size=3)``) instead of faking torch, and a check for
@@ -28,7 +29,9 @@ class Machine:
     ``world_size``: ranks of the whole launch (``WORLD_SIZE``); ``gpus``: CUDA devices
     visible to this process (0: no CUDA); ``bf16``: the GPU computes in bf16; ``nccl``: this
     torch build has NCCL; ``installed``: the :data:`OPTIONAL_PACKAGES` importable here;
-    ``wandb_mode``: ``WANDB_MODE``, which wins over ``log.wandb`` (None: unset). The defaults
+    ``wandb_mode``: ``WANDB_MODE``, which wins over ``log.wandb`` (None: unset);
+    ``gpu_memory``: bytes of one visible GPU, ``host_memory``: the node's physical memory in
+    bytes, shared by its ranks (None: not known, nothing is checked against it). The defaults
     are a one-process CPU machine with no optional package.
     """
 
@@ -39,6 +42,8 @@ class Machine:
     nccl: bool = False
     installed: frozenset[str] = frozenset()
     wandb_mode: str | None = None
+    gpu_memory: int | None = None
+    host_memory: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -72,6 +77,8 @@ class Machine:
             nccl=dist.is_available() and dist.is_nccl_available(),
             installed=frozenset(p for p in OPTIONAL_PACKAGES if _installed(p)),
             wandb_mode=os.environ.get("WANDB_MODE") or None,
+            gpu_memory=torch.cuda.get_device_properties(0).total_memory if gpus else None,
+            host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         )
 
 
