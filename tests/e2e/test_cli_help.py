@@ -6,8 +6,8 @@ import importlib
 import pytest
 
 PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
-            "tools.chaos.__main__", "launch.plan", "launch.report", "launch.torchrun",
-            "launch.overlap", "launch.clean", "launch.embed"]
+            "tools.chaos.__main__", "tools.slurm.__main__", "launch.plan", "launch.report",
+            "launch.torchrun", "launch.overlap", "launch.clean", "launch.embed"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
