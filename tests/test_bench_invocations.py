@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = sorted((ROOT / "bench").glob("*.py"))
+# a bench is a script (it has a __main__ block); a module the scripts import (head_peers.py) is not
+BENCHES = sorted(path for path in (ROOT / "bench").glob("*.py")
+                 if 'if __name__ == "__main__":' in path.read_text())
 # an interpreter, optionally under nice, and the script: no PYTHONPATH=, no -m
 INVOCATION = re.compile(r"^\s*(?:nice -n \d+ )?(?:\.venv/bin/)?python3? (bench/\w+\.py)\b", re.M)
 
