@@ -265,6 +265,29 @@ def test_mixed_loader_pins_its_batches_when_asked(monkeypatch, fake_cuda_copies,
         assert torch.equal(x, xp) and torch.equal(y, yp)
 
 
+def test_one_merged_folder_pins_its_labels_when_asked(monkeypatch, fake_cuda_copies,
+                                                     synthetic_data):
+    """``data.dirs=[DIR]`` with ``data.merge`` (a set's duplicate identities, faked
+    accelerator): one folder's batch is its loader's own, so the merged labels are pinned
+    where they are made; they equal the unpinned ones, paired classes one label."""
+    from data_pipeline.merge import MergeList, merged_labels
+    from data_pipeline.mixture import make_mixed_loader
+
+    merge = MergeList((str(synthetic_data),), (((0, 3), (0, 7)),))
+    kwargs = {"batch_size": 8, "num_workers": 0, "merge": merge}
+    plain = list(make_mixed_loader([synthetic_data], **kwargs))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: CUDA0)
+    pinned = list(make_mixed_loader([synthetic_data], pin_memory=True, **kwargs))
+    labels = [y for _, y in pinned]
+    assert all(any(y is p for p in fake_cuda_copies.pinned) for y in labels)
+    assert all(torch.equal(y, yp) for (_, y), yp in zip(plain, labels, strict=True))
+    people = torch.from_numpy(merged_labels(merge, [20]))  # 20 classes, 19 people
+    assert people[3] == people[7] and len(set(people.tolist())) == 19
+    unmerged = make_mixed_loader([synthetic_data], batch_size=8, num_workers=0)
+    assert all(torch.equal(people[y], yp) for (_, y), yp in zip(unmerged, labels, strict=True))
+
+
 def test_synthetic_stream_on_cuda_copies_pinned_indices_without_waiting(fake_cuda_copies):
     """The CUDA stream pins the sample indices and copies them with ``non_blocking``; its
     batches are the CPU stream's (``test_data_synthetic_stream.py`` renders on a real GPU)."""
