@@ -74,7 +74,7 @@ FUZZ_SCALE ?= 20
 FUZZ_REPORT ?= $(or $(TMPDIR),/tmp)/partial-fc-fuzz.jsonl
 fuzz: setup
 	rm -f $(FUZZ_REPORT)
-	FUZZ_EXAMPLES_SCALE=$(FUZZ_SCALE) FUZZ_REPORT=$(FUZZ_REPORT) $(PY) -m pytest -n 2 \
+	FUZZ_SCALE=$(FUZZ_SCALE) FUZZ_REPORT=$(FUZZ_REPORT) $(PY) -m pytest -n 2 \
 	  --dist worksteal -q -p no:cacheprovider tests/fuzz
 	$(PY) -m tests.fuzz.bounds $(FUZZ_REPORT)
 

@@ -7,7 +7,7 @@ traceback. The memory is the peak resident size, C allocations included (libjpeg
 are not Python objects): Linux resets a process's high-water mark when ``5`` is written to
 ``/proc/self/clear_refs``, so each case is measured in this process, from its own start.
 
-``FUZZ_EXAMPLES`` scales every target's number of generated cases (``make test``: 1; ``make
+``FUZZ_SCALE`` scales every target's number of generated cases (``make test``: 1; ``make
 fuzz``: more). With ``FUZZ_REPORT`` set, each target appends its figures (cases, slowest,
 largest) to that file as a JSON line; ``make fuzz`` prints them (docs/readers.md).
 """
@@ -34,7 +34,7 @@ from PIL import Image
 
 SECONDS = 5.0
 MEMORY = 512 << 20
-SCALE = float(os.environ.get("FUZZ_EXAMPLES_SCALE", "1"))
+SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 MESSAGE_CHARS = 2000  # a one-line message is bounded too (a value shown cut, never whole)
 PROGRESS = re.compile(r"\d+/\d+ \[\d|/s\]$|\|\s*$")  # a tqdm bar's line
 
