@@ -2,15 +2,15 @@
 
 Loading is three jobs, each its own module: :mod:`trainer.config.files` reads the recipe
 (``base:`` chain, ``dotted.key=value`` overrides) and records which file set each key;
-:mod:`trainer.config.schema` validates it against the typed schema, the only source of
-defaults; :mod:`trainer.config.checks` runs the checks the schema cannot express, pure
-functions of the config, the data's manifest and a :class:`Machine` snapshot. This module
-composes them so that every problem found is reported at once, in one :class:`ConfigError`,
-one line each, naming the file (or ``command line``) that set the key, the key, the value and
-the valid choices. With ``resolve=True`` the checks also read what is on disk
-(:mod:`trainer.config.on_disk`: ``manifest.json``, the paths the run opens) and look at the
-machine (:meth:`Machine.observe` unless one is given), so a run fails before any process
-group starts.
+:mod:`trainer.config.schema` validates it against the typed schema (one file per section in
+:mod:`trainer.config.sections`), the only source of defaults; :mod:`trainer.config.checks` runs
+the checks the schema cannot express, pure functions of the config, the data's manifest and a
+:class:`Machine` snapshot. This module composes them so that every problem found is reported
+at once, in one :class:`ConfigError`, one line each, naming the file (or ``command line``) that
+set the key, the key, the value and the valid choices. With ``resolve=True`` the checks also
+read what is on disk (:mod:`trainer.config.on_disk`: ``manifest.json``, the paths the run
+opens) and look at the machine (:meth:`Machine.observe` unless one is given), so a run fails
+before any process group starts.
 
 The rest of ``launch`` (and bench/, tests/) imports configuration names from here.
 """
@@ -41,27 +41,14 @@ from trainer.config.files import (
 from trainer.config.machine import Machine
 from trainer.config.on_disk import path_errors, read_data_manifest, with_merge_digest
 from trainer.config.pace import cpu_pace_warning
-from trainer.config.schema import (
-    MARGIN_MODELS,
-    BackboneConfig,
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    ConfigWarning,
-    DataConfig,
-    DistConfig,
-    DistillConfig,
-    EngineConfig,
-    EvalConfig,
-    HeadConfig,
-    LogConfig,
-    MarginConfig,
-    OptimConfig,
-    ScheduleConfig,
-    TrainConfig,
-    describe_keys,
-    dump_config,
-)
+from trainer.config.reference import describe_keys
+from trainer.config.schema import Config, ConfigError, ConfigWarning, dump_config
+from trainer.config.sections.data import DataConfig
+from trainer.config.sections.engine import DistConfig, EngineConfig
+from trainer.config.sections.loss import MARGIN_MODELS, DistillConfig, MarginConfig
+from trainer.config.sections.model import BackboneConfig, HeadConfig
+from trainer.config.sections.optim import OptimConfig, ScheduleConfig, TrainConfig
+from trainer.config.sections.run import CheckpointConfig, EvalConfig, LogConfig
 
 # A recipe of 10,000 wrong values (the YAML reader's bound) is not read line by line.
 MAX_LINES = 30

@@ -12,7 +12,7 @@ an argument.
 
 from __future__ import annotations
 
-from trainer.config.schema import TrainConfig
+from trainer.config.sections.optim import TrainConfig
 
 
 def micro_batches(train: TrainConfig) -> int | None:

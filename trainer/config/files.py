@@ -33,7 +33,9 @@ from partial_fc.margins.registry import (
     foreign_key_error,
     margin_errors,
 )
-from trainer.config.schema import MARGIN_MODELS, Config, ConfigError, tagged_sections
+from trainer.config.reference import tagged_sections
+from trainer.config.schema import Config, ConfigError
+from trainer.config.sections.loss import MARGIN_MODELS
 from trainer.yaml_file import YamlRefused, parse_yaml, read_yaml, shown_value
 
 CLI = "command line"

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer.config.schema import LogConfig
+from trainer.config.sections.run import LogConfig
 from trainer.telemetry import run_files
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
 from trainer.yaml_file import parse_yaml
