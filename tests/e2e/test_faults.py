@@ -545,7 +545,7 @@ def _bn_resave(rank: int, world: int, path: str, root: str) -> str:
 
 @pytest.mark.slow
 def test_batchnorm_statistics_are_averaged_and_stable_across_resaves(tmp_path):
-    from tools.chaos.cases import backbone_pt_and_dcp
+    from tools.chaos.checkpoints import backbone_pt_and_dcp
 
     saved = run_ranks(_bn_save, 2, args=(str(tmp_path / "two"),), timeout=240)
     ranks = [s["before"] for s in saved]

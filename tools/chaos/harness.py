@@ -46,6 +46,13 @@ BASE_ARGS = ["engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log
              "checkpoint.keep=5"]
 
 
+@dataclass(frozen=True)
+class Case:
+    name: str
+    expected: str
+    check: Callable[[Path, Path], tuple[str, bool]]  # (data, workdir) -> (observed, holds)
+
+
 # ----------------------------------------------------------------------------- data
 
 
