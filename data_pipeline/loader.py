@@ -1,7 +1,7 @@
 """The training loader: equal batches on every rank, each sample at most once per epoch.
 
-Per rank, `num_workers` DataLoader workers each stream a contiguous slice of the epoch's
-plan (epoch_plan.py) through seeded shuffle -> decode (with the flip, or with its bits
+Per rank, `num_workers` DataLoader workers (epoch_stream.py) each stream a contiguous slice of
+the epoch's plan (epoch_plan.py) through seeded shuffle -> decode (with the flip, or with its bits
 handed on: ``flip="deferred"``) and emit chunks of up to `batch_size`, decoded into
 shared-memory slots (slots.py); the main process copies them out, re-cuts them into exactly
 `batch_size` batches (uint8, channels_last strides) and stops after `len(loader)` batches,
@@ -28,12 +28,8 @@ consumed, so a few samples of that epoch may be repeated or missed.
 from __future__ import annotations
 
 import bisect
-import functools
-import gc
 import math
 import os
-import signal
-import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -41,22 +37,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from data_pipeline import epoch_plan, stages
 from data_pipeline.codec import MAX_PIXELS, resolve_decoder
 from data_pipeline.epoch_batches import EpochBatches, StorageWait, concat
+from data_pipeline.epoch_stream import IMAGE_SIZE, EpochStream, as_is, start_worker
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import excluded_positions, read_exclusions
 from data_pipeline.manifest import read_manifest
-from data_pipeline.parent_death import die_with_parent
 from data_pipeline.position import ShardPlan, ShardPosition
 from data_pipeline.remote import open_folder
 from data_pipeline.remote_shards import RemoteShards, Streaming
 from data_pipeline.slots import SlotPool
-
-IMAGE_SIZE = 112
 
 
 @dataclass
@@ -67,66 +60,6 @@ class _Pending:
     offset: int = 0  # its first sample not handed out
     counted: int = 0  # its corrupt samples already in `num_skipped`
 
-
-class _EpochStream(IterableDataset):
-    """One epoch of one rank: each DataLoader worker builds and runs its own pipeline."""
-
-    def __init__(self, loader: _ShardLoader, epoch: int, skips: list[int]):
-        super().__init__()
-        self.counts, self.kept = loader.manifest.shard_counts, loader.kept_counts
-        self.excluded = loader.excluded
-        self.reader = loader.reader
-        self.plan = loader.plan_key()
-        self.rank, self.epoch, self.skips = loader.rank, epoch, skips
-        self.flip, self.decoder = bool(loader.flip), loader.decoder
-        self.max_pixels = loader.max_pixels
-        self.mirror = loader.flip is True  # in the worker; "deferred": by the consumer
-        self.num_classes = loader.manifest.num_classes
-
-    pool: SlotPool | None = None  # set before the DataLoader starts its workers
-
-    def __iter__(self):
-        info = get_worker_info()
-        assert (info.num_workers if info is not None else 1) == self.plan.num_workers
-        return self.chunks(info.id if info is not None else 0, self.pool)
-
-    def chunks(self, worker: int, pool: SlotPool | None = None):
-        """The chunk stream of DataLoader worker `worker` (run in that worker, decoding into
-        ``pool``'s slots, or in-process)."""
-        plan = self.plan
-        pieces = epoch_plan.worker_pieces(self.kept, seed=plan.seed, epoch=self.epoch,
-                                          rank=self.rank, world_size=plan.world_size,
-                                          worker=worker, num_workers=plan.num_workers,
-                                          shuffle=plan.shuffle)
-        pieces = epoch_plan.with_exclusions(pieces, self.counts, self.excluded)
-        skip = self.skips[worker]  # a resumed stream: its reader fetches only what is left
-        wanted = stages.wanted(pieces, self._ordered(pieces, worker, skip) if skip else None)
-        pipeline = wds.DataPipeline(
-            lambda: self._ordered(pieces, worker, skip),
-            stages.fill(self.reader.samples(wanted)),
-            stages.decode_chunks(IMAGE_SIZE, self.decoder, plan.batch_size, worker,
-                                 self.num_classes, pool, self.mirror, self.max_pixels),
-        )
-        stats = self.reader.stats
-        retries, waited, since = stats.retries, stats.wait_s, time.perf_counter()
-        for chunk in pipeline:  # each carries what its reads cost since the last one
-            now = time.perf_counter()
-            cost = StorageWait(stats.retries - retries, stats.wait_s - waited, now - since)
-            retries, waited, since = stats.retries, stats.wait_s, now
-            yield chunk._replace(storage=cost)
-
-    def _ordered(self, pieces: list[epoch_plan.Piece], worker: int, skip: int):
-        """Worker ``worker``'s stream of sample placeholders: shuffled, numbered, flip bits
-        drawn, its first ``skip`` passed over (data_pipeline.stages)."""
-        plan = self.plan
-        tag = f"{plan.seed}-{self.epoch}-{self.rank}-{worker}"
-        buffer = plan.shuffle_buffer if plan.shuffle else 0
-        return iter(wds.DataPipeline(
-            functools.partial(stages.piece_refs, pieces),
-            wds.filters.shuffle(buffer, initial=buffer, rng=stages.ShuffleRandom(f"shuffle-{tag}"))
-            if buffer > 1 else None,
-            stages.annotate(f"flip-{tag}", self.flip, skip),
-        ))
 
 
 class _ShardLoader(EpochBatches):
@@ -275,14 +208,14 @@ class _ShardLoader(EpochBatches):
         if self._batches >= self._len:  # a finished epoch iterates again from its start
             self._batches, self._positions = 0, [0] * len(self._positions)
             self.num_skipped = 0
-        stream = _EpochStream(self, self.epoch, list(self._positions))
+        stream = EpochStream(self, self.epoch, list(self._positions))
         workers = self.num_workers
         if workers:  # in flight per worker: prefetch_factor chunks, one being decoded
             stream.pool = SlotPool(workers, self.prefetch_factor + 2, self.batch_size,
                                    IMAGE_SIZE)
         batches = DataLoader(stream, batch_size=None, num_workers=workers,
                              prefetch_factor=self.prefetch_factor if workers else None,
-                             collate_fn=_as_is, worker_init_fn=_start_worker,
+                             collate_fn=as_is, worker_init_fn=start_worker,
                              generator=torch.Generator().manual_seed(self.seed))
         try:
             yield from self._batches_of(batches, stream.pool)
@@ -340,7 +273,7 @@ class _ShardLoader(EpochBatches):
     def _first_decodable(self) -> tuple:
         """Pad source after a resume into the padded tail of an epoch (the batch an
         uninterrupted run repeats is gone): the epoch's first decodable chunk, read in-process."""
-        stream = _EpochStream(self, self.epoch, [0] * len(self._positions))
+        stream = EpochStream(self, self.epoch, [0] * len(self._positions))
         for worker in range(len(self._positions)):
             for chunk in stream.chunks(worker):
                 if chunk.keys:
@@ -378,34 +311,6 @@ class _ShardLoader(EpochBatches):
                 entry.offset = offset + n
         return (*(concat(parts, self.pin_memory) for parts in (images, labels, flips)), keys)
 
-
-def _start_worker(worker: int) -> None:
-    """DataLoader's ``worker_init_fn``: outlive stop signals, and move the objects the worker
-    inherited from its rank into the garbage collector's permanent generation
-    (``gc.freeze``), so the worker's collections scan only what it allocates. Otherwise each
-    full collection walks, and so copies on write, the rank's whole heap: 183 ms of CPU in a
-    worker forked from a process holding torch, deepspeed, wandb and 300k small objects
-    (0 ms frozen)."""
-    _outlive_stop_signals()
-    gc.freeze()
-
-
-def _outlive_stop_signals() -> None:
-    """A worker outlives a SIGTERM, SIGUSR1 or SIGINT sent to every process of the job
-    (``scancel``, a batch system's time limit, Ctrl-C): the trainer stops at the next step
-    boundary (``trainer.preemption``) and ends its workers itself. SIGUSR1 and SIGINT are
-    ignored; the first SIGTERM only re-arms the default, so a second one (DataLoader's
-    ``terminate()`` of a stuck worker, multiprocessing's at exit) still ends it. A worker
-    whose rank died (SIGKILL, the OOM killer) is killed with it."""
-    die_with_parent(signal.SIGKILL)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-
-
-def _as_is(chunk: stages.Chunk) -> stages.Chunk:
-    """DataLoader collate for ready-made chunks (skips default_convert's recursion)."""
-    return chunk
 
 
 def _pad(parts: tuple | None, last: tuple | None, batch_size: int) -> tuple:

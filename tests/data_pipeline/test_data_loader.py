@@ -271,11 +271,11 @@ def test_a_worker_starts_with_its_ranks_heap_frozen_and_stop_signals_ignored():
     import multiprocessing
     import signal
 
-    from data_pipeline.loader import _start_worker
+    from data_pipeline.epoch_stream import start_worker
 
     def worker(out):
         before = gc.get_freeze_count()
-        _start_worker(0)
+        start_worker(0)
         out.put((before, gc.get_freeze_count(), signal.getsignal(signal.SIGUSR1)))
 
     queue = multiprocessing.get_context("fork").SimpleQueue()
