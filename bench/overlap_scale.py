@@ -9,14 +9,14 @@ synthetic embeddings.
 The two searches ``offline.overlap`` makes once the centres are known, with its own functions:
 
 - ``null``: ``--null`` probes, each against the other identities' centres
-  (``offline.overlap_search.best_other_centre``, what the calibration reads ``tau`` from);
+  (``offline.overlap.calibration.best_other_centre``, what the calibration reads ``tau`` from);
 - ``search``: ``--images`` evaluation images (``--distractors`` more where given) searched for
-  their nearest centre in blocks of ``offline.overlap.SEARCH_BLOCK``, as ``set_overlap``
+  their nearest centre in blocks of ``offline.overlap.matches.SEARCH_BLOCK``, as ``set_overlap``
   searches each rank's share (``centre_search``).
 
 - ``between`` (``--between N``, instead of the two above): ``launch.overlap --between``'s
   search of two training sets' class centres, ``--centres`` against ``N`` others and back
-  (``offline.overlap_pairs.search_block`` over blocks of ``SEARCH_BLOCK`` centres, as
+  (``offline.overlap.pairs.search_block`` over blocks of ``SEARCH_BLOCK`` centres, as
   ``nearest_centres`` calls it on each rank); ``--within`` adds each set against its own;
   ``--rows R`` searches only the first ``R`` centres of each set, against all of the other's
   (each block is searched alone: the cost is linear in the rows searched).
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from offline.overlap import SEARCH_BLOCK
-from offline.overlap_pairs import search_block
-from offline.overlap_search import best_other_centre, centre_search
+from offline.overlap.calibration import best_other_centre, centre_search
+from offline.overlap.matches import SEARCH_BLOCK
+from offline.overlap.pairs import search_block
 
 CHUNK = 65_536  # rows generated at a time
 

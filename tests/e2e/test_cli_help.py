@@ -7,7 +7,7 @@ import pytest
 
 PROGRAMS = ["launch.train", "launch.evaluate", "launch.export", "launch.convert",
             "tools.chaos.__main__", "tools.slurm.__main__", "launch.plan", "launch.report",
-            "launch.torchrun", "launch.overlap", "launch.clean", "launch.embed"]
+            "launch.torchrun", "launch.overlap.__main__", "launch.clean", "launch.embed"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

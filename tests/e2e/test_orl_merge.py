@@ -44,7 +44,7 @@ def _train(*overrides: str) -> None:
 
 
 def test_orl_sets_list_their_ten_shared_people_and_train_one_class_each(tmp_path, capsys):
-    from launch.overlap import main as overlap
+    from launch.overlap.__main__ import main as overlap
 
     a, b = tmp_path / "a", tmp_path / "b"
     write_orl_shared_sets(a, b)

@@ -29,15 +29,15 @@ from data_pipeline.codec import decode_image
 from data_pipeline.exclusion import read_exclusions
 from data_pipeline.synthetic import SyntheticSource
 from data_pipeline.verification_bin import write_bin
-from offline.overlap import (
+from offline.overlap.calibration import NullChoice, calibrate
+from offline.overlap.eval_sets import bin_images, ijb_images
+from offline.overlap.matches import (
     class_centres,
     nearest_samples,
     null_cosines,
     queries,
     set_overlap,
 )
-from offline.overlap_search import NullChoice, calibrate
-from offline.overlap_sets import bin_images, ijb_images
 
 PLANTED = (3, 7, 11, 15, 19)  # of the 20 training identities (conftest's synthetic_data)
 THRESHOLD = 0.5  # a fixed cosine where the calibration is not what is tested
@@ -136,7 +136,7 @@ def test_two_ranks_agree_with_one_process(synthetic_data):
 
 
 def test_cli_writes_an_exclusion_list(synthetic_data, tmp_path, capsys):
-    from launch.overlap import main
+    from launch.overlap.__main__ import main
 
     run = make_run(tmp_path)
     images = evaluation_images()[:40]  # the planted ones
@@ -176,7 +176,7 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     optimistic; --held-out: the held-out classes' images are. An FPIR the searches or their
     identities cannot resolve (known from the folder's size, before its pass), a list
     without classes or with a label the folder lacks: one line."""
-    from launch import overlap
+    import launch.overlap.__main__ as overlap
 
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
     write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
@@ -236,8 +236,8 @@ def test_cli_calibrates_on_the_identities_the_run_held_out(synthetic_data, tmp_p
     """No --held-out: the run's own data.exclude (RUN/config.yaml) names the null probes, in
     one line, and gives the threshold --held-out with the same list gives. A run that held
     no identity out is refused in one line naming the fixes."""
-    from launch import overlap
-    from offline.overlap_held_out import FIX
+    import launch.overlap.__main__ as overlap
+    from offline.overlap.held_out import FIX
 
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
     write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
@@ -271,8 +271,8 @@ def test_the_run_s_held_out_list_is_its_folder_s(tmp_path):
     """data.dirs: the list parallel to the folder searched; a folder the run did not train
     on, a list of single samples, and one that cannot be read where the tool runs: refused,
     each in one line naming the way on."""
-    from offline.overlap_held_out import run_held_out
-    from offline.overlap_search import CalibrationError
+    from offline.overlap.calibration import CalibrationError
+    from offline.overlap.held_out import run_held_out
 
     (tmp_path / "a.txt").write_text("class 4\nclass 2\n")
     (tmp_path / "b.txt").write_text("sample 000000001\n")
@@ -354,7 +354,7 @@ def sets(converted):
 def _run_overlap(monkeypatch, tmp_path, data, *sets_args: str) -> tuple[int, dict, str]:
     """``launch.overlap`` with the colour embedding standing in for the checkpoint's
     backbone (it reveals the synthetic identities, see the module docstring)."""
-    from launch import overlap
+    import launch.overlap.__main__ as overlap
 
     monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
     out, js = tmp_path / "overlap.txt", tmp_path / "overlap.json"
@@ -484,7 +484,7 @@ def test_rfw_from_its_released_folder_as_from_its_bins(converted, tmp_path, monk
     """``--rfw`` on the released folder of images and pair lists (what ``launch.evaluate
     --rfw`` also reads) finds the identity planted in RFW/African, named by the image's path;
     a missing list or form is one line."""
-    from launch import overlap
+    import launch.overlap.__main__ as overlap
 
     groups = {group: (_unseen(7, 2) if group == "African" else _strangers(40 + 4 * k, 2))
               + _strangers(60 + 4 * k, 4)

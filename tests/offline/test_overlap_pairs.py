@@ -1,4 +1,4 @@
-"""Identities held twice (``offline.overlap_pairs``, ``launch.overlap --between``).
+"""Identities held twice (``offline.overlap.pairs``, ``launch.overlap --between``).
 
 Fabricated centres first: 2,200 people, each a random unit direction in 64-d; a class's
 centre is its person's direction plus Gaussian noise (mates meet at a cosine of about 0.74,
@@ -23,14 +23,14 @@ from test_overlap import ColourFeatures
 
 from data_pipeline.merge import merged_labels, read_merge
 from data_pipeline.synthetic import SyntheticSource
-from offline.overlap_pairs import (
+from offline.overlap.calibration import calibrate
+from offline.overlap.pairs import (
     CentreSet,
     find_pairs,
     gallery_note,
     nearest_centres,
     null_cosines,
 )
-from offline.overlap_search import calibrate
 
 DIM, NOISE = 64, 0.6
 HELD = frozenset(range(100, 500))  # A's classes = people 0..1199 first: people 100..499
@@ -137,7 +137,8 @@ def test_cli_lists_the_shared_people_for_data_merge(two_sets, tmp_path, capsys,
     line each."""
     from eval_helpers import make_run
 
-    from launch import overlap, overlap_between
+    import launch.overlap.__main__ as overlap
+    from launch.overlap import between as overlap_between
 
     monkeypatch.setattr(overlap_between, "load_backbone_or_exit", lambda p: ColourFeatures())
     a, b, held = two_sets

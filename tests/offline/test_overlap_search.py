@@ -1,4 +1,4 @@
-"""The overlap's search and its calibration (``offline.overlap_search``) on fabricated
+"""The overlap's search and its calibration (``offline.overlap.calibration``) on fabricated
 embeddings: the search against a brute-force sort, the rank rule's threshold and refusals,
 the FPIR it promises held where the per-pair rate's is not, and the band that widens when
 an identity's images search alike."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.stats import beta, norm
 
-from offline import overlap_search
-from offline.overlap_search import (
+from offline.overlap import calibration as overlap_search
+from offline.overlap.calibration import (
     CalibrationError,
     best_other_centre,
     calibrate,

@@ -28,7 +28,7 @@ which widens as an identity's images agree). ``k / (n + 1)`` is then the expecte
 the images searched, the band its spread.
 
 The probes are the images of identities the model never trained on (the classes of the
-exclusion list it was trained with, ``offline.overlap_held_out``): those are exchangeable
+exclusion list it was trained with, ``offline.overlap.held_out``): those are exchangeable
 with an unseen person's image. Training images, asked for explicitly, are not: a model pulls
 its training images away from the other identities, so their null cosines run lower than an
 unseen person's and the listed rate exceeds the target (docs/data.md measures it on ORL).

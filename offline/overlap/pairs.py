@@ -1,16 +1,16 @@
 """Identities held twice: classes of several training sets (or of one) that are one person.
 
 ``launch.overlap --between A,B [--within]``. Each class ``c`` of each set gets its centre
-``mu_c`` as ``offline.overlap.class_centres`` makes it (the mean unit embedding of its images);
-each centre is then searched against the centres of the other sets and, with ``--within``,
+``mu_c`` as ``offline.overlap.matches.class_centres`` makes it (the mean unit embedding of its
+images); each centre is then searched against the centres of the other sets and, with ``--within``,
 against its own set's other centres (:func:`nearest_centres`: the exact flat search of
-``offline.overlap_search.centre_search``). A centre whose nearest reaches the threshold
+``offline.overlap.calibration.centre_search``). A centre whose nearest reaches the threshold
 ``tau`` lists that pair; a pair found from both sides is listed once (:func:`find_pairs`).
 
 A centre whose person has no other class is listed falsely when its best cosine reaches
 ``tau``: the false-positive identification rate of that search, calibrated as the train/test
-overlap's is (``offline.overlap_search.calibrate``). The null probes are the centres of
-identities the model never trained on (the held-out classes of ``offline.overlap_held_out``):
+overlap's is (``offline.overlap.calibration.calibrate``). The null probes are the centres of
+identities the model never trained on (the held-out classes of ``offline.overlap.held_out``):
 each makes the very search its set's other centres make (:func:`null_cosines`), so it is
 exchangeable with an unmated centre of its set, one search per identity (the grouped case of
 that module's docstring is exact here). ``k / (n + 1)`` of the searches are then expected
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from data_pipeline.merge import Node
-from offline.overlap import SEARCH_BLOCK
-from offline.overlap_search import CalibrationError, centre_search
+from offline.overlap.calibration import CalibrationError, centre_search
+from offline.overlap.matches import SEARCH_BLOCK
 from partial_fc.distributed import all_reduce_max, get_rank, get_world_size
 
 

@@ -1,5 +1,5 @@
 """``launch.overlap --between A,B [--within]``: the identities training sets hold twice, listed
-for ``data.merge`` (the work is ``offline.overlap_pairs``; the page ``offline.overlap_pairs_page``).
+for ``data.merge`` (the work is ``offline.overlap.pairs``; the page ``offline.overlap.pairs_page``).
 
 Kept beside ``launch.overlap``, whose parser, checkpoint, calibration and refusals it shares:
 this module checks the flags of that mode, finds the pairs on every rank and reports them.
@@ -16,7 +16,7 @@ from data_pipeline.exclusion import made_by, read_exclusions
 from data_pipeline.merge import write_merge
 from data_pipeline.remote import is_url
 from launch.cli import load_backbone_or_exit, resolve_checkpoint_or_exit
-from offline.overlap_search import CalibrationError
+from offline.overlap.calibration import CalibrationError
 
 LISTED = 20  # pairs printed; --out and --json hold them all
 
@@ -59,7 +59,7 @@ def _held(args: argparse.Namespace, is_main: bool) -> tuple[dict[int, frozenset[
         if not args.held:
             raise CalibrationError(f"--held-out {args.held_out}: no list given")
         return args.held, f"--held-out {args.held_out}"
-    from offline.overlap_held_out import run_held_out
+    from offline.overlap.held_out import run_held_out
 
     config, _ = resolve_checkpoint_or_exit(args.checkpoint)
     held, refusals = {}, []
@@ -96,8 +96,9 @@ def find(args: argparse.Namespace, env) -> tuple:
     it, and ``report`` on rank 0)."""
     from data_pipeline.identities import read_identities
     from data_pipeline.manifest import read_manifest
-    from offline.overlap import class_centres
-    from offline.overlap_pairs import (
+    from offline.overlap.calibration import calibrate
+    from offline.overlap.matches import class_centres
+    from offline.overlap.pairs import (
         CentreSet,
         check_resolvable,
         find_pairs,
@@ -105,7 +106,6 @@ def find(args: argparse.Namespace, env) -> tuple:
         nearest_centres,
         null_cosines,
     )
-    from offline.overlap_search import calibrate
 
     held, origin = (None, "") if args.threshold is not None else _held(args, env.is_main)
     if held is not None:  # refused before the pass over the shards
@@ -136,7 +136,7 @@ def find(args: argparse.Namespace, env) -> tuple:
 def report(args: argparse.Namespace, threshold: float, calibration, sets: list,
             pairs: list) -> None:
     """Rank 0: the merge list, the JSON, the page, and the pairs printed."""
-    from offline.overlap_pairs_page import pairs_json, write_pairs_page
+    from offline.overlap.pairs_page import pairs_json, write_pairs_page
 
     searches = sum(len(s.searched) for s in sets)
     expected = None if calibration is None else calibration.expected_fpir * searches

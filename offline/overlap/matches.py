@@ -3,7 +3,7 @@
 Each training identity ``c`` gets a centre ``mu_c = normalize(mean_i normalize(f(x_i)))`` over
 its images (the embeddings are those of evaluation: flip-summed, unit length,
 ``trainer.evaluation.embed_images``). Each evaluation image ``y`` is searched against every
-centre (open-set identification, ``offline.overlap_search``); its nearest centre's identity
+centre (open-set identification, ``offline.overlap.calibration``); its nearest centre's identity
 is listed when ``max_c cos(mu_c, f(y)) >= threshold``. A centre is a steadier template than
 any one image (the same test as the template pooling of IJB, arXiv 1710.08092's mean
 feature), so one threshold serves every set; it is calibrated for that search, on null
@@ -35,8 +35,8 @@ from torch import nn
 from data_pipeline.codec import resolve_decoder
 from data_pipeline.manifest import read_manifest
 from offline.folder_scan import batched, decoded, labelled_batches, labelled_samples
-from offline.overlap_search import NullChoice, best_other_centre, centre_search
-from offline.overlap_sets import EvalImages
+from offline.overlap.calibration import NullChoice, best_other_centre, centre_search
+from offline.overlap.eval_sets import EvalImages
 from partial_fc.distributed import (
     all_gather,
     all_reduce,

@@ -4,7 +4,7 @@ A run trained with ``data.exclude`` left the ``class`` lines of that list out of
 epoch; its ``config.yaml`` (the resolved config ``launch.train`` writes into the run folder)
 names the list. Those identities' images were never seen, so they search the other
 identities' centres as an evaluation image whose person is not in training does: the
-calibration's null, exchangeable with the images it bounds (``offline.overlap_search``).
+calibration's null, exchangeable with the images it bounds (``offline.overlap.calibration``).
 The list is read where the run names it (a path relative to where it trained); ``sample``
 lines hold out single images of trained identities and do not count.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from data_pipeline.errors import DataError
 from data_pipeline.exclusion import read_exclusions
 from data_pipeline.merge import same_folder
-from offline.overlap_search import CalibrationError
+from offline.overlap.calibration import CalibrationError
 from trainer.yaml_file import YamlRefused, read_mapping
 
 FIX = ("train with identities held out (data.exclude, docs/data.md), pass --held-out LIST, "

@@ -5,7 +5,7 @@ released folder of images and pair lists (RFW is drawn from MS-Celeb-1M, so it s
 identities with MS1M training sets), IJB-B/C's ``IJB_release`` folder (faces aligned from their
 landmarks) and TinyFace's ``Testing_Set`` (probes, matched gallery and distractors, stretched
 to 112x112 as evaluation does). Of a set of pairs only its distinct images are searched: the
-threshold is calibrated on the training folder (``offline.overlap_search``), not on a set's
+threshold is calibrated on the training folder (``offline.overlap.calibration``), not on a set's
 impostor pairs.
 
 An image's name says where to find it: ``lfw.bin[123]`` (its first position among the .bin's

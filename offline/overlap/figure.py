@@ -4,7 +4,7 @@ nearest-centre cosines beside the calibration's null (the same search made by pr
 mate). A set sharing nothing sits on the null; a set with leaks grows a second mode above
 the threshold.
 
-Histograms are counts in ``offline.overlap_search.EDGES`` (200 bins of width 0.01 over
+Histograms are counts in ``offline.overlap.calibration.EDGES`` (200 bins of width 0.01 over
 ``[-1, 1]``), named once in the JSON as ``edges``.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from offline.overlap import SetOverlap
-from offline.overlap_search import EDGES, Calibration, histogram
+from offline.overlap.calibration import EDGES, Calibration, histogram
+from offline.overlap.matches import SetOverlap
 
 
 def calibration_json(calibration: Calibration | None) -> dict | None:

@@ -11,7 +11,7 @@ Command line (one process, or every rank of torchrun)::
         [--fpir 0.01 [--held-out LIST_A,LIST_B] | --threshold T] --out merge.txt
         [--json pairs.json] [--html pairs.html]
 
-The second form lists the identities training sets hold twice (``launch.overlap_between``):
+The second form lists the identities training sets hold twice (``launch.overlap.between``):
 each class centre of each set searched against the other sets' centres (``--within``: also
 its own set's other centres), the same calibration on the centres of identities the run held
 out, the expected number of false pairs beside the count; its list is ``data.merge``'s.
@@ -56,14 +56,14 @@ from data_pipeline.exclusion import Exclusions, made_by, write_exclusions
 from data_pipeline.ijb import TARGETS
 from data_pipeline.remote import is_url
 from data_pipeline.verification_bin import MISSING_BIN_FIX
-from launch import overlap_between
 from launch.cli import (
     checkpoint_program_parser,
     load_backbone_or_exit,
     resolve_checkpoint_or_exit,
 )
-from offline.overlap_search import CalibrationError
-from offline.overlap_sets import EvalImages, bin_set, rfw_folder_images
+from launch.overlap import between as overlap_between
+from offline.overlap.calibration import CalibrationError
+from offline.overlap.eval_sets import EvalImages, bin_set, rfw_folder_images
 
 LISTED = 20  # shared identities printed per set; --out and --json hold them all
 DEFAULT_FPIR = 1e-3  # of an evaluation set's images with no mate in training, listed falsely
@@ -154,12 +154,12 @@ def _null_identities(args: argparse.Namespace, is_main: bool
     """The identities whose images calibrate the threshold, and where they came from:
     ``--held-out``'s, else (no ``--training-null``, no ``--threshold``) those the run held
     out of training, named in one line; None: the training images. CalibrationError where
-    the run held none out (``offline.overlap_held_out``)."""
+    the run held none out (``offline.overlap.held_out``)."""
     if args.held is not None:
         return args.held, f"--held-out {args.held_out}"
     if args.training_null or args.threshold is not None:
         return None, ""
-    from offline.overlap_held_out import run_held_out
+    from offline.overlap.held_out import run_held_out
 
     config, _ = resolve_checkpoint_or_exit(args.checkpoint)
     held = run_held_out(config, args.data)
@@ -215,7 +215,9 @@ def _find(args: argparse.Namespace, env) -> tuple:
     training images."""
     from data_pipeline.identities import read_identities
     from data_pipeline.manifest import read_manifest
-    from offline.overlap import (
+    from offline.overlap.calibration import calibrate, null_choice
+    from offline.overlap.eval_sets import ijb_images, tinyface_images
+    from offline.overlap.matches import (
         class_centres,
         nearest_samples,
         null_cosines,
@@ -223,8 +225,6 @@ def _find(args: argparse.Namespace, env) -> tuple:
         queries,
         set_overlap,
     )
-    from offline.overlap_search import calibrate, null_choice
-    from offline.overlap_sets import ijb_images, tinyface_images
 
     manifest = read_manifest(args.data)
     identities = read_identities(args.data, manifest)
@@ -263,7 +263,7 @@ def _report(args: argparse.Namespace, threshold: float, calibration, identities,
             source_root: str | None, trained: int, results: list, rows: list[dict]) -> None:
     """Rank 0: the exclusion list, the JSON, the page, the table and the shared
     identities."""
-    from offline.overlap_figure import calibration_json, set_json, write_page
+    from offline.overlap.figure import calibration_json, set_json, write_page
 
     shared = frozenset().union(*(r.classes for r in results))
     settings = {"checkpoint": args.checkpoint, "data": args.data,

@@ -15,9 +15,9 @@ import html
 from pathlib import Path
 
 from offline.folder_scan import labelled_samples
-from offline.overlap_figure import calibration_json
-from offline.overlap_pairs import CentreSet, Pair
-from offline.overlap_search import Calibration
+from offline.overlap.calibration import Calibration
+from offline.overlap.figure import calibration_json
+from offline.overlap.pairs import CentreSet, Pair
 
 PER_CLASS = 4  # images of each class on the page
 
@@ -25,7 +25,7 @@ PER_CLASS = 4  # images of each class on the page
 def pairs_json(args: argparse.Namespace, threshold: float, calibration: Calibration | None,
                sets: list[CentreSet], pairs: list[Pair], expected: float | None) -> dict:
     """The JSON: the checkpoint, the sets (folder, classes, searched), the threshold, the
-    calibration (``offline.overlap_figure.calibration_json``), the searches and the false
+    calibration (``offline.overlap.figure.calibration_json``), the searches and the false
     pairs expected (at most), and every pair: both sides' set, class, name, images, and the
     cosine."""
     def side(node: tuple[int, int]) -> dict:
