@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from data_pipeline.position import LoaderPosition
+from data_pipeline.position import LoaderPosition, saved_for_rank
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class EpochBatches(Protocol):
         """Resume from a checkpoint's positions, every rank's in rank order (``states``):
         ``rank``'s, or rank 0's when it had fewer ranks (the loader converts it); a
         ``train.global_batch`` loader's saved position gives its first stream's."""
-        state = states[rank] if rank < len(states) else states[0]
+        state = saved_for_rank(states, rank)
         self.load_state_dict(state["streams"][0]["position"] if "streams" in state else state)
 
     def __len__(self) -> int:

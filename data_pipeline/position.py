@@ -213,3 +213,9 @@ class StreamsPosition:
 
 
 LoaderPosition = SourcePosition | StreamsPosition
+
+
+def saved_for_rank(states: list[dict], rank: int) -> dict:
+    """``rank``'s state among a checkpoint's saved loader states, every rank's in rank order
+    (``states``): rank 0's when the checkpoint had fewer ranks (the loader converts it)."""
+    return states[rank] if rank < len(states) else states[0]

@@ -85,7 +85,7 @@ def test_shards_import_in_class_order_with_their_momentum(tmp_path, world, one_r
     assert cfg.schedule.power == 1.0 and cfg.data.num_classes == C
     engine = _engine(cfg)
     meta = checkpoint.load(checkpoint.find_verified(out), engine)
-    assert meta.step == 6 and meta.loader_for(0)["epoch"] == 2
+    assert meta.step == 6 and meta.loaders[0]["epoch"] == 2
     assert torch.equal(engine.head.weight.detach(), head)  # rows in class order
     assert torch.equal(engine.head_optimizer.state[engine.head.weight]["momentum_buffer"],
                        momentum)

@@ -64,6 +64,7 @@ def _save(rank: int, world: int, root: str) -> dict:
 
 
 def _resume(rank: int, world: int, paths: dict) -> dict:
+    from data_pipeline.position import saved_for_rank
     from trainer import checkpoint
     out = {}
     for name, path in paths.items():
@@ -71,7 +72,7 @@ def _resume(rank: int, world: int, paths: dict) -> dict:
         meta = checkpoint.load(Path(path), engine)
         loaded = snapshot(engine)
         loss = _step(engine, meta.step, rank, world)
-        out[name] = {"meta": meta, "loader": meta.loader_for(rank), "loaded": loaded,
+        out[name] = {"meta": meta, "loader": saved_for_rank(meta.loaders, rank), "loaded": loaded,
                      "loss": loss, "next": snapshot(engine)}
     return out
 

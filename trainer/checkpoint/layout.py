@@ -281,7 +281,8 @@ def _plain_backbone(full: dict, engine) -> dict[str, torch.Tensor]:
 
 def load(path: Path, engine) -> CheckpointMeta:
     """Restore ``engine`` from checkpoint folder ``path`` on any world size (collective over
-    ``engine.env``'s ranks); returns its meta (``loader_for(rank)``: this rank's loader).
+    ``engine.env``'s ranks); returns its meta (``loaders``: every rank's loader position, of
+    which the batch source's ``load_saved`` takes this rank's).
 
     ``path`` should come from :func:`find_resume` (verified).
     """

@@ -52,13 +52,6 @@ class CheckpointMeta:
         fields_.pop("loader")
         return cls(**fields_, **saved)
 
-    def loader_for(self, rank: int) -> dict | None:
-        """``rank``'s loader position; rank 0's when the checkpoint had fewer ranks (the
-        loader converts it)."""
-        if not self.loaders:
-            return None
-        return self.loaders[rank] if rank < len(self.loaders) else self.loaders[0]
-
     def to_json(self) -> str:
         """meta.json's text (its ``loader`` key holds the per-rank list)."""
         out = asdict(self)
