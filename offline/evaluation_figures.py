@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from matplotlib.figure import Figure
 
-from offline.report_figures import RunData
+from offline.report_runs import RunData
 from partial_fc.eval.fairness import RFW_GROUPS
 from partial_fc.eval.ijb import IJB_FARS
 from trainer.telemetry.evaluation_log import nested_metrics
