@@ -5,7 +5,8 @@ semantics and arguments (the module docstring there has the notation): the Trito
 there recompute each cosine tile inside their own GEMMs; here each chunk of ``width`` classes
 is one torch matmul (cuBLAS on CUDA, 16-bit operands with fp32 output, ``out_dtype``) and the
 softmax work runs as elementwise Triton kernels over the chunk's ``X = E W_c^T`` ``[N, width]``
-fp32, with the same helpers the kernels use (``_nontarget``, ``_dcos_tile``, ``_operand``).
+fp32, with the same tile operations the kernels use (``triton_kernels.tile_ops``:
+``_nontarget``, ``_dcos_tile``, ``_operand``).
 Which engine is faster depends on the card and the shape: the tuner (``partial_fc.tiles.
 autotune``) times both and the choice is said once.
 
@@ -30,7 +31,13 @@ from torch import Tensor
 
 from partial_fc.nontarget import NonTarget
 from partial_fc.tiles import triton as tm  # without triton: the ImportError naming the fix
-from partial_fc.tiles.triton import _dcos_tile, _nontarget, _operand, _step_constants, tl, triton
+from partial_fc.tiles.triton import tl, triton
+from partial_fc.tiles.triton_kernels.tile_ops import (
+    _dcos_tile,
+    _nontarget,
+    _operand,
+    _step_constants,
+)
 
 __all__ = ["class_tile_grads", "class_tile_stats"]
 

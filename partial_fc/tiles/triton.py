@@ -9,21 +9,14 @@ of ``w``), ``cos_ik = (e_i . w_k) inv_norm_k`` with fp32 accumulation (arXiv:180
 Eq. 2-3), ``target_col [N]`` the column of row ``i``'s target in ``w`` (``-1``: another rank's
 or not sampled).
 
-Forward, ``_stats_kernel``: recomputes ``cos`` tile by tile (as Cut Cross-Entropy does,
-arXiv:2411.09009) for an online row max / sum-exp over non-target columns and the non-target
-cosine sum; programs run on contiguous class *splits* and leave ``[splits, N]`` partials that a
-tiny PyTorch reduction combines (deterministic, no atomics). Backward, per chunk of classes
-(one ``G' [N, width]`` buffer of at most 256 MiB, never ``[N, S]``): ``_dcos_kernel`` recomputes
-``cos`` and writes ``G' = dL/dcos diag(inv_norm)`` in the operand dtype plus the column sums
-``r_k = sum_i dL/dcos_ik cos_ik``; ``_gemm_kernel`` then adds ``G' W_chunk`` to ``grad_e``
-(split-K, per-split partials summed in PyTorch) and writes ``grad_w = G'^T E - inv^2 r w``, the
-chain rule through ``1 / ||w||`` (``r_k = w_hat_k . g_k``) applied in its epilogue.
-The non-target transforms (``partial_fc.nontarget``) are applied in the tiles as the
-reference applies them (:func:`_nontarget`; one constexpr each, ``nontarget_constexprs``):
-AdaFace's clamp (``CLAMP``), the inter-class filter (``FILTER``, ``tau`` a runtime scalar) and
-CurricularFace's hard-negative modulation (``HARD``: per-row thresholds and ``t`` read from
-the device, the forward also counting each row's hard negatives), ``s f(cos)`` in the softmax
-and ``f'(cos)`` in ``dL/dcos``; the cosine sum and ``r_k`` stay those of the raw cosines.
+Forward: ``_stats_kernel`` (``triton_kernels.forward``) leaves ``[splits, N]`` partials of
+each row's non-target max, sum-exp and cosine sum, which a tiny PyTorch reduction here combines.
+Backward, per chunk of classes (one ``G' [N, width]`` buffer of at most 256 MiB, never
+``[N, S]``): ``_dcos_kernel`` (``triton_kernels.dcos``) writes ``G' = dL/dcos diag(inv_norm)``
+and the column sums ``r_k``; ``_gemm_kernel`` (``triton_kernels.gemm``) then adds ``G' W_chunk``
+to ``grad_e`` and writes ``grad_w``. The tile operations they share, the non-target transforms
+included, are in ``triton_kernels.tile_ops``; this module chooses the kernels' constexprs,
+validates the inputs and launches them.
 
 Operand precision: the dot operands are cast to the narrower of ``e.dtype`` and ``w.dtype``
 (bf16 or fp16 when either is, as autocast does; fp32 only when both are, with IEEE fp32 dots
@@ -36,8 +29,8 @@ values below 2**-24 underflow, which a GradScaler'd ``coef`` prevents, as in aut
 Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are rounded to their dtype and then
 widened to fp32 for ``tl.dot``: triton 3.9's interpreter multiplies bf16 tiles as raw uint16
 bits, and its fp32 -> bf16 cast truncates, so bf16 rounding (operands, a bf16 ``grad_w``) is
-done there with integer ops (``_operand``). The widening is exact and a product of two 16-bit
-floats is exact in fp32, so only the summation order differs from a tensor-core MMA.
+done there with integer ops (``tile_ops._operand``). The widening is exact and a product of two
+16-bit floats is exact in fp32, so only the summation order differs from a tensor-core MMA.
 """
 
 from __future__ import annotations
@@ -61,223 +54,16 @@ except ImportError as err:  # triton ships with CUDA builds of torch, not with C
         "class-tile path of partial_fc.tiles.reference"
     ) from err
 
+# The kernels import triton themselves: after the guard above, which names the fix.
+from partial_fc.tiles.triton_kernels.dcos import _dcos_kernel
+from partial_fc.tiles.triton_kernels.forward import _stats_kernel
+from partial_fc.tiles.triton_kernels.gemm import _gemm_kernel
+
 __all__ = ["Tiles", "class_tile_grads", "class_tile_stats", "cuda_tiles", "default_tiles",
            "nontarget_constexprs",
            "operand_constexprs"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _operand(x, OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """``x`` rounded to the operand dtype ``OP`` (nearest even), as the dot's dtype ``DOT``.
-    ``SOFT_BF16`` (interpreter only): round to bf16 with integer ops, since the interpreter's
-    fp32 -> bf16 cast truncates; the result stays fp32 (``DOT`` is fp32 there)."""
-    if SOFT_BF16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(OP).to(DOT)
-
-
-@triton.jit
-def _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
-              BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-              OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """``cos [BLOCK_N, BLOCK_S]`` fp32 for ``rows`` x ``cols``; 0 where masked."""
-    acc = tl.zeros((BLOCK_N, BLOCK_S), dtype=tl.float32)
-    e_rows = E + rows.to(tl.int64)[:, None] * stride_e
-    w_rows = W + cols.to(tl.int64)[:, None] * stride_w
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        d_ok = dd < D
-        a = tl.load(e_rows + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        b = tl.load(w_rows + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(_operand(a, OP, DOT, SOFT_BF16), tl.trans(_operand(b, OP, DOT, SOFT_BF16)),
-                     acc, input_precision=PRECISION)
-    inv = tl.load(INV + cols, mask=col_ok, other=0.0)
-    return acc * inv[None, :]
-
-
-@triton.jit
-def _nontarget(cos, hard_above, t, tau, CLAMP: tl.constexpr, FILTER: tl.constexpr,
-               HARD: tl.constexpr):
-    """``(f(cos), f'(cos), hard)`` of the step's non-target transform, in the order of
-    ``partial_fc.nontarget``: AdaFace's clamp to ``[-1 + CLAMP, 1 - CLAMP]`` (``CLAMP > 0``;
-    slope 0 past the band, 1 inside it, bounds included), then the inter-class filter
-    (``FILTER``: ``f = 0``, ``f' = 0`` where the raw ``cos > tau``), then CurricularFace's
-    modulation (``HARD``: ``f = c (t + c)``, ``f' = f'_c (t + 2 c)`` where the transformed
-    ``c > hard_above`` ``[BLOCK_N]``, the row's ``cos(theta_y + m)``; ``t`` and the threshold
-    are constants of the step, as the reference). ``hard``: the bool mask of those hard
-    negatives (all False without ``HARD``). Each constexpr off compiles its part away; the
-    plain slope is the constant 1."""
-    out = cos
-    slope = 1.0
-    if CLAMP > 0:
-        out = tl.minimum(tl.maximum(cos, -1.0 + CLAMP), 1.0 - CLAMP)
-        slope = tl.where((cos >= -1.0 + CLAMP) & (cos <= 1.0 - CLAMP), 1.0, 0.0)
-    if FILTER:
-        dirty = cos > tau
-        out = tl.where(dirty, 0.0, out)
-        slope = tl.where(dirty, 0.0, slope)
-    hard = cos != cos
-    if HARD:
-        hard = out > hard_above[:, None]
-        slope = tl.where(hard, slope * (t + 2.0 * out), slope)
-        out = tl.where(hard, out * (t + out), out)
-    return out, slope, hard
-
-
-@triton.jit
-def _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, hard_above, t, tau,
-               CLAMP: tl.constexpr, FILTER: tl.constexpr, HARD: tl.constexpr):
-    """``dL/dcos`` of a tile: ``coef_i exp(s f(cos_ik) - lse_i) f'(cos_ik)`` off target (``f``:
-    :func:`_nontarget`), ``tgrad_i`` on it, 0 on masked columns (masked rows carry
-    ``coef = tgrad = 0``, ``tgt = -1``)."""
-    f, slope, _ = _nontarget(cos, hard_above, t, tau, CLAMP, FILTER, HARD)
-    g = tl.where(col_ok[None, :], coef[:, None] * tl.exp(s * f - lse[:, None]) * slope, 0.0)
-    return tl.where(cols[None, :] == tgt[:, None], tgrad[:, None], g)
-
-
-@triton.jit
-def _step_constants(HARD_ABOVE, T, rows, row_ok, HARD: tl.constexpr):
-    """CurricularFace's per-row thresholds ``[BLOCK_N]`` and ``t`` for :func:`_nontarget`
-    (zeros, unread, without ``HARD``)."""
-    if HARD:
-        return tl.load(HARD_ABOVE + rows, mask=row_ok, other=0.0), tl.load(T)
-    else:
-        return tl.zeros(rows.shape, tl.float32), 0.0
-
-
-@triton.jit
-def _stats_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, MAX_OUT, SUM_OUT, COS_OUT, HARD_OUT,
-                  N, S, D, stride_e, stride_w, tiles_per_split, tau,
-                  BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                  PRECISION: tl.constexpr, CLAMP: tl.constexpr, FILTER: tl.constexpr,
-                  HARD: tl.constexpr):
-    """Program (row block, class split): online max / sum-exp of ``s f(cos)``
-    (:func:`_nontarget`) and sum of the raw ``cos`` over the split's non-target columns, and
-    with ``HARD`` the count of hard negatives -> ``[splits, N]`` partials."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    row_ok = rows < N
-    tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
-    s = tl.load(SCALE)
-    hard_above, t_hard = _step_constants(HARD_ABOVE, T, rows, row_ok, HARD)
-    run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    cos_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    hard_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    first = split * tiles_per_split
-    for t in range(first, first + tiles_per_split):
-        cols = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        col_ok = cols < S
-        cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
-                        BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
-        keep = col_ok[None, :] & (cols[None, :] != tgt[:, None])
-        f, _, hard = _nontarget(cos, hard_above, t_hard, tau, CLAMP, FILTER, HARD)
-        z = tl.where(keep, s * f, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(z, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no (-inf) - (-inf)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-        run_max = new_max
-        cos_sum += tl.sum(tl.where(keep, cos, 0.0), axis=1)
-        if HARD:
-            hard_sum += tl.sum(tl.where(keep & hard, 1.0, 0.0), axis=1)
-    out = split * N + rows
-    tl.store(MAX_OUT + out, run_max, mask=row_ok)
-    tl.store(SUM_OUT + out, run_sum, mask=row_ok)
-    tl.store(COS_OUT + out, cos_sum, mask=row_ok)
-    if HARD:
-        tl.store(HARD_OUT + out, hard_sum, mask=row_ok)
-
-
-@triton.jit
-def _dcos_kernel(E, W, INV, TGT, SCALE, HARD_ABOVE, T, LSE, COEF, TGRAD, G_OUT, R_OUT,
-                 SKIP_BELOW, LIVE_OUT, N, D, stride_e, stride_w, stride_g, stride_r,
-                 stride_live, col0, width, tau,
-                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                 OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PRECISION: tl.constexpr, CLAMP: tl.constexpr, FILTER: tl.constexpr,
-                 HARD: tl.constexpr, SKIP: tl.constexpr):
-    """Program (row block, class tile of the chunk ``[col0, col0 + width)``): recompute
-    ``cos``, write ``G'_ik = dL/dcos_ik inv_k`` in the operand dtype to ``G_OUT [N, width]``
-    and the row block's ``sum_i dL/dcos_ik cos_ik`` (= ``w_hat_k . g_k`` over these rows) to
-    ``R_OUT [row blocks, width]``. ``SKIP`` (the filtered backward, ``partial_fc.tiles.
-    filtered``): a tile whose every ``|dL/dcos_ik|`` is below its row's ``SKIP_BELOW_i`` is
-    written as zeros (``G'`` and ``r``), and ``LIVE_OUT [row blocks, tiles]`` gets 0 for it,
-    1 for the others, for the GEMMs to skip it."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    local = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    row_ok = rows < N
-    col_ok = local < width
-    cols = col0 + local
-    tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
-    coef = tl.load(COEF + rows, mask=row_ok, other=0.0)
-    tgrad = tl.load(TGRAD + rows, mask=row_ok, other=0.0)
-    s = tl.load(SCALE)
-    hard_above, t_hard = _step_constants(HARD_ABOVE, T, rows, row_ok, HARD)
-    cos = _cos_tile(E, W, INV, rows, cols, row_ok, col_ok, D, stride_e, stride_w,
-                    BLOCK_N, BLOCK_S, BLOCK_D, OP, DOT, SOFT_BF16, PRECISION)
-    g = _dcos_tile(cos, cols, col_ok, tgt, s, lse, coef, tgrad, hard_above, t_hard, tau,
-                   CLAMP, FILTER, HARD)
-    if SKIP:  # masked rows (G = 0) never keep a tile; a bound of 0 keeps every tile
-        below = tl.load(SKIP_BELOW + rows, mask=row_ok, other=float("inf"))
-        live = tl.max(tl.max(tl.where(tl.abs(g) >= below[:, None], 1, 0), axis=1), axis=0)
-        g = g * live
-        tl.store(LIVE_OUT + tl.program_id(0) * stride_live + tl.program_id(1), live)
-    inv = tl.load(INV + cols, mask=col_ok, other=0.0)
-    g_scaled = _operand(g * inv[None, :], OP, DOT, SOFT_BF16).to(G_OUT.dtype.element_ty)
-    tl.store(G_OUT + rows[:, None] * stride_g + local[None, :], g_scaled,
-             mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(R_OUT + tl.program_id(0) * stride_r + local, tl.sum(g * cos, axis=0), mask=col_ok)
-
-
-@triton.jit
-def _gemm_kernel(A, B, OUT, W, W_SCALE, LIVE, M, NC, K, stride_am, stride_ak, stride_bk,
-                 stride_bn, stride_os, stride_om, stride_wm, stride_live, k_per_split,
-                 BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_K: tl.constexpr,
-                 OP: tl.constexpr, DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                 PRECISION: tl.constexpr, PROJECT: tl.constexpr, ROUND_OUT: tl.constexpr,
-                 SKIP: tl.constexpr):
-    """Program (M tile, NC tile, K split): ``OUT[split] = A[:, ks] @ B[ks, :]`` in fp32, minus
-    ``W_SCALE[:, None] * W`` when ``PROJECT`` (the rank-1 part of the ``1 / ||w||`` chain
-    rule, applied in the epilogue); ``ROUND_OUT``: ``OUT`` is 16-bit (the gradient of a bf16
-    ``w``, whose dtype is then ``OP``), the fp32 result is rounded to nearest once. ``SKIP``:
-    a K step whose ``LIVE[M tile, K step]`` is 0 (its block of ``A`` is zeros: the filtered
-    backward) is not loaded or multiplied."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_NC + tl.arange(0, BLOCK_NC)
-    split = tl.program_id(2)
-    m_ok = rm < M
-    n_ok = rn < NC
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    acc = tl.zeros((BLOCK_M, BLOCK_NC), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        live = True
-        if SKIP:
-            live = tl.load(LIVE + tl.program_id(0) * stride_live + k0 // BLOCK_K) != 0
-        if live:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < k_hi
-            a = tl.load(A + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(B + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(_operand(a, OP, DOT, SOFT_BF16), _operand(b, OP, DOT, SOFT_BF16), acc,
-                         input_precision=PRECISION)
-    mask = m_ok[:, None] & n_ok[None, :]
-    if PROJECT:
-        w = tl.load(W + rm[:, None] * stride_wm + rn[None, :], mask=mask, other=0.0)
-        acc -= tl.load(W_SCALE + rm, mask=m_ok, other=0.0)[:, None] * w.to(tl.float32)
-    if ROUND_OUT:
-        acc = _operand(acc, OP, DOT, SOFT_BF16)
-    tl.store(OUT + split * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
 
 
 FP_FUSION = True

@@ -454,7 +454,9 @@ def test_missing_triton_is_a_clear_import_error(monkeypatch):
 
 
 TRITON_MODULES = ("partial_fc.tiles.triton", "partial_fc.tiles.cublas",
-                  "partial_fc.tiles.autotune")  # the kernels, their cuBLAS engine, their tuner
+                  "partial_fc.tiles.autotune",  # the launcher, its cuBLAS engine, its tuner
+                  *(f"partial_fc.tiles.triton_kernels.{m}"  # the kernels themselves
+                    for m in ("tile_ops", "forward", "dcos", "gemm")))
 
 
 @pytest.mark.slow  # a fresh interpreter importing every partial_fc module: 3-15 s
