@@ -25,7 +25,9 @@ def test_user_docs_name_no_issues_or_commits_and_only_real_programs():
         assert not re.search(r"\bissue \d+|#\d+\b", text, re.I), doc.name
         assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", text), doc.name
         for module in re.findall(r"python -m (launch\.\w+)", text):
-            assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), (doc.name, module)
+            path = ROOT / module.replace(".", "/")  # a module, or a package with __main__
+            assert (path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()), (
+                doc.name, module)
         named |= set(re.findall(r"`make ([\w./-]+)", text))
     for target in sorted(named):  # make -n: a target without a rule fails, nothing runs
         result = subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True,
