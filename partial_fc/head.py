@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partial_fc import distributed as dist_ops
+from partial_fc.angles import angle_sample
 from partial_fc.aux_losses import AuxLosses
 from partial_fc.batch_stats import GlobalStats, global_stats, stats_readout
-from partial_fc.head_checks import check_head_args, check_inputs
+from partial_fc.head_checks import check_head_args, check_inputs, check_label_range
 from partial_fc.init import derive_seed, init_rows_
 from partial_fc.ledger import RowLedger
 from partial_fc.margins import Margin
@@ -255,38 +256,14 @@ class PartialFC(nn.Module):
                                             True))
         return glob
 
-    @torch.no_grad()
     def angle_sample(self, embeddings: Tensor, labels: Tensor, per_rank: int = 2048
                      ) -> dict[str, Tensor]:
-        """Target and non-target angles (degrees) of the global batch, for histograms (as
-        AdaCos Fig. 1). Collective: every rank passes its local batch and gets the gathered
-        ``{"theta_target": [N], "theta_nontarget": [<= P * per_rank]}``, the same on all ranks.
-
-        Each rank measures the targets it owns and ``per_rank`` (sample, own class) pairs drawn
-        uniformly with replacement, targets among them dropped, seeded by ``(seed, step,
-        rank)``; only those rows are normalised, so the cost is ``O((N + per_rank) D)``, not
-        a full ``[N, num_local]`` product. Diagnostics only: no loss, gradient, step or
-        sampler state is touched."""
-        group, device = self.process_group, embeddings.device
-        sizes = dist_ops.gather_sizes(embeddings.shape[0], device, group)
-        e = dist_ops.all_gather(F.normalize(embeddings.float(), dim=1), group, sizes)
-        y = dist_ops.all_gather(labels.to(device=device, dtype=torch.int64), group, sizes)
-        targets = local_targets(y, self.class_start, self.num_local)
-        owned = (targets >= 0).nonzero().squeeze(1)
-        gen = torch.Generator(device=device).manual_seed(
-            derive_seed(self.seed, self.step, self.rank))
-        pick_i = torch.randint(len(y), (per_rank,), generator=gen, device=device)
-        pick_k = torch.randint(self.num_local, (per_rank,), generator=gen, device=device)
-        keep = pick_k != targets[pick_i]
-        pick_i, pick_k = pick_i[keep], pick_k[keep]
-        out = {}
-        for name, i, k in (("theta_target", owned, targets[owned]),
-                           ("theta_nontarget", pick_i, pick_k)):
-            rows = k[:, None] * self.subcenters + torch.arange(self.subcenters, device=device)
-            w = F.normalize(self.weight.detach()[rows].float(), dim=2)  # [M, K, D]
-            cos = (e[i][:, None] * w).sum(dim=2).amax(dim=1).clamp(-1.0, 1.0)
-            out[name] = torch.rad2deg(torch.acos(dist_ops.all_gather(cos, group)))
-        return out
+        """Target and non-target angles (degrees) of the global batch, for histograms:
+        ``partial_fc.angles.angle_sample`` on this rank's rows, seeded by ``(seed, step,
+        rank)``; collective."""
+        return angle_sample(embeddings, labels, self.weight, self.class_start, self.subcenters,
+                            derive_seed(self.seed, self.step, self.rank), self.process_group,
+                            per_rank)
 
     def forward(self, embeddings: Tensor, labels: Tensor, sizes: Sequence[int] | None = None,
                 trusted_labels: bool = False) -> Tensor:
@@ -314,7 +291,7 @@ class PartialFC(nn.Module):
         e, norms = self._gather(embeddings.float(), sizes)  # [N, D], [N] or None
         y = dist_ops.all_gather(labels, group, sizes)  # [N]
         if not trusted_labels:
-            _check_label_range(y, self.num_classes)
+            check_label_range(y, self.num_classes)
         plan = self._plan if self.training else None
         if plan is not None:
             step, index, targets = plan.step, plan.index, plan.take(y, self.class_start,
@@ -397,15 +374,6 @@ class PartialFC(nn.Module):
         packed = torch.cat([F.normalize(x, dim=1), x.norm(dim=1, keepdim=True)], dim=1)
         packed = dist_ops.all_gather(packed, self.process_group, sizes)
         return packed[:, :-1].contiguous(), packed[:, -1]
-
-
-def _check_label_range(y: Tensor, num_classes: int) -> None:
-    """Raise the one-line error for the first gathered label outside ``[0, num_classes)``
-    (reads the host; every rank sees the same gathered labels, so all raise together)."""
-    bad = (y < 0) | (y >= num_classes)
-    if bool(bad.any()):
-        raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
-                         f"[0, {num_classes}) (num_classes={num_classes})")
 
 
 def _save_step(head: PartialFC, state: dict, prefix: str, _metadata) -> None:

@@ -21,7 +21,7 @@ from partial_fc.margins.keys import Bounds, SharedConfig, bounds_of
 from partial_fc.tiles import KERNELS, triton_available
 
 __all__ = ["INITS", "SAMPLE_RATE", "STATE_DTYPES", "SUBCENTERS", "check_head_args",
-           "check_inputs", "triton_subcenters_rule"]
+           "check_inputs", "check_label_range", "triton_subcenters_rule"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 INITS = ("per_class", "per_rank")
@@ -122,3 +122,12 @@ def _bad_inputs(who: str, n: int | str, embedding_size: int, embeddings: Tensor,
             f"[{n}, {embedding_size}] and labels int64 [{n}], this rank got embeddings "
             f"{tuple(embeddings.shape)} {embeddings.dtype}, labels {tuple(labels.shape)} "
             f"{labels.dtype}")
+
+
+def check_label_range(y: Tensor, num_classes: int) -> None:
+    """Raise the one-line error for the first gathered label outside ``[0, num_classes)``
+    (reads the host; every rank sees the same gathered labels, so all raise together)."""
+    bad = (y < 0) | (y >= num_classes)
+    if bool(bad.any()):
+        raise ValueError(f"PartialFC: label {int(y[bad][0])} out of range "
+                         f"[0, {num_classes}) (num_classes={num_classes})")
