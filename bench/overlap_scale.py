@@ -9,9 +9,9 @@ synthetic embeddings.
 The two searches ``offline.overlap`` makes once the centres are known, with its own functions:
 
 - ``null``: ``--null`` probes, each against the other identities' centres
-  (``offline.overlap.calibration.best_other_centre``, what the calibration reads ``tau`` from);
+  (``offline.overlap.search.best_other_centre``, what the calibration reads ``tau`` from);
 - ``search``: ``--images`` evaluation images (``--distractors`` more where given) searched for
-  their nearest centre in blocks of ``offline.overlap.matches.SEARCH_BLOCK``, as ``set_overlap``
+  their nearest centre in blocks of ``offline.overlap.search.SEARCH_BLOCK``, as ``set_overlap``
   searches each rank's share (``centre_search``).
 
 - ``between`` (``--between N``, instead of the two above): ``launch.overlap --between``'s
@@ -44,9 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from offline.overlap.calibration import best_other_centre, centre_search
-from offline.overlap.matches import SEARCH_BLOCK
 from offline.overlap.pairs import search_block
+from offline.overlap.search import SEARCH_BLOCK, best_other_centre, centre_search
 
 CHUNK = 65_536  # rows generated at a time
 

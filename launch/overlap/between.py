@@ -1,8 +1,10 @@
 """``launch.overlap --between A,B [--within]``: the identities training sets hold twice, listed
-for ``data.merge`` (the work is ``offline.overlap.pairs``; the page ``offline.overlap.pairs_page``).
+for ``data.merge`` (the work is ``offline.overlap.pairs``; the page
+``offline.overlap.pairs_page``).
 
-Kept beside ``launch.overlap``, whose parser, checkpoint, calibration and refusals it shares:
-this module checks the flags of that mode, finds the pairs on every rank and reports them.
+Beside ``train_test``, the other mode of ``launch.overlap``, whose parser, checkpoint,
+calibration and refusals it shares: this module checks the flags of that mode, finds the
+pairs on every rank and reports them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import argparse
 import json
 from pathlib import Path
 
-from data_pipeline.errors import DataError
-from data_pipeline.exclusion import made_by, read_exclusions
+from data_pipeline.exclusion import made_by
 from data_pipeline.merge import write_merge
 from data_pipeline.remote import is_url
 from launch.cli import load_backbone_or_exit, resolve_checkpoint_or_exit
+from launch.overlap.held_out import held_out_classes
 from offline.overlap.calibration import CalibrationError
+from offline.overlap.pairs import FoundPairs
 
 LISTED = 20  # pairs printed; --out and --json hold them all
 
@@ -78,29 +81,15 @@ def _held(args: argparse.Namespace, is_main: bool) -> tuple[dict[int, frozenset[
     return held, "the run's data.exclude"
 
 
-def held_out_classes(p: argparse.ArgumentParser, path: Path) -> frozenset[int]:
-    """The classes of the exclusion list the model was trained with; a parser error names a
-    missing or unreadable list, or one without classes."""
-    try:
-        classes = read_exclusions(path).classes
-    except (OSError, DataError) as err:
-        p.error(f"--held-out {path}: {str(err).splitlines()[0]}")
-    if not classes:
-        p.error(f"--held-out {path}: no `class` lines (the calibration needs identities the "
-                "model never saw, not single samples)")
-    return classes
-
-
-def find(args: argparse.Namespace, env) -> tuple:
-    """Every rank: the centres, the calibration, the pairs (``launch.overlap.main`` runs
-    it, and ``report`` on rank 0)."""
+def find(args: argparse.Namespace, env) -> FoundPairs:
+    """Every rank: the centres, the calibration, the pairs (``launch.overlap``'s main runs
+    it, and :func:`report` on rank 0)."""
     from data_pipeline.identities import read_identities
     from data_pipeline.manifest import read_manifest
-    from offline.overlap.calibration import calibrate
-    from offline.overlap.matches import class_centres
+    from offline.overlap.calibration import calibrate, resolvable
+    from offline.overlap.centres import class_centres
     from offline.overlap.pairs import (
         CentreSet,
-        check_resolvable,
         find_pairs,
         gallery_note,
         nearest_centres,
@@ -109,9 +98,9 @@ def find(args: argparse.Namespace, env) -> tuple:
 
     held, origin = (None, "") if args.threshold is not None else _held(args, env.is_main)
     if held is not None:  # refused before the pass over the shards
-        probes = (f"the centres of the {sum(map(len, held.values()))} identities held out "
-                  f"of training ({origin})")
-        check_resolvable(args.fpir, sum(map(len, held.values())), probes)
+        count = sum(map(len, held.values()))
+        probes = f"the centres of the {count} identities held out of training ({origin})"
+        resolvable(args.fpir, None, count, probes)  # one search by each
     backbone = load_backbone_or_exit(args.checkpoint).to(env.device)
     sets = []
     for folder in args.sets:
@@ -130,21 +119,20 @@ def find(args: argparse.Namespace, env) -> tuple:
         note = None if held is None else gallery_note(sets, args.within, held)
         if note:
             print(note)
-    return threshold, calibration, sets, find_pairs(nearest, threshold)
+    return FoundPairs(tuple(sets), args.within, threshold, calibration,
+                      tuple(find_pairs(nearest, threshold)))
 
 
-def report(args: argparse.Namespace, threshold: float, calibration, sets: list,
-            pairs: list) -> None:
+def report(args: argparse.Namespace, found: FoundPairs) -> None:
     """Rank 0: the merge list, the JSON, the page, and the pairs printed."""
     from offline.overlap.pairs_page import pairs_json, write_pairs_page
 
-    searches = sum(len(s.searched) for s in sets)
-    expected = None if calibration is None else calibration.expected_fpir * searches
-    summary = (f"{len(pairs)} pairs among {searches} identities searched"
+    sets, pairs, expected = found.sets, found.pairs, found.expected_false
+    summary = (f"{len(pairs)} pairs among {found.searches} identities searched"
                + ("" if expected is None else f" (expected false <= {expected:.2g})"))
-    settings = {"checkpoint": args.checkpoint, "threshold": f"{threshold:.4g}",
-                "within": str(args.within).lower()}
-    if calibration is not None:
+    settings = {"checkpoint": args.checkpoint, "threshold": f"{found.threshold:.4g}",
+                "within": str(found.within).lower()}
+    if found.calibration is not None:
         settings["fpir"] = f"{args.fpir:g}"
     lines = [(p.a, p.b, p.score, f"{sets[p.a[0]].describe(p.a[1])} = "
               f"{sets[p.b[0]].describe(p.b[1])}") for p in pairs]
@@ -152,10 +140,9 @@ def report(args: argparse.Namespace, threshold: float, calibration, sets: list,
                 header=made_by("launch.overlap", settings, summary) + "\nstrike a pair that "
                 "is two people with a leading '-'; train with data.merge=THIS_FILE")
     if args.json:
-        args.json.write_text(json.dumps(pairs_json(args, threshold, calibration, sets, pairs,
-                                                   expected), indent=1) + "\n")
+        args.json.write_text(json.dumps(pairs_json(args.checkpoint, found), indent=1) + "\n")
     if args.html:
-        write_pairs_page(args.html, summary, threshold, calibration, sets, pairs)
+        write_pairs_page(args.html, summary, found)
     for (a, b, score, note) in lines[:LISTED]:
         print(f"{a[0]}:{a[1]} ~ {b[0]}:{b[1]} (cos {score:.3f}): {note}")
     if len(lines) > LISTED:

@@ -1,10 +1,11 @@
 """Which identities a training set shares, with the evaluation sets (``launch.overlap``) or
 with other training sets (``launch.overlap --between``), each listed at a threshold
-calibrated for its search.
+calibrated for its search. One module a step, in the order the work runs:
 
-``eval_sets`` reads the evaluation sets; ``matches`` makes the training centres and searches
-the sets' images against them; ``calibration`` searches centres and reads the threshold off
-a null search; ``held_out`` names the identities a run never trained on (the null's
-probes); ``pairs`` finds classes held twice; ``figure`` and ``pairs_page`` write what a
-person checks.
+``eval_sets`` reads the evaluation sets; ``centres`` makes the training identities' centres
+(and keeps the null probes in the same pass); ``search`` finds each probe's nearest centre;
+``held_out`` names the identities a run never trained on, the null's probes; ``calibration``
+reads the threshold off the null's searches; ``matches`` lists the identities the evaluation
+sets share, with their evidence, and ``pairs`` the classes training sets hold twice;
+``figure`` and ``pairs_page`` write what a person checks.
 """

@@ -1,8 +1,7 @@
-"""The overlap's search and the threshold calibrated for it (open-set identification).
+"""The threshold calibrated for the overlap's search (open-set identification).
 
 ``launch.overlap`` asks, for each evaluation image ``y``, which training centre is nearest
-(:func:`centre_search`: the exact flat search of ``partial_fc.eval.gallery_search``, the
-centres streamed in chunks) and lists that identity when the cosine reaches ``tau``. An image
+(``offline.overlap.search``) and lists that identity when the cosine reaches ``tau``. An image
 whose person is not in training is then listed falsely when ``max_c cos(y, mu_c) >= tau``:
 the rate of that is the false-positive identification rate (FPIR) of a search over ``C``
 centres, not the per-pair false-match rate, which it exceeds about ``C``-fold
@@ -10,7 +9,7 @@ centres, not the per-pair false-match rate, which it exceeds about ``C``-fold
 
 The calibration reads the FPIR off the same search with probes whose person has no centre:
 each probe is searched against the centres of every *other* identity (``C - 1``, the real
-gallery's size up to one; :func:`best_other_centre`), giving ``n`` null cosines
+gallery's size up to one; ``search.best_other_centre``), giving ``n`` null cosines
 ``v_1 >= ... >= v_n``. ``tau = v_k`` with ``k = floor(FPIR * (n + 1))``: for a new probe
 exchangeable with the ``n``, ``P(max >= tau) = k / (n + 1) <= FPIR`` exactly, whatever the
 distribution (the rank argument of conformal prediction; Vovk et al. 2005, and Angelopoulos
@@ -42,13 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import beta
 
-from partial_fc.eval.gallery_search import FlatTopK
 from trainer.errors import Refused
 
-CENTRE_CHUNK = 65_536  # centres per faiss call: the chunk's scores are [probes, k] only
 RESAMPLES = 1000  # the cluster bootstrap's draws of the identities (identity_band)
 RESAMPLE_CELLS = 1 << 22  # identity indices drawn per block of resamples (32 MiB)
-EDGES = np.linspace(-1.0, 1.0, 201)  # the histograms' bins: cosine, width 0.01
 
 
 class CalibrationError(Refused):
@@ -125,45 +121,29 @@ def identity_band(reach: np.ndarray, labels: np.ndarray, draws: int = RESAMPLES,
     return float(low), float(high)
 
 
-def resolvable(fpir: float, n: int, identities: int, probes: str,
+def resolvable(fpir: float, n: int | None, identities: int, probes: str,
                at_most: bool = False) -> int:
     """``k = floor(fpir * (n + 1))`` of ``n`` null searches by the images of ``identities``
-    identities (``at_most``: upper bounds, checked before the searches are made);
+    identities (``n`` None: one search by each identity, the centres ``launch.overlap
+    --between`` searches; ``at_most``: upper bounds, checked before the searches are made).
     CalibrationError where ``n`` or, an identity's images being one draw, ``identities``
-    cannot resolve ``fpir``."""
-    k = int(np.floor(fpir * (n + 1) + 1e-9))  # 1e-9: fpir = 1/(n+1) given as a decimal
-    bound = f"{'at most ' if at_most else ''}{n} null searches ({probes})"
-    if k < 1:
+    cannot resolve ``fpir``; the one line names the cure. Both modes' one check."""
+    tiny = 1e-9  # fpir = 1/(n+1) given as a decimal
+    k = int(np.floor(fpir * ((identities if n is None else n) + 1) + tiny))
+    if n is not None and k < 1:
         raise CalibrationError(
-            f"--fpir {fpir:g}: {bound} resolve rates down to 1/{n + 1} = {1 / (n + 1):.2g} "
-            "only; raise --fpir, search more images (--null-images) or set --threshold")
-    if np.floor(fpir * (identities + 1) + 1e-9) < 1:
+            f"--fpir {fpir:g}: {'at most ' * at_most}{n} null searches ({probes}) resolve "
+            f"rates down to 1/{n + 1} = {1 / (n + 1):.2g} only; raise --fpir, search more "
+            "images (--null-images) or set --threshold")
+    if np.floor(fpir * (identities + 1) + tiny) < 1:
+        null = (f"the null is {probes}, one search each" if n is None else
+                f"the null searches ({probes}) are of {'at most ' * at_most}{identities} "
+                "identities, and an identity's images are one draw, not independent ones")
         raise CalibrationError(
-            f"--fpir {fpir:g}: the null searches ({probes}) are of {'at most ' * at_most}"
-            f"{identities} identities, and an identity's images are one draw, not independent "
-            f"ones: they resolve rates down to 1/{identities + 1} = "
+            f"--fpir {fpir:g}: {null}: they resolve rates down to 1/{identities + 1} = "
             f"{1 / (identities + 1):.2g} only; raise --fpir, hold out more identities or set "
             "--threshold")
     return k
-
-
-def centre_search(probes: np.ndarray, centres: np.ndarray, k: int = 1
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` nearest centres of each probe: cosines ``[P, k]`` float32 and labels
-    ``[P, k]`` int64, best first (of equal cosines, the lower label). ``probes`` ``[P, D]``
-    and ``centres`` ``[C, D]`` unit rows; memory: the probes, ``[P, k]`` and faiss's tiles."""
-    search = FlatTopK(probes, k)
-    for start in range(0, len(centres), CENTRE_CHUNK):
-        search.add(centres[start:start + CENTRE_CHUNK])
-    return search.scores(), search.ids()
-
-
-def best_other_centre(probes: np.ndarray, labels: np.ndarray, centres: np.ndarray
-                      ) -> np.ndarray:
-    """``max_{c != labels[i]} cos(probes[i], centres[c])`` ``[P]``: the second of the two
-    nearest where the nearest is the probe's own identity."""
-    scores, ids = centre_search(probes, centres, 2)
-    return np.where(ids[:, 0] == labels, scores[:, 1], scores[:, 0])
 
 
 @dataclass(frozen=True)
@@ -207,7 +187,3 @@ def null_choice(images: int, classes: int, wanted: int, fpir: float,
                classes if held_out is None else len(held_out), choice.probes(), at_most=True)
     return choice
 
-
-def histogram(cosines: np.ndarray) -> list[int]:
-    """Counts of ``cosines`` in :data:`EDGES`' 200 bins (NaN, an undecodable image: left out)."""
-    return np.histogram(cosines[np.isfinite(cosines)], EDGES)[0].tolist()

@@ -4,8 +4,8 @@ nearest-centre cosines beside the calibration's null (the same search made by pr
 mate). A set sharing nothing sits on the null; a set with leaks grows a second mode above
 the threshold.
 
-Histograms are counts in ``offline.overlap.calibration.EDGES`` (200 bins of width 0.01 over
-``[-1, 1]``), named once in the JSON as ``edges``.
+Histograms are counts in :data:`EDGES` (200 bins of width 0.01 over ``[-1, 1]``), named once
+in the JSON as ``edges``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,15 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from offline.overlap.calibration import EDGES, Calibration, histogram
+from offline.overlap.calibration import Calibration
 from offline.overlap.matches import SetOverlap
+
+EDGES = np.linspace(-1.0, 1.0, 201)  # the histograms' bins: cosine, width 0.01
+
+
+def histogram(cosines: np.ndarray) -> list[int]:
+    """Counts of ``cosines`` in :data:`EDGES`' 200 bins (NaN, an undecodable image: left out)."""
+    return np.histogram(cosines[np.isfinite(cosines)], EDGES)[0].tolist()
 
 
 def calibration_json(calibration: Calibration | None) -> dict | None:

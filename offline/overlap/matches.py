@@ -1,19 +1,14 @@
 """Train/test identity overlap: which training identities also appear in the evaluation sets.
 
-Each training identity ``c`` gets a centre ``mu_c = normalize(mean_i normalize(f(x_i)))`` over
-its images (the embeddings are those of evaluation: flip-summed, unit length,
-``trainer.evaluation.embed_images``). Each evaluation image ``y`` is searched against every
-centre (open-set identification, ``offline.overlap.calibration``); its nearest centre's identity
-is listed when ``max_c cos(mu_c, f(y)) >= threshold``. A centre is a steadier template than
-any one image (the same test as the template pooling of IJB, arXiv 1710.08092's mean
-feature), so one threshold serves every set; it is calibrated for that search, on null
-probes chosen in the same pass over the shards (:func:`class_centres`, :func:`null_cosines`).
+Each evaluation image ``y`` is searched against every training centre ``mu_c``
+(``offline.overlap.centres``; open-set identification, ``offline.overlap.search``); its
+nearest centre's identity is listed when ``max_c cos(mu_c, f(y)) >= threshold``, the
+threshold calibrated for that search (``offline.overlap.calibration``).
 
 Work is spread over the ranks of ``process_group`` (None: WORLD, or one process): rank ``r``
-decodes the shards ``r, r + P, ...`` and the evaluation images ``r, r + P, ...``; the class
-sums and counts ``[C, D]``, ``[C]`` are all-reduced, so every rank holds every centre (on the
-CPU, where faiss searches them), and each image's nearest centre is all-reduced too. One
-process and P ranks give the same answer (up to the summation order of the centres).
+embeds the evaluation images ``r, r + P, ...`` and each image's nearest centre is
+all-reduced. One process and P ranks give the same answer (up to the summation order of the
+centres).
 
 Each shared identity is reported with the evidence a person checks: the set's image nearest
 its centre, and the identity's training image nearest that one (its shard key and the source
@@ -33,20 +28,11 @@ import torch.distributed as dist
 from torch import nn
 
 from data_pipeline.codec import resolve_decoder
-from data_pipeline.manifest import read_manifest
-from offline.folder_scan import batched, decoded, labelled_batches, labelled_samples
-from offline.overlap.calibration import NullChoice, best_other_centre, centre_search
+from offline.folder_scan import batched, decoded, labelled_samples
 from offline.overlap.eval_sets import EvalImages
-from partial_fc.distributed import (
-    all_gather,
-    all_reduce,
-    all_reduce_max,
-    get_rank,
-    get_world_size,
-)
+from offline.overlap.search import SEARCH_BLOCK, centre_search
+from partial_fc.distributed import all_reduce_max, get_rank, get_world_size
 from trainer.evaluation import embed_images, eval_mode
-
-SEARCH_BLOCK = 2048  # evaluation images embedded, then searched, together (per rank)
 
 
 @dataclass(frozen=True)
@@ -77,19 +63,7 @@ class SetOverlap:
 
 
 @dataclass(frozen=True)
-class TrainingCentres:
-    """The training folder as the search sees it: unit ``centres`` ``[C, D]`` float32 (a
-    class without a decodable image: a zero row), ``counts`` ``[C]``, and this rank's null
-    probes (embeddings ``[n_r, D]``, labels ``[n_r]``; :class:`NullChoice`)."""
-
-    centres: np.ndarray
-    counts: np.ndarray
-    null_probes: np.ndarray
-    null_labels: np.ndarray
-
-
-@dataclass(frozen=True)
-class Nearest:
+class NearestImage:
     """The training image of an identity nearest a matched evaluation image: its shard
     ``key``, the ``source`` path the converter stored (None in shards without one) and the
     cosine ``score``."""
@@ -97,49 +71,6 @@ class Nearest:
     key: str
     source: str | None
     score: float
-
-
-@torch.no_grad()
-def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
-                  device: torch.device | str, process_group=None,
-                  null: NullChoice | None = None) -> TrainingCentres:
-    """The centres of every class of the shard folder (a path or a URL), and the embeddings
-    of the images ``null`` chooses (None: none), kept in the same pass. Collective over
-    ``process_group``; shards ``rank::world`` are read here, every rank returns every centre."""
-    rank, world = get_rank(process_group), get_world_size(process_group)
-    num_classes = read_manifest(data_dir).num_classes
-    with eval_mode(backbone):
-        dim = embed_images(backbone, np.zeros((1, 3, 112, 112), np.uint8), 1, device).shape[1]
-        sums = torch.zeros(num_classes, dim, device=device)
-        counts = torch.zeros(num_classes, device=device)
-        probes, probe_labels = [np.zeros((0, dim), np.float32)], [np.zeros(0, np.int64)]
-        for keys, labels, images in labelled_batches(data_dir, batch_size, rank, world):
-            idx = torch.from_numpy(labels).to(device)
-            emb = embed_images(backbone, images, batch_size, device)
-            sums.index_add_(0, idx, emb)
-            counts.index_add_(0, idx, torch.ones(len(idx), device=device))
-            chosen = [i for i, (k, c) in enumerate(zip(keys, labels, strict=True))
-                      if null is not None and null.takes(k, int(c))]
-            if chosen:
-                probes.append(emb[chosen].cpu().numpy())
-                probe_labels.append(labels[chosen])
-    sums, counts = all_reduce(sums, process_group), all_reduce(counts, process_group)
-    return TrainingCentres(nn.functional.normalize(sums, dim=1).cpu().numpy(),
-                           counts.cpu().numpy(), np.concatenate(probes),
-                           np.concatenate(probe_labels))
-
-
-def null_cosines(trained: TrainingCentres, device: torch.device | str,
-                 process_group=None) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's null probes searched against the other identities' centres
-    (``best_other_centre``), gathered: the cosines ``[n]`` float64, sorted, and their probes'
-    labels ``[n]`` (``calibrate`` counts the identities), the same on every rank."""
-    mine = best_other_centre(trained.null_probes, trained.null_labels, trained.centres)
-    every = all_gather(torch.from_numpy(mine.astype(np.float64)).to(device), process_group)
-    labels = all_gather(torch.from_numpy(trained.null_labels).to(device), process_group)
-    every, labels = every.cpu().numpy(), labels.cpu().numpy()
-    order = np.lexsort((labels, every))
-    return every[order], labels[order]
 
 
 @torch.no_grad()
@@ -174,7 +105,7 @@ def set_overlap(images: EvalImages, backbone: nn.Module, centres: np.ndarray,
 @torch.no_grad()
 def nearest_samples(backbone: nn.Module, data_dir: str | Path,
                     queries: list[tuple[int, EvalImages, int]], batch_size: int,
-                    device: torch.device | str, process_group=None) -> list[Nearest | None]:
+                    device: torch.device | str, process_group=None) -> list[NearestImage | None]:
     """For each query ``(label, set, image)``: the training image of ``label`` nearest that
     evaluation image (None where the class has no decodable image). A second pass over the
     shards ``rank::world`` that decodes only the queried classes' images. Collective over
@@ -208,7 +139,7 @@ def nearest_samples(backbone: nn.Module, data_dir: str | Path,
         for theirs in every:
             found = [b if a is None or (b is not None and _better(b, a)) else a
                      for a, b in zip(found, theirs, strict=True)]
-    return [None if f is None else Nearest(f[1], f[2], f[0]) for f in found]
+    return [None if f is None else NearestImage(f[1], f[2], f[0]) for f in found]
 
 
 def _better(a: tuple[float, str, str | None], b: tuple[float, str, str | None]) -> bool:
@@ -234,7 +165,7 @@ def _query_embeddings(backbone: nn.Module, queries: list[tuple[int, EvalImages, 
 
 
 def overlap_rows(sets: list[EvalImages], results: list[SetOverlap],
-                 names: tuple[str, ...] | None, nearest: list[Nearest | None]) -> list[dict]:
+                 names: tuple[str, ...] | None, nearest: list[NearestImage | None]) -> list[dict]:
     """One JSON-able row per (set, shared identity), in :func:`queries` order: ``set``,
     ``label``, ``identity`` (from the folder's map; None without one), ``score`` (centre to
     image cosine), ``image`` (its name in the set), and the nearest training image's ``key``,

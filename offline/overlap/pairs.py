@@ -4,7 +4,7 @@
 ``mu_c`` as ``offline.overlap.matches.class_centres`` makes it (the mean unit embedding of its
 images); each centre is then searched against the centres of the other sets and, with ``--within``,
 against its own set's other centres (:func:`nearest_centres`: the exact flat search of
-``offline.overlap.calibration.centre_search``). A centre whose nearest reaches the threshold
+``offline.overlap.search.centre_search``). A centre whose nearest reaches the threshold
 ``tau`` lists that pair; a pair found from both sides is listed once (:func:`find_pairs`).
 
 A centre whose person has no other class is listed falsely when its best cosine reaches
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from data_pipeline.merge import Node
-from offline.overlap.calibration import CalibrationError, centre_search
-from offline.overlap.matches import SEARCH_BLOCK
+from offline.overlap.calibration import Calibration, CalibrationError
+from offline.overlap.search import SEARCH_BLOCK, centre_search
 from partial_fc.distributed import all_reduce_max, get_rank, get_world_size
 
 
@@ -70,12 +70,12 @@ class CentreSet:
 
 
 @dataclass(frozen=True)
-class Nearest:
+class NearestCentres:
     """Each class of one set: its centre's best cosine ``scores`` ``[C]`` float64 (-inf: not
-    searched) and the ``set`` and ``label`` ``[C]`` int64 of the centre it reached."""
+    searched) and the ``set_index`` and ``label`` ``[C]`` int64 of the centre it reached."""
 
     scores: np.ndarray
-    set: np.ndarray
+    set_index: np.ndarray
     label: np.ndarray
 
 
@@ -88,15 +88,40 @@ class Pair:
     score: float
 
 
+@dataclass(frozen=True)
+class FoundPairs:
+    """What a search for identities held twice found: the ``sets`` searched (``within``:
+    each against its own other classes too), the ``threshold`` (read off ``calibration``;
+    None: set by hand) and the ``pairs`` that reach it, highest cosine first."""
+
+    sets: tuple[CentreSet, ...]
+    within: bool
+    threshold: float
+    calibration: Calibration | None
+    pairs: tuple[Pair, ...]
+
+    @property
+    def searches(self) -> int:
+        """The classes searched: one search each."""
+        return sum(len(s.searched) for s in self.sets)
+
+    @property
+    def expected_false(self) -> float | None:
+        """At most how many pairs the FPIR expects falsely (a pair found from both sides
+        counts once); None without a calibration."""
+        return None if self.calibration is None else self.calibration.expected_fpir * (
+            self.searches)
+
+
 def nearest_centres(sets: Sequence[CentreSet], within: bool,
-                    process_group=None) -> list[Nearest]:
+                    process_group=None) -> list[NearestCentres]:
     """For every set, each searched class's nearest centre among the other sets' (and, with
     ``within``, its own set's other classes'). Collective over ``process_group``: rank ``r``
     searches classes ``r, r + P, ...`` of each set in blocks of ``SEARCH_BLOCK``; every rank
     returns the same lists. Memory above the centres: a block, faiss's tiles and, of a set
     with classes without an image, a copy of its searched centres."""
     rank, world = get_rank(process_group), get_world_size(process_group)
-    galleries = [(s.searched, s.centres if len(s.searched) == len(s.counts)
+    galleries = [(s.searched, s.centres if len(s.searched) == len(s.counts)  # labels, centres
                   else np.ascontiguousarray(s.centres[s.searched])) for s in sets]
     out = []
     for i, probe_set in enumerate(sets):
@@ -106,21 +131,23 @@ def nearest_centres(sets: Sequence[CentreSet], within: bool,
         mine = probe_set.searched[rank::world]
         for start in range(0, len(mine), SEARCH_BLOCK):
             rows = mine[start:start + SEARCH_BLOCK]
-            scores, hit_set, hit_label = search_block(probe_set.centres[rows], rows, i, galleries,
-                                                within)
+            scores, hit_set, hit_label = search_block(probe_set.centres[rows], rows, i,
+                                                      galleries, within)
             best[rows] = torch.from_numpy(scores)
-            where[0, rows], where[1, rows] = torch.from_numpy(hit_set), torch.from_numpy(
-                hit_label)
+            where[0, rows] = torch.from_numpy(hit_set)
+            where[1, rows] = torch.from_numpy(hit_label)
         best, where = all_reduce_max(best, process_group), all_reduce_max(where, process_group)
-        out.append(Nearest(best.numpy(), where[0].numpy(), where[1].numpy()))
+        out.append(NearestCentres(best.numpy(), where[0].numpy(), where[1].numpy()))
     return out
 
 
 def search_block(probes: np.ndarray, rows: np.ndarray, own: int,
-           galleries: list[tuple[np.ndarray, np.ndarray]], within: bool
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 galleries: list[tuple[np.ndarray, np.ndarray]], within: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best centre of ``probes`` (set ``own``'s classes ``rows``) over the galleries
-    searched: ``(scores, set, label)``; of equal cosines, the lower set, then label."""
+    searched (each set's gallery: the labels ``[G]`` of its searched classes and their
+    centres ``[G, D]``): ``(scores, set, label)``; of equal cosines, the lower set, then
+    label."""
     best = np.full(len(rows), -np.inf)
     hit_set = np.full(len(rows), -1, dtype=np.int64)
     hit_label = np.full(len(rows), -1, dtype=np.int64)
@@ -138,7 +165,7 @@ def search_block(probes: np.ndarray, rows: np.ndarray, own: int,
     return best, hit_set, hit_label
 
 
-def null_cosines(nearest: Sequence[Nearest], held: dict[int, frozenset[int]],
+def null_cosines(nearest: Sequence[NearestCentres], held: dict[int, frozenset[int]],
                  sets: Sequence[CentreSet]) -> tuple[np.ndarray, np.ndarray]:
     """The held-out classes' searches (set ``i``'s ``held[i]``): their best cosines ``[h]``
     and an identity number each (``calibrate`` counts them). CalibrationError naming a held
@@ -156,29 +183,19 @@ def null_cosines(nearest: Sequence[Nearest], held: dict[int, frozenset[int]],
     return np.asarray(scores, dtype=np.float64), np.asarray(ids, dtype=np.int64)
 
 
-def check_resolvable(fpir: float, identities: int, probes: str) -> None:
-    """CalibrationError where one search by each of ``identities`` null identities cannot
-    resolve ``fpir`` (``floor(fpir * (h + 1)) = 0``): the one line names the cure."""
-    if np.floor(fpir * (identities + 1) + 1e-9) < 1:
-        raise CalibrationError(
-            f"--fpir {fpir:g}: the null is {probes}, one search each: they resolve rates down "
-            f"to 1/{identities + 1} = {1 / (identities + 1):.2g} only; raise --fpir, hold out "
-            "more identities or set --threshold")
-
-
-def find_pairs(nearest: Sequence[Nearest], threshold: float) -> list[Pair]:
+def find_pairs(nearest: Sequence[NearestCentres], threshold: float) -> list[Pair]:
     """Every searched class whose nearest centre reaches ``threshold``, as a pair with that
     centre's class; a pair found from both sides once. Highest cosine first."""
     found: dict[tuple[Node, Node], float] = {}
     for i, near in enumerate(nearest):
         for c in np.flatnonzero(near.scores >= threshold):
-            a, b = sorted([(i, int(c)), (int(near.set[c]), int(near.label[c]))])
+            a, b = sorted([(i, int(c)), (int(near.set_index[c]), int(near.label[c]))])
             found[(a, b)] = max(found.get((a, b), -np.inf), float(near.scores[c]))
     return [Pair(a, b, score) for (a, b), score in
             sorted(found.items(), key=lambda item: (-item[1], item[0]))]
 
 
-def galleries(sets: Sequence[CentreSet], within: bool) -> list[int]:
+def gallery_sizes(sets: Sequence[CentreSet], within: bool) -> list[int]:
     """The centres each set's classes search: the other sets' searched classes, and with
     ``within`` their own set's but one."""
     sizes = [len(s.searched) for s in sets]
@@ -189,7 +206,7 @@ def gallery_note(sets: Sequence[CentreSet], within: bool, held: dict[int, frozen
                  ) -> str | None:
     """A line naming the sets whose searches cover more centres than the null's smallest
     search, where more than the FPIR of them may reach the threshold; None where none does."""
-    sizes = galleries(sets, within)
+    sizes = gallery_sizes(sets, within)
     null = min(sizes[i] for i in held)
     larger = [f"{sets[i].folder} ({sizes[i]:,})" for i in range(len(sets)) if sizes[i] > null]
     if not larger:

@@ -9,37 +9,36 @@ each set's shards that decodes nothing.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 from pathlib import Path
 
 from offline.folder_scan import labelled_samples
-from offline.overlap.calibration import Calibration
 from offline.overlap.figure import calibration_json
-from offline.overlap.pairs import CentreSet, Pair
+from offline.overlap.pairs import FoundPairs
 
 PER_CLASS = 4  # images of each class on the page
 
 
-def pairs_json(args: argparse.Namespace, threshold: float, calibration: Calibration | None,
-               sets: list[CentreSet], pairs: list[Pair], expected: float | None) -> dict:
-    """The JSON: the checkpoint, the sets (folder, classes, searched), the threshold, the
-    calibration (``offline.overlap.figure.calibration_json``), the searches and the false
-    pairs expected (at most), and every pair: both sides' set, class, name, images, and the
-    cosine."""
+def pairs_json(checkpoint: str, found: FoundPairs) -> dict:
+    """The JSON: the ``checkpoint`` searched with, the sets (folder, classes, searched),
+    ``within``, the threshold, the calibration (``offline.overlap.figure.calibration_json``),
+    the searches and the false pairs expected (at most), and every pair: both sides' set,
+    class, name, images, and the cosine."""
+    sets = found.sets
+
     def side(node: tuple[int, int]) -> dict:
         s, c = node
         return {"set": s, "class": c, "name": None if sets[s].names is None
                 else sets[s].names[c], "images": int(sets[s].counts[c])}
 
-    return {"checkpoint": str(args.checkpoint), "within": args.within,
+    return {"checkpoint": str(checkpoint), "within": found.within,
             "sets": [{"folder": s.folder, "classes": len(s.counts),
                       "searched": len(s.searched)} for s in sets],
-            "threshold": threshold, "calibration": calibration_json(calibration),
-            "searches": sum(len(s.searched) for s in sets), "expected_false": expected,
+            "threshold": found.threshold, "calibration": calibration_json(found.calibration),
+            "searches": found.searches, "expected_false": found.expected_false,
             "pairs": [{"a": side(p.a), "b": side(p.b), "cosine": round(p.score, 6)}
-                      for p in pairs]}
+                      for p in found.pairs]}
 
 
 def class_images(folder: str, classes: set[int], per_class: int = PER_CLASS
@@ -52,11 +51,10 @@ def class_images(folder: str, classes: set[int], per_class: int = PER_CLASS
     return found
 
 
-def write_pairs_page(path: Path, summary: str, threshold: float,
-                     calibration: Calibration | None, sets: list[CentreSet],
-                     pairs: list[Pair]) -> None:
-    """A page: the calibration line, the summary, then one row per pair, highest cosine
+def write_pairs_page(path: Path, summary: str, found: FoundPairs) -> None:
+    """A page: the calibration line, the ``summary``, then one row per pair, highest cosine
     first: the cosine, then each side's name, set and class above its images."""
+    sets, pairs, calibration = found.sets, found.pairs, found.calibration
     wanted: dict[int, set[int]] = {}
     for p in pairs:
         for s, c in (p.a, p.b):
@@ -79,7 +77,7 @@ def write_pairs_page(path: Path, summary: str, threshold: float,
 img{{margin:1px}} tr:nth-child(even){{background:#f2f2f2}}</style></head>
 <body><h1>Identities held twice</h1>
 <p>{html.escape(how)}</p>
-<p>{html.escape(summary)} at cosine {threshold:.4f}.</p><ul>{legend}</ul>
+<p>{html.escape(summary)} at cosine {found.threshold:.4f}.</p><ul>{legend}</ul>
 <p>Strike a pair that is two people with a leading <code>-</code> in the list.</p>
 <table><tr><th>cosine</th><th>one class</th><th>the other</th></tr>
 {rows}

@@ -31,7 +31,7 @@ from data_pipeline.megaface import read_megaface
 from data_pipeline.rfw import read_rfw_pairs
 from data_pipeline.tinyface import read_tinyface
 from launch.evaluate import main
-from launch.overlap.between import held_out_classes
+from launch.overlap.held_out import held_out_classes
 from tests.fuzz.bounds import BOMB, JPEG, PNG, damaged, figures, fuzz_settings, one_line, run_main
 
 BIN = pickle.dumps(([JPEG, PNG] * 10, [True, False] * 5), protocol=4)

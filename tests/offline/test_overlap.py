@@ -30,14 +30,9 @@ from data_pipeline.exclusion import read_exclusions
 from data_pipeline.synthetic import SyntheticSource
 from data_pipeline.verification_bin import write_bin
 from offline.overlap.calibration import NullChoice, calibrate
+from offline.overlap.centres import class_centres, null_cosines
 from offline.overlap.eval_sets import bin_images, ijb_images
-from offline.overlap.matches import (
-    class_centres,
-    nearest_samples,
-    null_cosines,
-    queries,
-    set_overlap,
-)
+from offline.overlap.matches import nearest_samples, queries, set_overlap
 
 PLANTED = (3, 7, 11, 15, 19)  # of the 20 training identities (conftest's synthetic_data)
 THRESHOLD = 0.5  # a fixed cosine where the calibration is not what is tested
@@ -177,8 +172,9 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     identities cannot resolve (known from the folder's size, before its pass), a list
     without classes or with a label the folder lacks: one line."""
     import launch.overlap.__main__ as overlap
+    from launch.overlap import train_test
 
-    monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
+    monkeypatch.setattr(train_test, "load_backbone_or_exit", lambda path: ColourFeatures())
     write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
     out, js, page = tmp_path / "o.txt", tmp_path / "o.json", tmp_path / "o.html"
     args = ["--checkpoint", str(make_run(tmp_path)), "--data", str(synthetic_data), "--bins",
@@ -199,7 +195,7 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     assert disjoint["images"] == sum(disjoint["histogram"]) == 160
     assert disjoint["expected_false"] == pytest.approx(8 / 161 * 160)
     assert disjoint["shared_identities"] <= disjoint["matched_images"] <= 8
-    assert printed[1] == overlap.TRAINED_PROBES
+    assert printed[1] == train_test.TRAINED_PROBES
     assert printed[3] == (f"disjoint  160     {disjoint['matched_images']:<14d}  "
                           f"{disjoint['shared_identities']:<17d}  <= 8")
     assert "<svg" in page.read_text() and "reached by 8 of 160 searches" in page.read_text()
@@ -237,9 +233,10 @@ def test_cli_calibrates_on_the_identities_the_run_held_out(synthetic_data, tmp_p
     one line, and gives the threshold --held-out with the same list gives. A run that held
     no identity out is refused in one line naming the fixes."""
     import launch.overlap.__main__ as overlap
+    from launch.overlap import train_test
     from offline.overlap.held_out import FIX
 
-    monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
+    monkeypatch.setattr(train_test, "load_backbone_or_exit", lambda path: ColourFeatures())
     write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
     run, held = make_run(tmp_path), tmp_path / "held.txt"
     held.write_text("".join(f"class {c}\n" for c in range(10)) + "sample 000000170\n")
@@ -355,8 +352,9 @@ def _run_overlap(monkeypatch, tmp_path, data, *sets_args: str) -> tuple[int, dic
     """``launch.overlap`` with the colour embedding standing in for the checkpoint's
     backbone (it reveals the synthetic identities, see the module docstring)."""
     import launch.overlap.__main__ as overlap
+    from launch.overlap import train_test
 
-    monkeypatch.setattr(overlap, "load_backbone_or_exit", lambda path: ColourFeatures())
+    monkeypatch.setattr(train_test, "load_backbone_or_exit", lambda path: ColourFeatures())
     out, js = tmp_path / "overlap.txt", tmp_path / "overlap.json"
     rc = overlap.main(["--checkpoint", str(make_run(tmp_path)), "--data", str(data),
                        *sets_args, "--threshold", str(THRESHOLD), "--out", str(out),

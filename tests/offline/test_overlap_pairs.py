@@ -36,6 +36,7 @@ DIM, NOISE = 64, 0.6
 HELD = frozenset(range(100, 500))  # A's classes = people 0..1199 first: people 100..499
 PLANTED = ({((0, p), (1, p - 1000)) for p in range(1000, 1200)}
            | {((0, p), (0, 1200 + p)) for p in range(30)})
+INSIDE_AT_LEAST = 15  # of 20 seeds: P(Binomial(20, 0.9) < 15) = 0.011
 
 
 def fabricated(seed: int) -> list[CentreSet]:
@@ -61,8 +62,12 @@ def _search(sets, group=None):
 def test_planted_pairs_are_found_and_false_pairs_run_at_the_calibrated_rate():
     """Seed after seed: every planted pair listed; the unmated searches that were not null
     probes (A's people 500-999, B's 1,200-2,199) reach the threshold at a share inside the
-    printed 90 % band in 18 of 20 seeds (a fixed count: the seeds are fixed), and at the
-    expected FPIR on average."""
+    printed 90 % band as often as a 90 % band allows, and at the expected FPIR on average.
+
+    The 20 seeds are 20 independent draws of the people and their centres, so a band that
+    holds the rate with probability 0.9 holds it in Binomial(20, 0.9) of them: at least
+    :data:`INSIDE_AT_LEAST` = 15 but with probability 0.011 (fewer says the band is too
+    narrow; 18 here)."""
     inside, rates, expected = 0, [], []
     for seed in range(20):
         sets = fabricated(seed)
@@ -75,7 +80,7 @@ def test_planted_pairs_are_found_and_false_pairs_run_at_the_calibrated_rate():
         expected.append(calibration.expected_fpir)
         false = len(pairs) - len(PLANTED)  # each unmated search lists one pair at most
         assert false <= 2 * calibration.band[1] * (sum(map(len, (s.counts for s in sets))))
-    assert inside == 18
+    assert inside >= INSIDE_AT_LEAST, f"the rate inside the band in {inside} of 20 seeds"
     assert np.mean(rates) == pytest.approx(np.mean(expected), abs=0.005)
 
 
@@ -93,6 +98,7 @@ def test_two_ranks_find_what_one_process_finds():
         assert threshold == calibration.threshold and their_pairs == pairs
         for mine, one in zip(their_near, near, strict=True):
             np.testing.assert_array_equal(mine.scores, one.scores)
+            np.testing.assert_array_equal(mine.set_index, one.set_index)
             np.testing.assert_array_equal(mine.label, one.label)
 
 

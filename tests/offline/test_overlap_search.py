@@ -1,7 +1,7 @@
-"""The overlap's search and its calibration (``offline.overlap.calibration``) on fabricated
-embeddings: the search against a brute-force sort, the rank rule's threshold and refusals,
-the FPIR it promises held where the per-pair rate's is not, and the band that widens when
-an identity's images search alike."""
+"""The overlap's search and its calibration (``offline.overlap.search``, ``.calibration``) on
+fabricated embeddings: the search against a brute-force sort, the rank rule's threshold and
+refusals, the FPIR it promises held where the per-pair rate's is not, and the band that
+widens when an identity's images search alike."""
 
 from __future__ import annotations
 
@@ -9,13 +9,9 @@ import numpy as np
 import pytest
 from scipy.stats import beta, norm
 
-from offline.overlap import calibration as overlap_search
-from offline.overlap.calibration import (
-    CalibrationError,
-    best_other_centre,
-    calibrate,
-    centre_search,
-)
+from offline.overlap import search as overlap_search
+from offline.overlap.calibration import CalibrationError, calibrate, resolvable
+from offline.overlap.search import best_other_centre, centre_search
 
 
 def test_the_threshold_is_the_kth_null_cosine_and_ties_count_together():
@@ -39,6 +35,17 @@ def test_the_threshold_is_the_kth_null_cosine_and_ties_count_together():
                        r"of 10 identities, .* down to 1/11 = 0.091 only; raise --fpir, hold "
                        r"out more identities or set --threshold$"):
         calibrate(np.arange(500.0), np.arange(500) % 10, 0.01, "x")  # k = 5 of the images
+
+
+def test_one_search_by_each_identity_is_bounded_by_the_identities_alone():
+    """The check ``launch.overlap --between`` makes before its pass (``n`` None: one search
+    by each of ``h`` identities): ``k = floor(fpir (h + 1))``, refused where it is 0 with the
+    cure that mode has (more identities, not more images)."""
+    assert resolvable(0.1, None, 10, "x") == 1 and resolvable(0.1, None, 49, "x") == 5
+    with pytest.raises(CalibrationError, match=r"^--fpir 0.05: the null is x, one search "
+                       r"each: they resolve rates down to 1/11 = 0.091 only; raise --fpir, "
+                       r"hold out more identities or set --threshold$"):
+        resolvable(0.05, None, 10, "x")
 
 
 def test_calibration_holds_its_fpir_where_the_per_pair_rate_does_not():
