@@ -50,20 +50,38 @@ def test_without_root_the_slurm_rows_skip_saying_how_in_one_line(monkeypatch):
     assert "apt-get install -y slurm-wlm munge" in str(err.value)
 
 
+def _script_lines(starts: tuple[str, ...], show: str, **env: str) -> str:
+    """The script's lines that start with ``starts``, run by bash with ``env`` as SLURM
+    exports it; what ``echo show`` then prints."""
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    lines = [ln for ln in SCRIPT.read_text().splitlines() if ln.startswith(starts)]
+    assert len(lines) == len(starts)
+    done = subprocess.run(["bash", "-c", "\n".join([*lines, f'echo "{show}"'])],
+                          env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 @pytest.mark.parametrize(("env", "ranks"), [
     ({"SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "64"}, "8"),
     ({"SLURM_CPUS_ON_NODE": "4"}, "4"),
+    ({"SLURM_GPUS_ON_NODE": "0", "SLURM_CPUS_ON_NODE": "4"}, "4"),
     ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "64"}, "2"),
 ])
 def test_the_script_takes_its_ranks_per_node_from_the_allocation(env, ranks):
-    """The script's own line, run by bash with what SLURM exports on a GPU node, a CPU-only
-    node and under an explicit NPROC_PER_NODE."""
-    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
-    (line,) = [ln for ln in SCRIPT.read_text().splitlines()
-               if ln.startswith("export NPROC_PER_NODE=")]
-    done = subprocess.run(["bash", "-c", f'{line}; echo "$NPROC_PER_NODE"'],
-                          env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True)
-    assert done.stdout.strip() == ranks, done.stderr
+    """GPUs (gres) first, then CPUs: what SLURM exports on a GPU node, a CPU-only node (no
+    variable, or 0 under --gpus-per-node=0) and under an explicit NPROC_PER_NODE."""
+    assert _script_lines(("GPUS=", "export NPROC_PER_NODE="), "$NPROC_PER_NODE", **env) == ranks
+
+
+@pytest.mark.parametrize(("per_node", "cpus"), [("2(x2)", "2"), ("64", "64"),
+                                                ("72,36(x3)", "36")])
+def test_each_nodes_task_asks_srun_for_the_jobs_cpus_there(per_node, cpus):
+    """srun 22.05 does not inherit sbatch's --cpus-per-task (srun(1)): the script gives the
+    training step the job's CPUs a node (the fewest of any node) on srun's command line."""
+    assert _script_lines(("CPUS_PER_TASK=",), "$CPUS_PER_TASK",
+                         SLURM_JOB_CPUS_PER_NODE=per_node) == cpus
+    assert '--cpus-per-task="$CPUS_PER_TASK"' in SCRIPT.read_text()
 
 
 def test_every_slurm_row_runs_in_make_test_long_or_make_chaos():

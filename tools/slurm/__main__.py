@@ -54,8 +54,8 @@ def demo(keep: bool) -> int:
     return 0 if state == "COMPLETED" else 1
 
 
-def up() -> int:
-    with cluster(keep=True) as c:
+def up(site: bool) -> int:
+    with cluster(keep=True, site=site) as c:
         print(c.run("sinfo"), flush=True)
         print(f"export SLURM_CONF={c.work / 'slurm.conf'}   # then sbatch, squeue, sacct -c; "
               "Ctrl-C stops the cluster", flush=True)
@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("demo", "up"))
     parser.add_argument("--keep", action="store_true",
                         help="keep the cluster's folder (logs, slurm.conf) after a demo")
+    parser.add_argument("--site", action="store_true",
+                        help="up: the site-like cluster (2 CPUs and 2 fake GPUs a node, "
+                        "task/affinity)")
     args = parser.parse_args(argv)
     try:
-        return demo(args.keep) if args.command == "demo" else up()
+        return demo(args.keep) if args.command == "demo" else up(args.site)
     except NoSlurm as err:
         print(f"python -m tools.slurm: {err}", file=sys.stderr)
         return 2

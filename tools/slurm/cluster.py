@@ -21,6 +21,16 @@ What it declares, and why:
   ``ReturnToService=2`` (a node back is usable at once), ``proctrack/linuxproc`` and
   ``task/none``: no cgroups needed.
 
+``site=True`` declares the cluster as GPU sites run theirs: **two CPUs and two GPUs a node**
+(``CPUs=2`` and ``Gres=gpu:2``; ``SlurmdParameters=config_overrides`` lets a node claim what
+the machine has not), ``TaskPlugin=task/affinity`` (every task bound to the CPUs it was
+given: a step that asks for fewer CPUs than the job has gets fewer) and ``GresTypes=gpu``
+with two device files a node that the cluster creates under its folder, named in
+``gres.conf`` with ``AutoDetect=off``: ``--gpus-per-node=N`` sets ``SLURM_GPUS_ON_NODE`` and
+``CUDA_VISIBLE_DEVICES`` as on a GPU node, while torch, seeing no CUDA, trains on the CPU.
+``task/cgroup`` is not declared: ``ip netns exec`` mounts a fresh /sys without the host's
+cgroup hierarchies (docs/cluster.md says what was tried).
+
 Everything lives in one work folder (config, key, sockets, state, logs); nothing under /etc
 but the namespaces' own files (``/etc/netns``). Needs root (namespaces, daemons as root) and
 Debian's ``slurm-wlm`` and ``munge`` (:func:`ensure_installed`).
@@ -34,6 +44,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -55,6 +66,8 @@ CTLD_PORT, SLURMD_PORT = 6917, 6918
 GRACE_S = 30  # partition batch's GraceTime: a preempted job's time to save
 KILL_WAIT_S = 30  # SIGTERM to SIGKILL when a job is cancelled or its time is up
 SLURMD_TIMEOUT_S = 10  # a node silent this long is DOWN
+SITE_CPUS, SITE_GPUS = 2, 2  # a site-like node's (cluster(site=True))
+NVIDIA_MAJOR = 195
 PACKAGES = ("slurm-wlm", "munge")
 LOCK = "/tmp/pfc-slurm-{}.lock"
 HOW = "needs root and Debian's slurm-wlm and munge (as root: apt-get install -y slurm-wlm munge)"
@@ -73,15 +86,23 @@ def ensure_installed(install: bool = True) -> None:
         return
     if not install or shutil.which("apt-get") is None:
         raise NoSlurm(f"slurm-wlm or munge missing: {HOW}")
-    done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], capture_output=True,
-                          text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-    if done.returncode != 0:
-        raise NoSlurm(f"apt-get install {' '.join(PACKAGES)} failed: "
-                      f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # A fresh machine (a CI image) may hold no package lists yet: fetched once, then retried.
+    for first in ((), ("apt-get", "update", "-q")):
+        if first:
+            subprocess.run(first, capture_output=True, env=env)
+        done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES],
+                              capture_output=True, text=True, env=env)
+        if done.returncode == 0:
+            return
+    raise NoSlurm(f"apt-get install {' '.join(PACKAGES)} failed: "
+                  f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT) -> str:
-    """slurm.conf for the two namespaces, everything under ``work``."""
+def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT, site: bool = False) -> str:
+    """slurm.conf for the two namespaces, everything under ``work``; ``site``: two CPUs, two
+    GPUs and CPU binding a node (the module's docstring)."""
+    node = f"CPUs={SITE_CPUS} Gres=gpu:{SITE_GPUS}" if site else "CPUs=1"
     host = socket.gethostname().split(".")[0]
     lines = [
         "ClusterName=partialfc",
@@ -92,7 +113,9 @@ def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT) -> str:
         f"StateSaveLocation={work}/ctld", f"SlurmdSpoolDir={work}/spool-%n",
         f"SlurmctldPidFile={work}/slurmctld.pid", f"SlurmdPidFile={work}/slurmd-%n.pid",
         f"SlurmctldLogFile={work}/slurmctld.log", f"SlurmdLogFile={work}/slurmd-%n.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "ProctrackType=proctrack/linuxproc",
+        *(("TaskPlugin=task/affinity", "GresTypes=gpu", "SlurmdParameters=config_overrides")
+          if site else ("TaskPlugin=task/none",)),
         "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "SwitchType=switch/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "ReturnToService=2", f"SlurmdTimeout={SLURMD_TIMEOUT_S}", "InactiveLimit=0",
@@ -100,13 +123,37 @@ def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT) -> str:
         "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/filetxt", f"JobCompLoc={work}/jobcomp.txt",
         "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
-        *(f"NodeName={name} NodeAddr={nodes.address(i)} CPUs=1 State=UNKNOWN"
+        *(f"NodeName={name} NodeAddr={nodes.address(i)} {node} State=UNKNOWN"
           for i, name in enumerate(NAMES)),
         f"PartitionName=batch Nodes=ALL Default=YES PriorityTier=1 GraceTime={GRACE_S} "
         "MaxTime=INFINITE State=UP",
         "PartitionName=urgent Nodes=ALL PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP",
     ]
     return "\n".join(lines) + "\n"
+
+
+def gres_conf(work: Path) -> str:
+    """gres.conf of a site-like cluster: each node's fake GPUs, no detection (no NVML)."""
+    return "AutoDetect=off\n" + "".join(
+        f"NodeName={name} Name=gpu File={gpu_files(work, name)}\n" for name in NAMES)
+
+
+def gpu_files(work: Path, name: str) -> str:
+    """Node ``name``'s GPU device files, as gres.conf names them (``.../nvidia[0-1]``)."""
+    return f"{work}/dev-{name}/nvidia[0-{SITE_GPUS - 1}]"
+
+
+def _make_gpus(work: Path) -> None:
+    """The fake GPUs' device files: character devices of NVIDIA's major number, which no
+    driver here serves (a plain file where mknod is not permitted)."""
+    for name in NAMES:
+        (work / f"dev-{name}").mkdir(exist_ok=True)
+        for i in range(SITE_GPUS):
+            path = work / f"dev-{name}" / f"nvidia{i}"
+            try:
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, i))
+            except PermissionError:
+                path.touch()
 
 
 def hosts_file(subnet: str) -> str:
@@ -208,10 +255,12 @@ def _munged(work: Path) -> subprocess.Popen:
 
 
 @contextmanager
-def cluster(work: Path | None = None, keep: bool = False) -> Iterator[Cluster]:
+def cluster(work: Path | None = None, keep: bool = False, site: bool = False
+            ) -> Iterator[Cluster]:
     """Start munged, slurmctld and two slurmds, wait until both nodes are idle, yield the
-    :class:`Cluster`; stop them all and remove the namespaces (and ``work`` unless ``keep``)
-    afterwards. Raises :class:`NoSlurm` where SLURM or namespaces are not available."""
+    :class:`Cluster` (``site``: the site-like one, :func:`slurm_conf`); stop them all and
+    remove the namespaces (and ``work`` unless ``keep``) afterwards. Raises
+    :class:`NoSlurm` where SLURM or namespaces are not available."""
     ensure_installed()
     slot, hold = _slot()
     subnet = f"10.213.{8 + slot}"
@@ -221,7 +270,10 @@ def cluster(work: Path | None = None, keep: bool = False) -> Iterator[Cluster]:
     daemons: list[subprocess.Popen] = []
     try:
         with two_nodes(subnet, bridge=True, etc={"hosts": hosts_file(subnet)}) as nodes:
-            (work / "slurm.conf").write_text(slurm_conf(work, nodes, CTLD_PORT + slot))
+            (work / "slurm.conf").write_text(slurm_conf(work, nodes, CTLD_PORT + slot, site))
+            if site:
+                _make_gpus(work)
+                (work / "gres.conf").write_text(gres_conf(work))
             (work / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
             for name in NAMES:
                 (work / f"spool-{name}").mkdir(exist_ok=True)
