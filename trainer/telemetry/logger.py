@@ -35,7 +35,7 @@ from trainer.errors import Stopped
 from trainer.telemetry import run_files
 from trainer.telemetry.console import Console
 from trainer.telemetry.evaluation_log import flat_metrics
-from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
+from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink, scalars_of
 
 if TYPE_CHECKING:
     from trainer.engine import StepResult
@@ -139,8 +139,12 @@ class RunLogger:
         cfg = self.cfg
         mode = os.environ.get("WANDB_MODE") or cfg.log.wandb
         if mode != "disabled":
-            self._sinks.append(WandbSink(self.run_dir, mode, cfg.log.wandb_project, cfg.name,
-                                         cfg.model_dump(mode="json")))
+            wandb = WandbSink(self.run_dir, mode, cfg.log.wandb_project, cfg.name,
+                              cfg.model_dump(mode="json"))
+            self._sinks.append(wandb)
+            if wandb.backfilled:
+                self.info(f"W&B: sent {wandb.backfilled} row(s) of {run_files.METRICS} that "
+                          "an earlier segment's W&B record lacks")
         if cfg.log.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir, dump_config(cfg), step))
         # Closed in close().
@@ -165,7 +169,7 @@ class RunLogger:
         """After optimisation step ``step`` (1-based count of steps done) of ``epoch``
         (0-based). ``data``: the loader's counters summed over ranks (``skipped_samples``,
         ``padded_samples``, with data at a URL ``storage_wait_share``, ``storage_retries``:
-        ``trainer.loop.data_counts``), given on the steps that are :meth:`due`.
+        ``trainer.run_state.data_counts``), given on the steps that are :meth:`due`.
 
         ``result`` (the engine's ``StepResult``) and ``head_stats`` are read only on the steps
         that are :meth:`due`: the engine and the head keep their numbers on the device
@@ -230,8 +234,7 @@ class RunLogger:
         with self._guard(self._metrics.name):
             self._metrics.write(json.dumps(_json_safe(record)) + "\n")
             self._metrics.flush()
-        scalars = {k: v for k, v in record.items()
-                   if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
+        scalars = scalars_of(record)
         self._to_sinks(lambda sink: sink.scalars(record["step"], scalars))
 
     @contextlib.contextmanager

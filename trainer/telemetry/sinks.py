@@ -9,9 +9,12 @@ histograms are ``theta_target`` / ``theta_nontarget`` in degrees, binned per deg
 W&B: one run per training across resumes. The run id is kept in ``RUN/wandb_run_id`` and
 passed back with ``resume="allow"``; every chart's x axis is ``global_step`` (declared with
 ``define_metric``), so a resumed segment that logs steps again lines up instead of being
-dropped by W&B's own monotonic step counter. Offline, W&B prints nothing (its start and
-end-of-run lines would bury the trainer's; the history is in the run folder and in
-metrics.jsonl); online it prints its usual lines, the run's URL among them.
+dropped by W&B's own monotonic step counter. A segment whose W&B service ended with the job
+(a job-wide SIGTERM from SLURM, a lost node) leaves its last steps out of the W&B record
+although metrics.jsonl has them; the next segment sends those first, in order, read back from
+the earlier segments' own files (:mod:`trainer.telemetry.wandb_log`). Offline, W&B prints
+nothing (its start and end-of-run lines would bury the trainer's; the history is in the run
+folder and in metrics.jsonl); online it prints its usual lines, the run's URL among them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import secrets
 import threading
 from collections.abc import Iterator
@@ -27,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from trainer.telemetry import run_files
+from trainer.telemetry import run_files, wandb_log
 
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tb"
@@ -45,8 +49,15 @@ class Sink(Protocol):
         ...
 
 
+def scalars_of(row: dict) -> dict[str, float]:
+    """A metrics.jsonl row's numbers as the sinks take them: finite, without ``step``."""
+    return {k: v for k, v in row.items()
+            if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
+
+
 class WandbSink:
-    """A W&B run (``mode``: offline | online) under ``RUN/wandb``."""
+    """A W&B run (``mode``: offline | online) under ``RUN/wandb``; ``backfilled``: the
+    metrics.jsonl rows it sent at its start that the earlier segments' records lacked."""
 
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict):
         import wandb
@@ -60,6 +71,31 @@ class WandbSink:
         id_file.write_text(self.run.id + "\n")
         self.run.define_metric("global_step")
         self.run.define_metric("*", step_metric="global_step")
+        self.backfilled = self._backfill(run_dir / run_files.METRICS)
+
+    def _backfill(self, metrics: Path) -> int:
+        """Send the rows of ``metrics`` (truncated to the resumed step) whose numbers no
+        earlier segment's record holds at their step, in order; how many (none without an
+        earlier record to compare with). A job-wide SIGTERM ends the W&B service with the
+        ranks, before it has written the last steps they sent, and a lost node's service
+        ends without a signal: only the next segment can send those (docs/cluster.md)."""
+        current = Path(getattr(self.run, "dir", "") or ".").parent
+        earlier = [p for p in wandb_log.segments(self._dir, self.run.id) if p.parent != current]
+        if not earlier:  # a first segment, or one whose records are gone: no gaps to fill
+            return 0
+        held: dict[int, set[str]] = {}
+        for path in earlier:
+            try:
+                history = wandb_log.read(path).history
+            except Exception:  # noqa: BLE001 - an unreadable record only costs its backfill
+                continue
+            for row in history:
+                held.setdefault(row.get("global_step"), set()).update(row)
+        missing = [row for row in run_files.read_jsonl(metrics) if "step" in row
+                   and not set(scalars_of(row)) <= held.get(row["step"], set())]
+        for row in missing:
+            self.scalars(row["step"], scalars_of(row))
+        return len(missing)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"global_step": step, **values})
