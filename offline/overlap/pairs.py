@@ -1,7 +1,7 @@
 """Identities held twice: classes of several training sets (or of one) that are one person.
 
 ``launch.overlap --between A,B [--within]``. Each class ``c`` of each set gets its centre
-``mu_c`` as ``offline.overlap.matches.class_centres`` makes it (the mean unit embedding of its
+``mu_c`` as ``offline.overlap.centres.class_centres`` makes it (the mean unit embedding of its
 images); each centre is then searched against the centres of the other sets and, with ``--within``,
 against its own set's other centres (:func:`nearest_centres`: the exact flat search of
 ``offline.overlap.search.centre_search``). A centre whose nearest reaches the threshold
