@@ -30,8 +30,9 @@ from trainer.config import (
 )
 from trainer.dist import DistEnv, init_distributed, shutdown
 from trainer.errors import EXIT_STATUS, Refused, yield_to_reporter
+from trainer.failures import report_failure
 from trainer.folder_lock import open_lock, run_folder_lock
-from trainer.loop import report_failure, train
+from trainer.loop import train
 from trainer.preemption import LAUNCHER_WATCH, Interrupted
 from trainer.run_store import mirrored
 from trainer.stopping import StopRequests

@@ -279,7 +279,7 @@ class PartialFC(nn.Module):
         of range is no error but a wrong loss (no rank owns its class, so its row has no
         target logit): pass it only for labels from a source that refuses the others before
         they get here, as the trainer's loaders do (``data_pipeline.EpochBatches.num_classes``,
-        held equal to ``num_classes`` by ``trainer.loop.build``).
+        held equal to ``num_classes`` by ``trainer.build.build``).
         With both, a training-mode forward at ``sample_rate == 1`` reads nothing from the
         device, and so does one at ``r < 1`` whose ``ceil(r * num_local)`` is at least the
         global batch; a smaller sample reads its number of positives (the sample's size)."""

@@ -1,5 +1,7 @@
-"""The training run: build (config -> engine, loader, logger), resume, the step loop with
-checkpoints, evaluation and stop signals, and the one report of a failure.
+"""The training run, top to bottom: :func:`train` builds the run (``trainer.build``), resumes
+it, runs :func:`loop` (each :func:`one_step`, then checkpoints, evaluation and the agreed stop)
+and finishes it. A run's counters and the counts it reports are in ``trainer.run_state``; how a
+failure is told (a failed collective naming the phase, the one report) in ``trainer.failures``.
 
 ``launch.train`` is the program around it; it validates the config before calling
 :func:`train` inside the process group. The run folder layout is in ``launch/train.py``.
@@ -7,43 +9,24 @@ checkpoints, evaluation and stop signals, and the one report of a failure.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import torch
 
-from trainer import checkpoint, seams
-from trainer.config import (
-    Config,
-    ConfigError,
-    resume_drift,
-)
-from trainer.config.accumulation import accumulation, images_per_step, micro_batches
+from trainer import checkpoint
+from trainer.build import build
+from trainer.config import Config, resume_drift
 from trainer.dist import DistEnv
-from trainer.errors import (
-    Scope,
-    Stopped,
-    classify,
-    collective_detail,
-    is_collective_failure,
-    yield_to_reporter,
-)
-from trainer.overrules import epochs_end_first, margin_words, run_length, schedule_jump
+from trainer.errors import Stopped
+from trainer.failures import collectives_of
+from trainer.overrules import margin_words, schedule_jump
 from trainer.preemption import StopSignals
+from trainer.run_state import Run, data_counts
 from trainer.run_store import store_of
 from trainer.stopping import StopReason, StopRequest, StopRequested, StopRequests
-from trainer.telemetry.console import append_log
-from trainer.telemetry.logger import RunLogger, WriteFailed
-
-if TYPE_CHECKING:
-    from data_pipeline.epoch_batches import EpochBatches
-    from trainer.engine import Engine
+from trainer.telemetry.logger import WriteFailed
 
 
 def _groups(batches, k: int) -> Iterator[list]:
@@ -58,60 +41,6 @@ class Diverged(Stopped, RuntimeError):
     """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient (all ranks)."""
 
 
-class CollectiveFailed(Stopped, RuntimeError):
-    """A collective timed out or lost a peer: another rank stopped, died or fell behind.
-    Each rank that waited reports it (the others may be stopped or gone)."""
-
-    scope = Scope.ONE_RANK
-
-
-@contextlib.contextmanager
-def _collectives_of(phase: Callable[[], str], timeout_s: float,
-                    resume_from: Callable[[], Path | None] = lambda: None,
-                    since: Callable[[], float] | None = None) -> Iterator[None]:
-    """Turn a failed collective inside the block into the one-line :class:`CollectiveFailed`
-    (any other error passes through): ``phase()`` names where the run was ("step 12",
-    "building the engine", ...), ``resume_from()`` the checkpoint a rerun resumes, and the
-    wait is counted from ``since()`` (the block's start when None; a step's own start in
-    the loop)."""
-    started = time.monotonic()
-    try:
-        yield
-    except RuntimeError as err:  # torch's DistError subclasses and gloo's plain RuntimeError
-        if not is_collective_failure(err):
-            raise
-        waited = time.monotonic() - (started if since is None else since())
-        raise CollectiveFailed(
-            f"{phase()}: a collective failed after {waited:.0f} s ({collective_detail(err)}): "
-            "another rank stopped, died or fell behind by more than the process group's "
-            f"timeout (dist.timeout_s={timeout_s:g}); resume from {resume_from() or 'the start'}"
-        ) from None
-
-
-@dataclass
-class Run:
-    """One run on one rank: what :func:`build` makes and the counters the loop advances."""
-
-    cfg: Config
-    env: DistEnv
-    engine: Engine
-    loader: EpochBatches
-    log: RunLogger
-    total: int  # optimisation steps of the whole run
-    steps_per_epoch: int
-    accum: int = 1  # micro-batches per rank per step (trainer.config.accumulation)
-    step: int = 0  # steps done
-    epoch: int = 0
-    saved: Path | None = None  # the newest checkpoint this process wrote or resumed from
-    bad_steps: int = 0  # skipped as non-finite, in all
-    skipped_steps: int = 0  # dropped by DeepSpeed's fp16 loss scaler (overflow), in all
-    skipped_samples: int = 0  # corrupt samples: the most any epoch met (all ranks)
-    bad_in_a_row: int = 0
-    step_started: float = 0.0  # time.monotonic() when the current step began
-    storage_seen: tuple[int, int, int] = (0, 0, 0)  # storage retries, wait ms, stream ms
-    stops: StopRequests = field(default_factory=StopRequests)  # this rank's, read at each step
-
-
 def train(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> dict:
     """Run (or resume) training on every rank; returns rank 0's summary (``{}`` elsewhere).
     ``stops``: the run's stop requests, when a watcher (the run lock) was handed them
@@ -119,9 +48,9 @@ def train(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> dict:
     A collective that fails in any phase (a peer stopped, died or was cut off) ends this
     rank with one :class:`CollectiveFailed` line naming the phase."""
     timeout = cfg.dist.timeout_s
-    with _collectives_of(lambda: "building the engine", timeout):
+    with collectives_of(lambda: "building the engine", timeout):
         run = build(cfg, env, stops)
-    with _collectives_of(lambda: "resuming", timeout):
+    with collectives_of(lambda: "resuming", timeout):
         resume(run)
     if run.step >= run.total:
         return already_finished(run)
@@ -129,103 +58,11 @@ def train(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> dict:
     # The signals are recorded until the run's end: one that comes after the last step's
     # agreement must not kill a rank in the last save (trainer.preemption).
     with StopSignals(lambda: (run.step, run.step_started), run.stops, run.total):
-        with _collectives_of(lambda: f"step {run.step + 1}", timeout, saved,
+        with collectives_of(lambda: f"step {run.step + 1}", timeout, saved,
                              since=lambda: run.step_started):
             stopped_by = loop(run)
-        with _collectives_of(lambda: f"after step {run.step}", timeout, saved):
+        with collectives_of(lambda: f"after step {run.step}", timeout, saved):
             return finish(run, stopped_by)
-
-
-def build(cfg: Config, env: DistEnv, stops: StopRequests | None = None) -> Run:
-    """Backbone, head, loader, engine and logger, identically seeded on every rank; ``stops``
-    the run's stop requests (a fresh holder when no watcher was handed one)."""
-    from partial_fc import PartialFC, build_margin
-    from partial_fc.aux_losses import AuxLosses
-    from partial_fc.backbones import build_backbone
-    from trainer.distill import Distillation
-    from trainer.engine import Engine
-
-    torch.manual_seed(cfg.seed)  # identical backbone init on every rank
-    backbone = build_backbone(**cfg.backbone.build_kwargs())
-    if cfg.backbone.weights is not None:
-        from trainer.checkpoint.backbone import load_initial_weights
-
-        load_initial_weights(backbone, cfg.backbone.weights)
-    seams.BACKBONE_BUILT(backbone, rank=env.rank)
-    head = PartialFC(cfg.backbone.embedding_size, cfg.data.num_classes,
-                     build_margin(cfg.margin_kwargs()), process_group=env.group, seed=cfg.seed,
-                     device=env.device, aux_losses=AuxLosses(**cfg.loss.model_dump()),
-                     **cfg.partial_fc_kwargs())
-    k = accumulation(cfg.train, env.world_size)
-    loader = build_loader(cfg, env)
-    if loader.num_classes != cfg.data.num_classes:  # the head trusts the loader's labels
-        raise ConfigError(f"data.num_classes={cfg.data.num_classes}: the data has "
-                          f"{loader.num_classes} classes (manifest.json); set data.num_classes="
-                          f"{loader.num_classes} or drop the key (the manifest fills it)")
-    steps_per_epoch = len(loader) // k
-    if steps_per_epoch == 0:
-        raise ConfigError(f"train.grad_accum={k}: more than the {len(loader)} batches per epoch")
-    total, warmup = run_length(cfg, steps_per_epoch)
-    distillation = Distillation.from_config(cfg, env.device)
-    if cfg.distill.head_init:  # before the engine: a resumed run loads its rows over these
-        distillation.init_head(head, cfg.data.dir)
-    engine = Engine(cfg, backbone, head, env, total_steps=total, warmup_steps=warmup,
-                    distillation=distillation)
-    log = RunLogger(cfg, env.rank, total, images_per_step(cfg.train, env.world_size))
-    overruled = epochs_end_first(cfg, steps_per_epoch)
-    if overruled:
-        log.info(overruled)
-    if warmup >= total:  # known only here: the steps per epoch depend on the loader
-        log.info(f"warning: the lr warm-up (schedule.warmup_epochs={cfg.schedule.warmup_epochs:g}"
-                 f", {warmup} steps) outlasts the run ({total} steps), so the lr never decays; "
-                 f"lower schedule.warmup_epochs or raise train.max_steps")
-    return Run(cfg, env, engine, loader, log, total, steps_per_epoch, k,
-               stops=stops if stops is not None else StopRequests())
-
-
-def build_loader(cfg: Config, env: DistEnv) -> EpochBatches:
-    """This rank's batches: the shard loader on ``data.dir`` (or mixing ``data.dirs``), or
-    (``data.source=synthetic``) batches generated on the rank's device; seeded by ``seed``.
-    The shard loaders' flip is deferred to the engine, which mirrors on the run's device
-    (``flip="deferred"``: the same images, one image in two less for a decoding worker).
-    With ``train.global_batch``, this rank's micro-batch streams, each the source rank ``j``
-    of ``n`` would have (data_pipeline.micro_batches: placed by global position)."""
-    from data_pipeline.micro_batches import MicroBatchStreams
-
-    n = micro_batches(cfg.train)
-    if n is None:
-        return _batch_source(cfg, env.rank, env.world_size, env.device)
-    return MicroBatchStreams(lambda j: _batch_source(cfg, j, n, env.device), rank=env.rank,
-                             world_size=env.world_size, streams=n)
-
-
-def _batch_source(cfg: Config, rank: int, world_size: int,
-                  device: torch.device) -> EpochBatches:
-    """The batch source of ``rank`` of ``world_size`` (see :func:`build_loader`)."""
-    from data_pipeline import SyntheticStream, make_loader
-    from data_pipeline.remote_shards import Streaming
-
-    common = {"batch_size": cfg.train.batch_size, "rank": rank,
-              "world_size": world_size, "seed": cfg.seed, "flip": cfg.data.flip}
-    if cfg.data.source == "synthetic":
-        return SyntheticStream(cfg.data.num_classes, cfg.data.synthetic_images_per_class,
-                               device=device, **common)
-    common.update(num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
-                  flip="deferred" if cfg.data.flip else False, max_pixels=cfg.data.max_pixels,
-                  streaming=Streaming(cache_dir=cfg.data.cache_dir, cache_gib=cfg.data.cache_gib))
-    if cfg.data.dirs is not None:
-        from data_pipeline.merge import read_merge
-        from data_pipeline.mixture import make_mixed_loader
-
-        merge = None if cfg.data.merge is None else read_merge(cfg.data.merge)
-        if merge is not None and merge.digest != cfg.data.merge_digest:  # edited since --check
-            raise ConfigError(f"data.merge={cfg.data.merge}: its pairs changed after the "
-                              f"config was checked (digest {merge.digest}, checked "
-                              f"{cfg.data.merge_digest}); start the run again")
-        return make_mixed_loader(cfg.data.dirs, weights=cfg.data.weights,
-                                 excludes=cfg.data.exclusions(), merge=merge, **common)
-    return make_loader(cfg.data.dir, exclude=cfg.data.exclusions()[0],
-                       with_keys=cfg.distill.embeddings is not None, **common)
 
 
 def resume(run: Run) -> None:
@@ -380,34 +217,6 @@ def one_step(run: Run, micro_batches: list) -> StopRequest:
     return result.stop
 
 
-def data_counts(run: Run) -> dict[str, int | float]:
-    """Collective: corrupt samples and samples repeated to pad (all ranks), and the steps
-    skipped as non-finite (``bad_steps``) or by the fp16 loss scaler (``skipped_steps``).
-    Every epoch meets the same corrupt files, so ``skipped_samples`` is the most any one
-    epoch has counted, not a sum that grows by them each epoch.
-
-    Reading a folder at a URL, also the share of the time the loader's workers (all ranks)
-    waited on storage since the last record (``storage_wait_share``,
-    data_pipeline.epoch_batches.StorageWait) and the reads retried since this process
-    started (``storage_retries``); in the same gather, so no host sync is added."""
-    from partial_fc.distributed import gather_ints
-
-    loader, storage = run.loader, run.loader.storage
-    counts = gather_ints([loader.num_skipped, loader.num_padded, storage.retries,
-                          round(1000 * storage.wait_s), round(1000 * storage.stream_s)],
-                         run.env.device, run.env.group).sum(0).tolist()
-    run.skipped_samples = max(run.skipped_samples, counts[0])
-    out = {"skipped_samples": run.skipped_samples, "padded_samples": counts[1],
-           "bad_steps": run.bad_steps, "skipped_steps": run.skipped_steps,
-           "world_size": run.env.world_size, "accumulation": run.accum}
-    if loader.reads_url:
-        (_, waited, streamed), now = run.storage_seen, tuple(counts[2:])
-        out["storage_wait_share"] = (now[1] - waited) / max(now[2] - streamed, 1)
-        out["storage_retries"] = now[0]
-        run.storage_seen = now
-    return out
-
-
 def save(run: Run) -> None:
     """Checkpoint step ``run.step`` (collective)."""
     cfg = run.cfg
@@ -451,24 +260,3 @@ def finish(run: Run, stopped_by: str | None) -> dict:
     elif evaluates(run.cfg):
         evaluate(run)
     return run.log.close(run.step, run.saved)
-
-
-def report_failure(err: Exception, rank: int, run_dir: Path | None) -> int:
-    """Print a failure after the process group started, and append it to ``run_dir``'s
-    train.log (every rank that reports; None: the folder is not this job's); returns the
-    exit code.
-
-    Which ranks print, what and the exit code are the error's to say
-    (:func:`trainer.errors.classify`): one line from rank 0 for an error every rank raises
-    together (config, checkpoint, divergence), one line from the rank that met it for its
-    data or a failed collective, and for anything else (a bug) the traceback from each rank.
-    """
-    report = classify(err, rank)
-    if report.prints:
-        print(report.text, end="" if report.text.endswith("\n") else "\n", file=sys.stderr,
-              flush=True)
-        if run_dir is not None:
-            append_log(run_dir, report.logged)
-    else:
-        yield_to_reporter()
-    return report.exit_code

@@ -53,7 +53,7 @@ head returned the global-batch loss and before its backward: ``hook(loss, rank=i
 it (``loss * nan``) replaces the loss the step backpropagates, checks and logs.""")
 
 BACKBONE_BUILT = Seam("backbone-built", """\
-``trainer.loop.build``, every rank, once, after the backbone was built (and its initial
+``trainer.build.build``, every rank, once, after the backbone was built (and its initial
 weights loaded), before an engine wraps it: ``hook(backbone, rank=int)``, the bare
 ``nn.Module`` on the CPU. A hook may register tensor or module hooks on it.""")
 

@@ -64,7 +64,7 @@ class StopRequests:
     """This rank's stop requests until a step carries them: the public way for any part of
     the trainer (the signal handler, the logger, a launcher or lock watch) to stop the run.
     Only the largest reason is kept, with the ``detail`` its caller gave for the one line the
-    run ends with. The run holds one (``trainer.loop.Run.stops``, made by ``launch.train``)
+    run ends with. The run holds one (``trainer.run_state.Run.stops``, made by ``launch.train``)
     and hands it to every watcher: there is no other place a request can wait.
 
     The step reads :meth:`current` at its agreement, after its forward and backward, so a

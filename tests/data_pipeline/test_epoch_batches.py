@@ -8,7 +8,9 @@ import inspect
 
 import torch
 
+import trainer.build
 import trainer.loop
+import trainer.run_state
 from data_pipeline import EpochBatches, SyntheticStream, make_loader
 
 LOADER_NAMES = {"loader", "run.loader"}
@@ -22,9 +24,10 @@ def _members() -> set[str]:
 
 def test_the_protocol_names_every_attribute_the_loop_reads():
     used = set()
-    for node in ast.walk(ast.parse(inspect.getsource(trainer.loop))):
-        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in LOADER_NAMES:
-            used.add(node.attr)
+    for module in (trainer.loop, trainer.build, trainer.run_state):  # the loop and its parts
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in LOADER_NAMES:
+                used.add(node.attr)
     assert used, "the loop reads nothing of its loader?"
     assert used <= _members(), sorted(used - _members())
 

@@ -108,8 +108,8 @@ def test_data_max_pixels_reaches_the_trainers_loader(tmp_path, limit, skipped):
     import torch
     from launch_helpers import make_config
 
+    from trainer.build import build_loader
     from trainer.dist import DistEnv
-    from trainer.loop import build_loader
 
     folder = write_folder(tmp_path / "f", [face("JPEG", 112)] * 3 + [face("JPEG", 200)])
     given = [] if limit is None else [f"data.max_pixels={limit}"]

@@ -126,7 +126,8 @@ class _Scripted:
 
 def test_the_loop_counts_steps_from_the_step_result(tmp_path, one_rank_group):
     from trainer.dist import attach
-    from trainer.loop import Diverged, Run, one_step
+    from trainer.loop import Diverged, one_step
+    from trainer.run_state import Run
     from trainer.telemetry.logger import RunLogger
 
     cfg = make_config(f"output={tmp_path}", "log.every=1000", "log.hist_every=0",

@@ -186,8 +186,8 @@ def test_deepspeed_accelerator_follows_a_cuda_run(monkeypatch):
 
 @pytest.mark.parametrize("device, pinned", [(CUDA0, True), (torch.device("cpu"), False)])
 def test_trainer_asks_for_pinned_batches_on_cuda_only(synthetic_data, device, pinned):
+    from trainer.build import build_loader
     from trainer.dist import DistEnv
-    from trainer.loop import build_loader
 
     cfg = make_config(f"data.dir={synthetic_data}", "data.num_workers=0")
     assert build_loader(cfg, DistEnv(0, 1, 0, device)).pin_memory is pinned
@@ -198,8 +198,8 @@ def test_trainer_asks_for_pinned_batches_on_cuda_only(synthetic_data, device, pi
 def test_trainer_leaves_the_flip_to_its_engine(synthetic_data, flip, expected, folders):
     """The trainer's shard loaders (one folder or a mixture) hand the flip bits to the
     engine, which mirrors on the run's device (``test_engine.py`` checks the step)."""
+    from trainer.build import build_loader
     from trainer.dist import DistEnv
-    from trainer.loop import build_loader
 
     data = (f"data.dir={synthetic_data}" if folders == 1 else
             f"data.dirs=[{synthetic_data},{synthetic_data}]")

@@ -32,7 +32,8 @@ from trainer.errors import (
     collective_detail,
     is_collective_failure,
 )
-from trainer.loop import CollectiveFailed, Diverged, report_failure
+from trainer.failures import CollectiveFailed, report_failure
+from trainer.loop import Diverged
 from trainer.telemetry.logger import WriteFailed
 from trainer.telemetry.run_files import RunFileError
 

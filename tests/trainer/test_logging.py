@@ -303,7 +303,7 @@ def test_warnings_and_the_fatal_error_land_in_train_log(synthetic_data, tmp_path
 
 
 def test_a_bug_on_any_rank_lands_in_train_log_with_its_traceback(tmp_path, capsys):
-    from trainer.loop import report_failure
+    from trainer.failures import report_failure
 
     try:
         {}["boom"]

@@ -157,7 +157,7 @@ def test_real_fp16_overflow_skips_backbone_and_head():
 
 def test_minimum_loss_scale_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path):
     from trainer.engine.deepspeed_backend import LossScaleFloor
-    from trainer.loop import report_failure
+    from trainer.failures import report_failure
 
     monkeypatch.delenv("RANK", raising=False)
     err = LossScaleFloor("step 7: fp16 gradients overflow even at DeepSpeed's minimum loss scale")

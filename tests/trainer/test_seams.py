@@ -89,9 +89,9 @@ def test_a_short_run_fires_every_seam(clean_seams, one_rank_group, tmp_path):
     from launch_helpers import ROOT as TESTS_ROOT
 
     from trainer import checkpoint
+    from trainer.build import build
     from trainer.config import load_config
     from trainer.dist import attach
-    from trainer.loop import build
 
     fired: dict[str, list] = {name: [] for name in clean_seams.SEAMS}
     for name in clean_seams.SEAMS:

@@ -58,7 +58,8 @@ def test_a_stop_without_checkpoint_ends_every_rank_with_one_line(reason, tmp_pat
     """The loop's error for each reason that writes no checkpoint: exit 1, reported once by
     rank 0, naming the step and how to resume (not when the folder is another job's now); the
     asking rank's detail when it is rank 0."""
-    from trainer.loop import Run, stop_error
+    from trainer.loop import stop_error
+    from trainer.run_state import Run
     from trainer.telemetry.logger import RunLogger, WriteFailed
 
     cfg = make_config(f"output={tmp_path}", "log.progress=false")

@@ -28,7 +28,7 @@ def _drain(loader) -> None:
 
 
 def _trainer_loader(*overrides: str):
-    from trainer.loop import build_loader
+    from trainer.build import build_loader
 
     cfg = make_config(*overrides, f"data.num_classes={CLASSES}", "data.num_workers=0",
                       "train.batch_size=8")
@@ -95,9 +95,9 @@ def test_the_synthetic_stream_draws_every_label_inside_its_classes():
 def test_the_run_refuses_a_loader_of_another_class_count(synthetic_data, one_rank_group):
     """A config not resolved against its data (``data.num_classes`` 11, the folder 20): the
     loader would let labels 11..19 through to a head of 11 classes."""
+    from trainer.build import build
     from trainer.config import ConfigError
     from trainer.dist import attach
-    from trainer.loop import build
 
     cfg = make_config(f"data.dir={synthetic_data}", "data.num_workers=0")
     with pytest.raises(ConfigError, match=r"^data.num_classes=11: the data has 20 classes"):

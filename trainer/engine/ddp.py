@@ -38,7 +38,7 @@ def buffer_sync(forward: bool) -> dict[str, bool]:
     also leaves the buffers out of DDP's initial broadcast from rank 0, while
     ``forward_sync_buffers=False`` still broadcasts them there (the parameters are broadcast
     either way). For this trainer that broadcast copies equal values: every rank builds the
-    backbone from the same seed and the same ``backbone.weights`` (``trainer.loop.build``),
+    backbone from the same seed and the same ``backbone.weights`` (``trainer.build.build``),
     so its buffers are equal on every rank (BatchNorm's start at the constants 0, 1 and 0:
     mean, var, batches tracked), and a resumed run loads its checkpoint (the rank mean of
     the buffers, ``trainer.checkpoint.state.average_buffers``) after the engine is built.

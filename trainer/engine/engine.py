@@ -264,7 +264,7 @@ class Engine:
         statistics, the AdaCos scale) are as before the step, and the gradients are cleared.
         The labels are not range-checked here (``PartialFC.forward``'s ``trusted_labels``):
         the run's loaders refuse a label outside ``[0, data.num_classes)`` before it reaches
-        the step, and ``trainer.loop.build`` refuses a loader of another class count.
+        the step, and ``trainer.build.build`` refuses a loader of another class count.
 
         Host reads (each makes the CPU wait for the device; tests/trainer/test_engine_syncs.py
         holds the budget): one, the verdict, read after the backbone's backward to decide
