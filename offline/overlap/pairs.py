@@ -109,8 +109,9 @@ class FoundPairs:
     def expected_false(self) -> float | None:
         """At most how many pairs the FPIR expects falsely (a pair found from both sides
         counts once); None without a calibration."""
-        return None if self.calibration is None else self.calibration.expected_fpir * (
-            self.searches)
+        if self.calibration is None:
+            return None
+        return self.calibration.expected_fpir * self.searches
 
 
 def nearest_centres(sets: Sequence[CentreSet], within: bool,
