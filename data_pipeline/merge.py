@@ -28,20 +28,20 @@ a resume with an edited list is refused.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.door import is_index, read_text
 from data_pipeline.errors import DataError
 from data_pipeline.manifest import atomic_write_bytes
 from data_pipeline.remote import is_url
 
 Node = tuple[int, int]  # (set, class in that set's own labels)
-_INDEX = re.compile(r"[0-9]{1,12}")  # a set or a class: ASCII digits, below 10^12
 MAX_BYTES = 256 << 20  # a list of 10^6 pairs is ~60 MiB; more is not a merge list
 FORMAT = ("'set I FOLDER' or 'pair I:CLASS J:CLASS [COSINE]' (I, J, CLASS integers >= 0; "
           "'#' comments, '-' strikes a line)")
@@ -67,14 +67,8 @@ class MergeList:
 def read_merge(path: str | os.PathLike) -> MergeList:
     """Parse a merge list; DataError naming ``file:line`` (a bad line), or the file."""
     path = Path(path)
-    try:
-        if path.stat().st_size > MAX_BYTES:
-            raise DataError(f"{path}: {path.stat().st_size} bytes, more than a merge list's "
-                            f"{MAX_BYTES >> 20} MiB")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read the merge list ({type(exc).__name__}: {exc}); "
-                        "write one with python -m launch.overlap --between") from exc
+    text = read_text(path, "the merge list", limit=MAX_BYTES,
+                     hint="; write one with python -m launch.overlap --between")
     sets: dict[int, str] = {}
     pairs: list[tuple[Node, Node]] = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -83,7 +77,7 @@ def read_merge(path: str | os.PathLike) -> MergeList:
             continue
         where = f"{path}:{number}"
         words = line.split()
-        if words[0] == "set" and len(words) == 3 and _INDEX.fullmatch(words[1]):
+        if words[0] == "set" and len(words) == 3 and is_index(words[1]):
             index = int(words[1])
             if sets.setdefault(index, words[2]) != words[2]:
                 raise DataError(f"{where}: set {index} named twice ({sets[index][:80]}, "
@@ -131,7 +125,7 @@ def same_folder(a: str, b: str) -> bool:
 
 def _node(word: str, where: str) -> Node:
     s, _, c = word.partition(":")
-    if not (_INDEX.fullmatch(s) and _INDEX.fullmatch(c)):
+    if not (is_index(s) and is_index(c)):
         raise DataError(f"{where}: {word[:40]!r} is not SET:CLASS (two integers >= 0)")
     return int(s), int(c)
 
@@ -156,18 +150,38 @@ def write_merge(path: str | os.PathLike, sets: Sequence[str],
     atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode("utf-8"))
 
 
+def merged_count(merge: MergeList, num_classes: Sequence[int]) -> int:
+    """How many people the side-by-side classes of ``num_classes`` are once the pairs'
+    classes are one, counted over the classes the pairs name alone: nothing is sized by
+    the class counts the manifests state, which are bounded after this (the head's memory
+    check, trainer.config.head_memory) and before :func:`merged_labels` makes its map.
+    DataError where a pair names a set or class outside ``num_classes``."""
+    return sum(num_classes) - len(_joined(merge, num_classes))
+
+
 def merged_labels(merge: MergeList, num_classes: Sequence[int]) -> np.ndarray:
     """``[sum(num_classes)]`` int64: the label of each class of the side-by-side space (set
     ``i``'s class ``c`` at ``sum(num_classes[:i]) + c``) once the pairs' classes are one;
     labels ``0 .. people - 1`` in order of each person's first class. DataError where a pair
-    names a set or class outside ``num_classes``."""
-    offsets = np.cumsum([0, *num_classes])
-    parent = np.arange(offsets[-1])
+    names a set or class outside ``num_classes``. Sized by the class counts: call it once
+    they are bounded (:func:`merged_count` is what a check needs)."""
+    joined = _joined(merge, num_classes)
+    person = np.arange(sum(num_classes))
+    for node, first in joined.items():
+        person[node] = first
+    return np.unique(person, return_inverse=True)[1].astype(np.int64)  # roots sort by first
+
+
+def _joined(merge: MergeList, num_classes: Sequence[int]) -> dict[int, int]:
+    """Each class of the side-by-side space that a pair joins to an earlier one, mapped to
+    its person's first class (union-find over the classes the pairs name)."""
+    offsets = [0, *itertools.accumulate(num_classes)]
+    parent: dict[int, int] = {}
 
     def root(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = int(parent[x])
+        while parent.get(x, x) != x:
+            parent[x] = parent.get(parent[x], parent[x])
+            x = parent[x]
         return x
 
     for a, b in merge.pairs:
@@ -176,8 +190,7 @@ def merged_labels(merge: MergeList, num_classes: Sequence[int]) -> np.ndarray:
                 have = (f"set {s} has {num_classes[s]} classes" if s < len(num_classes)
                         else f"the run has {len(num_classes)} data folder(s)")
                 raise DataError(f"{merge.path}: pair {a[0]}:{a[1]} {b[0]}:{b[1]}: {have}")
-        ra, rb = root(int(offsets[a[0]] + a[1])), root(int(offsets[b[0]] + b[1]))
-        parent[max(ra, rb)] = min(ra, rb)  # a person's root: its first class
-    while not np.array_equal(parent, parent[parent]):  # every class to its person's root
-        parent = parent[parent]
-    return np.unique(parent, return_inverse=True)[1].astype(np.int64)  # roots sort by first
+        ra, rb = root(offsets[a[0]] + a[1]), root(offsets[b[0]] + b[1])
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)  # a person's root: its first class
+    return {x: root(x) for x in parent if root(x) != x}

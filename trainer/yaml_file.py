@@ -30,11 +30,13 @@ from yaml.composer import ComposerError
 from yaml.events import AliasEvent
 from yaml.scanner import ScannerError
 
+from data_pipeline.door import check_size, read_bytes
 from trainer.errors import Refused
 
 # A resolved config.yaml is ~2 KB and ~220 nodes; the largest recipe under configs/ is 2 KB.
 # 1 MiB in one plain scalar, PyYAML's slowest text per byte, scans in ~0.8 s.
 MAX_BYTES = 1 << 20
+WHAT = "a YAML config (a config is a few KB)"
 MAX_NODES = 10_000
 MAX_DEPTH = 32
 
@@ -131,9 +133,7 @@ BoundedLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _u
 def parse_yaml(text: str | bytes, source: str) -> Any:
     """``text`` as YAML under :class:`BoundedLoader`; :class:`YamlRefused` naming ``source``
     (a file, ``command line``) and the line, when it is malformed or exceeds a bound."""
-    if len(text) > MAX_BYTES:
-        raise YamlRefused(f"{source}: {len(text)} bytes, more than a YAML config may hold "
-                          f"({MAX_BYTES >> 10} KiB; a config is a few KB)")
+    check_size(len(text), source, WHAT, MAX_BYTES, YamlRefused)
     try:
         return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
@@ -146,16 +146,12 @@ def parse_yaml(text: str | bytes, source: str) -> Any:
 
 
 def read_yaml(path: str | Path, shown: str | None = None) -> Any:
-    """The YAML file ``path`` (named ``shown`` in messages), read no further than
-    :data:`MAX_BYTES` + 1 bytes: :func:`parse_yaml` of it, or :class:`YamlRefused` when it
-    cannot be read."""
+    """The YAML file ``path`` (named ``shown`` in messages) through the door
+    (:func:`data_pipeline.door.read_bytes`: at most :data:`MAX_BYTES`, from ``stat`` before
+    the read): :func:`parse_yaml` of it, or :class:`YamlRefused` when it cannot be read."""
     name = shown or str(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as e:
-        raise YamlRefused(f"{name}: cannot read ({e.strerror or e})") from None
-    return parse_yaml(data, name)
+    return parse_yaml(read_bytes(path, WHAT, limit=MAX_BYTES, error=YamlRefused, where=name),
+                      name)
 
 
 def read_mapping(path: str | Path, shown: str | None = None) -> dict:

@@ -156,7 +156,8 @@ def test_the_bounds_leave_room_for_any_config(tmp_path):
     big.write_bytes(b"a: 1\n" + b"#" * (MAX_BYTES - 6) + b"\n")
     assert read_mapping(big) == {"a": 1}
     big.write_bytes(b"a: 1\n" + b"#" * MAX_BYTES)
-    with pytest.raises(YamlRefused, match=r"big.yaml: 1048577 bytes, more than a YAML config"):
+    with pytest.raises(YamlRefused,
+                       match=r"big.yaml: 1048581 bytes, over the limit of 1048576 for a YAML"):
         read_mapping(big)
 
 
