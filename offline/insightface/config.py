@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.door import read_bytes
 from offline.insightface.backbones import ImportRefused, network_keys
 
 LOSS_CAP = -math.log(1e-30)  # DistCrossEntropyFunc: loss.clamp_min_(1e-30).log_()
 LARGEST = 2.0**64  # an arithmetic result past this is refused (no count or rate is near it)
 MAX_BYTES = 1 << 20  # a config file larger than this is refused before it is parsed
+MAX_SIZE = 1 << 16  # characters of a computed string, items of a computed list
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -68,17 +70,16 @@ def parse_file(path: Path, into: dict[str, Any], errors: list[str],
     ``dict.update`` would) and each one's ``path:line`` to ``lines``; one error line per
     statement that is anything else."""
     try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_BYTES + 1)
-        if len(text) > MAX_BYTES:
-            errors.append(f"{path}: larger than {MAX_BYTES >> 10} KiB, not an arcface_torch "
-                          "config")
-            return
+        text = read_bytes(path, "an arcface_torch config", limit=MAX_BYTES, error=ImportRefused)
         module = ast.parse(text.decode(), filename=str(path))
-    except (OSError, SyntaxError, UnicodeDecodeError, RecursionError, MemoryError) as exc:
+    except ImportRefused as exc:
+        errors.append(str(exc))
+        return
+    except (SyntaxError, UnicodeDecodeError, RecursionError, MemoryError) as exc:
         errors.append(f"{path}: not readable Python ({type(exc).__name__}: "
                       f"{str(exc)[:200]})")
         return
+    known: dict[str, tuple[Any, int]] = {}  # key -> (value, its size), for later statements
     for node in module.body:
         if isinstance(node, ast.Import | ast.ImportFrom):
             continue
@@ -94,7 +95,8 @@ def parse_file(path: Path, into: dict[str, Any], errors: list[str],
                           "to config.KEY; not executed, so not converted")
             continue
         try:
-            into[target.attr] = _value(node.value, into)
+            known[target.attr] = _value(node.value, known)
+            into[target.attr] = known[target.attr][0]
             lines[target.attr] = f"{path}:{node.lineno}"
         except ValueError:
             errors.append(f"{path}:{node.lineno}: `{_statement(node)}`: the value is not a "
@@ -115,12 +117,16 @@ def _is_new_config(node: ast.stmt) -> bool:
             and not node.value.keywords)
 
 
-def _value(node: ast.expr, known: dict[str, Any]) -> Any:
-    """A literal, a tuple/list of them, arithmetic over them, or an earlier ``config.KEY``."""
+def _value(node: ast.expr, known: dict[str, tuple[Any, int]]) -> tuple[Any, int]:
+    """A literal, a tuple/list of them, arithmetic over them, or an earlier ``config.KEY``;
+    with its size (a string's characters, a list's items counted through its nested lists,
+    1 for a number), at most :data:`MAX_SIZE`."""
     if isinstance(node, ast.Constant):
-        return node.value
+        value = node.value
+        return value, len(value) if isinstance(value, str | bytes) else 1
     if isinstance(node, ast.Tuple | ast.List):
-        return [_value(x, known) for x in node.elts]
+        items = [_value(x, known) for x in node.elts]
+        return [v for v, _ in items], _sized(1 + sum(n for _, n in items))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
         return _arithmetic(_OPS[type(node.op)], _value(node.operand, known))
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
@@ -132,22 +138,37 @@ def _value(node: ast.expr, known: dict[str, Any]) -> Any:
     raise ValueError(ast.unparse(node))
 
 
-def _arithmetic(op: Any, *args: Any) -> Any:
-    """``op(*args)`` where its cost and size stay those of a config's numbers: a power
-    above 64, a product or power of a string or list, a number past :data:`LARGEST`, a
-    division by zero or an overflow is a ``ValueError`` (``10 ** 10 ** 10`` would take the
-    converter's memory and hours; arcface_torch's configs hold counts and rates)."""
-    numbers = all(isinstance(a, int | float) for a in args)
-    if op in (operator.mul, operator.pow) and not numbers or \
-            op is operator.pow and abs(args[1]) > 64:
-        raise ValueError(op.__name__)
-    try:
-        result = op(*args)
-    except ArithmeticError as exc:  # 1 / 0, 10.0 ** 400
-        raise ValueError(str(exc)) from None
-    if isinstance(result, int | float) and abs(result) > LARGEST:
-        raise ValueError(op.__name__)
-    return result
+def _sized(size: int) -> int:
+    """``size``, or a ``ValueError`` past :data:`MAX_SIZE`."""
+    if size > MAX_SIZE:
+        raise ValueError(f"a value of {size} characters or items")
+    return size
+
+
+def _arithmetic(op: Any, *args: tuple[Any, int]) -> tuple[Any, int]:
+    """``op`` over the values of ``args`` (``(value, size)`` pairs, as :func:`_value` gives
+    them) where its cost and size stay those of a config's: numbers under any operator (a
+    power above 64, a number past :data:`LARGEST`, a division by zero or an overflow
+    refused), strings or lists joined by ``+`` up to :data:`MAX_SIZE`, sized before they are
+    joined; anything else, a repeated string (``*``) or one formatted (``%``: ``"%0500000000d"
+    % 0`` is 500 MB), is a ``ValueError``. ``10 ** 10 ** 10`` would take the converter's memory
+    and hours; arcface_torch's configs hold counts, rates, names and short lists."""
+    values = [v for v, _ in args]
+    if all(isinstance(v, int | float) for v in values):
+        if op is operator.pow and abs(values[1]) > 64:
+            raise ValueError(op.__name__)
+        try:
+            result = op(*values)
+        except ArithmeticError as exc:  # 1 / 0, 10.0 ** 400
+            raise ValueError(str(exc)) from None
+        if abs(result) > LARGEST:
+            raise ValueError(op.__name__)
+        return result, 1
+    if op is operator.add and len(values) == 2 and (
+            all(isinstance(v, str) for v in values) or all(isinstance(v, list) for v in values)):
+        size = _sized(args[0][1] + args[1][1] - isinstance(values[0], list))
+        return op(*values), size
+    raise ValueError(op.__name__)
 
 
 def merged(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
