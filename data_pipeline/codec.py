@@ -25,20 +25,30 @@ a 49 MP JPEG, just under the limit, took seconds to decode and stretch whole.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import struct
+import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from data_pipeline.errors import CorruptImageError, DataError
+from data_pipeline.door import read_bytes
+from data_pipeline.errors import CorruptImageError
 
 try:
     import simplejpeg
 except ImportError:  # optional speed-up; PIL decodes everything too
     simplejpeg = None
 
+FORMATS = ("JPEG", "PNG", "BMP", "PPM", "TIFF", "WEBP")
+"""What PIL may open: the formats a face set holds (``imagefolder``'s suffixes, ORL's
+``.pgm``); without ``formats=`` it tries every plugin it has, and an EPS posing as a shard
+member runs Ghostscript."""
+MAX_IMAGE_BYTES = 256 << 20  # an image file: a 50 MP photo is ~20 MB as a JPEG
 JPEG_MAGIC = b"\xff\xd8\xff"
 JPEG_QUALITY = 95
 MAX_PIXELS = 50_000_000
@@ -58,9 +68,27 @@ def check_pixels(width: int, height: int, max_pixels: int) -> None:
                                 f"{max_pixels} (refused before decoding)")
 
 
-def _decode_pil(data: bytes, max_pixels: int, min_size: int) -> np.ndarray:
-    with Image.open(io.BytesIO(data)) as im:
+@contextlib.contextmanager
+def open_image(data: bytes, max_pixels: int) -> Iterator[Image.Image]:
+    """PIL's lazy ``open`` of ``data`` (its header only) in one of :data:`FORMATS`, its
+    ``width`` x ``height`` checked against ``max_pixels`` before anything decodes it. PIL's
+    own bomb check speaks for it no more: its warning (over 89 M pixels) is not printed, and
+    its error (over 179 M, raised inside ``open``) becomes this module's refusal."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:
+        raise CorruptImageError(f"header claims more than {2 * Image.MAX_IMAGE_PIXELS} "
+                                f"pixels, over the limit of {max_pixels} (refused before "
+                                "decoding)") from None
+    with im:
         check_pixels(*im.size, max_pixels)
+        yield im
+
+
+def _decode_pil(data: bytes, max_pixels: int, min_size: int) -> np.ndarray:
+    with open_image(data, max_pixels) as im:
         if min_size:
             im.draft("RGB", (min_size, min_size))
         return np.asarray(im.convert("RGB"))
@@ -82,12 +110,10 @@ UNDECODABLE = (ValueError, OSError, SyntaxError, Image.DecompressionBombError, E
 
 
 def read_image_file(path: Path, what: str) -> bytes:
-    """An evaluation set's image file, undecoded; an unreadable one raises DataError naming
-    it and the set (``what``)."""
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read {what} image ({exc.strerror})") from exc
+    """An evaluation set's image file, undecoded, through the door (at most
+    :data:`MAX_IMAGE_BYTES`); an unreadable one raises DataError naming it and the set
+    (``what``)."""
+    return read_bytes(path, f"{what} image", limit=MAX_IMAGE_BYTES)
 
 
 def resolve_decoder(name: str = "auto") -> str:
@@ -198,8 +224,7 @@ def prepare_jpeg(data: bytes, size: int | None, max_pixels: int = MAX_PIXELS) ->
         if size is None or stored == (size, size):
             return data
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            check_pixels(*im.size, max_pixels)
+        with open_image(data, max_pixels) as im:
             if size is not None:
                 im.draft(None, (size, size))
             im.load()
@@ -222,7 +247,7 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
         if simplejpeg is not None:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             return width, height
-        with Image.open(io.BytesIO(data)) as im:
+        with open_image(data, sys.maxsize) as im:
             return im.size
-    except UNDECODABLE:
+    except (*UNDECODABLE, CorruptImageError):
         return None

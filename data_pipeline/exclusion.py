@@ -26,13 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.door import is_index, read_text
 from data_pipeline.errors import DataError
 from data_pipeline.manifest import atomic_write_bytes
 from data_pipeline.tar_reader import tar_samples
 
 KINDS = ("sample", "class")
 _NOTE = re.compile(r"\s+#.*$")  # an entry's trailing note (keys hold no whitespace)
-_LABEL = re.compile(r"[0-9]{1,12}")  # a class label: ASCII digits, below 10^12 (isdigit() took "²")
+MAX_BYTES = 256 << 20  # a list of 10^6 sample keys is ~40 MiB
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,8 @@ def read_exclusions(path: str | os.PathLike) -> Exclusions:
     """Parse an exclusion list; :class:`DataError` naming the file (and the line number of a
     bad line) when it is missing or malformed."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read the exclusion list ({type(exc).__name__}: "
-                        f"{exc}); write one with python -m launch.overlap") from exc
+    text = read_text(path, "the exclusion list", limit=MAX_BYTES,
+                     hint="; write one with python -m launch.overlap")
     samples, classes = set(), set()
     for number, line in enumerate(text.splitlines(), start=1):
         line = _NOTE.sub("", line.strip())
@@ -68,7 +66,7 @@ def read_exclusions(path: str | os.PathLike) -> Exclusions:
         value = value.strip()
         if kind == "sample" and value and " " not in value:
             samples.add(value)
-        elif kind == "class" and _LABEL.fullmatch(value):
+        elif kind == "class" and is_index(value):
             classes.add(int(value))
         else:
             raise DataError(f"{path}:{number}: {line[:80]!r} is neither 'sample <key>' nor "

@@ -37,6 +37,7 @@ import numpy as np
 from skimage.transform import SimilarityTransform
 
 from data_pipeline.codec import decode_rgb, read_image_file
+from data_pipeline.door import read_text
 from data_pipeline.errors import CorruptImageError, DataError
 
 # ArcFace 112x112 reference landmarks (eyes, nose tip, mouth corners), x then y: the
@@ -48,6 +49,7 @@ ARCFACE_REFERENCE = np.array(
      [33.5493, 92.3655], [62.7299, 92.2041]], dtype=np.float32)
 ARCFACE_REFERENCE[:, 0] += np.float32(8.0)
 TARGETS = ("IJBB", "IJBC")
+MAX_META_BYTES = 512 << 20  # IJB-C's pair list, the largest, is ~250 MB (15.7 M pairs)
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,7 @@ class IJBMeta:
 def _rows(path: Path, width: int | None) -> list[list[str]]:
     if not path.is_file():
         raise DataError(f"{path}: missing (expected the insightface IJB_release layout)")
-    try:
-        text = path.read_bytes().decode()
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = read_text(path, "an IJB meta file", limit=MAX_META_BYTES)
     rows = [line.split() for line in text.splitlines() if line.strip()]
     for i, row in enumerate(rows, 1):
         if width is not None and len(row) != width:
@@ -131,7 +130,8 @@ class IJB1NMeta:
 def _template_subjects(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path}: missing (IJB 1:N needs the insightface IJB_release 1:N lists)")
-    rows = [line.split(",") for line in path.read_text().splitlines()[1:] if line.strip()]
+    text = read_text(path, "an IJB 1:N list", limit=MAX_META_BYTES)
+    rows = [line.split(",") for line in text.splitlines()[1:] if line.strip()]
     for i, row in enumerate(rows, 2):
         if len(row) < 2:
             raise DataError(f"{path}:{i}: expected '<template id>,<subject id>', got {row}")

@@ -13,6 +13,8 @@ import fnmatch
 import os
 from pathlib import Path
 
+from data_pipeline.codec import MAX_IMAGE_BYTES
+from data_pipeline.door import read_bytes
 from data_pipeline.errors import DataError
 from data_pipeline.identities import Identities
 
@@ -64,4 +66,4 @@ class ImageFolderSource:
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         rel, label = self.items[index]
-        return (self.root / rel).read_bytes(), label, rel
+        return read_bytes(self.root / rel, "a source image", limit=MAX_IMAGE_BYTES), label, rel

@@ -12,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+from data_pipeline.door import read_bytes
 from data_pipeline.errors import DataError
 from data_pipeline.identities import Identities, numbered
 from data_pipeline.recordio import RecordIOReader, unpack
@@ -51,7 +52,8 @@ class InsightFaceSource:
         path = self.root / "property"
         if not path.is_file():
             return None
-        text = path.read_bytes()[:200].decode(errors="replace").strip()
+        text = read_bytes(path, "an insightface property file", limit=4096).decode(
+            errors="replace").strip()
         try:
             return self._count(int(text.split(",")[0]), "class count")
         except ValueError as exc:

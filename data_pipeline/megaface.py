@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.door import read_text
 from data_pipeline.errors import DataError
 
 PROBE_LIST, DISTRACTOR_LIST = "facescrub_lst", "megaface_lst"
 PROBE_NOISES, DISTRACTOR_NOISES = "facescrub_noises.txt", "megaface_noises.txt"
+MAX_LIST_BYTES = 256 << 20  # megaface_lst: ~10^6 paths of ~50 bytes
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,7 @@ def _folder(root: Path) -> Path:
 
 
 def _lines(path: Path, skip_comments: bool = False) -> list[str]:
-    try:
-        text = path.read_bytes().decode()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8: {exc.reason}"
-        raise DataError(f"{path}: cannot read MegaFace list ({why})") from exc
+    text = read_text(path, "MegaFace list", limit=MAX_LIST_BYTES)
     lines = [line.strip() for line in text.splitlines()]
     return [line for line in lines if line and not (skip_comments and line.startswith("#"))]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.codec import prepare_jpeg
+from data_pipeline.codec import prepare_jpeg, read_image_file
 from data_pipeline.errors import DataError
 from data_pipeline.orl import find_orl_root
 from data_pipeline.verification_bin import write_bin
@@ -59,7 +59,7 @@ def write_orl_verification_bin(out_path: str | os.PathLike,
             path = root / f"s{i}" / f"{k}.pgm"
             if not path.is_file():
                 raise DataError(f"{path}: missing ORL image (identities are 1..40)")
-            encoded[i, k] = prepare_jpeg(path.read_bytes(), 112)
+            encoded[i, k] = prepare_jpeg(read_image_file(path, "ORL"), 112)
     images, issame = [], []
     for a, b, same in orl_pairs(identities, num_impostor_pairs, seed):
         images += [encoded[a], encoded[b]]

@@ -20,7 +20,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_pipeline.door import is_index, read_text
 from data_pipeline.errors import DataError
+
+MAX_LIST_BYTES = 16 << 20  # a group's pair list: 3,000 pairs, ~100 KB
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ def rfw_image_root(root: str | os.PathLike) -> Path | None:
 
 
 def _image(folder: Path, group: str, identity: str, number: str, where: str) -> Path:
-    if not number.isdigit():
-        raise DataError(f"{where}: image number {number[:40]!r} is not an integer")
+    if not is_index(number):
+        raise DataError(f"{where}: image number {number[:40]!r} is not 1-12 ASCII digits")
     return folder / "data" / group / identity / f"{identity}_{int(number):04d}.jpg"
 
 
@@ -58,11 +61,7 @@ def read_rfw_pairs(folder: Path, group: str) -> RfwPairs:
     """The pairs of ``folder/txts/<group>/<group>_pairs.txt``; a missing file or a line of
     neither 3 nor 4 fields raises DataError naming it."""
     path = folder / "txts" / group / f"{group}_pairs.txt"
-    try:
-        lines = path.read_bytes().decode().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8: {exc.reason}"
-        raise DataError(f"{path}: cannot read RFW pair list ({why})") from exc
+    lines = read_text(path, "RFW pair list", limit=MAX_LIST_BYTES).splitlines()
     first, second, issame = [], [], []
     for number, line in enumerate(lines, 1):
         fields, where = line.split(), f"{path}:{number}"

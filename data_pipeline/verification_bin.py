@@ -19,6 +19,7 @@ import pickle
 import pickletools
 from pathlib import Path
 
+from data_pipeline.door import read_bytes
 from data_pipeline.manifest import atomic_write_bytes
 
 
@@ -41,6 +42,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeBinError(f"{self._path}: refusing persistent id {pid!r} in a verification .bin")
 
 
+MAX_BIN_BYTES = 1 << 30  # insightface's largest, cfp_fp.bin, is ~90 MB
+
 MISSING_BIN_FIX = ("insightface's data sets bring lfw.bin, cfp_fp.bin, agedb_30.bin; "
                    "`make data/orl_s31-s40.bin` writes a small one")
 
@@ -55,7 +58,7 @@ def read_bin(path: str | os.PathLike) -> tuple[list[bytes], list[bool]]:
         UnsafeBinError: the pickle asks for a global or holds another type or shape.
     """
     path = Path(path)
-    data = path.read_bytes()
+    data = read_bytes(path, "a verification .bin", limit=MAX_BIN_BYTES, error=UnsafeBinError)
     try:
         for _ in pickletools.genops(data):  # every declared length checked against the file,
             pass  # before the unpickler makes a buffer of that length (a bytes8 of 2^40)
