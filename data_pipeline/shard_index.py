@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import numpy as np
 
 from data_pipeline.errors import ShardError
 from data_pipeline.manifest import ShardInfo, atomic_file, read_manifest
+from data_pipeline.npz_file import read_npz
 from data_pipeline.tar_reader import (
     BLOCK,
     check_shard,
@@ -43,6 +43,7 @@ from data_pipeline.tar_reader import (
 INDEX_SUFFIX = ".idx"
 FORMAT_VERSION = 1
 COLUMNS = {"jpg": 0, "cls": 2}  # members' (offset, size) columns; -1 where a sample lacks one
+MAX_INDEX_BYTES = 256 << 20  # a shard of 10^5 samples indexes in ~15 MB
 REBUILD = ("rebuild the folder's indexes with `python -m launch.convert index DIR` (or delete "
            "the file: the loader then parses the tar)")
 
@@ -135,13 +136,14 @@ def parse_index(source: Path | BinaryIO, where: str, shard_bytes: int) -> ShardI
     """The index stored in ``source`` (a file, or a file object of its bytes; ``where`` names
     it in errors) of a shard of ``shard_bytes`` bytes; ShardError when it is unreadable or was
     made for a shard of another size."""
+    stored = read_npz(source, ("version", "keys", "members", "shard_bytes"), where,
+                      "shard index", limit=MAX_INDEX_BYTES, error=ShardError, hint=f"; {REBUILD}")
     try:
-        with np.load(source, allow_pickle=False) as stored:
-            version, keys, members = int(stored["version"]), stored["keys"], stored["members"]
-            indexed_bytes = int(stored["shard_bytes"])
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-        raise ShardError(f"{where}: unreadable shard index ({type(exc).__name__}: {exc}); "
-                         f"{REBUILD}") from exc
+        version, keys, members = int(stored["version"]), stored["keys"], stored["members"]
+        indexed_bytes = int(stored["shard_bytes"])
+    except (TypeError, ValueError) as exc:  # a member of another shape: an array, not one int
+        raise ShardError(f"{where}: not a version-{FORMAT_VERSION} shard index ({exc}); "
+                         f"{REBUILD}") from None
     if (version != FORMAT_VERSION or members.shape != (len(keys), 4)
             or members.dtype.kind != "i" or keys.ndim != 1):
         raise ShardError(f"{where}: not a version-{FORMAT_VERSION} shard index; {REBUILD}")

@@ -17,9 +17,18 @@ from torch import nn
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.errors import CorruptImageError, DataError
 from data_pipeline.manifest import atomic_write_bytes, read_manifest
+from data_pipeline.npz_file import read_npz
 from data_pipeline.tar_reader import tar_samples
 from partial_fc.backbones import normalize_images
-from trainer.teacher_embeddings import FORMAT_VERSION, INDEX, read_index, shard_file, write_shard
+from trainer.teacher_embeddings import (
+    FORMAT_VERSION,
+    INDEX,
+    MAX_SHARD_BYTES,
+    mapped_arrays,
+    read_index,
+    shard_file,
+    write_shard,
+)
 
 
 def _index(teacher: str, width: int, flip: bool, data_dir: Path) -> dict:
@@ -102,9 +111,10 @@ def verify(data_dir: str | Path, out: str | Path) -> list[str]:
         if not path.is_file():
             problems.append(f"{path}: missing (run python -m launch.embed again to finish)")
             continue
-        with np.load(path, allow_pickle=False) as stored:
-            keys, skipped = stored["keys"].tolist(), set(stored["skipped"].tolist())
-            shape = stored["embeddings"].shape
+        stored = read_npz(path, ("keys", "skipped"), str(path), "embedding shard",
+                          limit=MAX_SHARD_BYTES)
+        keys, skipped = stored["keys"].tolist(), set(stored["skipped"].tolist())
+        shape = mapped_arrays(path)["embeddings"].shape
         data_keys = [s["__key__"] for s in tar_samples(data_dir / shard.name, exts=())]
         if keys != [k for k in data_keys if k not in skipped]:
             problems.append(f"{path}: keys differ from {data_dir / shard.name}'s")

@@ -36,8 +36,10 @@ import torch
 from data_pipeline.errors import DataError
 from data_pipeline.json_file import read_json
 from data_pipeline.manifest import atomic_file
+from data_pipeline.npz_file import read_npz
 
 INDEX = "embeddings.json"
+MAX_SHARD_BYTES = 16 << 30  # a shard's file: 10^5 samples x 2 views x 512 float32 is 400 MB
 FORMAT_VERSION = 1
 
 
@@ -90,8 +92,8 @@ class TeacherEmbeddings:
             if not path.is_file():
                 raise DataError(f"{path}: missing (python -m launch.embed did not finish; "
                                 "run it again)")
-            with np.load(path, allow_pickle=False) as stored:  # the keys member alone
-                keys = stored["keys"].tolist()
+            keys = read_npz(path, ("keys",), str(path), "embedding shard",  # keys alone
+                            limit=MAX_SHARD_BYTES)["keys"].tolist()
             hashes.append(np.fromiter(map(hash, keys), np.int64, len(keys)))
             shards.append(np.full(len(keys), number, np.int32))
             rows.append(np.arange(len(keys), dtype=np.int32))
