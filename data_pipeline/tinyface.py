@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.io import loadmat
 
 from data_pipeline.errors import DataError
+from data_pipeline.mat_file import read_mat
 
 DISTRACTOR_ID = -1
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -36,6 +36,7 @@ ALIGNED_DIR = "aligned_pad_0.1_pad_high"
 # The reference read and followed: validation_lq/validate_tinyface.py, tinyface_helper.py.
 ADAFACE_COMMIT = "c60eaa786a42c03444f3df7096dbaf9d57ae010d"
 SUBSETS = ("Probe", "Gallery_Match", "Gallery_Distractor")
+MAX_LIST_BYTES = 16 << 20  # the released .mat lists are ~100 KB
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,7 @@ def _testing_set(root: Path) -> Path:
 def _names_and_ids(path: Path, names_key: str, ids_key: str) -> tuple[list[str], np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path}: missing (expected the released TinyFace layout)")
-    try:  # scipy's MATLAB reader raises its own errors, zlib's, struct's... for a bad file
-        mat = loadmat(path)
-    except Exception as exc:
-        raise DataError(f"{path}: not a readable MATLAB file ({type(exc).__name__}: "
-                        f"{str(exc)[:120]})") from exc
+    mat = read_mat(path, "a TinyFace list", limit=MAX_LIST_BYTES)
     try:
         names = [str(np.asarray(cell).reshape(-1)[0]) for cell in mat[names_key].reshape(-1)]
         ids = np.asarray(mat[ids_key], dtype=np.int64).reshape(-1)
