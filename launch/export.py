@@ -5,9 +5,10 @@ folder of safetensors weights with a model card.
     python -m launch.export --checkpoint RUN --format safetensors --license mit --out FOLDER
 
 ``--format safetensors`` writes ``FOLDER/model.safetensors``, ``config.json`` (architecture,
-embedding size, input size and normalisation, flip TTA; ``partial_fc.load_pretrained(FOLDER)``
-reads it back) and ``README.md``, a model card in the Hugging Face Hub's format filled from
-the run (data, margin, steps, the newest evaluation, the licence stated by ``--license``);
+embedding size, input size and normalisation, flip TTA;
+``trainer.pretrained.load_pretrained(FOLDER)`` reads it back) and ``README.md``, a model card in
+the Hugging Face Hub's format filled from the run (data, margin, steps, the newest evaluation,
+the licence stated by ``--license``);
 ``huggingface_hub.upload_folder`` publishes the folder as it is. Nothing is uploaded.
 
     python -m launch.export --checkpoint RUN --out model.onnx --int8 --bin lfw.bin --max-drop 0.5

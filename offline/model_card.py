@@ -145,8 +145,8 @@ def model_card(facts: CardFacts) -> str:
         "## Use",
         "",
         "```python",
-        "import partial_fc",
-        "model = partial_fc.load_pretrained(\"FOLDER\")  # eval mode, CPU",
+        "from trainer.pretrained import load_pretrained",
+        "model = load_pretrained(\"FOLDER\")  # eval mode, CPU",
         "```",
         "",
         "Input: aligned 112x112 RGB faces, `(pixel - 127.5) / 127.5` (`config.json`). "

@@ -3,6 +3,5 @@
 from partial_fc.head import PartialFC
 from partial_fc.margins import build_margin
 from partial_fc.optim import SampledAdamW, SampledSGD
-from partial_fc.pretrained import load_pretrained
 
-__all__ = ["PartialFC", "SampledAdamW", "SampledSGD", "build_margin", "load_pretrained"]
+__all__ = ["PartialFC", "SampledAdamW", "SampledSGD", "build_margin"]

@@ -4,9 +4,11 @@
 project's trainer: the architecture (a :func:`partial_fc.backbones.build_backbone` name),
 the embedding size, the input (size, channel order, ``(pixel - mean) / std``) and whether
 the published figures used flip test-time augmentation (embedding of the image plus its
-mirror). :func:`load_pretrained` is the reader: ``pip install partial-fc`` and
-``partial_fc.load_pretrained(folder)`` give the backbone back, with no run folder, YAML or
-trainer. The model card beside them (``README.md``) is the exporter's business.
+mirror). ``trainer.pretrained.load_pretrained(folder)`` gives the backbone back, with no run
+folder or YAML: it reads ``config.json`` through the project's one door for files
+(``data_pipeline.door``), which ``partial_fc`` does not import, and hands its value to
+:meth:`PretrainedConfig.from_dict` and the config to :func:`build_pretrained`. The model card
+beside them (``README.md``) is the exporter's business.
 
 safetensors holds tensors only (no pickle), so a folder from a stranger is safe to read.
 """
@@ -18,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_model
 from torch import nn
 
 from partial_fc.backbones import build_backbone
@@ -52,14 +54,9 @@ class PretrainedConfig:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> PretrainedConfig:
-        """Parse ``config.json``; raises ValueError (one line naming ``where``) when it is
-        not one of ours or misses a key."""
-        try:  # partial_fc imports no package below it, so not data_pipeline.json_file
-            raw = json.loads(text)
-        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
-            raise ValueError(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:120]})"
-                             ) from None
+    def from_dict(cls, raw: object, where: str) -> PretrainedConfig:
+        """``config.json``'s top-level value (its caller parsed it); raises ValueError (one
+        line naming ``where``) when it is not one of ours or misses a key."""
         if not isinstance(raw, dict) or raw.get("library") != "partial-fc":
             raise ValueError(f"{where}: not a partial-fc config.json (no \"library\": "
                              "\"partial-fc\"); write one with python -m launch.export "
@@ -91,25 +88,8 @@ def save_pretrained(backbone: nn.Module, folder: str | os.PathLike,
     return folder
 
 
-def load_pretrained(folder: str | os.PathLike) -> nn.Module:
-    """The backbone of a folder :func:`save_pretrained` wrote, on CPU in eval mode.
-
-    Raises:
-        ValueError: no such folder, a missing or foreign ``config.json``, or weights that
-            do not fit the architecture it names (one line each).
-    """
-    folder = Path(folder)
-    config_path, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    for path in (config_path, weights):
-        if not path.is_file():
-            raise ValueError(f"{path}: missing (a pretrained folder holds {CONFIG_FILE} and "
-                             f"{WEIGHTS_FILE})")
-    config = PretrainedConfig.from_json(config_path.read_text(), str(config_path))
-    model = build_backbone(config.architecture, embedding_size=config.embedding_size,
-                           depth=config.depth)
-    try:
-        load_model(model, str(weights), strict=True)
-    except RuntimeError as exc:
-        why = " ".join(str(exc).strip().splitlines()[:2])
-        raise ValueError(f"{weights}: does not fit {config.architecture!r}: {why}") from None
-    return model.eval()
+def build_pretrained(config: PretrainedConfig) -> nn.Module:
+    """The backbone ``config`` names, untrained; ``trainer.pretrained.load_pretrained`` puts
+    the folder's weights in."""
+    return build_backbone(config.architecture, embedding_size=config.embedding_size,
+                          depth=config.depth)

@@ -1,5 +1,5 @@
 """launch.export --format safetensors: the folder round-trips to the same embeddings through
-partial_fc.load_pretrained, and its model card is Hub-format YAML filled from the run."""
+trainer.pretrained.load_pretrained, and its model card is Hub-format YAML filled from the run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 import yaml
 from eval_helpers import make_run
 
-import partial_fc
 from launch.export import main
 from trainer.checkpoint.backbone import load_backbone
+from trainer.pretrained import load_pretrained
 from trainer.telemetry.run_files import METRICS
 
 
@@ -36,7 +36,7 @@ def test_folder_round_trips_to_the_same_embeddings(tmp_path, capsys):
     assert (config["architecture"], config["embedding_size"]) == ("iresnet_tiny", 16)
     assert config["input_size"] == [112, 112] and config["flip_tta"] is True
 
-    got_model = partial_fc.load_pretrained(out)
+    got_model = load_pretrained(out)
     want_model, _ = load_backbone(run)
     x = torch.rand(3, 3, 112, 112, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
@@ -83,7 +83,7 @@ def test_load_pretrained_refuses_a_bad_folder_in_one_line(tmp_path, damage):
     else:
         (out / "config.json").write_text(json.dumps({**config, "architecture": "mbf"}))
     with pytest.raises(ValueError) as caught:
-        partial_fc.load_pretrained(out)
+        load_pretrained(out)
     assert len(str(caught.value).splitlines()) == 1
     assert {"no config": "missing", "foreign config": "not a partial-fc",
             "other architecture": "does not fit 'mbf'"}[damage] in str(caught.value)
