@@ -12,10 +12,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from data_pipeline.door import read_text
 from trainer.config.sections.run import LogConfig
 from trainer.telemetry import run_files
 from trainer.telemetry.sinks import Sink, TensorBoardSink, WandbSink
-from trainer.yaml_file import parse_yaml
+from trainer.yaml_file import MAX_BYTES, WHAT, YamlRefused, parse_yaml
 
 PREFIX = "val/"
 
@@ -47,11 +48,11 @@ def log_to_run(run_dir: Path, step: int,
     Returns:
         The sinks' "what to run next" lines (e.g. ``wandb sync ...``).
     """
+    config_text = read_text(run_dir / "config.yaml", WHAT, limit=MAX_BYTES, error=YamlRefused)
+    config = parse_yaml(config_text, str(run_dir / "config.yaml")) or {}  # before any write
     values = flat_metrics(results)
     with (run_dir / run_files.METRICS).open("a") as metrics:
         metrics.write(json.dumps({"step": step, **values}) + "\n")
-    config_text = (run_dir / "config.yaml").read_text()
-    config = parse_yaml(config_text, str(run_dir / "config.yaml")) or {}
     log = LogConfig.model_validate(config.get("log") or {})
     sinks: list[Sink] = []
     mode = os.environ.get("WANDB_MODE") or log.wandb
