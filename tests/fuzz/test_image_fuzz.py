@@ -48,8 +48,16 @@ def test_the_issue_jpeg_is_refused_at_once(image_figures):
     out = np.empty((112, 112, 3), np.uint8)
     for decoder in DECODERS:
         _, error = image_figures.measure(lambda d=decoder: decode_into(BOMB, out, d))
-        assert "pixels" in one_line(error, (CorruptImageError,))  # PIL's open refuses too
+        # the project's words: PIL's own bomb error names pixels too, and is not the check
+        assert "over the limit of 50000000 (refused before decoding)" in one_line(
+            error, (CorruptImageError,))
         assert image_figures.last[0] < 1.0 and image_figures.last[1] < 64 << 20
+    between = claiming(JPEG, 10000, 10000)  # over the limit, under PIL's own bomb error
+    for decoder in DECODERS:  # so only the project's check refuses it, in its words
+        _, error = image_figures.measure(lambda d=decoder: decode_into(between, out, d))
+        assert one_line(error, (CorruptImageError,)) == (
+            "header claims 10000x10000 pixels, over the limit of 50000000 (refused before "
+            "decoding)")
     _, error = image_figures.measure(lambda: prepare_jpeg(BOMB, 112))
     assert "over the limit" in one_line(error, (CorruptImageError,))
     assert image_figures.last[0] < 1.0 and image_figures.last[1] < 64 << 20
