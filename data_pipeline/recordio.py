@@ -21,12 +21,14 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_pipeline.door import read_bytes
 from data_pipeline.errors import DataError
 
 MAGIC = 0xCED7230A
 IR_FORMAT = "<IfQQ"
 IR_SIZE = struct.calcsize(IR_FORMAT)
 LENGTH_MASK = (1 << 29) - 1
+MAX_IDX_BYTES = 1 << 30  # a line is ~16 bytes: 5 M records are ~80 MB
 
 
 @dataclass(frozen=True)
@@ -57,19 +59,19 @@ def read_index(idx_path: Path, rec_bytes: int) -> dict[int, int]:
     """Parse a `.idx` file into {key: byte offset}; DataError naming the line for one that is
     not ``key<TAB>offset`` or points outside the ``rec_bytes`` of its `.rec`."""
     index = {}
-    with open(idx_path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                key, offset = line.split(b"\t")
-                index[int(key)] = int(offset)
-            except ValueError as exc:
-                raise DataError(f"{idx_path}:{lineno}: expected 'key<TAB>offset', "
-                                f"got {line.strip()[:80].decode(errors='replace')!r}") from exc
-            if not 0 <= index[int(key)] < rec_bytes:
-                raise DataError(f"{idx_path}:{lineno}: offset {int(offset)} outside the "
-                                f"{rec_bytes} bytes of its .rec")
+    data = read_bytes(idx_path, "an insightface .idx", limit=MAX_IDX_BYTES)
+    for lineno, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            key, offset = line.split(b"\t")
+            index[int(key)] = int(offset)
+        except ValueError as exc:
+            raise DataError(f"{idx_path}:{lineno}: expected 'key<TAB>offset', "
+                            f"got {line.strip()[:80].decode(errors='replace')!r}") from exc
+        if not 0 <= index[int(key)] < rec_bytes:
+            raise DataError(f"{idx_path}:{lineno}: offset {int(offset)} outside the "
+                            f"{rec_bytes} bytes of its .rec")
     return index
 
 
