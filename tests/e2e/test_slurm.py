@@ -18,12 +18,26 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
 LONG_ROWS = ["SLURM: sbatch --nodes=2",
              "SLURM: a bad config key, a data folder without a manifest"]
-CHAOS_ONLY = ["SLURM: --time=4 --signal=B:USR1@60, then the same sbatch",
+CHAOS_ONLY = ["SLURM: --time=3 --signal=B:USR1@60, a run longer than three",
               "SLURM: scontrol requeue",
               "SLURM: preempted by a job in a higher-priority partition",
               "SLURM: --nodes=1-2, node 1 lost (link cut, its processes killed)",
               "SLURM: scancel",
-              "SLURM: the same run folder submitted twice"]
+              "SLURM: the same run folder submitted twice",
+              "SLURM: --cpus-per-task=2, exact steps: every rank's CPUs",
+              "SLURM: node 0 with an unreachable address listed first by hostname -I"]
+
+
+def test_the_site_like_cluster_declares_cpus_gpus_and_binding(tmp_path):
+    nodes = Nodes(("a", "b"), ("va", "vb"), "10.1.2", "br")
+    lines = slurm_cluster.slurm_conf(tmp_path, nodes, site=True).splitlines()
+    for expected in ("TaskPlugin=task/affinity", "GresTypes=gpu",
+                     "SlurmdParameters=config_overrides",
+                     "NodeName=pfc-n0 NodeAddr=10.1.2.1 CPUs=2 Gres=gpu:2 State=UNKNOWN"):
+        assert expected in lines
+    gres = slurm_cluster.gres_conf(tmp_path).splitlines()
+    assert gres[0] == "AutoDetect=off"
+    assert f"NodeName=pfc-n1 Name=gpu File={tmp_path}/dev-pfc-n1/nvidia[0-1]" in gres
 
 
 def test_slurm_conf_declares_two_nodes_two_partitions_and_job_states():

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from tools.chaos.harness import Case
 from tools.slurm import cases as slurm
+from tools.slurm import site_cases as site
 
-# scripts/slurm/train.sbatch on a real 2-node SLURM cluster (tools/slurm): each row its own
-# cluster, 1-5 minutes (a requeued job waits ~2 min for SLURM to start it again)
+# scripts/slurm/train.sbatch on a real 2-node SLURM cluster (tools/slurm), the site-like one
+# (2 CPUs and 2 fake GPUs a node, task/affinity): each row its own cluster, 1-10 minutes (the
+# requeue row waits out SLURM's ~2 min hold on a requeued job; the others lift it)
 SLURM_CASES = [Case(f"SLURM: {name}", expected, slurm.on_cluster(check))
                for name, expected, check in [
     ("sbatch --nodes=2", "COMPLETED, 2 ranks, losses equal the unbroken run's, one folder "
      "and W&B id", slurm.two_nodes_complete),
-    ("--time=4 --signal=B:USR1@60, then the same sbatch", "every rank saves at the next "
-     "step, COMPLETED; the resubmission resumes there, losses equal", slurm.time_limit),
+    ("--time=3 --signal=B:USR1@60, a run longer than three", "every notice saves at the next "
+     "step and the script requeues the job; COMPLETED after 3+ runs, losses equal",
+     slurm.self_requeue),
     ("scontrol requeue", "saved, PENDING, starts again by itself and resumes, losses equal",
      slurm.requeue),
     ("preempted by a job in a higher-priority partition", "saved within GraceTime, requeued, "
@@ -26,4 +29,9 @@ SLURM_CASES = [Case(f"SLURM: {name}", expected, slurm.on_cluster(check))
      "first completes", slurm.second_submission),
     ("a bad config key, a data folder without a manifest", "one line each, FAILED 2:0 within "
      "seconds, no rank started", slurm.input_errors),
+    ("--cpus-per-task=2, exact steps: every rank's CPUs", "each rank bound to its task's 2 "
+     "CPUs, one GPU visible, trains on CPU; without the script's srun CPUs: 1 CPU",
+     site.cpu_binding),
+    ("node 0 with an unreachable address listed first by hostname -I", "MASTER_ADDR is node "
+     "0's address on its route to node 1; COMPLETED, losses equal", site.master_address),
 ]]

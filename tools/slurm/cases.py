@@ -27,23 +27,23 @@ from pathlib import Path
 
 from tools.chaos.harness import ROOT, SMOKE, Result, train, wait_until
 from tools.slurm.cluster import GRACE_S, NAMES, Cluster, NoSlurm, cluster
+from trainer.telemetry import wandb_log
 
 SCRIPT = "scripts/slurm/train.sbatch"
 CPU = ("--gpus-per-node=0", "--cpus-per-task=1")  # the script's GPU node, as a CPU one
+SITE = ("--gpus-per-node=1", "--cpus-per-task=2")  # one fake GPU, so one rank, and 2 CPUs
 STEPS = 24  # 10 steps an epoch (160 images, global batch 16)
 ARGS = ("engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.every=1",
         "log.progress=false", "checkpoint.every=2", "checkpoint.keep=100",
         "train.global_batch=16", "optim.lr=0.00001", "dist.timeout_s=60")
-# the time-limit row: micro-batches of >= 2 s and 100 steps, so that the signal (120-210 s
-# into the job at --time=4: 60 s before the limit, on SLURM's 30 s tick, "up to 60 s earlier"
-# says sbatch(1)) comes after the ranks' start-up (25 s idle, over 60 s with other SLURM rows
-# beside) and before the last step (>= 225 s) on a loaded or idle machine. At --time=2 it came
-# during the start-up under load: a launcher without its handler yet died of it, or a rank in
-# its first step stopped with nothing to save: FAILED. At --time=3 it came 90 s in.
-PACED_STEPS, PACE_S = 100, "2.0"
+# the self-requeue row: at --time=3 --signal=B:USR1@60 the notice comes 60-120 s into each
+# run (60 s before the limit, on SLURM's 30 s tick, "up to 60 s earlier" says sbatch(1)),
+# after a start-up of 25 s idle, over 60 s with other SLURM rows beside (a notice before the
+# trainers start requeues the job at once): 160 steps of 1.25 s need three runs or more.
+SEGMENTED_STEPS = 160
 RTOL = 1e-5
 REQUEUED_S = 330  # a requeued job: KillWait, SLURM's ~120 s delay, start-up, the run
-PACE = ROOT / "tools" / "slurm" / "pace"
+HOOKS = ROOT / "tools" / "slurm" / "job_hooks"  # sitecustomize: pacing, affinity, exit codes
 ERRORS = ("error", "config error", "launch error")  # how a one-line refusal starts
 _UNBROKEN: dict[tuple[Path, int], Result] = {}
 
@@ -60,10 +60,13 @@ def unbroken(data: Path, work: Path, steps: int = STEPS) -> Result:
 
 
 def submit(c: Cluster, data: Path, run: Path, *options: str, args: tuple[str, ...] = (),
-           steps: int = STEPS, **env: str) -> int:
+           steps: int = STEPS, script: str = SCRIPT, **env: str) -> int:
     """``sbatch [options] scripts/slurm/train.sbatch configs/smoke.yaml ...`` as a user with
-    the venv active submits it; output to ``RUN/../%j.out``. The job id."""
-    return c.sbatch(*CPU, f"--output={run.parent}/%j.out", *options, SCRIPT, str(SMOKE),
+    the venv active submits it, one rank a node (:data:`SITE` on the site-like cluster, else
+    :data:`CPU`); output to ``RUN/../%j.out``. The job id."""
+    shape = SITE if c.site else CPU
+    run.parent.mkdir(parents=True, exist_ok=True)
+    return c.sbatch(*shape, f"--output={run.parent}/%j.out", *options, script, str(SMOKE),
                     f"data.dir={data}", f"output={run}", *recipe(steps), *args,
                     PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                     WANDB_MODE="offline", OMP_NUM_THREADS="1", **env)
@@ -92,19 +95,41 @@ def ended(c: Cluster, job: int, limit: float) -> str:
 
 
 def same_run(run: Path, reference: Result, steps: int = STEPS) -> tuple[str, bool]:
-    """Every step's loss and lr against the unbroken run's, one W&B run id over the segments."""
+    """Every step's loss and lr against the unbroken run's, and the W&B record whole
+    (:func:`wandb_whole`)."""
     rows = {r["step"]: (r["loss"], r["lr"]) for r in Result(0, "", run).records() if "loss" in r}
     planned = {r["step"]: (r["loss"], r["lr"]) for r in reference.records() if "loss" in r}
     worst = max((abs(a - b) / abs(b) for s in planned if s in rows
                  for a, b in zip(rows[s], planned[s], strict=True)), default=float("inf"))
-    wandb_id = (run / "wandb_run_id").read_text().strip() if (run / "wandb_run_id").is_file() \
-        else None
-    segments = sorted((run / "wandb").glob("offline-run-*"))
-    one_id = wandb_id is not None and bool(segments) and all(
-        p.name.endswith(f"-{wandb_id}") for p in segments)
+    record, whole = wandb_whole(run)
     holds = sorted(rows) == sorted(planned) == list(range(1, steps + 1)) and worst <= RTOL
-    return (f"{len(rows)} steps, worst rel {worst:.1e} vs unbroken; W&B id {wandb_id} over "
-            f"{len(segments)} segment(s)"), holds and one_id
+    return f"{len(rows)} steps, worst rel {worst:.1e} vs unbroken; {record}", holds and whole
+
+
+def wandb_whole(run: Path) -> tuple[str, bool]:
+    """The run's W&B record read back from its segments' ``.wandb`` files: one run id over
+    them, each segment's steps ascending, and every step metrics.jsonl holds there with its
+    loss (a step's last value over the segments: a resumed segment redoes the steps after the
+    checkpoint). Also how many rows the segments sent that an earlier one lacked."""
+    losses = {r["step"]: r["loss"] for r in Result(0, "", run).records() if "loss" in r}
+    id_file = run / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else None
+    paths = wandb_log.segments(run / "wandb", run_id) if run_id else []
+    held, ids, ordered, torn = {}, set(), True, 0
+    for path in paths:
+        log = wandb_log.read(path)
+        ids |= log.run_ids
+        torn += log.torn
+        steps = [h["global_step"] for h in log.history if "loss" in h]
+        ordered = ordered and steps == sorted(set(steps))
+        held |= {h["global_step"]: h["loss"] for h in log.history if "loss" in h}
+    log_text = (run / "train.log").read_text() if (run / "train.log").is_file() else ""
+    sent = [int(n) for n in re.findall(r"W&B: sent (\d+) row", log_text)]
+    whole = bool(paths) and ids == {run_id} and ordered and held == losses
+    missing = sorted(set(losses) - set(held))
+    return (f"W&B {run_id}: {len(paths)} segment(s) ({torn} torn), {len(held)} steps, "
+            f"backfilled {sent}, whole {whole}" + (f", missing {missing[:8]}" if missing
+                                                   else "")), whole
 
 
 def resumes(run: Path) -> list[int]:
@@ -119,15 +144,16 @@ def stopped_at(run: Path) -> int | None:
     return int(found[-1]) if found else None
 
 
-def on_cluster(check: Callable[[Cluster, Path, Path], tuple[str, bool]]
+def on_cluster(check: Callable[[Cluster, Path, Path], tuple[str, bool]], site: bool = True
                ) -> Callable[[Path, Path], tuple[str, bool]]:
-    """A row's ``(data, work)`` check run on a fresh cluster; a skip where SLURM cannot run.
+    """A row's ``(data, work)`` check run on a fresh cluster (``site``: the site-like one,
+    tools/slurm/cluster.py); a skip where SLURM cannot run.
     The cluster's folder is under /tmp, not ``work``: slurmd's socket paths must stay under
     108 bytes. It is removed when the row holds, else named in the observation."""
     def row(data: Path, work: Path) -> tuple[str, bool]:
         folder = Path(tempfile.mkdtemp(prefix="pfc-slurm-"))
         try:
-            with cluster(folder, keep=True) as c:
+            with cluster(folder, keep=True, site=site) as c:
                 started = time.monotonic()
                 observed, holds = check(c, data, work)
         except NoSlurm as err:
@@ -161,26 +187,46 @@ def two_nodes_complete(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
         and len(folders) == 1
 
 
-def time_limit(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
-    """``--time=4 --signal=B:USR1@60``: the script's trap forwards USR1 to every step 120-210 s
-    into the job (SLURM checks on 30-second ticks), each rank saves at the next step and the
-    job ends COMPLETED before the limit; the same sbatch again resumes to the last step.
-    Micro-batches paced (tools/slurm/pace) so that the signal falls mid-run."""
-    reference, run = unbroken(data, work, PACED_STEPS), work / "run"
-    pace = {"PYTHONPATH": str(PACE), "PFC_PACE_S": PACE_S, "steps": PACED_STEPS}
-    first = submit(c, data, run, "--time=4", "--signal=B:USR1@60", **pace)
-    state = ended(c, first, 330)
-    saved = stopped_at(run)
-    notice = "preemption notice: signalling the trainers" in out(run, first)
-    again = submit(c, data, run, **pace)
-    state2 = ended(c, again, 330)
-    same, matches = same_run(run, reference, PACED_STEPS)
-    states = (c.sacct(first), c.sacct(again))
-    return (f"{state}, USR1 forwarded {notice}, saved at step {saved}; again {state2}, "
-            f"resumed at {resumes(run)}; sacct {states}; {same}"), \
-        state == "COMPLETED" and notice and saved is not None and saved < PACED_STEPS \
-        and state2 == "COMPLETED" and resumes(run) == [saved] and matches \
-        and states == (["COMPLETED|0:0"], ["COMPLETED|0:0"])
+def self_requeue(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
+    """``--time=3 --signal=B:USR1@60`` on a run of 160 steps paced at 1 s a micro-batch
+    (about 200 s of training; a segment trains 95 s at most between its start-up and the
+    notice, 60-120 s into the job): at each notice the ranks save at the next step and the
+    script requeues the job; it ends COMPLETED after three segments or more with the unbroken
+    run's losses, no one resubmitting anything. SLURM's two-minute hold on a requeued job is
+    lifted (:func:`run_out`): not what this row tests."""
+    reference, run = unbroken(data, work, SEGMENTED_STEPS), work / "run"
+    job = submit(c, data, run, "--time=3", "--signal=B:USR1@60", steps=SEGMENTED_STEPS,
+                 args=("checkpoint.every=10",), PYTHONPATH=str(HOOKS), PFC_PACE_S="1.0",
+                 MAX_REQUEUES="8")
+    state, lifted = run_out(c, job, 1500)
+    text, states = out(run, job), c.sacct(job)
+    notices = text.count("time-limit notice")
+    requeued = text.count("time limit: requeueing job")
+    stops = [int(n) for n in re.findall(r"stopped by SIGUSR1 after step (\d+)",
+                                        (run / "train.log").read_text())]
+    same, matches = same_run(run, reference, SEGMENTED_STEPS)
+    return (f"{state} after {len(states)} run(s) ({lifted} hold(s) lifted), {notices} notice(s),"
+            f" {requeued} requeue(s) by the script, saved at {stops}, resumed at "
+            f"{resumes(run)}; sacct {states}; {same}"), \
+        state == "COMPLETED" and len(states) >= 3 and states[-1] == "COMPLETED|0:0" \
+        and requeued == len(states) - 1 and stops == [s for s in resumes(run) if s] \
+        and matches
+
+
+def run_out(c: Cluster, job: int, limit: float) -> tuple[str, int]:
+    """Wait for the job's end through its requeues, starting it at once each time SLURM
+    holds it (22.05: about two minutes, ``Reason=BeginTime``); its final state and how many
+    holds were lifted."""
+    deadline, lifted = time.monotonic() + limit, 0
+    while time.monotonic() < deadline:
+        state = ended(c, job, 5)
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", ""):
+            return state, lifted
+        if state == "PENDING" and "Reason=BeginTime" in c.run(
+                "scontrol", "-o", "show", "job", str(job), check=False):
+            c.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+            lifted += 1
+    return c.state(job), lifted
 
 
 def requeue(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
@@ -205,9 +251,11 @@ def requeue(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
 def preemption(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
     """A 2-node job in partition ``urgent`` (PriorityTier 10) preempts the run in ``batch``:
     SIGTERM to every task at once, the ranks save at the next step, and the script requeues
-    the job (docs/cluster.md); it resumes once the urgent job is done."""
+    the job (docs/cluster.md) although every rank of that run exits 3 (tools/slurm/job_hooks:
+    a trainer failing while preempted); it resumes once the urgent job is done (SLURM's hold
+    lifted, :func:`run_out`)."""
     reference, run = unbroken(data, work), work / "run"
-    job = submit(c, data, run)
+    job = submit(c, data, run, PYTHONPATH=str(HOOKS), PFC_FAIL_FIRST_RUN="1")
     reached = at_step(c, job, run, 6)
     urgent = c.sbatch("--partition=urgent", "--nodes=2", f"--output={work}/%j.out",
                       "--wrap", "sleep 5")
@@ -215,7 +263,7 @@ def preemption(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
     pending = c.wait_state(job, ("PENDING",), GRACE_S + 30)
     freed = time.monotonic() - preempted
     saved = stopped_at(run)
-    state = ended(c, job, REQUEUED_S)
+    state, _ = run_out(c, job, REQUEUED_S)
     same, matches = same_run(run, reference)
     states, urgent_states = c.sacct(job), c.sacct(urgent)
     said = "preempted: requeueing job" in out(run, job)
@@ -230,7 +278,8 @@ def preemption(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
 def lost_node(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
     """``--nodes=1-2`` on both nodes; node 1 lost at step 6 (its link cut, every process on
     it killed): SLURM marks it DOWN, requeues the job (NODE_FAIL), which restarts on node 0
-    alone at accumulation 2 and matches the unbroken run."""
+    alone at accumulation 2 (SLURM's hold lifted, :func:`run_out`) and matches the unbroken
+    run."""
     reference, run = unbroken(data, work), work / "run"
     job = submit(c, data, run, "--nodes=1-2")
     reached = at_step(c, job, run, 6)
@@ -238,7 +287,7 @@ def lost_node(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
     lost = time.monotonic()
     down = wait_until(lambda: "down" in c.run("sinfo", "-h", "-n", NAMES[1], "-o", "%t"), 60)
     detected = time.monotonic() - lost
-    state = ended(c, job, REQUEUED_S + 60)
+    state, _ = run_out(c, job, REQUEUED_S + 60)
     rows = [r for r in Result(0, "", run).records() if "loss" in r]
     phases = sorted({(r.get("world_size"), r.get("accumulation")) for r in rows})
     same, matches = same_run(run, reference)

@@ -169,6 +169,7 @@ class Cluster:
     work: Path
     nodes: Nodes
     slurmds: list[subprocess.Popen | None]
+    site: bool = False  # the site-like cluster (slurm_conf)
 
     @property
     def env(self) -> dict[str, str]:
@@ -225,6 +226,17 @@ class Cluster:
         if self.slurmds[i] is not None:
             self.slurmds[i].wait()
             self.slurmds[i] = None
+
+    def add_interface(self, i: int, address: str) -> None:
+        """A second interface on node ``i`` holding ``address`` (``a.b.c.d/n``), which no other
+        node reaches (as docker0 or a management network): a veth pair with both ends on the
+        node, made after the node's link and so numbered before it (its own namespace counts
+        from 2), so that ``hostname -I`` lists it first."""
+        ns = self.nodes.namespaces[i]
+        for args in (("link", "add", "pfcx0", "type", "veth", "peer", "name", "pfcx1"),
+                     ("addr", "add", address, "dev", "pfcx0"), ("link", "set", "pfcx0", "up"),
+                     ("link", "set", "pfcx1", "up")):
+            subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
 
     def restore_node(self, i: int) -> None:
         """Node ``i`` back: its link up, its slurmd started again."""
@@ -283,7 +295,7 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
             daemons.append(subprocess.Popen(
                 ["slurmctld", "-D", "-c", "-i", "-f", str(work / "slurm.conf")],
                 stdout=open(work / "slurmctld.out", "w"), stderr=subprocess.STDOUT))
-            found = Cluster(work, nodes, [_slurmd(work, nodes, i) for i in range(2)])
+            found = Cluster(work, nodes, [_slurmd(work, nodes, i) for i in range(2)], site)
             try:
                 _wait_for(lambda: found.run("sinfo", "-h", "-N", "-p", "batch", "-o", "%t",
                                             check=False).split() == ["idle"] * 2, 60,
