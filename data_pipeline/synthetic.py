@@ -4,9 +4,9 @@ Each identity c is a smooth random colour field (a 4x4 grid of random colours, b
 upsampled) with a disc of its own colour, position and radius: classes differ at low
 frequency, so a tiny CNN separates them in a few hundred CPU steps. Each image of the
 identity is a random 112x112 crop of the 128x128 class canvas (+-8 px jitter), a random
-brightness gain in [0.75, 1.25] and Gaussian pixel noise (sigma 10), JPEG quality 90, so the
-task is not a lookup. Everything derives from (seed, class, image): the same call writes
-byte-identical shards.
+brightness gain in [0.75, 1.25] and Gaussian pixel noise (sigma ``noise``, 10 by default),
+JPEG quality 90, so the task is not a lookup. Everything derives from (seed, class, image):
+the same call writes byte-identical shards.
 """
 
 from __future__ import annotations
@@ -41,18 +41,23 @@ def class_canvas(seed: int, label: int) -> np.ndarray:
 class SyntheticSource:
     """`Source` (see writer.py) of num_classes x images_per_class generated JPEGs."""
 
-    def __init__(self, num_classes: int, images_per_class: int, seed: int = 0):
-        if num_classes < 1 or images_per_class < 1:
-            raise ValueError(f"num_classes={num_classes}, images_per_class={images_per_class}: "
-                             "both must be >= 1")
+    def __init__(self, num_classes: int, images_per_class: int, seed: int = 0,
+                 noise: float = 10.0):
+        if num_classes < 1 or images_per_class < 1 or noise < 0:
+            raise ValueError(f"num_classes={num_classes}, images_per_class={images_per_class}, "
+                             f"noise={noise}: the counts must be >= 1, the noise >= 0")
         self.num_classes, self.images_per_class, self.seed = num_classes, images_per_class, seed
+        self.noise = noise
 
     def __len__(self) -> int:
         return self.num_classes * self.images_per_class
 
     def describe(self) -> dict:
+        # the noise only where it is not the default, so that sets written before it stay
+        # the same conversion (the description is part of a resume's fingerprint)
         return {"type": "synthetic", "num_classes": self.num_classes,
-                "images_per_class": self.images_per_class, "seed": self.seed}
+                "images_per_class": self.images_per_class, "seed": self.seed,
+                **({"noise": self.noise} if self.noise != 10.0 else {})}
 
     def identity_map(self) -> Identities:
         return numbered(self.num_classes, "the labels (synthetic identities have no names)")
@@ -62,7 +67,7 @@ class SyntheticSource:
         rng = np.random.default_rng([self.seed, label, image + 1])
         y, x = rng.integers(0, CANVAS - SIZE + 1, size=2)
         crop = class_canvas(self.seed, label)[y:y + SIZE, x:x + SIZE]
-        crop = crop * rng.uniform(0.75, 1.25) + rng.normal(0.0, 10.0, size=crop.shape)
+        crop = crop * rng.uniform(0.75, 1.25) + rng.normal(0.0, self.noise, size=crop.shape)
         out = io.BytesIO()
         Image.fromarray(np.clip(crop, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
         return out.getvalue(), label, f"{label}/{image}"
