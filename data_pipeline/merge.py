@@ -5,15 +5,18 @@ strikes the pairs that are two people, and trains::
 
     # launch.overlap checkpoint=runs/finder threshold=0.7123 fpir=0.1
     # 2026-12-02T15:00:00Z: 11 pairs of 40 identities (expected false <= 3.6)
-    set 0 /data/ms1mv3
-    set 1 /data/glint360k
+    set 0 /data/ms1mv3 93431 3f0c1d9a8b2e4c57
+    set 1 /data/glint360k 360232 9a4e0b7c1d2f3e68
     pair 0:1042 1:77123 0.8731  # m.0abc12 (92 images) = 77123 (40 images)
     - pair 0:3 1:7 0.7222  # m.0x (10 images) = m.0y (12 images): struck, two people
 
 UTF-8. ``#`` starts a comment (whole line, or after an entry: the note a person reads),
 blank lines are ignored, and a line starting with ``-`` is *struck*: ignored, kept so the
-list shows what a person decided. Every other line is ``set I FOLDER`` (set ``I`` is
-``data.dirs[I]``, named so a list is not trained with its folders in another order) or
+list shows what a person decided. Every other line is ``set I FOLDER CLASSES DIGEST`` (set
+``I`` is ``data.dirs[I]``, named so a list is not trained with its folders in another order;
+``CLASSES`` and ``DIGEST`` are what the folder held when the list was made, :func:`content_of`,
+so that a folder converted again, with the same class count but another label order, is
+refused rather than merging the wrong people) or
 ``pair I:CLASS J:CLASS [COSINE]`` (a class in its folder's own labels, before the offset
 ``data.dirs`` applies; the cosine is what the search found, for the reader). Pairs chain:
 ``0:1 = 1:5`` and ``1:5 = 1:9`` make one class of three.
@@ -43,8 +46,22 @@ from data_pipeline.remote import is_url
 
 Node = tuple[int, int]  # (set, class in that set's own labels)
 MAX_BYTES = 256 << 20  # a list of 10^6 pairs is ~60 MiB; more is not a merge list
-FORMAT = ("'set I FOLDER' or 'pair I:CLASS J:CLASS [COSINE]' (I, J, CLASS integers >= 0; "
-          "'#' comments, '-' strikes a line)")
+FORMAT = ("'set I FOLDER CLASSES DIGEST' or 'pair I:CLASS J:CLASS [COSINE]' (I, J, CLASS "
+          "integers >= 0; '#' comments, '-' strikes a line)")
+_HEX = frozenset("0123456789abcdef")
+REGENERATE = "write the list again with python -m launch.overlap --between"
+
+
+@dataclass(frozen=True)
+class Content:
+    """What a data folder held when a merge list was made of it: its class count and a
+    digest of its identities (:func:`content_of`)."""
+
+    classes: int
+    digest: str
+
+    def __str__(self) -> str:
+        return f"{self.classes} {self.digest}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,7 @@ class MergeList:
     sets: tuple[str, ...]
     pairs: tuple[tuple[Node, Node], ...]
     path: str = ""
+    contents: tuple[Content | None, ...] = ()  # per set; None on a list from before them
 
     @property
     def digest(self) -> str:
@@ -70,6 +88,7 @@ def read_merge(path: str | os.PathLike) -> MergeList:
     text = read_text(path, "the merge list", limit=MAX_BYTES,
                      hint="; write one with python -m launch.overlap --between")
     sets: dict[int, str] = {}
+    contents: dict[int, Content | None] = {}
     pairs: list[tuple[Node, Node]] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
@@ -77,11 +96,12 @@ def read_merge(path: str | os.PathLike) -> MergeList:
             continue
         where = f"{path}:{number}"
         words = line.split()
-        if words[0] == "set" and len(words) == 3 and is_index(words[1]):
+        if words[0] == "set" and len(words) in (3, 5) and is_index(words[1]):
             index = int(words[1])
             if sets.setdefault(index, words[2]) != words[2]:
                 raise DataError(f"{where}: set {index} named twice ({sets[index][:80]}, "
                                 f"{words[2][:80]})")
+            contents[index] = _content(words[3:], where)
         elif words[0] == "pair" and len(words) in (3, 4):
             pairs.append((_node(words[1], where), _node(words[2], where)))
             if len(words) == 4:
@@ -98,7 +118,8 @@ def read_merge(path: str | os.PathLike) -> MergeList:
                                 f"'set {s} FOLDER' line names")
         if a == b:
             raise DataError(f"{path}: pair {number + 1} joins {a[0]}:{a[1]} with itself")
-    return MergeList(tuple(sets[i] for i in range(len(sets))), tuple(pairs), str(path))
+    return MergeList(tuple(sets[i] for i in range(len(sets))), tuple(pairs), str(path),
+                     tuple(contents[i] for i in range(len(sets))))
 
 
 def check_folders(merge: MergeList, folders: Sequence[str]) -> None:
@@ -111,6 +132,39 @@ def check_folders(merge: MergeList, folders: Sequence[str]) -> None:
         if not same_folder(named, folder):
             raise DataError(f"{merge.path}: set {i} is {named[:80]}, but data.dirs[{i}] is "
                             f"{folder} (list the folders in the order the list names them)")
+
+
+def check_contents(merge: MergeList, folders: Sequence[str]) -> None:
+    """DataError (one line naming the set) where folder ``folders[i]`` no longer holds what
+    set ``i`` of the list was made from (:func:`content_of`), or the list records nothing of
+    it: a list written before sets recorded their content is refused, naming the words that
+    the folder's line needs if the folder is the one the pairs were found in."""
+    for i, (recorded, folder) in enumerate(zip(merge.contents, folders, strict=False)):
+        now = content_of(folder)
+        if recorded is None:
+            raise DataError(f"{merge.path}: set {i} records no class count and digest of "
+                            f"what it merged; {REGENERATE}, or, if {folder} is the folder "
+                            f"the pairs were found in, end its set line with '{now}'")
+        if recorded != now:
+            raise DataError(f"{merge.path}: set {i}: {folder} holds {now.classes} classes "
+                            f"(digest {now.digest}), the list was made from {recorded.classes} "
+                            f"(digest {recorded.digest}): converted again since; "
+                            f"{REGENERATE}")
+
+
+def content_of(folder: str | os.PathLike) -> Content:
+    """Folder ``folder``'s class count (its manifest's) and a digest (sha256, 16 hex digits)
+    of its identities: ``identities.json``'s names in label order, or where a folder has none
+    (converted before identity maps), what its manifest states of its samples (each shard's
+    name, count, size and digest), which a conversion in another label order changes too."""
+    from data_pipeline.identities import read_identities
+    from data_pipeline.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    identities = read_identities(folder, manifest)
+    text = "\n".join(identities.names) if identities is not None else "\n".join(
+        f"{s.name} {s.count} {s.bytes} {s.sha256}" for s in manifest.shards)
+    return Content(manifest.num_classes, hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
 def same_folder(a: str, b: str) -> bool:
@@ -130,6 +184,17 @@ def _node(word: str, where: str) -> Node:
     return int(s), int(c)
 
 
+def _content(words: list[str], where: str) -> Content | None:
+    """A set line's ``CLASSES DIGEST``; None where the line has neither (an older list)."""
+    if not words:
+        return None
+    classes, digest = words
+    if not (is_index(classes) and len(digest) == 16 and set(digest) <= _HEX):
+        raise DataError(f"{where}: {classes[:20]!r} {digest[:20]!r} is not CLASSES DIGEST (an "
+                        "integer and 16 hex digits)")
+    return Content(int(classes), digest)
+
+
 def _cosine(word: str, where: str) -> None:
     try:
         value = float(word)
@@ -139,12 +204,13 @@ def _cosine(word: str, where: str) -> None:
         raise DataError(f"{where}: {word[:40]!r} is not a cosine in [-1, 1]")
 
 
-def write_merge(path: str | os.PathLike, sets: Sequence[str],
+def write_merge(path: str | os.PathLike, sets: Sequence[str], contents: Sequence[Content],
                 pairs: Sequence[tuple[Node, Node, float, str]], header: str = "") -> None:
-    """Write a merge list atomically: ``header``'s lines as comments, the sets, then one
-    ``pair`` line per ``(a, b, cosine, note)``, in the order given."""
+    """Write a merge list atomically: ``header``'s lines as comments, the sets with what each
+    holds (``contents[i]``, :func:`content_of`), then one ``pair`` line per ``(a, b, cosine,
+    note)``, in the order given."""
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    lines += [f"set {i} {s}" for i, s in enumerate(sets)]
+    lines += [f"set {i} {s} {c}" for i, (s, c) in enumerate(zip(sets, contents, strict=True))]
     lines += [f"pair {a[0]}:{a[1]} {b[0]}:{b[1]} {cos:.4f}" + (f"  # {note}" if note else "")
               for a, b, cos, note in pairs]
     atomic_write_bytes(Path(path), ("\n".join(lines) + "\n").encode("utf-8"))

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from data_pipeline.exclusion import made_by
-from data_pipeline.merge import write_merge
+from data_pipeline.merge import content_of, write_merge
 from data_pipeline.remote import is_url
 from launch.cli import load_backbone_or_exit, resolve_checkpoint_or_exit
 from launch.overlap.held_out import held_out_classes
@@ -136,7 +136,7 @@ def report(args: argparse.Namespace, found: FoundPairs) -> None:
         settings["fpir"] = f"{args.fpir:g}"
     lines = [(p.a, p.b, p.score, f"{sets[p.a[0]].describe(p.a[1])} = "
               f"{sets[p.b[0]].describe(p.b[1])}") for p in pairs]
-    write_merge(args.out, [s.folder for s in sets], lines,
+    write_merge(args.out, [s.folder for s in sets], [content_of(s.folder) for s in sets], lines,
                 header=made_by("launch.overlap", settings, summary) + "\nstrike a pair that "
                 "is two people with a leading '-'; train with data.merge=THIS_FILE")
     if args.json:

@@ -1,6 +1,7 @@
 """Merge lists (``data_pipeline.merge``): what ``launch.overlap --between`` writes reads back,
 struck lines and notes do not count (nor change the digest), a bad line is named
-``file:line``, and pairs chain into one label per person."""
+``file:line``, pairs chain into one label per person, and a set whose folder no longer holds
+what the list was made from is refused naming the set."""
 
 from __future__ import annotations
 
@@ -9,22 +10,31 @@ import pytest
 
 from data_pipeline.errors import DataError
 from data_pipeline.merge import (
+    Content,
     MergeList,
+    check_contents,
     check_folders,
+    content_of,
+    merged_count,
     merged_labels,
     read_merge,
     write_merge,
 )
 
+HELD = [Content(50, "0123456789abcdef"), Content(60, "fedcba9876543210")]
+
 
 def test_a_written_list_reads_back_and_struck_lines_are_ignored(tmp_path):
     path = tmp_path / "merge.txt"
-    write_merge(path, ["/d/a", "/d/b"], [((0, 3), (1, 7), 0.91, "x (5 images) = x (4 images)"),
-                                         ((0, 4), (1, 2), 0.72, "y = z")], header="tool a=1")
+    write_merge(path, ["/d/a", "/d/b"], HELD,
+                [((0, 3), (1, 7), 0.91, "x (5 images) = x (4 images)"),
+                 ((0, 4), (1, 2), 0.72, "y = z")], header="tool a=1")
     text = path.read_text()
-    assert text.startswith("# tool a=1\nset 0 /d/a\nset 1 /d/b\npair 0:3 1:7 0.9100  # x (5")
+    assert text.startswith("# tool a=1\nset 0 /d/a 50 0123456789abcdef\n"
+                           "set 1 /d/b 60 fedcba9876543210\npair 0:3 1:7 0.9100  # x (5")
     merge = read_merge(path)
     assert merge.sets == ("/d/a", "/d/b") and merge.pairs == (((0, 3), (1, 7)), ((0, 4), (1, 2)))
+    assert merge.contents == tuple(HELD)
     path.write_text(text.replace("pair 0:4", "- pair 0:4").replace("# x (5", "# edited (5"))
     struck = read_merge(path)
     assert struck.pairs == (((0, 3), (1, 7)),)
@@ -35,8 +45,10 @@ def test_a_written_list_reads_back_and_struck_lines_are_ignored(tmp_path):
 @pytest.mark.parametrize("line, says", [
     ("pair 0:1 1-2", "'1-2' is not SET:CLASS"),
     ("pair 0:1 1:2 1.5", "'1.5' is not a cosine in [-1, 1]"),
-    ("class 3", "is not 'set I FOLDER' or 'pair I:CLASS J:CLASS [COSINE]'"),
+    ("class 3", "is not 'set I FOLDER CLASSES DIGEST' or 'pair I:CLASS J:CLASS [COSINE]'"),
     ("set 0 /d/other", "set 0 named twice (/d/a, /d/other)"),
+    ("set 1 /d/b ² 0123456789abcdef", "'²' '0123456789abcdef' is not CLASSES DIGEST"),
+    ("set 1 /d/b 12 0123", "'12' '0123' is not CLASSES DIGEST"),
 ])
 def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, says):
     path = tmp_path / "m.txt"
@@ -78,3 +90,35 @@ def test_the_sets_must_be_the_run_s_folders_in_order(tmp_path):
         check_folders(merge, [str(tmp_path / "b"), str(tmp_path / "a")])
     with pytest.raises(DataError, match="m: 2 sets, but the run has 1 data folder"):
         check_folders(merge, [str(tmp_path / "a")])
+
+
+def test_a_folder_converted_again_is_refused_naming_the_set(tmp_path, synthetic_data):
+    """The same class count in another label order would merge the wrong people: the digest
+    of its identities tells them apart."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(synthetic_data, tmp_path / "set")
+    held = content_of(folder)
+    assert held.classes == 20 and held == content_of(str(folder))
+    merge = MergeList((str(folder),), (((0, 1), (0, 2)),), "m", (held,))
+    check_contents(merge, [str(folder)])
+    names = json.loads((folder / "identities.json").read_text())
+    names["names"] = names["names"][::-1]  # converted again: the labels in another order
+    (folder / "identities.json").write_text(json.dumps(names))
+    with pytest.raises(DataError) as err:
+        check_contents(merge, [str(folder)])
+    assert str(err.value) == (
+        f"m: set 0: {folder} holds 20 classes (digest {content_of(folder).digest}), the list "
+        f"was made from 20 (digest {held.digest}): converted again since; write the list again "
+        "with python -m launch.overlap --between")
+    older = MergeList((str(folder),), (), "m", (None,))  # a list from before sets held it
+    with pytest.raises(DataError, match=rf"m: set 0 records no class count .* end its set line "
+                       rf"with '20 {content_of(folder).digest}'"):
+        check_contents(older, [str(folder)])
+
+
+def test_the_merged_count_is_the_labels_count_without_sizing_the_classes():
+    merge = MergeList(("a", "b"), (((0, 1), (1, 0)), ((1, 0), (1, 2)), ((0, 3), (0, 0))), "m")
+    assert merged_count(merge, [4, 3]) == 4 == merged_labels(merge, [4, 3]).max() + 1
+    assert merged_count(merge, [10**12, 10**12]) == 2 * 10**12 - 3  # nothing of that size made

@@ -9,7 +9,7 @@ import torch
 from launch_helpers import ROOT
 from shard_helpers import make_shards
 
-from data_pipeline.merge import read_merge, write_merge
+from data_pipeline.merge import content_of, read_merge, write_merge
 from offline.plan_inputs import resolve_inputs
 from trainer.config import load_config
 
@@ -30,6 +30,7 @@ def _lists(tmp_path, first, other):
     for name, pairs in (("merge.txt", [((0, 1), (1, 0)), ((0, 2), (1, 1))]),
                         ("other.txt", [((0, 5), (1, 0)), ((0, 6), (1, 2))])):
         write_merge(tmp_path / name, [str(first), str(other)],
+                    [content_of(first), content_of(other)],
                     [(a, b, 0.9, "") for a, b in pairs], header="made by the test")
         paths.append(tmp_path / name)
     return paths

@@ -20,6 +20,7 @@ from scipy.sparse.csgraph import connected_components
 
 from data_pipeline.errors import DataError
 from data_pipeline.merge import (
+    Content,
     check_folders,
     merged_count,
     merged_labels,
@@ -34,8 +35,9 @@ FOLDERS = ["/data/a", "/data/b"]
 def _seed() -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "merge.txt"
-        write_merge(path, FOLDERS, [((0, 3), (1, 7), 0.91, "x (5 images) = x (4 images)"),
-                                    ((0, 4), (0, 9), 0.72, "y = z")], header="launch.overlap")
+        write_merge(path, FOLDERS, [Content(50, "0123456789abcdef")] * 2,
+                    [((0, 3), (1, 7), 0.91, "x (5 images) = x (4 images)"),
+                     ((0, 4), (0, 9), 0.72, "y = z")], header="launch.overlap")
         return path.read_bytes()
 
 

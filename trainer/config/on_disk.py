@@ -71,13 +71,15 @@ def _merged_classes(cfg: Config, manifests: list[Manifest]) -> tuple[int, list[t
                                                                                        str]]]:
     """The classes of ``data.dirs`` once ``data.merge`` joins its pairs (one per person), or
     their sum and the one line that refuses the list (``file:line`` of a bad line, a set
-    that is not its folder, a class out of range)."""
+    that is not its folder or no longer holds what the list was made from, a class out of
+    range)."""
     from data_pipeline.errors import DataError
-    from data_pipeline.merge import check_folders, merged_count, read_merge
+    from data_pipeline.merge import check_contents, check_folders, merged_count, read_merge
 
     try:
         merge = read_merge(cfg.data.merge)
-        check_folders(merge, cfg.data.folders())  # counted, not mapped: the head's memory
+        check_folders(merge, cfg.data.folders())
+        check_contents(merge, cfg.data.folders())  # counted, not mapped: the head's memory
         return merged_count(merge, [m.num_classes for m in manifests]), []  # check is after
     except DataError as err:
         return sum(m.num_classes for m in manifests), [("data.merge", f"data.merge: {err}")]
