@@ -29,6 +29,7 @@ import numpy as np
 
 from data_pipeline.codec import decode_image, resolve_decoder
 from data_pipeline.identities import Identities
+from data_pipeline.merge import content_of, write_merge
 from data_pipeline.orl import write_orl_shared_sets
 from data_pipeline.synthetic import SIZE, SyntheticSource
 from data_pipeline.writer import write_dataset
@@ -158,8 +159,9 @@ def true_pairs(truth: dict[Node, int]) -> list[tuple[Node, Node]]:
 def write_true_list(path: Path, sets: SetPair) -> int:
     """The merge list of every true pair (the upper bound a perfect finder gives)."""
     pairs = true_pairs(sets.truth)
-    path.write_text(f"# the truth: {len(pairs)} pairs\nset 0 {sets.a}\nset 1 {sets.b}\n" + "".join(
-        f"pair {a[0]}:{a[1]} {b[0]}:{b[1]}\n" for a, b in pairs))
+    folders = [str(sets.a), str(sets.b)]
+    write_merge(path, folders, [content_of(f) for f in folders],
+                [(a, b, 1.0, "one person") for a, b in pairs], f"the truth: {len(pairs)} pairs")
     return len(pairs)
 
 
