@@ -1,6 +1,6 @@
 """Whether the head a config asks for can be allocated at all on the machine: the one check of
 ``data.num_classes`` (often filled from a manifest.json, which anyone can edit) against memory,
-made before ``PartialFC`` allocates its weight (docs/readers.md; docs/design.md, invariant 11).
+made before ``PartialFC`` allocates its weight (docs/readers.md; docs/design.md, invariant 5).
 """
 
 from __future__ import annotations
