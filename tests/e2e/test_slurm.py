@@ -35,6 +35,9 @@ def test_the_site_like_cluster_declares_cpus_gpus_and_binding(tmp_path):
                      "SlurmdParameters=config_overrides",
                      "NodeName=pfc-n0 NodeAddr=10.1.2.1 CPUs=2 Gres=gpu:2 State=UNKNOWN"):
         assert expected in lines
+    confined = slurm_cluster.slurm_conf(tmp_path, nodes, site=True, cgroups=True).splitlines()
+    assert {"ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity"} \
+        <= set(confined)
     gres = slurm_cluster.gres_conf(tmp_path).splitlines()
     assert gres[0] == "AutoDetect=off"
     assert f"NodeName=pfc-n1 Name=gpu File={tmp_path}/dev-pfc-n1/nvidia[0-1]" in gres

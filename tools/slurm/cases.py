@@ -39,8 +39,9 @@ ARGS = ("engine.type=ddp", "train.batch_size=8", "data.num_workers=0", "log.ever
 # the self-requeue row: at --time=3 --signal=B:USR1@60 the notice comes 60-120 s into each
 # run (60 s before the limit, on SLURM's 30 s tick, "up to 60 s earlier" says sbatch(1)),
 # after a start-up of 25 s idle, over 60 s with other SLURM rows beside (a notice before the
-# trainers start requeues the job at once): 160 steps of 1.25 s need three runs or more.
-SEGMENTED_STEPS = 160
+# trainers start requeues the job at once): a run trains 95 s at most, 43 steps of 2.2 s, so
+# 90 steps need three runs or more (measured: 5 runs of 35-40 steps at 160 steps of 1.2 s).
+SEGMENTED_STEPS, SEGMENTED_PACE_S = 90, "2.0"
 RTOL = 1e-5
 REQUEUED_S = 330  # a requeued job: KillWait, SLURM's ~120 s delay, start-up, the run
 HOOKS = ROOT / "tools" / "slurm" / "job_hooks"  # sitecustomize: pacing, affinity, exit codes
@@ -188,16 +189,16 @@ def two_nodes_complete(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
 
 
 def self_requeue(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
-    """``--time=3 --signal=B:USR1@60`` on a run of 160 steps paced at 1 s a micro-batch
-    (about 200 s of training; a segment trains 95 s at most between its start-up and the
+    """``--time=3 --signal=B:USR1@60`` on a run of 90 steps paced at 2 s a micro-batch
+    (about 200 s of training; a run trains 95 s at most between its start-up and the
     notice, 60-120 s into the job): at each notice the ranks save at the next step and the
     script requeues the job; it ends COMPLETED after three segments or more with the unbroken
     run's losses, no one resubmitting anything. SLURM's two-minute hold on a requeued job is
     lifted (:func:`run_out`): not what this row tests."""
     reference, run = unbroken(data, work, SEGMENTED_STEPS), work / "run"
     job = submit(c, data, run, "--time=3", "--signal=B:USR1@60", steps=SEGMENTED_STEPS,
-                 args=("checkpoint.every=10",), PYTHONPATH=str(HOOKS), PFC_PACE_S="1.0",
-                 MAX_REQUEUES="8")
+                 args=("checkpoint.every=10",), PYTHONPATH=str(HOOKS),
+                 PFC_PACE_S=SEGMENTED_PACE_S, MAX_REQUEUES="8")
     state, lifted = run_out(c, job, 1500)
     text, states = out(run, job), c.sacct(job)
     notices = text.count("time-limit notice")

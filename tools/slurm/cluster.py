@@ -28,8 +28,15 @@ given: a step that asks for fewer CPUs than the job has gets fewer) and ``GresTy
 with two device files a node that the cluster creates under its folder, named in
 ``gres.conf`` with ``AutoDetect=off``: ``--gpus-per-node=N`` sets ``SLURM_GPUS_ON_NODE`` and
 ``CUDA_VISIBLE_DEVICES`` as on a GPU node, while torch, seeing no CUDA, trains on the CPU.
-``task/cgroup`` is not declared: ``ip netns exec`` mounts a fresh /sys without the host's
-cgroup hierarchies (docs/cluster.md says what was tried).
+Where the host has cgroup v1's ``cpuset``, ``devices`` and ``freezer`` hierarchies (this
+sandbox: cgroup v2 is mounted beside them holding no controller but hugetlb, so SLURM's
+``cgroup/v2`` cannot run), the site-like cluster also confines jobs as most sites do:
+``TaskPlugin=task/cgroup,task/affinity``, ``ProctrackType=proctrack/cgroup``,
+``ConstrainCores`` and ``ConstrainDevices``. ``ip netns exec`` mounts a fresh /sys without
+them, so each node's slurmd starts behind mounts of its own (:func:`_cgroup_mounts`): each
+hierarchy's folder ``<namespace>`` on /sys/fs/cgroup/<controller>, which is the node's whole
+cgroup tree as it sees it, removed when the cluster stops. Elsewhere (a host of cgroup v2
+only) the site-like cluster binds with ``task/affinity`` alone.
 
 Everything lives in one work folder (config, key, sockets, state, logs); nothing under /etc
 but the namespaces' own files (``/etc/netns``). Needs root (namespaces, daemons as root) and
@@ -67,6 +74,8 @@ GRACE_S = 30  # partition batch's GraceTime: a preempted job's time to save
 KILL_WAIT_S = 30  # SIGTERM to SIGKILL when a job is cancelled or its time is up
 SLURMD_TIMEOUT_S = 10  # a node silent this long is DOWN
 SITE_CPUS, SITE_GPUS = 2, 2  # a site-like node's (cluster(site=True))
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUPS = ("cpuset", "devices", "freezer")  # cgroup v1 hierarchies task/proctrack cgroup use
 NVIDIA_MAJOR = 195
 PACKAGES = ("slurm-wlm", "munge")
 LOCK = "/tmp/pfc-slurm-{}.lock"
@@ -99,10 +108,14 @@ def ensure_installed(install: bool = True) -> None:
                   f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT, site: bool = False) -> str:
+def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT, site: bool = False,
+               cgroups: bool = False) -> str:
     """slurm.conf for the two namespaces, everything under ``work``; ``site``: two CPUs, two
-    GPUs and CPU binding a node (the module's docstring)."""
+    GPUs and CPU binding a node, ``cgroups``: with cgroup v1 (the module's docstring)."""
     node = f"CPUs={SITE_CPUS} Gres=gpu:{SITE_GPUS}" if site else "CPUs=1"
+    tasks = ("ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity") \
+        if site and cgroups else ("ProctrackType=proctrack/linuxproc",
+                                  f"TaskPlugin=task/{'affinity' if site else 'none'}")
     host = socket.gethostname().split(".")[0]
     lines = [
         "ClusterName=partialfc",
@@ -113,9 +126,7 @@ def slurm_conf(work: Path, nodes: Nodes, ctld_port: int = CTLD_PORT, site: bool 
         f"StateSaveLocation={work}/ctld", f"SlurmdSpoolDir={work}/spool-%n",
         f"SlurmctldPidFile={work}/slurmctld.pid", f"SlurmdPidFile={work}/slurmd-%n.pid",
         f"SlurmctldLogFile={work}/slurmctld.log", f"SlurmdLogFile={work}/slurmd-%n.log",
-        "ProctrackType=proctrack/linuxproc",
-        *(("TaskPlugin=task/affinity", "GresTypes=gpu", "SlurmdParameters=config_overrides")
-          if site else ("TaskPlugin=task/none",)),
+        *tasks, *(("GresTypes=gpu", "SlurmdParameters=config_overrides") if site else ()),
         "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "SwitchType=switch/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "ReturnToService=2", f"SlurmdTimeout={SLURMD_TIMEOUT_S}", "InactiveLimit=0",
@@ -156,6 +167,36 @@ def _make_gpus(work: Path) -> None:
                 path.touch()
 
 
+def cgroup_v1() -> bool:
+    """Whether the host has the cgroup v1 hierarchies task/cgroup and proctrack/cgroup need."""
+    return all((CGROUP_ROOT / c / "cgroup.procs").is_file() for c in CGROUPS)
+
+
+def _cgroup_mounts(work: Path, ns: str) -> str:
+    """sh commands, run in node ``ns``'s mount namespace before its slurmd: each hierarchy of
+    :data:`CGROUPS` mounted under ``work``, its folder ``ns`` made (a cpuset given the root's
+    CPUs and memory nodes) and bound over /sys/fs/cgroup/<controller>."""
+    lines = ["mount -t tmpfs cgroups /sys/fs/cgroup"]
+    for c in CGROUPS:
+        own = f"{work}/cgroup-{ns}/{c}"
+        lines += [f"mkdir -p {own} /sys/fs/cgroup/{c}", f"mount -t cgroup -o {c} cgroup {own}",
+                  f"mkdir -p {own}/{ns}"]
+        if c == "cpuset":
+            lines += [f"cat {own}/cpuset.{k} > {own}/{ns}/cpuset.{k}" for k in ("cpus", "mems")]
+        lines.append(f"mount --bind {own}/{ns} /sys/fs/cgroup/{c}")
+    return " && ".join(lines) + ' && exec "$@"'
+
+
+def _remove_cgroups(ns: str) -> None:
+    """The node's cgroup folders, deepest first (SLURM leaves its own, emptied)."""
+    for c in CGROUPS:
+        top = CGROUP_ROOT / c / ns
+        for folder in sorted((p for p in [top, *top.rglob("*")] if p.is_dir()),
+                             key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def hosts_file(subnet: str) -> str:
     """The namespaces' /etc/hosts: each node's name to its address (as on a cluster)."""
     return "127.0.0.1 localhost\n" + "".join(
@@ -170,6 +211,7 @@ class Cluster:
     nodes: Nodes
     slurmds: list[subprocess.Popen | None]
     site: bool = False  # the site-like cluster (slurm_conf)
+    cgroups: bool = False  # ... confining jobs with cgroup v1
 
     @property
     def env(self) -> dict[str, str]:
@@ -241,7 +283,7 @@ class Cluster:
     def restore_node(self, i: int) -> None:
         """Node ``i`` back: its link up, its slurmd started again."""
         _ip_link(self.nodes, i, up=True)
-        self.slurmds[i] = _slurmd(self.work, self.nodes, i)
+        self.slurmds[i] = _slurmd(self.work, self.nodes, i, self.cgroups)
 
 
 def _ip_link(nodes: Nodes, i: int, up: bool) -> None:
@@ -249,10 +291,12 @@ def _ip_link(nodes: Nodes, i: int, up: bool) -> None:
                     "up" if up else "down"], check=True)
 
 
-def _slurmd(work: Path, nodes: Nodes, i: int) -> subprocess.Popen:
+def _slurmd(work: Path, nodes: Nodes, i: int, cgroups: bool) -> subprocess.Popen:
+    cmd = ["slurmd", "-D", "-f", str(work / "slurm.conf")]
+    if cgroups:
+        cmd = ["sh", "-c", _cgroup_mounts(work, nodes.namespaces[i]), "sh", *cmd]
     with open(work / f"slurmd-{NAMES[i]}.out", "a") as out:
-        return start_on_node(nodes, i, ["slurmd", "-D", "-f", str(work / "slurm.conf")],
-                             stdout=out, hostname=NAMES[i])
+        return start_on_node(nodes, i, cmd, stdout=out, hostname=NAMES[i])
 
 
 def _munged(work: Path) -> subprocess.Popen:
@@ -282,11 +326,14 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
     daemons: list[subprocess.Popen] = []
     try:
         with two_nodes(subnet, bridge=True, etc={"hosts": hosts_file(subnet)}) as nodes:
-            (work / "slurm.conf").write_text(slurm_conf(work, nodes, CTLD_PORT + slot, site))
+            cgroups = site and cgroup_v1()
+            (work / "slurm.conf").write_text(slurm_conf(work, nodes, CTLD_PORT + slot, site,
+                                                        cgroups))
             if site:
                 _make_gpus(work)
                 (work / "gres.conf").write_text(gres_conf(work))
-            (work / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+            (work / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n" + (
+                "ConstrainCores=yes\nConstrainDevices=yes\n" if cgroups else ""))
             for name in NAMES:
                 (work / f"spool-{name}").mkdir(exist_ok=True)
             daemons.append(_munged(work))
@@ -295,7 +342,8 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
             daemons.append(subprocess.Popen(
                 ["slurmctld", "-D", "-c", "-i", "-f", str(work / "slurm.conf")],
                 stdout=open(work / "slurmctld.out", "w"), stderr=subprocess.STDOUT))
-            found = Cluster(work, nodes, [_slurmd(work, nodes, i) for i in range(2)], site)
+            found = Cluster(work, nodes, [_slurmd(work, nodes, i, cgroups) for i in range(2)],
+                            site, cgroups)
             try:
                 _wait_for(lambda: found.run("sinfo", "-h", "-N", "-p", "batch", "-o", "%t",
                                             check=False).split() == ["idle"] * 2, 60,
@@ -307,6 +355,8 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
                     if proc is not None:
                         proc.terminate()
                         _stop(proc)
+                for ns in nodes.namespaces if cgroups else ():
+                    _remove_cgroups(ns)
     except NoNamespaces as err:
         raise NoSlurm(f"no network namespaces: {err}") from err
     finally:
