@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.config import Machine, load_config
-from trainer.config.checks import resolve_config
+from trainer.config.resolve import resolve_config
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 GIB = 1 << 30

@@ -3,8 +3,9 @@
 Loading is three jobs, each its own module: :mod:`trainer.config.files` reads the recipe
 (``base:`` chain, ``dotted.key=value`` overrides) and records which file set each key;
 :mod:`trainer.config.schema` validates it against the typed schema (one file per section in
-:mod:`trainer.config.sections`), the only source of defaults; :mod:`trainer.config.checks` runs
-the checks the schema cannot express, pure functions of the config, the data's manifest and a
+:mod:`trainer.config.sections`), the only source of defaults; :mod:`trainer.config.checks`
+(and :mod:`trainer.config.resolve`, :mod:`trainer.config.resume_drift`) runs the checks the
+schema cannot express, pure functions of the config, the data's manifest and a
 :class:`Machine` snapshot. This module composes them so that every problem found is reported
 at once, in one :class:`ConfigError`, one line each, naming the file (or ``command line``) that
 set the key, the key, the value and the valid choices. With ``resolve=True`` the checks also
@@ -22,13 +23,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from trainer.config.checks import (
-    Resolved,
-    resolve_config,
-    resume_drift,
-    semantic_errors,
-    theory_warnings,
-)
+from trainer.config.checks import semantic_errors, theory_warnings
 from trainer.config.files import (
     apply_overrides,
     load_tree,
@@ -42,6 +37,8 @@ from trainer.config.machine import Machine
 from trainer.config.on_disk import path_errors, read_data_manifest, with_merge_digest
 from trainer.config.pace import cpu_pace_warning
 from trainer.config.reference import describe_keys
+from trainer.config.resolve import Resolved, resolve_config
+from trainer.config.resume_drift import resume_drift
 from trainer.config.schema import Config, ConfigError, ConfigWarning, dump_config
 from trainer.config.sections.data import DataConfig
 from trainer.config.sections.engine import DistConfig, EngineConfig

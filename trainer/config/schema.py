@@ -6,10 +6,11 @@ ONLY source of defaults; YAML files hold differences (:mod:`trainer.config.files
 The ``margin:`` section is one model per ``margin.type``, generated from ``partial_fc.margins``'
 registry, and ranges partial_fc states (``head.sample_rate``, the margin keys') are checked by
 its rules, in its words. The schema alone refuses unknown keys, a margin key of another type,
-wrong types and out-of-range values; what needs several keys, the data or the machine is
-checked in :mod:`trainer.config.checks`. :mod:`trainer.config.reference` turns the schema into
-the key reference ``python -m launch.train --help`` prints, so that reference cannot drift from
-the defaults.
+wrong types and out-of-range values; what needs several keys is checked in
+:mod:`trainer.config.checks`, what needs the data or the machine in
+:mod:`trainer.config.resolve`. :mod:`trainer.config.reference` turns the schema into the key
+reference ``python -m launch.train --help`` prints, so that reference cannot drift from the
+defaults.
 """
 
 from __future__ import annotations
