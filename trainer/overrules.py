@@ -40,7 +40,7 @@ def schedule_jump(saved: dict | None, cfg: Config, step: int, steps_per_epoch: i
     """The line for a resume at ``step`` whose learning rate differs from the one the saved
     run's own schedule (``saved``: the checkpoint's config) gives there; ``changed`` is
     :func:`trainer.config.resume_drift`'s list, from which the deciding keys are named."""
-    from trainer.engine.engine import lr_factor  # the engine's own schedule (torch at import)
+    from trainer.engine.optimizers import lr_factor  # the engine's own schedule (torch at import)
 
     if saved is None:
         return None

@@ -79,7 +79,7 @@ def test_lr_decay_power_one_is_polynomial_lr_warmup():
     """``PolynomialLRWarmup(power=1)``'s closed form after warm-up: ``(1 - (l - w)/(t - w))``,
     ``l`` the steps taken so far; partial-fc's step ``l`` is its ``l``-th update."""
     from trainer.config import ScheduleConfig
-    from trainer.engine.engine import lr_factor
+    from trainer.engine.optimizers import lr_factor
 
     factor = lr_factor(ScheduleConfig(type="poly", power=1.0), 0, 100)
     for step in (0, 1, 37, 99):

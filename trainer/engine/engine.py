@@ -27,8 +27,7 @@ module keeps the head, the step's order and what every engine shares.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,15 +37,15 @@ from torch import Tensor, nn
 from partial_fc import metric_names as names
 from partial_fc.backbones import normalize_images
 from partial_fc.distill import cosine_summary, distill_loss
-from partial_fc.optim import SampledAdamW, SampledSGD
 from partial_fc.readout import DeviceScalars
 from partial_fc.rows import SampledRows
 from trainer import seams
-from trainer.config import Config, OptimConfig, ScheduleConfig
+from trainer.config import Config
 from trainer.dist import DistEnv
 from trainer.engine.backend import BackboneBackend, Verdict
 from trainer.engine.ddp import DDPBackend
 from trainer.engine.deepspeed_backend import DeepSpeedBackend
+from trainer.engine.optimizers import lr_factor, make_head_optimizer, make_optimizer
 from trainer.engine.prefetch import Prefetch
 from trainer.engine.snapshot import Snapshot
 from trainer.engine.state import EngineState, Rows
@@ -61,62 +60,6 @@ BACKENDS: dict[str, type[BackboneBackend]] = {
     "deepspeed": DeepSpeedBackend,
 }
 """``engine.type`` -> the backbone's engine (``trainer.engine.backend``)."""
-
-
-def lr_factor(schedule: ScheduleConfig, warmup_steps: int, total_steps: int) -> Callable:
-    """``step -> lr multiplier``: linear warm-up to 1, then ``(1 - t)^power`` or cosine to 0."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule.type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * t))
-        return (1.0 - t) ** schedule.power
-
-    return factor
-
-
-def _optimizer_kwargs(optim: OptimConfig) -> dict:
-    """The hyper-parameters both optimizers share, besides ``lr``."""
-    if optim.name == "sgd":
-        return {"momentum": optim.momentum, "weight_decay": optim.weight_decay}
-    return {"betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
-
-
-def decay_groups(optim: OptimConfig, backbone: nn.Module) -> list[dict]:
-    """The backbone's trainable parameters as optimizer groups. ``optim.decay=all``: one group.
-    ``weights``: a second group without weight decay for every parameter of at most one
-    dimension (normalisation scales and shifts, biases, PReLU slopes) and those the model
-    names in ``no_weight_decay()`` (timm's convention: position embeddings, tokens), as in
-    AdamW's usual ViT recipe (Loshchilov & Hutter, arXiv 1711.05101, decoupled decay)."""
-    params = [(n, p) for n, p in backbone.named_parameters() if p.requires_grad]
-    if optim.decay == "all":
-        return [{"params": [p for _, p in params]}]
-    skip = set(getattr(backbone, "no_weight_decay", set)())
-    plain = [p for n, p in params if p.ndim <= 1 or n in skip]
-    decayed = [p for n, p in params if not (p.ndim <= 1 or n in skip)]
-    groups = [{"params": decayed}, {"params": plain, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]  # DeepSpeed cannot flatten an empty group
-
-
-def make_optimizer(optim: OptimConfig, backbone: nn.Module) -> torch.optim.Optimizer:
-    """The backbone's torch optimizer (its parameter groups: :func:`decay_groups`)."""
-    cls = torch.optim.SGD if optim.name == "sgd" else torch.optim.AdamW
-    return cls(decay_groups(optim, backbone), lr=optim.lr, **_optimizer_kwargs(optim))
-
-
-def make_head_optimizer(optim: OptimConfig, weight: nn.Parameter, max_update_bytes: int,
-                        dense: bool = False, fused: bool = True) -> torch.optim.Optimizer:
-    """The optimizer of the head's ``weight``, row-sampling (unsampled rows get no momentum,
-    no decay, unless ``dense``: ``head.update``): it steps from the head's
-    ``pop_sampled_rows()``. ``fused``: SGD's step over every row in one fused kernel
-    (``partial_fc.optim.SampledSGD``; ``engine.fused_updates``)."""
-    if optim.name == "sgd":
-        return SampledSGD(weight, optim.lr, **_optimizer_kwargs(optim),
-                          max_update_bytes=max_update_bytes, dense=dense, fused=fused)
-    return SampledAdamW(weight, optim.lr, **_optimizer_kwargs(optim),
-                        max_update_bytes=max_update_bytes, dense=dense)
 
 
 @dataclass(frozen=True)
