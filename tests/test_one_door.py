@@ -52,13 +52,8 @@ ALLOWED = {
         "tuned.json, package data, or the tuning file the project's own tuner wrote",
     ("launch/torchrun.py", ".read_text"): "/proc/PID/task/*/children: the kernel's",
     ("launch/torchrun.py", ".read_bytes"): "/proc/PID/environ: the kernel's",
-    ("trainer/checkpoint/find.py", ".read_text"):
-        "a run folder's `latest`, which the run itself writes and locks",
     ("trainer/telemetry/sinks.py", ".read_text"):
         "the run's wandb id file, which the run itself writes",
-    ("trainer/telemetry/logger.py", ".read_bytes"):
-        "the data.merge list, hashed into the run folder after read_merge took it through "
-        "the door at --check (its size is bounded there)",
     ("trainer/telemetry/wandb_log.py", ".read_bytes"):
         "a .wandb run file the run's own W&B client wrote, read back by its tests",
     ("trainer/telemetry/wandb_log.py", "json.loads"):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from data_pipeline.door import read_text
+from data_pipeline.errors import DataError
 from data_pipeline.store import StorageError, StoreFolder, open_store, staging_dir
 from data_pipeline.store import in_store as is_store_url
 from trainer.checkpoint import in_store
@@ -118,9 +120,9 @@ def warn(message: str) -> None:
 
 
 def latest_name(root: Path) -> str | None:
-    try:
-        name = (root / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
+    try:  # a few bytes: a checkpoint's name
+        name = read_text(root / LATEST, LATEST, limit=4096).strip()
+    except DataError:  # missing, unreadable, too long, not UTF-8: no latest
         return None
     return name if name and "/" not in name and name not in (".", "..") else None
 

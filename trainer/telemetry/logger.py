@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from data_pipeline.door import read_bytes
+from data_pipeline.merge import MAX_BYTES as MAX_MERGE_BYTES
 from partial_fc.metric_names import MARGIN_STATS, OPTIONAL_STATS, SCALE_DYNAMICS
 from trainer.config import Config, dump_config
 from trainer.dist import launcher_rank
@@ -130,7 +132,7 @@ class RunLogger:
             return
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         if self.cfg.data.merge is not None:  # what the run merged, beside its digest
-            merged = Path(self.cfg.data.merge).read_bytes()
+            merged = read_bytes(self.cfg.data.merge, "the merge list", limit=MAX_MERGE_BYTES)
             (self.run_dir / run_files.MERGE_COPY).write_bytes(merged)
         for name in (run_files.METRICS, run_files.HISTOGRAMS):
             dropped = run_files.truncate_after(self.run_dir / name, step)
