@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from data_pipeline.errors import DataError
 from data_pipeline.manifest import read_manifest
 from offline.folder_scan import labelled_batches
 from offline.overlap.calibration import NullChoice
@@ -51,7 +52,11 @@ def class_centres(backbone: nn.Module, data_dir: str | Path, batch_size: int,
     of the images ``null`` chooses (None: none), kept in the same pass. Collective over
     ``process_group``; shards ``rank::world`` are read here, every rank returns every centre."""
     rank, world = get_rank(process_group), get_world_size(process_group)
-    num_classes = read_manifest(data_dir).num_classes
+    manifest = read_manifest(data_dir)
+    num_classes = manifest.num_classes
+    if num_classes > manifest.num_samples:  # before [C, D] centres are sized by the claim
+        raise DataError(f"{data_dir}: manifest.json states {num_classes} classes for "
+                        f"{manifest.num_samples} samples; a converted class holds one at least")
     with eval_mode(backbone):
         dim = embed_images(backbone, np.zeros((1, 3, 112, 112), np.uint8), 1, device).shape[1]
         sums = torch.zeros(num_classes, dim, device=device)

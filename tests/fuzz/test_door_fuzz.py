@@ -238,3 +238,19 @@ def test_a_run_config_of_a_gigabyte_logged_into(tmp_path, door_figures):
     _, error = door_figures.measure(lambda: log_to_run(tmp_path, 1, {"lfw": {"acc": 1.0}}))
     assert f"{huge}: {GIB} bytes, over the limit" in one_line(error, (YamlRefused,))
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before it wrote a row
+
+
+def test_an_overlap_search_over_a_manifest_claiming_a_trillion_classes(
+        synthetic_data, run, tmp_path, door_figures):
+    """``launch.overlap --between`` sized its ``[C, D]`` centres from the manifest."""
+    from launch.overlap.__main__ import main as overlap
+
+    claims = Path(shutil.copytree(synthetic_data, tmp_path / "claims"))
+    manifest = json.loads((claims / "manifest.json").read_text())
+    manifest.pop("identities")
+    (claims / "manifest.json").write_text(json.dumps({**manifest, "num_classes": 10**12}))
+    line = refused(door_figures, overlap, [
+        "--checkpoint", str(run), "--between", f"{synthetic_data},{claims}", "--threshold",
+        "0.7", "--out", str(tmp_path / "merge.txt"), "--device", "cpu"])
+    assert line == (f"error: {claims}: manifest.json states 1000000000000 classes for "
+                    f"{manifest['num_samples']} samples; a converted class holds one at least")
