@@ -363,7 +363,7 @@ class PartialFC(nn.Module):
                 e_op = e_op.to(torch.get_autocast_dtype(device))
             return Shard(e_op, w, index, inv, targets, self.tiles.for_device(e.device),
                          self.subcenters,
-                         filter_classes=self.num_classes if self.grad_filter else None)
+                         skip_classes=self.num_classes if self.grad_filter else None)
 
     def _gather(self, x: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor | None]:
         """The global batch's normalised embeddings ``[N, D]`` and, when the margin reads

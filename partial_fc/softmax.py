@@ -56,7 +56,7 @@ class Shard:
     ``[N]`` (column or ``-1``), ``owned`` ``[N]`` bool (the rows whose target this shard
     holds) and ``cos_t`` ``[N]`` their target cosines (0 on the other rows), and the tile
     back-end ``tiles`` with the step's non-target transform ``nontarget`` (None: identity;
-    ``partial_fc.nontarget``, which both back-ends apply). ``filter_classes``: the head's
+    ``partial_fc.nontarget``, which both back-ends apply). ``skip_classes``: the head's
     ``num_classes`` when its backward is the kernels' filtered one (``partial_fc.tiles.
     filtered``; it applies only to the Triton kernels and to plain non-target logits), else
     None (exact).
@@ -68,10 +68,10 @@ class Shard:
 
     def __init__(self, e: Tensor, w: Tensor, index: Tensor | None, inv_norm: Tensor,
                  targets: Tensor, tiles: TileBackend, subcenters: int = 1,
-                 nontarget: NonTarget | None = None, filter_classes: int | None = None) -> None:
+                 nontarget: NonTarget | None = None, skip_classes: int | None = None) -> None:
         self.e, self.w, self.index, self.inv_norm = e, w, index, inv_norm
         self.targets, self.tiles, self.nontarget = targets, tiles, nontarget
-        self.filter_classes = filter_classes
+        self.skip_classes = skip_classes
         self.owned = targets >= 0
         k = subcenters  # w: K rows per class (partial_fc.subcenters); the best one counts
         cols = targets.clamp_min(0)
@@ -88,11 +88,11 @@ class Shard:
     def grads(self, s: Tensor | float, lse: Tensor, coef: Tensor, target_grad: Tensor,
               log_p_target: Tensor) -> tuple[Tensor, Tensor]:
         """``class_tile_grads`` of this shard (see ``partial_fc.tiles``); ``log_p_target``
-        ``[N]`` (the global ``log p_iy``) bounds the filtered backward."""
+        ``[N]`` (the global ``log p_iy``) gives the filtered backward its skip bounds."""
         extra = self._nontarget()
-        if (self.filter_classes is not None and self.nontarget is None
+        if (self.skip_classes is not None and self.nontarget is None
                 and not isinstance(self.tiles, ReferenceTiles)):
-            extra["skip"] = Skip(skip_bounds(coef, log_p_target, self.filter_classes,
+            extra["skip"] = Skip(skip_bounds(coef, log_p_target, self.skip_classes,
                                              operand_dtype(self.e.dtype, self.w.dtype)))
         return self.tiles.class_tile_grads(self.e, self.w, self.inv_norm, self.targets, s, lse,
                                            coef, target_grad, **extra)

@@ -111,10 +111,12 @@ def transforms() -> dict[str, dict]:
     from partial_fc.tiles import triton as tm
 
     hard = dict(hard_above=torch.zeros(1), t=torch.zeros(()))
-    steps = {"": None, ", clamped": NonTarget(clamp=EPS), ", filtered": NonTarget(tau=0.4),
-             ", clamped, filtered": NonTarget(clamp=EPS, tau=0.4),
+    # "inter-class filter", not "filtered": the filtered backward (skip) is another thing.
+    steps = {"": None, ", clamped": NonTarget(clamp=EPS),
+             ", inter-class filter": NonTarget(tau=0.4),
+             ", clamped, inter-class filter": NonTarget(clamp=EPS, tau=0.4),
              ", curricular": NonTarget(**hard),
-             ", curricular, filtered": NonTarget(tau=0.4, **hard)}
+             ", curricular, inter-class filter": NonTarget(tau=0.4, **hard)}
     return {suffix: tm.nontarget_constexprs(step) for suffix, step in steps.items()}
 
 

@@ -13,10 +13,12 @@ for bf16, ``2^-11`` fp16, ``2^-24`` fp32) before the two GEMMs, so each term ``G
 ``grad_e_i`` moves by up to ``u |G_ik|`` in norm (``||inv_k w_k|| = 1``): the exact backward
 already leaves ``grad_e_i`` anywhere within ``u M_i`` of its exact value, and ``grad_w``,
 summed over its rows, within ``u sum_i M_i``. A tile is skipped (its ``G'`` and ``r`` written
-as zeros, its GEMM steps not run) only if every ``|G_ik|`` in it is below ``tau_i``; row ``i``
-has at most ``C`` such entries, so what its skipped tiles drop is below ``C tau_i``. With
+as zeros, its GEMM steps not run) only if every ``|G_ik|`` in it is below its row's skip bound
+``skip_i`` (``Skip.below``, the kernels' ``SKIP_BELOW``; not the inter-class filter's ``tau``);
+row ``i`` has at most ``C`` such entries, so what its skipped tiles drop is below ``C skip_i``.
+With
 
-    tau_i = u m_i / C,   m_i = |coef_i| (1 - p_iy) <= M_i
+    skip_i = u m_i / C,   m_i = |coef_i| (1 - p_iy) <= M_i
 
 the dropped sum is below ``u M_i``: within what rounding already allows, for every row of
 ``grad_e`` and for ``grad_w`` summed over its rows (not for each row of ``grad_w`` alone: a
@@ -28,7 +30,7 @@ modulation) changes the slopes, so the kernels refuse ``skip`` with one. ``C`` m
 upper bound of the columns (the head's ``num_classes``; at ``r < 1`` fewer are sampled, and
 the bound is stricter than it needs to be).
 
-What it skips: an entry is below ``tau_i`` when its share of the row's non-target mass,
+What it skips: an entry is below ``skip_i`` when its share of the row's non-target mass,
 ``p_ik / (1 - p_iy)``, is below ``u / C``: ``2^8`` times below the mean share ``1 / C``. A flat
 softmax (initial weights: the non-target logits within ``ln 2^8 = 5.5`` of each other) has no
 such entry, so nothing is skipped there; a tile is skipped only when the logits separate so
@@ -68,7 +70,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def skip_bounds(coef: Tensor, log_p_target: Tensor, classes: int,
                 dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """``tau_i = u |coef_i| (1 - p_iy) / classes`` (module docstring): ``coef`` ``[N]`` as
+    """``skip_i = u |coef_i| (1 - p_iy) / classes`` (module docstring): ``coef`` ``[N]`` as
     ``class_tile_grads`` takes it, ``log_p_target`` ``[N]`` the global ``log p_iy``, ``classes``
     an upper bound of the columns of all ranks, ``dtype`` the kernels' operand dtype (``G'``'s)."""
     if classes < 1:

@@ -123,7 +123,7 @@ def test_skip_flags_regrid_to_any_block_that_overlaps_a_kept_tile():
 
 def test_the_head_hands_the_kernels_the_bound_only_when_asked(monkeypatch):
     """``PartialFC(grad_filter=True)``'s backward gives the kernels' seam ``skip`` with
-    ``tau_i = u |coef_i| (1 - p_iy) / num_classes`` (fp32 operands here: ``u = 2^-24``), from
+    ``skip_i = u |coef_i| (1 - p_iy) / num_classes`` (fp32 operands here: ``u = 2^-24``), from
     the softmax's own ``p_iy``; by default it gives none (the exact backward). The first-use
     check before it (the seam is not the torch reference) compares the exact kernels."""
     from partial_fc import PartialFC, build_margin

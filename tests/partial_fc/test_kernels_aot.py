@@ -26,9 +26,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 ARCHS = sorted(kernels_aot.DEVICES)
 TIGHTEST = min(ARCHS, key=lambda arch: kernels_aot.DEVICES[arch]["smem_per_block"])
-# The non-target transforms whose code contains every other's (clamp + filter, modulation +
-# filter): compiled here for an aligned N; make kernels-aot compiles each transform both ways.
-SUPERSETS = (", clamped, filtered", ", curricular, filtered")
+# The non-target transforms whose code contains every other's (clamp + inter-class filter,
+# modulation + inter-class filter): compiled here for an aligned N; make kernels-aot compiles
+# each transform both ways.
+SUPERSETS = (", clamped, inter-class filter", ", curricular, inter-class filter")
 COMPILE = """
 import dataclasses, json, sys
 from tools.kernels_aot import compile_row, launches
