@@ -47,8 +47,11 @@ def read_bytes(path: str | os.PathLike, what: str, *, limit: int,
     where = str(path) if where is None else where
     try:
         with open(path, "rb") as f:
-            check_size(os.fstat(f.fileno()).st_size, where, what, limit, error)
-            data = f.read(limit + 1)
+            size = os.fstat(f.fileno()).st_size
+            check_size(size, where, what, limit, error)
+            data = f.read(size + 1)  # a buffer of the size read, not of the limit
+            if len(data) > size:  # grown since, or not a regular file (a FIFO states 0)
+                data += f.read(limit + 1 - len(data))
     except OSError as exc:
         raise error(f"{where}: cannot read {what} ({exc.strerror or type(exc).__name__})"
                     f"{hint}") from None
