@@ -250,7 +250,7 @@ def test_an_overlap_search_over_a_manifest_claiming_a_trillion_classes(
     manifest.pop("identities")
     (claims / "manifest.json").write_text(json.dumps({**manifest, "num_classes": 10**12}))
     line = refused(door_figures, overlap, [
-        "--checkpoint", str(run), "--between", f"{synthetic_data},{claims}", "--threshold",
+        "--checkpoint", str(run), "--between", f"{claims},{synthetic_data}", "--threshold",
         "0.7", "--out", str(tmp_path / "merge.txt"), "--device", "cpu"])
     assert line == (f"error: {claims}: manifest.json states 1000000000000 classes for "
                     f"{manifest['num_samples']} samples; a converted class holds one at least")
