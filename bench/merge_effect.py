@@ -13,8 +13,10 @@ docs/data.md, and synthetic people at scale), trained with the same recipe in ea
 finder's list struck of its false pairs by the known truth (as a person reviewing the pairs
 would), (e) merged with the true list, (f) set A alone. The finder is (f)'s model of the same
 seed (a model that has seen A only): ``python -m launch.overlap --between A,B --within`` with
-B's own people it never saw as the null (ORL at ``--fpir 0.1``, the least its ten null people
-resolve; synthetic at ``--fpir``). Every model is scored on people no set holds: all pairs of
+B's own people it never saw as the null (ORL at ``--fpir 0.2``, docs/data.md's second value:
+at 0.1, the least its ten null people resolve, the tool refuses a seed whose two null people
+are each other's nearest, their one cosine the highest twice, and says to raise it; synthetic
+at ``--fpir``). Every model is scored on people no set holds: all pairs of
 the test images (``partial_fc.eval.verification.evaluate_pairs``: TAR at FAR 1e-3 and 1e-4;
 "-" where too few impostor pairs resolve it) and rank-1 identification of each person's other
 images against a gallery of one image a person (``partial_fc.eval.ranking.cmc``). Prints mean
@@ -41,7 +43,8 @@ How the settings were chosen, written before any (a) or (d) row was run, and not
   short review beside the 580 true pairs.
 
 Each row is appended to ``WORK/rows.jsonl`` (each finder to ``WORK/finders.jsonl``) as it comes,
-so a run cut short keeps what it trained.
+so a run cut short keeps what it trained, and a run again in the same ``--work`` reuses each row
+whose training (setting, way, seed, overrides) would be the same.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from merge_sets import orl_sets, review, synthetic_sets, write_true_list
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "orl.yaml"
 FARS = ("tar@far=1e-03", "tar@far=1e-04")
-ORL_FPIR = 0.1
+ORL_FPIR = 0.2
 # the synthetic recipe: configs/orl.yaml with these (the module docstring says why)
 SYNTHETIC_RECIPE = ("margin.s=16", "train.batch_size=64", "train.epochs=1")
 # way -> (which data, overrides)
@@ -118,7 +121,7 @@ def train_and_score(job: dict) -> dict:
     classes = load_config(run / "config.yaml", resolve=False).data.num_classes
     backbone, _ = load_backbone(run)
     test = np.load(job["test"])
-    row = {k: job[k] for k in ("setting", "way", "seed")}
+    row = {k: job[k] for k in ("setting", "way", "seed", "args")}
     return row | {"classes": classes, "steps": steps, "train_s": round(wall, 1)} | score(
         backbone, test["images"], test["ids"])
 
@@ -139,7 +142,13 @@ def find_pairs(sets, finder: Path, fpir: float, out: Path) -> dict:
             "expected_false": report["expected_false"]} | review(found, out, sets.truth)
 
 
-def _jobs(setting: str, sets, seeds, work: Path, common: list[str], threads: int):
+def _reviewed(work: Path, setting: str, fpir: float, seed: int) -> Path:
+    """Where (d)'s list goes: named by the FPIR, so a row of another FPIR is not reused."""
+    return work / f"{setting}_reviewed-fpir{fpir:g}-seed{seed}.txt"
+
+
+def _jobs(setting: str, sets, seeds, work: Path, common: list[str], threads: int,
+          fpir: float):
     """Every training of a setting but (d), whose list waits for the finder (f)."""
     recipe = list(SYNTHETIC_RECIPE) if setting == "synthetic" else []
     truth = work / f"{setting}_truth.txt"
@@ -149,8 +158,8 @@ def _jobs(setting: str, sets, seeds, work: Path, common: list[str], threads: int
     jobs = {}
     for seed in seeds:
         for index, (way, (kind, extra)) in enumerate(WAYS.items()):
-            reviewed = work / f"{setting}_reviewed-seed{seed}.txt"
-            data["reviewed"] = [f"data.dirs=[{sets.a},{sets.b}]", f"data.merge={reviewed}"]
+            data["reviewed"] = [f"data.dirs=[{sets.a},{sets.b}]",
+                                f"data.merge={_reviewed(work, setting, fpir, seed)}"]
             jobs[(setting, way, seed)] = {
                 "setting": setting, "way": way, "seed": seed, "threads": threads,
                 "run": str(work / "runs" / f"{setting}-{index}{way[1]}-seed{seed}"),
@@ -159,9 +168,13 @@ def _jobs(setting: str, sets, seeds, work: Path, common: list[str], threads: int
     return jobs
 
 
+def _key(job_or_row: dict) -> tuple:
+    return tuple(job_or_row[k] for k in ("setting", "way", "seed")) + tuple(job_or_row["args"])
+
+
 def run_all(args, work: Path) -> tuple[list[dict], list[dict]]:
     """Train and score every (setting, way, seed), --jobs at a time; the finder after (f)."""
-    jobs, sets = {}, {}
+    jobs, sets, fpir = {}, {}, {}
     for setting in args.settings:
         if setting == "orl":
             sets[setting] = orl_sets(work)
@@ -170,11 +183,16 @@ def run_all(args, work: Path) -> tuple[list[dict], list[dict]]:
                                            args.test, args.null, args.noise)
         np.savez(work / f"{setting}_test.npz", images=sets[setting].test_images,
                  ids=sets[setting].test_ids)
-        jobs |= _jobs(setting, sets[setting], args.seeds, work, args.overrides, args.threads)
+        fpir[setting] = ORL_FPIR if setting == "orl" else args.fpir
+        jobs |= _jobs(setting, sets[setting], args.seeds, work, args.overrides, args.threads,
+                      fpir[setting])
     waiting = {key: job for key, job in jobs.items() if key[1].startswith("(d)")}
     queue = [job for key, job in jobs.items() if key not in waiting]
     queue.sort(key=lambda job: not job["way"].startswith("(f)"))  # the finders first
     rows, finders, log = [], [], work / "rows.jsonl"
+    # rows a cut run left in WORK, reused where the same training would run again
+    earlier = {_key(row): row for row in map(json.loads, log.read_text().splitlines())
+               } if log.is_file() else {}
     pool = (ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"))
             if args.jobs > 1 else None)
     running = set()
@@ -182,24 +200,26 @@ def run_all(args, work: Path) -> tuple[list[dict], list[dict]]:
         while queue or running:
             while queue and (pool is None or len(running) < args.jobs):
                 job = queue.pop(0)
-                if pool is None:  # --jobs 1: in this process, a finished future
-                    running.add(future := Future())
-                    future.set_result(train_and_score(job))
-                else:
+                row = earlier.get(_key(job))
+                if row is None and pool is not None:
                     running.add(pool.submit(train_and_score, job))
+                else:  # reused, or --jobs 1 (in this process): a finished future
+                    running.add(future := Future())
+                    future.set_result(row or train_and_score(job))
+                    future.reused = row is not None
             done, running = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
                 row = future.result()
                 rows.append(row)
-                with open(log, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                if not getattr(future, "reused", False):
+                    with open(log, "a") as f:
+                        f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
                 if row["way"].startswith("(f)"):
                     setting, seed = row["setting"], row["seed"]
-                    fpir = ORL_FPIR if setting == "orl" else args.fpir
-                    reviewed = work / f"{setting}_reviewed-seed{seed}.txt"
+                    reviewed = _reviewed(work, setting, fpir[setting], seed)
                     found = find_pairs(sets[setting], Path(jobs[(setting, row["way"], seed)]
-                                                          ["run"]), fpir, reviewed)
+                                                          ["run"]), fpir[setting], reviewed)
                     finders.append({"setting": setting, "seed": seed} | found)
                     with open(work / "finders.jsonl", "a") as f:
                         f.write(json.dumps(finders[-1]) + "\n")
@@ -209,7 +229,7 @@ def run_all(args, work: Path) -> tuple[list[dict], list[dict]]:
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    order = {(s, w, n): i for i, (s, w, n) in enumerate(jobs)}
+    order = {key: i for i, key in enumerate(jobs)}
     return sorted(rows, key=lambda r: order[(r["setting"], r["way"], r["seed"])]), finders
 
 

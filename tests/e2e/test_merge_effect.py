@@ -38,7 +38,7 @@ def test_smallest_setting_produces_every_row(tmp_path, monkeypatch, capsys):
     [finder] = saved["finders"]
     assert (finder["there_across"], finder["there_within"]) == (4, 2)
     assert finder["listed"] == finder["true_across"] + finder["true_within"] + finder["false"]
-    reviewed = (tmp_path / "work" / "synthetic_reviewed-seed0.txt").read_text()
+    reviewed = (tmp_path / "work" / "synthetic_reviewed-fpir0.25-seed0.txt").read_text()
     assert len(re.findall(r"^- pair ", reviewed, re.M)) == finder["false"]
     table = out.with_suffix(".md").read_text()
     assert all(f"| synthetic | {way} |" in table for way in bench.WAYS)
