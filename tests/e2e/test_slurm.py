@@ -1,7 +1,7 @@
 """scripts/slurm/train.sbatch under a real SLURM cluster (tools/slurm): the cheap checks here
 run in ``make test``; two of ``make chaos``'s SLURM rows run end to end in ``make test-long``
 (a cluster of two network namespaces, as root, with Debian's slurm-wlm and munge), the
-others in ``make chaos`` only (each waits out SLURM's ~2-minute requeue delay)."""
+others in ``make chaos`` only (1-7 minutes each)."""
 
 from __future__ import annotations
 

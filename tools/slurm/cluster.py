@@ -33,10 +33,8 @@ sandbox: cgroup v2 is mounted beside them holding no controller but hugetlb, so 
 ``cgroup/v2`` cannot run), the site-like cluster also confines jobs as most sites do:
 ``TaskPlugin=task/cgroup,task/affinity``, ``ProctrackType=proctrack/cgroup``,
 ``ConstrainCores`` and ``ConstrainDevices``. ``ip netns exec`` mounts a fresh /sys without
-them, so each node's slurmd starts behind mounts of its own (:func:`_cgroup_mounts`): each
-hierarchy's folder ``<namespace>`` on /sys/fs/cgroup/<controller>, which is the node's whole
-cgroup tree as it sees it, removed when the cluster stops. Elsewhere (a host of cgroup v2
-only) the site-like cluster binds with ``task/affinity`` alone.
+them, so each node's slurmd starts behind mounts of its own (:mod:`tools.slurm.node_cgroups`).
+Elsewhere (a host of cgroup v2 only) the site-like cluster binds with ``task/affinity`` alone.
 
 Everything lives in one work folder (config, key, sockets, state, logs); nothing under /etc
 but the namespaces' own files (``/etc/netns``). Needs root (namespaces, daemons as root) and
@@ -63,6 +61,7 @@ from typing import IO
 
 from tools.chaos.harness import ROOT
 from tools.chaos.nodes import HOST, Nodes, NoNamespaces, start_on_node, two_nodes
+from tools.slurm import node_cgroups
 
 # Cluster k (up to SLOTS on a machine at once, one per process: tools.chaos.nodes names the
 # namespaces by pid) has the subnet 10.213.(8+k) and slurmctld's port CTLD_PORT + k: not
@@ -74,8 +73,6 @@ GRACE_S = 30  # partition batch's GraceTime: a preempted job's time to save
 KILL_WAIT_S = 30  # SIGTERM to SIGKILL when a job is cancelled or its time is up
 SLURMD_TIMEOUT_S = 10  # a node silent this long is DOWN
 SITE_CPUS, SITE_GPUS = 2, 2  # a site-like node's (cluster(site=True))
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-CGROUPS = ("cpuset", "devices", "freezer")  # cgroup v1 hierarchies task/proctrack cgroup use
 NVIDIA_MAJOR = 195
 PACKAGES = ("slurm-wlm", "munge")
 LOCK = "/tmp/pfc-slurm-{}.lock"
@@ -165,36 +162,6 @@ def _make_gpus(work: Path) -> None:
                 os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, i))
             except PermissionError:
                 path.touch()
-
-
-def cgroup_v1() -> bool:
-    """Whether the host has the cgroup v1 hierarchies task/cgroup and proctrack/cgroup need."""
-    return all((CGROUP_ROOT / c / "cgroup.procs").is_file() for c in CGROUPS)
-
-
-def _cgroup_mounts(work: Path, ns: str) -> str:
-    """sh commands, run in node ``ns``'s mount namespace before its slurmd: each hierarchy of
-    :data:`CGROUPS` mounted under ``work``, its folder ``ns`` made (a cpuset given the root's
-    CPUs and memory nodes) and bound over /sys/fs/cgroup/<controller>."""
-    lines = ["mount -t tmpfs cgroups /sys/fs/cgroup"]
-    for c in CGROUPS:
-        own = f"{work}/cgroup-{ns}/{c}"
-        lines += [f"mkdir -p {own} /sys/fs/cgroup/{c}", f"mount -t cgroup -o {c} cgroup {own}",
-                  f"mkdir -p {own}/{ns}"]
-        if c == "cpuset":
-            lines += [f"cat {own}/cpuset.{k} > {own}/{ns}/cpuset.{k}" for k in ("cpus", "mems")]
-        lines.append(f"mount --bind {own}/{ns} /sys/fs/cgroup/{c}")
-    return " && ".join(lines) + ' && exec "$@"'
-
-
-def _remove_cgroups(ns: str) -> None:
-    """The node's cgroup folders, deepest first (SLURM leaves its own, emptied)."""
-    for c in CGROUPS:
-        top = CGROUP_ROOT / c / ns
-        for folder in sorted((p for p in [top, *top.rglob("*")] if p.is_dir()),
-                             key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
 
 def hosts_file(subnet: str) -> str:
@@ -294,7 +261,7 @@ def _ip_link(nodes: Nodes, i: int, up: bool) -> None:
 def _slurmd(work: Path, nodes: Nodes, i: int, cgroups: bool) -> subprocess.Popen:
     cmd = ["slurmd", "-D", "-f", str(work / "slurm.conf")]
     if cgroups:
-        cmd = ["sh", "-c", _cgroup_mounts(work, nodes.namespaces[i]), "sh", *cmd]
+        cmd = ["sh", "-c", node_cgroups.mounts(work, nodes.namespaces[i]), "sh", *cmd]
     with open(work / f"slurmd-{NAMES[i]}.out", "a") as out:
         return start_on_node(nodes, i, cmd, stdout=out, hostname=NAMES[i])
 
@@ -324,9 +291,11 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
     work.mkdir(parents=True, exist_ok=True)
     work.chmod(0o700)  # munged refuses a key or socket in a folder others may write
     daemons: list[subprocess.Popen] = []
+    made: Nodes | None = None
     try:
         with two_nodes(subnet, bridge=True, etc={"hosts": hosts_file(subnet)}) as nodes:
-            cgroups = site and cgroup_v1()
+            made = nodes
+            cgroups = site and node_cgroups.available()
             (work / "slurm.conf").write_text(slurm_conf(work, nodes, CTLD_PORT + slot, site,
                                                         cgroups))
             if site:
@@ -356,16 +325,30 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
                         proc.terminate()
                         _stop(proc)
                 for ns in nodes.namespaces if cgroups else ():
-                    _remove_cgroups(ns)
+                    node_cgroups.remove(ns)
     except NoNamespaces as err:
         raise NoSlurm(f"no network namespaces: {err}") from err
     finally:
         for proc in reversed(daemons):
             proc.terminate()
             _stop(proc)
+        if made is not None:
+            _links_gone(made)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
         hold.close()
+
+
+def _links_gone(nodes: Nodes, limit: float = 30) -> None:
+    """Wait (``limit`` s at most) until the kernel has removed the nodes' veth pairs: it does
+    so some time after their namespaces are deleted, and the next cluster of this process,
+    whose links have the same names, failed on them ('File exists') after the lost-node row."""
+    ends = [*nodes.links, *(f"{nodes.bridge[:-2]}h{i}" for i in range(2) if nodes.bridge)]
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and any(
+            subprocess.run(["ip", "link", "show", "dev", end], capture_output=True).returncode
+            == 0 for end in ends):
+        time.sleep(0.5)
 
 
 def _slot() -> tuple[int, IO]:
