@@ -1,5 +1,6 @@
 """The house plan of docs/design.md, checked on the source: which package may import which, no
-import circle between files, and no folder holding more than a third of the code.
+import circle between files, no folder holding more than a third of the code, and no module
+over 400 lines unless its opening says why.
 
 Imports are read with ``ast`` (every ``import`` statement, lazy ones inside functions
 included), so a circle dodged by importing inside a function still counts as a circle.
@@ -114,3 +115,33 @@ def test_no_folder_holds_more_than_a_third_of_the_code(level):
     total = sum(lines.values())
     heavy = {folder: n for folder, n in lines.items() if n > total / 3}
     assert not heavy, f"{heavy} of {total} lines"
+
+
+LIMIT = 400  # lines a module holds at most (shared/STYLE.md: files stay under about 400)
+WHY = "Over 400 lines because"  # how a longer module's opening says why it is not split
+
+
+def _opening(text: str) -> str:
+    """A module's opening: its leading comment lines and its docstring."""
+    comments = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        comments.append(line.lstrip("#").strip())
+    return "\n".join([*comments, ast.get_docstring(ast.parse(text)) or ""])
+
+
+def test_no_module_is_over_400_lines_unless_its_opening_says_why():
+    """Every module of the packages and of bench/: at most :data:`LIMIT` lines, or a line of
+    its opening comment or docstring starts with :data:`WHY` (where a split would make the
+    reading worse, the file stays whole and says so)."""
+    long = []
+    for package in (*PACKAGES, "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            lines = len(text.splitlines())
+            if lines > LIMIT and not any(line.strip().startswith(WHY)
+                                         for line in _opening(text).splitlines()):
+                long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not long, f"over {LIMIT} lines, and the opening does not say {WHY!r}:\n" \
+        + "\n".join(long)
