@@ -339,16 +339,19 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
         hold.close()
 
 
-def _links_gone(nodes: Nodes, limit: float = 30) -> None:
-    """Wait (``limit`` s at most) until the kernel has removed the nodes' veth pairs: it does
-    so some time after their namespaces are deleted, and the next cluster of this process,
-    whose links have the same names, failed on them ('File exists') after the lost-node row."""
-    ends = [*nodes.links, *(f"{nodes.bridge[:-2]}h{i}" for i in range(2) if nodes.bridge)]
+def _links_gone(nodes: Nodes, limit: float = 5) -> None:
+    """The nodes' veth pairs gone once their namespaces are: after the lost-node row a host
+    end outlived its namespace's deletion by more than 30 s, and the next cluster of this
+    process, whose links have the same names, was refused ('File exists'). Waited for
+    ``limit`` s, then deleted (a pair goes with its host end)."""
+    ends = [f"{nodes.bridge[:-2]}h{i}" for i in range(2)] if nodes.bridge else []
+    left = lambda: [e for e in ends if subprocess.run(  # noqa: E731
+        ["ip", "link", "show", "dev", e], capture_output=True).returncode == 0]
     deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and any(
-            subprocess.run(["ip", "link", "show", "dev", end], capture_output=True).returncode
-            == 0 for end in ends):
+    while left() and time.monotonic() < deadline:
         time.sleep(0.5)
+    for end in left():
+        subprocess.run(["ip", "link", "del", "dev", end], capture_output=True)
 
 
 def _slot() -> tuple[int, IO]:
