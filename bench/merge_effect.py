@@ -55,6 +55,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -100,7 +101,8 @@ def score(backbone, images: np.ndarray, ids: np.ndarray) -> dict[str, float | No
 
 
 def train_and_score(job: dict) -> dict:
-    """One training (``launch.train.main`` in this process) and its scores: a row."""
+    """One training (``launch.train.main`` in this process) and its scores: a row. torch and
+    the trainer are imported here, in the worker, so that ``--help`` needs neither."""
     import torch
 
     from launch import train
@@ -282,8 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
     args = p.parse_args(argv)
     os.environ["WANDB_MODE"] = "disabled"
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
