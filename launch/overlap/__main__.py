@@ -52,7 +52,7 @@ from pathlib import Path
 from data_pipeline.errors import DataError
 from data_pipeline.ijb import TARGETS
 from launch.cli import checkpoint_program_parser
-from launch.overlap import between, train_test
+from launch.overlap import against_eval_sets, between
 from offline.overlap.calibration import CalibrationError
 
 DEFAULT_FPIR = 1e-3  # of an evaluation set's images with no mate in training, listed falsely
@@ -110,12 +110,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--threshold {args.threshold}: a cosine, in [-1, 1]")
     if not 0 < args.fpir < 1:
         p.error(f"--fpir {args.fpir}: a rate, in (0, 1)")
-    return (train_test if args.between is None else between).checked(p, args)
+    return (against_eval_sets if args.between is None else between).checked(p, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    mode = train_test if args.between is None else between  # between: identities held twice
+    mode = against_eval_sets if args.between is None else between  # between: identities held twice
     from trainer import dist
 
     env = dist.init_distributed(args.device)

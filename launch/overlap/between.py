@@ -2,7 +2,7 @@
 for ``data.merge`` (the work is ``offline.overlap.pairs``; the page
 ``offline.overlap.pairs_page``).
 
-Beside ``train_test``, the other mode of ``launch.overlap``, whose parser, checkpoint,
+Beside ``against_eval_sets``, the other mode of ``launch.overlap``, whose parser, checkpoint,
 calibration and refusals it shares: this module checks the flags of that mode, finds the
 pairs on every rank and reports them.
 """

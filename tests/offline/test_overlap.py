@@ -173,9 +173,9 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     identities cannot resolve (known from the folder's size, before its pass), a list
     without classes or with a label the folder lacks: one line."""
     import launch.overlap.__main__ as overlap
-    from launch.overlap import train_test
+    from launch.overlap import against_eval_sets
 
-    monkeypatch.setattr(train_test, "load_backbone_or_exit", lambda path: ColourFeatures())
+    monkeypatch.setattr(against_eval_sets, "load_backbone_or_exit", lambda path: ColourFeatures())
     write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
     out, js, page = tmp_path / "o.txt", tmp_path / "o.json", tmp_path / "o.html"
     args = ["--checkpoint", str(make_run(tmp_path)), "--data", str(synthetic_data), "--bins",
@@ -196,7 +196,7 @@ def test_cli_calibrates_for_the_search_it_makes(synthetic_data, tmp_path, capsys
     assert disjoint["images"] == sum(disjoint["histogram"]) == 160
     assert disjoint["expected_false"] == pytest.approx(8 / 161 * 160)
     assert disjoint["shared_identities"] <= disjoint["matched_images"] <= 8
-    assert printed[1] == train_test.TRAINED_PROBES
+    assert printed[1] == against_eval_sets.TRAINED_PROBES
     assert printed[3] == (f"disjoint  160     {disjoint['matched_images']:<14d}  "
                           f"{disjoint['shared_identities']:<17d}  <= 8")
     assert "<svg" in page.read_text() and "reached by 8 of 160 searches" in page.read_text()
@@ -234,10 +234,10 @@ def test_cli_calibrates_on_the_identities_the_run_held_out(synthetic_data, tmp_p
     one line, and gives the threshold --held-out with the same list gives. A run that held
     no identity out is refused in one line naming the fixes."""
     import launch.overlap.__main__ as overlap
-    from launch.overlap import train_test
+    from launch.overlap import against_eval_sets
     from offline.overlap.held_out import FIX
 
-    monkeypatch.setattr(train_test, "load_backbone_or_exit", lambda path: ColourFeatures())
+    monkeypatch.setattr(against_eval_sets, "load_backbone_or_exit", lambda path: ColourFeatures())
     write_bin(tmp_path / "disjoint.bin", evaluation_images()[20:], [False] * 80)
     run, held = make_run(tmp_path), tmp_path / "held.txt"
     held.write_text("".join(f"class {c}\n" for c in range(10)) + "sample 000000170\n")

@@ -77,9 +77,9 @@ def _run_overlap(monkeypatch, tmp_path, data, *sets_args: str) -> tuple[int, dic
     """``launch.overlap`` with the colour embedding standing in for the checkpoint's
     backbone (it reveals the synthetic identities, see the module docstring)."""
     import launch.overlap.__main__ as overlap
-    from launch.overlap import train_test
+    from launch.overlap import against_eval_sets
 
-    monkeypatch.setattr(train_test, "load_backbone_or_exit", lambda path: ColourFeatures())
+    monkeypatch.setattr(against_eval_sets, "load_backbone_or_exit", lambda path: ColourFeatures())
     out, js = tmp_path / "overlap.txt", tmp_path / "overlap.json"
     rc = overlap.main(["--checkpoint", str(make_run(tmp_path)), "--data", str(data),
                        *sets_args, "--threshold", str(THRESHOLD), "--out", str(out),
