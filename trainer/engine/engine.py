@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -52,8 +52,18 @@ from trainer.engine.state import EngineState, Rows
 from trainer.engine.step_statistics import moves_statistics, step_embeddings
 from trainer.stopping import NO_STOP, StopRequest, StopRequests
 
-if TYPE_CHECKING:  # trainer.distill reads checkpoints, whose package imports this one's
-    from trainer.distill import Distillation
+
+class Teacher(Protocol):
+    """What a step needs of distillation (``trainer.distill.Distillation`` is one): the loss
+    and its weight, whether the embeddings are stored (``offline``), and the teacher's
+    ``[n, D_t]`` embeddings of a micro-batch. Declared here rather than imported, since
+    ``trainer.distill`` reads checkpoints, whose package imports this one."""
+
+    loss: str
+    weight: float
+    offline: object | None
+
+    def teacher(self, x: Tensor, stored: Tensor | None) -> Tensor: ...
 
 BACKENDS: dict[str, type[BackboneBackend]] = {
     "ddp": DDPBackend,
@@ -110,7 +120,7 @@ class Engine:
         env: DistEnv,
         total_steps: int,
         warmup_steps: int,
-        distillation: Distillation | None = None,
+        distillation: Teacher | None = None,
     ):
         self.cfg, self.env, self.device = cfg, env, env.device
         self.distillation = distillation
