@@ -41,7 +41,7 @@ import numpy as np
 
 from data_pipeline.door import is_index, read_text
 from data_pipeline.errors import DataError
-from data_pipeline.manifest import atomic_write_bytes
+from data_pipeline.manifest import Manifest, atomic_write_bytes, read_manifest
 from data_pipeline.remote import is_url
 
 Node = tuple[int, int]  # (set, class in that set's own labels)
@@ -134,13 +134,16 @@ def check_folders(merge: MergeList, folders: Sequence[str]) -> None:
                             f"{folder} (list the folders in the order the list names them)")
 
 
-def check_contents(merge: MergeList, folders: Sequence[str]) -> None:
-    """DataError (one line naming the set) where folder ``folders[i]`` no longer holds what
-    set ``i`` of the list was made from (:func:`content_of`), or the list records nothing of
-    it: a list written before sets recorded their content is refused, naming the words that
-    the folder's line needs if the folder is the one the pairs were found in."""
-    for i, (recorded, folder) in enumerate(zip(merge.contents, folders, strict=False)):
-        now = content_of(folder)
+def check_contents(merge: MergeList, folders: Sequence[str],
+                   manifests: Sequence[Manifest]) -> None:
+    """DataError (one line naming the set) where folder ``folders[i]`` (whose manifest, read
+    already, is ``manifests[i]``) no longer holds what set ``i`` of the list was made from
+    (:func:`content_of`), or the list records nothing of it: a list written before sets
+    recorded their content is refused, naming the words that the folder's line needs if the
+    folder is the one the pairs were found in."""
+    for i, (recorded, folder, manifest) in enumerate(zip(merge.contents, folders, manifests,
+                                                         strict=False)):
+        now = content_of(folder, manifest)
         if recorded is None:
             raise DataError(f"{merge.path}: set {i} records no class count and digest of "
                             f"what it merged; {REGENERATE}, or, if {folder} is the folder "
@@ -152,15 +155,15 @@ def check_contents(merge: MergeList, folders: Sequence[str]) -> None:
                             f"{REGENERATE}")
 
 
-def content_of(folder: str | os.PathLike) -> Content:
-    """Folder ``folder``'s class count (its manifest's) and a digest (sha256, 16 hex digits)
-    of its identities: ``identities.json``'s names in label order, or where a folder has none
-    (converted before identity maps), what its manifest states of its samples (each shard's
-    name, count, size and digest), which a conversion in another label order changes too."""
+def content_of(folder: str | os.PathLike, manifest: Manifest | None = None) -> Content:
+    """Folder ``folder``'s class count (its manifest's: ``manifest`` where the caller has read
+    it, else read here) and a digest (sha256, 16 hex digits) of its identities:
+    ``identities.json``'s names in label order, or where a folder has none (converted before
+    identity maps), what its manifest states of its samples (each shard's name, count, size
+    and digest), which a conversion in another label order changes too."""
     from data_pipeline.identities import read_identities
-    from data_pipeline.manifest import read_manifest
 
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder) if manifest is None else manifest
     identities = read_identities(folder, manifest)
     text = "\n".join(identities.names) if identities is not None else "\n".join(
         f"{s.name} {s.count} {s.bytes} {s.sha256}" for s in manifest.shards)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.errors import DataError
+from data_pipeline.manifest import read_manifest
 from data_pipeline.merge import (
     Content,
     MergeList,
@@ -102,12 +103,12 @@ def test_a_folder_converted_again_is_refused_naming_the_set(tmp_path, synthetic_
     held = content_of(folder)
     assert held.classes == 20 and held == content_of(str(folder))
     merge = MergeList((str(folder),), (((0, 1), (0, 2)),), "m", (held,))
-    check_contents(merge, [str(folder)])
+    check_contents(merge, [str(folder)], [read_manifest(folder)])
     names = json.loads((folder / "identities.json").read_text())
     names["names"] = names["names"][::-1]  # converted again: the labels in another order
     (folder / "identities.json").write_text(json.dumps(names))
     with pytest.raises(DataError) as err:
-        check_contents(merge, [str(folder)])
+        check_contents(merge, [str(folder)], [read_manifest(folder)])
     assert str(err.value) == (
         f"m: set 0: {folder} holds 20 classes (digest {content_of(folder).digest}), the list "
         f"was made from 20 (digest {held.digest}): converted again since; write the list again "
@@ -115,7 +116,7 @@ def test_a_folder_converted_again_is_refused_naming_the_set(tmp_path, synthetic_
     older = MergeList((str(folder),), (), "m", (None,))  # a list from before sets held it
     with pytest.raises(DataError, match=rf"m: set 0 records no class count .* end its set line "
                        rf"with '20 {content_of(folder).digest}'"):
-        check_contents(older, [str(folder)])
+        check_contents(older, [str(folder)], [read_manifest(folder)])
 
 
 def test_the_merged_count_is_the_labels_count_without_sizing_the_classes():

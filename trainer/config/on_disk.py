@@ -79,8 +79,9 @@ def _merged_classes(cfg: Config, manifests: list[Manifest]) -> tuple[int, list[t
     try:
         merge = read_merge(cfg.data.merge)
         check_folders(merge, cfg.data.folders())
-        check_contents(merge, cfg.data.folders())  # counted, not mapped: the head's memory
-        return merged_count(merge, [m.num_classes for m in manifests]), []  # check is after
+        check_contents(merge, cfg.data.folders(), manifests)
+        # counted, not mapped: the head's memory check is after
+        return merged_count(merge, [m.num_classes for m in manifests]), []
     except DataError as err:
         return sum(m.num_classes for m in manifests), [("data.merge", f"data.merge: {err}")]
 
