@@ -56,3 +56,19 @@ def test_the_next_segment_sends_the_steps_the_earlier_record_lacks_in_order(tmp_
     paths = wandb_log.segments(tmp_path / "wandb", first.run.id)
     held = [[(h["global_step"], h["loss"]) for h in wandb_log.read(p).history] for p in paths]
     assert held == [[(s, 10.0 - s) for s in (1, 2, 3)], [(4, 6.0), (5, 5.0)]]
+
+
+def test_segments_started_in_the_same_second_are_found_and_kept_in_start_order(tmp_path):
+    """wandb names a segment started in the second of an earlier one ``...-<id>-1``, then
+    ``-2``: the reader finds those and orders them by (time, suffix), ``-10`` after ``-2``."""
+    names = ["offline-run-20261207_131954-abcd-10", "offline-run-20261207_131954-abcd-2",
+             "offline-run-20261207_131955-abcd", "offline-run-20261207_131954-abcd",
+             "offline-run-20261207_131954-abcd-1", "offline-run-20261207_131954-abcdef"]
+    for name in names:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / f"run-{name.split('-')[3]}.wandb").write_bytes(b"")
+    found = [p.parent.name for p in wandb_log.segments(tmp_path, "abcd")]
+    assert found == ["offline-run-20261207_131954-abcd", "offline-run-20261207_131954-abcd-1",
+                     "offline-run-20261207_131954-abcd-2", "offline-run-20261207_131954-abcd-10",
+                     "offline-run-20261207_131955-abcd"]

@@ -16,6 +16,7 @@ resumes, to send W&B the steps of metrics.jsonl a killed service never wrote.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -90,7 +91,13 @@ def read(path: str | Path) -> WandbLog:
 
 
 def segments(wandb_dir: str | Path, run_id: str) -> list[Path]:
-    """The run's ``.wandb`` files under ``RUN/wandb``, oldest segment first (their folders
-    are named by start time)."""
-    return sorted(Path(wandb_dir).glob(f"*run-*-{run_id}/run-{run_id}.wandb"),
-                  key=lambda p: p.parent.name.removeprefix("offline-"))
+    """The run's ``.wandb`` files under ``RUN/wandb``, oldest segment first. Their folders
+    are named by start time to the second; wandb names a second segment started in the
+    same second ``...-<id>-1`` (then ``-2``, ...), so the order is (time, that suffix)."""
+    folder = re.compile(rf"(?:offline-)?run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for path in Path(wandb_dir).glob(f"*run-*-{run_id}*/run-{run_id}.wandb"):
+        named = folder.fullmatch(path.parent.name)
+        if named:
+            found.append(((named[1], int(named[2] or 0)), path))
+    return [path for _, path in sorted(found)]
