@@ -110,7 +110,7 @@ lint: setup
 kernels-aot: setup
 	$(PY) -m tools.kernels_aot
 
-# Fault injection end to end on CPU (tools/chaos/harness.py): one table, every row must hold
+# Fault injection end to end on CPU (tools/testbed/harness.py): one table, every row must hold
 # (~2-3 min, and ~3 min more for the elastic row: two nodes on network namespaces, as root;
 # ~25 min more for the SLURM rows, scripts/slurm/train.sbatch on a real 2-node cluster:
 # `python -m tools.chaos -k SLURM` runs those alone).

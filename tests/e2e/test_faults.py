@@ -15,7 +15,7 @@
    keys, batches the data cannot fill and unwritable output refused before any group.
 
 The in-process tests run on a 1-rank group; ``test_chaos_case_holds`` runs the rows of
-``make chaos`` (tools/chaos/harness.py) that no test here reproduces end to end under torchrun;
+``make chaos`` (tools/testbed/harness.py) that no test here reproduces end to end under torchrun;
 ``UNIT_TWINS`` names the test that covers each other row (``make chaos`` runs them all).
 """
 
@@ -487,7 +487,7 @@ def test_batch_too_large_and_unwritable_output_fail_before_any_group(tiny_data, 
 
 
 def test_label_out_of_range_names_shard_and_key(tmp_path, capsys):
-    from tools.chaos.harness import write_data
+    from tools.testbed.harness import write_data
 
     bad = write_data(tmp_path / "data", labels={5: 25})
     assert _train_in_process(bad, tmp_path / "run", "data.num_workers=1") == 1
@@ -499,7 +499,7 @@ def test_label_out_of_range_names_shard_and_key(tmp_path, capsys):
 
 
 def test_a_corrupt_sample_is_counted_once_over_epochs(tmp_path):
-    from tools.chaos.harness import write_data
+    from tools.testbed.harness import write_data
 
     bad = write_data(tmp_path / "data", corrupt=(7,), per_class=4)  # 10 batches of 8
     run = tmp_path / "run"
@@ -566,7 +566,7 @@ def test_batchnorm_statistics_are_averaged_and_stable_across_resaves(tmp_path):
 
 @pytest.fixture(scope="module")
 def chaos_data(tmp_path_factory):
-    from tools.chaos.harness import write_data
+    from tools.testbed.harness import write_data
 
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 

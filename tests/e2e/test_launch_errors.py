@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.chaos import harness as chaos
+from tools.testbed import harness as chaos
 
 
 def _env() -> dict[str, str]:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tools.chaos import harness as chaos
+from tools.testbed import harness as chaos
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.chaos import harness as chaos
+from tools.testbed import harness as chaos
 
 pytestmark = pytest.mark.slow
 

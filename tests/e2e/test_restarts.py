@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tools.chaos import harness as chaos
+from tools.testbed import harness as chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 

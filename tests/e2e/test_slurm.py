@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.chaos.nodes import Nodes
 from tools.slurm import cluster as slurm_cluster
+from tools.testbed.nodes import Nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -109,7 +109,7 @@ def test_every_slurm_row_runs_in_make_test_long_or_make_chaos():
 
 @pytest.fixture(scope="module")
 def chaos_data(tmp_path_factory):
-    from tools.chaos.harness import write_data
+    from tools.testbed.harness import write_data
 
     return write_data(tmp_path_factory.mktemp("chaos") / "data")
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from launch_helpers import ROOT
 
-from tools.chaos import harness as chaos
+from tools.testbed import harness as chaos
 from trainer import run_lock
 from trainer.run_lock import RunFolderInUse, RunLock
 from trainer.stopping import StopReason, StopRequests

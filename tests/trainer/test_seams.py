@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.chaos.harness import FAULTS
+from tools.testbed.harness import FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from launch_helpers import ROOT
 
-from tools.chaos.harness import running
+from tools.testbed.harness import running
 from trainer.preemption import LAUNCHER_SIGNAL, LAUNCHER_WATCH, Interrupted, StopSignals
 from trainer.stopping import StopReason, StopRequest, StopRequests
 
@@ -148,7 +148,7 @@ def test_a_rank_that_cannot_stop_ends_itself_after_the_grace_period():
 
 def test_ctrl_c_before_the_step_loop_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
     import launch.train
-    from tools.chaos.harness import write_data
+    from tools.testbed.harness import write_data
 
     def interrupted(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)  # Ctrl-C while the process group starts

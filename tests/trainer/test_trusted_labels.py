@@ -16,7 +16,7 @@ from launch_helpers import make_config
 
 from data_pipeline import SyntheticStream, make_loader
 from data_pipeline.errors import DataError
-from tools.chaos.harness import write_data
+from tools.testbed.harness import write_data
 from trainer.dist import DistEnv
 
 CLASSES = 20  # write_data's

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from launch.cli import plain_help
-from tools.chaos import harness
 from tools.chaos.cases import CASES, run_case
+from tools.testbed import harness
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,12 @@
 """The cases ``python -m tools.chaos`` runs: each breaks one thing and checks the outcome.
 
 A case is a name, what should happen, and a check ``(data, workdir) -> (observed, holds)``
-that runs ``launch.train`` through :func:`tools.chaos.harness.train` (subprocesses: one process, or
-2 ranks under torchrun) and reads its exit code, its output and its run folder. The checks
-live by the fault they inject: numbers (``numeric``), checkpoints and the disk
+that runs ``launch.train`` through :func:`tools.testbed.harness.train` (subprocesses: one
+process, or 2 ranks under torchrun) and reads its exit code, its output and its run folder.
+The checks live by the fault they inject: numbers (``numeric``), checkpoints and the disk
 (``checkpoints``), signals to ranks (``signals``), bad inputs (``inputs``), the job as a whole
-(``jobs``), several nodes (``nodes``, ``store_nodes``, ``elastic``) and SLURM
-(``slurm_rows``); this table is the one list ``python -m tools.chaos`` and the tests read.
+(``jobs``), several nodes (``two_nodes``, ``store_nodes``, ``elastic``) and SLURM
+(``tools.slurm.rows``); this table is the one list ``python -m tools.chaos`` and the tests read.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from tools.chaos.checkpoints import (
     run_folder_fills_up,
 )
 from tools.chaos.elastic import elastic_case
-from tools.chaos.harness import Case
 from tools.chaos.inputs import (
     bad_label,
     corrupt_image_two_epochs,
@@ -33,11 +32,12 @@ from tools.chaos.inputs import (
     early_checks,
 )
 from tools.chaos.jobs import launcher_killed, second_job
-from tools.chaos.nodes import two_node_case
 from tools.chaos.numeric import absurd_scale, diverging_lr, nan_on_one_rank
 from tools.chaos.signals import sigterm_one_rank, sigterm_whole_job, stopped_rank
-from tools.chaos.slurm_rows import SLURM_CASES
 from tools.chaos.store_nodes import store_two_node_case
+from tools.chaos.two_nodes import two_node_case
+from tools.slurm.rows import SLURM_CASES
+from tools.testbed.harness import Case
 
 CASES = [
     Case("optim.lr=1e30 (diverges)", "rc 1, one line after train.max_bad_steps; no NaN "

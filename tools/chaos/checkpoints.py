@@ -11,7 +11,7 @@ import pickle
 import subprocess
 from pathlib import Path
 
-from tools.chaos.harness import Result, train, wait_for_step, wait_until
+from tools.testbed.harness import Result, train, wait_for_step, wait_until
 
 
 def _two_checkpoints(data: Path, work: Path) -> Result:

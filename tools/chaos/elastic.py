@@ -32,7 +32,7 @@ import time
 from itertools import groupby
 from pathlib import Path
 
-from tools.chaos.harness import (
+from tools.testbed.harness import (
     BASE_ARGS,
     Result,
     job_pids,
@@ -41,7 +41,7 @@ from tools.chaos.harness import (
     wait_for_step,
     wait_until,
 )
-from tools.chaos.nodes import PORT, Nodes, NoNamespaces, start_on_node, two_nodes
+from tools.testbed.nodes import PORT, Nodes, NoNamespaces, start_on_node, two_nodes
 
 STEPS = 60  # long enough that the lone node is still training when node 1 is back
 # 10 steps an epoch (160 images). lr 1e-5: the rounding of another summation order grows with

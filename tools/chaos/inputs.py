@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.chaos.harness import ROOT, SMOKE, train, write_data
+from tools.testbed.harness import ROOT, SMOKE, train, write_data
 
 
 def bad_label(data: Path, work: Path) -> tuple[str, bool]:

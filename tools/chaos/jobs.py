@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from tools.chaos.harness import Result, job_pids, running, train, wait_for_step, wait_until
+from tools.testbed.harness import Result, job_pids, running, train, wait_for_step, wait_until
 
 TIMEOUT_S = 15  # dist.timeout_s of the runs here
 LONG = ["train.max_steps=null", "train.epochs=100", "checkpoint.every=0"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.chaos.harness import STEPS, train
+from tools.testbed.harness import STEPS, train
 
 
 def _finite_checkpoints(run: Path) -> bool:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tools.chaos.harness import (
+from tools.testbed.harness import (
     STEPS,
     signal_job,
     train,

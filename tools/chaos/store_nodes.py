@@ -1,4 +1,4 @@
-"""Two nodes that share no file system: a 2-node job on two network namespaces (tools.chaos.nodes)
+"""Two nodes that share no file system: a 2-node job on two network namespaces (tools.testbed.nodes)
 whose data and run folder are both in an S3 store (moto's server, in node 0's namespace on its
 veth address, the one address both nodes reach), each node with its own ``TMPDIR`` (its local
 disk: the node's copy of the run folder). SIGTERM to every process of both nodes after step 3
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from data_pipeline.store import staging_dir
-from tools.chaos.harness import STEPS, signal_job, train, wait_for_step
-from tools.chaos.nodes import NoNamespaces, start_on_node, train_on_nodes, two_nodes
+from tools.testbed.harness import STEPS, signal_job, train, wait_for_step
+from tools.testbed.nodes import NoNamespaces, start_on_node, train_on_nodes, two_nodes
 
 S3_PORT = 29412
 KEYS = {"AWS_ACCESS_KEY_ID": "chaos-key", "AWS_SECRET_ACCESS_KEY": "chaos-secret",

@@ -25,8 +25,8 @@ STEPS = 30
 
 
 def demo(keep: bool) -> int:
-    from tools.chaos.harness import write_data
     from tools.slurm.cases import CPU, SCRIPT
+    from tools.testbed.harness import write_data
 
     work = Path(tempfile.mkdtemp(prefix="slurm-demo-"))
     data, run = write_data(work / "data"), work / "run"

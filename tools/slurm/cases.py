@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tools.chaos.harness import ROOT, SMOKE, Result, train, wait_until
 from tools.slurm.cluster import GRACE_S, NAMES, Cluster, NoSlurm, cluster
+from tools.testbed.harness import ROOT, SMOKE, Result, train, wait_until
 from trainer.telemetry import wandb_log
 
 SCRIPT = "scripts/slurm/train.sbatch"

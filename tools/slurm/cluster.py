@@ -1,5 +1,5 @@
 """A real two-node SLURM cluster on this machine: munge with a key of its own, slurmctld on the
-host side, one slurmd in each of two network namespaces (``tools.chaos.nodes``, bridged to the
+host side, one slurmd in each of two network namespaces (``tools.testbed.nodes``, bridged to the
 host), each with its own host name (a UTS namespace) and address.
 
 What it declares, and why:
@@ -59,13 +59,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tools.chaos.harness import ROOT
-from tools.chaos.nodes import HOST, Nodes, NoNamespaces, start_on_node, two_nodes
 from tools.slurm import node_cgroups
+from tools.testbed.harness import ROOT
+from tools.testbed.nodes import HOST, Nodes, NoNamespaces, start_on_node, two_nodes
 
-# Cluster k (up to SLOTS on a machine at once, one per process: tools.chaos.nodes names the
+# Cluster k (up to SLOTS on a machine at once, one per process: tools.testbed.nodes names the
 # namespaces by pid) has the subnet 10.213.(8+k) and slurmctld's port CTLD_PORT + k: not
-# tools.chaos.nodes's subnet, since the host holds .254 of it here.
+# tools.testbed.nodes's subnet, since the host holds .254 of it here.
 SLOTS = 3
 NAMES = ("pfc-n0", "pfc-n1")
 CTLD_PORT, SLURMD_PORT = 6917, 6918

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.chaos.harness import ROOT, Result
 from tools.slurm.cases import HOOKS, SCRIPT, ended, same_run, submit, unbroken
 from tools.slurm.cluster import NAMES, SITE_CPUS, Cluster
+from tools.testbed.harness import ROOT, Result
 
 UNREACHABLE = "172.31.255.1"  # node 0's second address: no other node has a route to it
 FIX = ' --cpus-per-task="$CPUS_PER_TASK"'  # the script's srun option under test

@@ -1,11 +1,11 @@
 """``make chaos``'s SLURM rows (``python -m tools.chaos -k SLURM`` runs them alone); each
-row's check is in :mod:`tools.slurm.cases`."""
+row's check is in :mod:`tools.slurm.cases` or :mod:`tools.slurm.site_cases`."""
 
 from __future__ import annotations
 
-from tools.chaos.harness import Case
 from tools.slurm import cases as slurm
 from tools.slurm import site_cases as site
+from tools.testbed.harness import Case
 
 # scripts/slurm/train.sbatch on a real 2-node SLURM cluster (tools/slurm), the site-like one
 # (2 CPUs and 2 fake GPUs a node, task/affinity): each row its own cluster, 1-10 minutes (the
