@@ -6,11 +6,13 @@ others in ``make chaos`` only (1-7 minutes each)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tools.slurm import cases as slurm_cases
 from tools.slurm import cluster as slurm_cluster
 from tools.testbed.nodes import Nodes
 
@@ -126,3 +128,29 @@ def test_slurm_row_holds(name, chaos_data, tmp_path):
     if observed.startswith("skipped: "):
         pytest.skip(observed)
     assert holds, f"{name}: expected {case.expected}; observed {observed}"
+
+
+def test_a_row_whose_cluster_did_not_start_fails_and_one_that_cannot_run_skips(monkeypatch,
+                                                                               tmp_path):
+    """A missing SLURM is a skip; a daemon that did not come up is the row's failure, named
+    (it used to read as a skip that holds, hiding a slurm.conf the project broke)."""
+    from contextlib import contextmanager
+
+    def cluster_raising(error):
+        @contextmanager
+        def cluster(*args, **kwargs):
+            raise error
+            yield
+        return cluster
+
+    def check(*args):
+        raise AssertionError("the check runs only on a started cluster")
+
+    monkeypatch.setattr(slurm_cases, "cluster", cluster_raising(
+        slurm_cluster.ClusterDidNotStart("both nodes idle: not after 60 s (slurmctld.log: x)")))
+    observed, holds = slurm_cases.on_cluster(check)(tmp_path, tmp_path)
+    assert not holds and observed.startswith("the cluster did not start: both nodes idle")
+    shutil.rmtree(observed.rsplit("its logs: ", 1)[1])
+    monkeypatch.setattr(slurm_cases, "cluster", cluster_raising(slurm_cluster.NoSlurm("not root")))
+    observed, holds = slurm_cases.on_cluster(check)(tmp_path, tmp_path)
+    assert holds and observed == "skipped: not root"

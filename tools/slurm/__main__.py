@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from launch.cli import plain_help
-from tools.slurm.cluster import NoSlurm, cluster
+from tools.slurm.cluster import ClusterDidNotStart, NoSlurm, cluster
 
 STEPS = 30
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return demo(args.keep) if args.command == "demo" else up(args.site)
-    except NoSlurm as err:
+    except (NoSlurm, ClusterDidNotStart) as err:
         print(f"python -m tools.slurm: {err}", file=sys.stderr)
         return 2
 

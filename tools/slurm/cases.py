@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tools.slurm.cluster import GRACE_S, NAMES, Cluster, NoSlurm, cluster
+from tools.slurm.cluster import GRACE_S, NAMES, Cluster, ClusterDidNotStart, NoSlurm, cluster
 from tools.testbed.harness import ROOT, SMOKE, Result, train, wait_until
 from trainer.telemetry import wandb_log
 
@@ -148,7 +148,8 @@ def stopped_at(run: Path) -> int | None:
 def on_cluster(check: Callable[[Cluster, Path, Path], tuple[str, bool]], site: bool = True
                ) -> Callable[[Path, Path], tuple[str, bool]]:
     """A row's ``(data, work)`` check run on a fresh cluster (``site``: the site-like one,
-    tools/slurm/cluster.py); a skip where SLURM cannot run.
+    tools/slurm/cluster.py); a skip where SLURM cannot run, a failure where it can but the
+    cluster did not start.
     The cluster's folder is under /tmp, not ``work``: slurmd's socket paths must stay under
     108 bytes. It is removed when the row holds, else named in the observation."""
     def row(data: Path, work: Path) -> tuple[str, bool]:
@@ -160,6 +161,8 @@ def on_cluster(check: Callable[[Cluster, Path, Path], tuple[str, bool]], site: b
         except NoSlurm as err:
             shutil.rmtree(folder, ignore_errors=True)
             return f"skipped: {err}", True
+        except ClusterDidNotStart as err:
+            return f"the cluster did not start: {err}; its logs: {folder}", False
         if holds:
             shutil.rmtree(folder, ignore_errors=True)
             return f"{observed}; {time.monotonic() - started:.0f} s", holds

@@ -80,7 +80,14 @@ HOW = "needs root and Debian's slurm-wlm and munge (as root: apt-get install -y 
 
 
 class NoSlurm(RuntimeError):
-    """SLURM cannot run here; the message says why and how to get it, in one line."""
+    """SLURM cannot run here (not root, not installable, no network namespaces): a row is
+    skipped; the message says why and how to get it, in one line."""
+
+
+class ClusterDidNotStart(RuntimeError):
+    """SLURM is here but a daemon did not come up (munged, slurmctld, a slurmd): the row
+    fails, naming the daemon and its log's last lines. Not a skip: a configuration this
+    project writes that stops the cluster is a failure of the project."""
 
 
 def ensure_installed(install: bool = True) -> None:
@@ -283,7 +290,8 @@ def cluster(work: Path | None = None, keep: bool = False, site: bool = False
     """Start munged, slurmctld and two slurmds, wait until both nodes are idle, yield the
     :class:`Cluster` (``site``: the site-like one, :func:`slurm_conf`); stop them all and
     remove the namespaces (and ``work`` unless ``keep``) afterwards. Raises
-    :class:`NoSlurm` where SLURM or namespaces are not available."""
+    :class:`NoSlurm` where SLURM or namespaces are not available, and
+    :class:`ClusterDidNotStart` where they are but a daemon did not come up."""
     ensure_installed()
     slot, hold = _slot()
     subnet = f"10.213.{8 + slot}"
@@ -379,11 +387,11 @@ def _stop(proc: subprocess.Popen, limit: float = 15) -> None:
 
 def _wait_for(done, limit: float, what: str, log: Path,
               daemons: tuple[subprocess.Popen, ...] = ()) -> None:
-    """Poll ``done()`` until it holds; :class:`NoSlurm` with ``log``'s last lines after
-    ``limit`` s or once one of ``daemons`` has ended."""
+    """Poll ``done()`` until it holds; :class:`ClusterDidNotStart` with ``log``'s last lines
+    after ``limit`` s or once one of ``daemons`` has ended."""
     deadline = time.monotonic() + limit
     while not done():
         if time.monotonic() > deadline or any(d.poll() is not None for d in daemons):
             tail = log.read_text().splitlines()[-5:] if log.is_file() else []
-            raise NoSlurm(f"{what}: not after {limit:.0f} s ({log}: {' | '.join(tail)})")
+            raise ClusterDidNotStart(f"{what}: not after {limit:.0f} s ({log}: {' | '.join(tail)})")
         time.sleep(0.5)
