@@ -104,7 +104,7 @@ def test_each_nodes_task_asks_srun_for_the_jobs_cpus_there(per_node, cpus):
 
 
 def test_every_slurm_row_runs_in_make_test_long_or_make_chaos():
-    from tools.chaos.cases import SLURM_CASES
+    from tools.slurm.rows import SLURM_CASES
 
     assert sorted(c.name for c in SLURM_CASES) == sorted([*LONG_ROWS, *CHAOS_ONLY])
 
@@ -154,3 +154,64 @@ def test_a_row_whose_cluster_did_not_start_fails_and_one_that_cannot_run_skips(m
     monkeypatch.setattr(slurm_cases, "cluster", cluster_raising(slurm_cluster.NoSlurm("not root")))
     observed, holds = slurm_cases.on_cluster(check)(tmp_path, tmp_path)
     assert holds and observed == "skipped: not root"
+
+
+def _script_end(tmp_path: Path, job: str, output: str | None, notice: bool, seen: int = 0,
+                run: int = 0) -> tuple[str, int]:
+    """The script's ``requeue`` and its last block (from the preemption check to ``exit``),
+    run by bash with a ``scontrol`` that prints ``job`` and records a requeue, the job's
+    output file holding ``output`` (``None``: unreadable), ``seen`` bytes of it older than
+    this run; what it printed, its exit status (the trainers exited 7)."""
+    text = SCRIPT.read_text()
+    start, end = text.index("requeue() {"), text.index("\n}\n", text.index("requeue() {")) + 3
+    last = text[text.index("if scontrol show job"):]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/bash\nif [ "$1" = requeue ]; then echo "scontrol requeue $2"\n'
+                        f'else echo "{job}"; fi\n')
+    scontrol.chmod(0o755)
+    out = tmp_path / "job.out"
+    if output is not None:
+        out.write_text(output)
+    head = (f"set -uo pipefail\nRUN={run}\nSTATUS=7\nSEEN={seen}\nOUTPUT={out}\n"
+            f"NOTICE={'now' if notice else ''}\nSLURM_JOB_ID=42\n")
+    done = subprocess.run(["bash", "-c", head + text[start:end] + last], capture_output=True,
+                          text=True, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    return done.stdout + done.stderr, done.returncode
+
+
+STOPPED = "rank 0: stopped by SIGUSR1 after step 12, saved\n"
+
+
+@pytest.mark.parametrize(("case", "job", "output", "notice", "seen", "requeued"), [
+    ("stopped at the notice", "JobState=RUNNING", "log\n" + STOPPED, True, 0, "time limit"),
+    ("reached its last step first", "JobState=RUNNING", "log\ndone\n", True, 0, None),
+    ("only an earlier run's line", "JobState=RUNNING", STOPPED + "log\n", True,
+     len(STOPPED), None),
+    ("an output the script cannot read", "JobState=RUNNING", None, True, 0, "time limit"),
+    ("no notice", "JobState=RUNNING", STOPPED, False, 0, None),
+    ("preempted, whatever the exit", "PreemptTime=2026-12-07T13:00:00", "", False, 0,
+     "preempted"),
+    ("a long output after the line (grep -q would SIGPIPE tail)", "JobState=RUNNING",
+     STOPPED + ("y" * 79 + "\n") * 40_000, True, 0, "time limit"),
+])
+def test_the_script_requeues_at_the_end_only_for_a_stop_it_can_see(tmp_path, case, job, output,
+                                                                    notice, seen, requeued):
+    """The end of scripts/slurm/train.sbatch: a time-limit notice requeues the job only when
+    rank 0 printed "stopped by SIGUSR1" in this run's part of the output (a run that reached
+    its last step is done); a preempted job is requeued whatever the trainers exited with; the
+    trainers' exit status is the script's."""
+    said, status = _script_end(tmp_path, job, output, notice, seen)
+    assert status == 7, said
+    if requeued is None:
+        assert "requeue" not in said, said
+    else:
+        assert said.splitlines() == [f"{requeued}: requeueing job 42 (run 1 next)",
+                                     "scontrol requeue 42"], said
+
+
+def test_the_script_stops_requeueing_at_max_requeues(tmp_path):
+    said, status = _script_end(tmp_path, "PreemptTime=2026-12-07T13:00:00", "", False, run=20)
+    assert status == 7 and "scontrol requeue" not in said
+    assert said.startswith("preempted: not requeued, job 42 has run 21 times (MAX_REQUEUES=20)")
