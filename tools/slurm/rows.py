@@ -30,7 +30,8 @@ SLURM_CASES = [Case(f"SLURM: {name}", expected, slurm.on_cluster(check))
     ("a bad config key, a data folder without a manifest", "one line each, FAILED 2:0 within "
      "seconds, no rank started", slurm.input_errors),
     ("--cpus-per-task=2, exact steps: every rank's CPUs", "each rank bound to its task's 2 "
-     "CPUs, one GPU visible, trains on CPU; without the script's srun CPUs: 1 CPU",
+     "CPUs, one GPU visible and the other's device denied (cgroups), trains on CPU; without "
+     "the script's srun CPUs: 1 CPU",
      site.cpu_binding),
     ("node 0 with an unreachable address listed first by hostname -I", "MASTER_ADDR is node "
      "0's address on its route to node 1; COMPLETED, losses equal", site.master_address),

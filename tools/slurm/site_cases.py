@@ -20,7 +20,10 @@ def cpu_binding(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
     every rank may run on both CPUs of its node's task and sees one GPU
     (``CUDA_VISIBLE_DEVICES=0``) but trains on the CPU. The same script without the CPUs on
     its srun line binds every rank to one CPU: srun 22.05 does not inherit sbatch's
-    ``--cpus-per-task`` (srun(1)). Plain steps (no ``--exact``) got both CPUs either way."""
+    ``--cpus-per-task`` (srun(1)). Plain steps (no ``--exact``) got both CPUs either way.
+    Where the cluster confines jobs with cgroups (``ConstrainDevices=yes``), a rank opening
+    its node's two fake GPU device files gets through to one (ENXIO: no driver serves it)
+    and is denied the other (EPERM), as a GPU site's job sees only its gres."""
     text = (ROOT / SCRIPT).read_text()
     unfixed = work / "unfixed.sbatch"
     unfixed.write_text(text.replace(FIX, ""))
@@ -29,18 +32,21 @@ def cpu_binding(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
         folder, run = work / f"affinity-{name}", work / name / "run"
         folder.mkdir(parents=True)
         job = submit(c, data, run, "--nodes=2", steps=2, script=script, PYTHONPATH=str(HOOKS),
-                     PFC_AFFINITY_DIR=str(folder), SLURM_EXACT="1")
+                     PFC_AFFINITY_DIR=str(folder), PFC_GPU_DIR=str(c.work), SLURM_EXACT="1")
         state = ended(c, job, 240)
-        ranks = {p.name: p.read_text().split("\n")[:2] for p in sorted(folder.iterdir())}
+        ranks = {p.name: p.read_text().split("\n")[:3] for p in sorted(folder.iterdir())}
         log = (run / "train.log").read_text() if (run / "train.log").is_file() else ""
         found[name] = (state, ranks, "2 rank(s) on cpu" in log)
     (state, ranks, on_cpu), (_, loose, _) = found["fixed"], found["unfixed"]
     cpus = lambda seen: [len(v[0].split()) for v in seen.values()]  # noqa: E731
-    return (f"fixed {state}, ranks on cpu {on_cpu}, (CPUs, CUDA_VISIBLE_DEVICES) a rank "
-            f"{ranks}; without the fix {loose}"), \
+    opened = [sorted(d.split(":")[1] for d in v[2].split()) for v in ranks.values()]
+    confined = not c.cgroups or opened == [["ENXIO", "EPERM"]] * 2
+    return (f"fixed {state}, ranks on cpu {on_cpu}, (CPUs, CUDA_VISIBLE_DEVICES, the GPU "
+            f"files opened) a rank {ranks}; devices cgroup {c.cgroups}; without the fix "
+            f"{loose}"), \
         FIX in text and state == "COMPLETED" and on_cpu and len(ranks) == 2 \
         and cpus(ranks) == [SITE_CPUS] * 2 and all(v[1] == "0" for v in ranks.values()) \
-        and len(loose) == 2 and cpus(loose) == [1, 1]
+        and confined and len(loose) == 2 and cpus(loose) == [1, 1]
 
 
 def master_address(c: Cluster, data: Path, work: Path) -> tuple[str, bool]:
