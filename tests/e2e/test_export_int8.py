@@ -78,7 +78,10 @@ def test_int8_is_written_with_its_cost_or_refused(tmp_path, capsys, orl):
     assert not int8.exists() and out.exists()
 
 
+# make test-long: the int8 export and its cost on a .bin are make test's (above), the IJB
+# evaluator's figures tests/eval's; this walks the two together (26 CPU-s).
 @pytest.mark.slow
+@pytest.mark.long
 def test_int8_cost_on_an_ijb_folder_is_the_evaluators_ijb_figures(tmp_path, capsys, orl):
     shards, _ = orl
     ijb = _orl_as_ijb(tmp_path / "IJBC")

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 15  # dist.timeout_s of the run
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+# The ranks' watch of their launcher is the engines' alike, and DeepSpeed's save and resume
+# are make test's in tests/trainer/test_checkpoint.py: the deepspeed row is make test-long's.
+@pytest.mark.parametrize("engine", ["ddp", pytest.param("deepspeed", marks=pytest.mark.long)])
 def test_ranks_save_and_end_when_the_launcher_is_killed(tmp_path, engine):
     data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
     cmd = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node", "2",

@@ -51,7 +51,10 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+# make test-long: the loader's reads through cut connections, 503 bursts and stalls are make
+# test's (tests/data_pipeline/test_remote_data.py); this trains two ranks through them (27 s).
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_ranks_train_through_a_link_that_cuts_every_connection(shards, s3_store, tmp_path,
                                                                     monkeypatch):
     assert min(p.stat().st_size for p in shards.glob("*.tar")) > 4 * CUT_AFTER

@@ -46,7 +46,11 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# make test-long: the loader's own tests (tests/data_pipeline/test_remote_data.py) resume two
+# ranks mid-shard from S3 and fetch from a resume's byte offset over HTTP, and the GCS run
+# below trains from a store; this one walks both through launch.train (50 CPU-s).
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_ranks_from_s3_and_one_from_http_resume_mid_shard_as_an_unbroken_local_run(
         tmp_path, capsys):
     from launch.train import main

@@ -185,7 +185,10 @@ def test_gcs_run_folder_cut_resumed_and_read_back_the_emulator_refused_a_lease(
         server.close()
 
 
+# make test-long: the S3 row above walks the same run-folder path through fsspec (the
+# store's own reads and writes are tests/data_pipeline's); Azurite's start alone is ~10 s.
 @pytest.mark.slow
+@pytest.mark.long
 def test_azure_run_folder_cut_resumed_on_another_rank_count_and_read_back(
         synthetic_data, unbroken, tmp_path, capfd, monkeypatch):
     try:

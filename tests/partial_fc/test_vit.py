@@ -187,6 +187,7 @@ def test_no_weight_decay_names_exist():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # torch.compile's step is make test's in test_engine.py (25 CPU-s here)
 def test_checkpointing_under_torch_compile():
     """``engine.compile``: the compiler recomputes checkpointed regions in its own backward
     graph, where BatchNorm's running statistics update once (iresnet_tiny: bit-identical
