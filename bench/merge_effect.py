@@ -152,7 +152,10 @@ def _reviewed(work: Path, setting: str, fpir: float, seed: int) -> Path:
 def _jobs(setting: str, sets, seeds, work: Path, common: list[str], threads: int,
           fpir: float):
     """Every training of a setting but (d), whose list waits for the finder (f)."""
+    from data_pipeline.manifest import read_manifest
+
     recipe = list(SYNTHETIC_RECIPE) if setting == "synthetic" else []
+    samples = {folder: read_manifest(folder).num_samples for folder in (sets.a, sets.b)}
     truth = work / f"{setting}_truth.txt"
     write_true_list(truth, sets)
     data = {"side": [f"data.dirs=[{sets.a},{sets.b}]"], "one": [f"data.dir={sets.a}"],
@@ -166,7 +169,8 @@ def _jobs(setting: str, sets, seeds, work: Path, common: list[str], threads: int
                 "setting": setting, "way": way, "seed": seed, "threads": threads,
                 "run": str(work / "runs" / f"{setting}-{index}{way[1]}-seed{seed}"),
                 "test": str(work / f"{setting}_test.npz"),
-                "args": [*data[kind], *recipe, *extra, *common]}
+                "args": [*data[kind], *recipe, *extra, *common],
+                "images": samples[sets.a] + (0 if kind == "one" else samples[sets.b])}
     return jobs
 
 
@@ -190,7 +194,9 @@ def run_all(args, work: Path) -> tuple[list[dict], list[dict]]:
                       fpir[setting])
     waiting = {key: job for key, job in jobs.items() if key[1].startswith("(d)")}
     queue = [job for key, job in jobs.items() if key not in waiting]
-    queue.sort(key=lambda job: not job["way"].startswith("(f)"))  # the finders first
+    # the finders first, then the longest trainings first (an epoch's images): short ones
+    # fill the last minutes, where the longest last would leave --jobs - 1 cores idle
+    queue.sort(key=lambda job: (not job["way"].startswith("(f)"), -job["images"]))
     rows, finders, log = [], [], work / "rows.jsonl"
     # rows a cut run left in WORK, reused where the same training would run again
     earlier = {_key(row): row for row in map(json.loads, log.read_text().splitlines())
