@@ -112,7 +112,7 @@ kernels-aot: setup
 
 # Fault injection end to end on CPU (tools/testbed/harness.py): one table, every row must hold
 # (~2-3 min, and ~3 min more for the elastic row: two nodes on network namespaces, as root;
-# ~25 min more for the SLURM rows, scripts/slurm/train.sbatch on a real 2-node cluster:
+# ~16 min more for the SLURM rows, scripts/slurm/train.sbatch on a real 2-node cluster:
 # `python -m tools.chaos -k SLURM` runs those alone).
 chaos: setup
 	OMP_NUM_THREADS=1 $(PY) -m tools.chaos
