@@ -70,11 +70,11 @@ from partial_fc import distributed as dist_ops
 from partial_fc.margins.registry import MARGIN_TYPES
 from partial_fc.sampling import sample_classes, sample_size
 from partial_fc.tiles import KERNELS
+from trainer.host_heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt, keep_freed_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ holds scripts, no package
 import head_peers  # noqa: E402
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TESTS = Path(__file__).resolve().parent.parent / "tests"  # host_reads.py: the tests' counter
 
@@ -116,15 +116,15 @@ class _Memory:
     def __init__(self, device: torch.device):
         self.device = device
         if device.type == "cpu":
-            self.libc = ctypes.CDLL("libc.so.6")
-            self.libc.mallopt(M_MMAP_THRESHOLD, 64 << 10)
-            self.libc.mallopt(M_TRIM_THRESHOLD, 0)
+            self.libc = ctypes.CDLL("libc.so.6")  # malloc_trim below
+            mallopt = glibc_mallopt()
+            mallopt(M_MMAP_THRESHOLD, 64 << 10)
+            mallopt(M_TRIM_THRESHOLD, 0)
 
     def caching_heap(self) -> None:
         """After the memory steps: keep freed blocks for reuse (what the timed steps get)."""
         if self.device.type == "cpu":
-            self.libc.mallopt(M_MMAP_MAX, 0)
-            self.libc.mallopt(M_TRIM_THRESHOLD, 1 << 62)
+            keep_freed_blocks()
 
     def start(self) -> None:
         gc.collect()

@@ -115,7 +115,7 @@ def train_and_score(job: dict) -> dict:
     args = ["--config", str(CONFIG), f"output={run}", f"seed={job['seed']}",
             "log.progress=false", "log.wandb=disabled", "checkpoint.resume=none", *job["args"]]
     start = time.perf_counter()
-    if train.main(args) != 0:
+    if train.main(args, keep_host_heap=True) != 0:  # as `python -m launch.train` runs
         raise RuntimeError(f"{job['way']}: launch.train failed ({' '.join(args)})")
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

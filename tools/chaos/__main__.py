@@ -54,7 +54,7 @@ def _inject(argv: list[str]) -> int:
         harness.FAULTS[fault]()
     from launch.train import main as train_main
 
-    return train_main(argv[split + 1 :])
+    return train_main(argv[split + 1 :], keep_host_heap=True)  # as the program runs
 
 
 if __name__ == "__main__":
