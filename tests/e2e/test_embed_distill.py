@@ -73,6 +73,8 @@ def _train(data: Path, run: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two 2-rank launches, ~35 CPU-s; make test keeps the join's reader
+# (tests/trainer/test_teacher_embeddings.py) and launch.embed's shards (the test above)
 def test_offline_embeddings_train_two_ranks_as_the_online_teacher(tmp_path, teacher_and_data):
     """The relational loss, whose pairs cross the ranks (cosine also passed, 2026-11-27;
     one loss keeps make test's time: the join, not the loss, is what differs)."""

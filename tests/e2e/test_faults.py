@@ -691,9 +691,11 @@ END_TO_END = ["SIGTERM to rank 1 only (2 ranks)",
               "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"]
 # make test-long: SIGTERM to rank 1, three launches (the unbroken run, the signalled one, its
 # resume), ~45 CPU-s; make test keeps a signal to one rank held in step 5 (test_preemption.py,
-# rank 0). The stop in DeepSpeed's backward, ~20 CPU-s; make test keeps kill -STOP (DDP) and
-# DeepSpeed's own group timing out (tests/trainer/test_dist.py).
+# rank 0). The stopped ranks, kill -STOP on DDP (~25 CPU-s) and the stop in DeepSpeed's
+# backward (~20 CPU-s); make test keeps a collective timing out on gloo's group
+# (tests/trainer/test_errors.py, its failure kinds) and on DeepSpeed's (tests/trainer/test_dist.py).
 LONG_ROWS = {"SIGTERM to rank 1 only (2 ranks)",
+             "kill -STOP rank 1 (2 ranks, 10 s collective timeout)",
              "rank 1 stops in step 3's backward, deepspeed (2 ranks, 10 s timeout)"}
 # Rows only `make chaos` runs: the fault of an END_TO_END row on the other engine or at
 # another moment (each ~30 s; tests/trainer/test_dist.py holds the timeout of every group).

@@ -48,9 +48,13 @@ def _finish(proc: subprocess.Popen) -> str:
         return proc.communicate()[0] + "\n(test: killed after 240 s)"
 
 
+# make test-long (two 2-rank launches each, ~40 CPU-s): make test keeps a signal to a rank
+# held in a step, agreed, saved and exit 0 under the launcher (the two tests below) and a run
+# resumed at its saved step (tests/e2e/test_config_round_trip.py).
+@pytest.mark.long
 @pytest.mark.parametrize("engine, sig, command", [
     ("ddp", signal.SIGTERM, _launcher),
-    pytest.param("deepspeed", signal.SIGUSR1, _make_train, marks=pytest.mark.long),
+    ("deepspeed", signal.SIGUSR1, _make_train),
 ], ids=["ddp-SIGTERM-launcher", "deepspeed-SIGUSR1-make"])
 def test_job_wide_signal_saves_exits_0_and_resumes(tmp_path, engine, sig, command):
     data, run = chaos.write_data(tmp_path / "data"), tmp_path / "run"
