@@ -93,6 +93,9 @@ time.sleep(120)
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a 2-rank launch, ~17 CPU-s; make test keeps rank 0's refusal of a held
+# folder before any step (tests/trainer/test_run_lock.py) and make train's check of it
+# (tests/e2e/test_busy_folder.py)
 def test_a_job_refused_for_a_held_folder_writes_nothing_into_it(tiny, tmp_path):
     """The run folder is held by another job (on "node-a"), launched past the check ``make
     train`` runs first (``test_busy_folder.py``): rank 0 refuses in one line, the launch adds
