@@ -57,8 +57,8 @@ test: setup
 	$(PY) -m pytest -n 2 --dist worksteal -q -m "not plan_full and not long"
 
 # The long tests, mostly end-to-end runs (15-60 CPU-s each; the marker says which): each walks
-# a path a cheaper `make test` test walks too, with more launches or a bigger model. 31 tests;
-# 26 of them took 9 minutes alone on the 2-core machine (2026-12-07); CI runs them after `make test`.
+# a path a cheaper `make test` test walks too, with more launches or a bigger model. 31 tests,
+# 10 minutes alone on the 2-core machine (2026-12-07); CI runs them after `make test`.
 test-long: setup
 	$(PY) -m pytest -n 2 --dist worksteal -q -m long
 
