@@ -48,10 +48,10 @@ def glibc_mallopt():
     return mallopt
 
 
-def keep_freed_blocks() -> bool:
+def keep_freed_blocks() -> None:
     """Turn glibc's per-block mappings and heap trimming off for this process and the
-    processes it forks from now on (a loader's workers). True where it took effect."""
+    processes it forks from now on (a loader's workers); nothing where there is no glibc."""
     mallopt = glibc_mallopt()
-    if mallopt is None:
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, INT_MAX))
+    if mallopt is not None:
+        mallopt(M_MMAP_MAX, 0)
+        mallopt(M_TRIM_THRESHOLD, INT_MAX)
